@@ -1,0 +1,27 @@
+"""shardwise: one TrainModule, one Trainer argument from one device to DDP, FSDP2 and DeepSpeed ZeRO."""
+from shardwise.distributed.launch import launch
+from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
+from shardwise.module import TrainModule
+from shardwise.precision import PRECISIONS
+from shardwise.seed import seed_everything
+from shardwise.strategies import (STRATEGY_NAMES, DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy,
+                                  build_strategy, wrap)
+from shardwise.trainer import Trainer
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # DeepSpeed is an optional extra: import it only when asked for.
+    if name == "DeepSpeedStrategy":
+        from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+
+
+__all__ = [
+    "Trainer", "TrainModule", "seed_everything", "launch", "wrap",
+    "Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
+    "STRATEGY_NAMES", "PRECISIONS", "max_memory_allocated", "reset_peak_memory_stats", "track_memory",
+]

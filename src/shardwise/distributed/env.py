@@ -1,0 +1,170 @@
+"""Where this process stands: rank, world size, node, device and backend.
+
+Three ways a process can be started, and this file reads each one:
+torchrun (RANK / WORLD_SIZE / LOCAL_RANK / ... in the environment), SLURM's
+`srun` (SLURM_PROCID / SLURM_NTASKS / ...), or a plain `python train.py`,
+which is either a single process or, when the Trainer asks for more devices,
+the supervisor that starts the workers itself (see launch.py). Validation of
+the user's `accelerator` / `devices` / `num_nodes` happens here too, so a
+request for eight GPUs on a laptop fails before anything is started.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    world_size: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    num_nodes: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "single" | "shardwise" | "torchrun" | "slurm"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"Unknown accelerator {accelerator!r}. Valid: {', '.join(ACCELERATORS)}.")
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "accelerator='cuda' was requested but no CUDA device is visible "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}). "
+            "Use accelerator='cpu' (FSDP and DDP run on CPU with gloo) or install a CUDA build of torch."
+        )
+    return accelerator
+
+
+def available_devices(accelerator: str) -> int:
+    if accelerator == "cuda":
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+# CPU "devices" are processes. Oversubscribing cores is legitimate for
+# testing multi-rank layouts (a 2x2 mesh on a 2-core laptop), up to a point.
+_CPU_OVERSUBSCRIPTION = 4
+
+
+def resolve_devices(devices: Union[int, str], accelerator: str) -> int:
+    """Number of processes per node, checked against what exists."""
+    if isinstance(devices, str):
+        if devices == "auto":
+            return torch.cuda.device_count() if accelerator == "cuda" else 1
+        if not devices.strip().isdigit():
+            raise ValueError(f"devices={devices!r}: use a positive integer or 'auto'.")
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices={devices!r}: use a positive integer or 'auto'.")
+    have = available_devices(accelerator)
+    limit = have if accelerator == "cuda" else have * _CPU_OVERSUBSCRIPTION
+    if devices > limit:
+        what = f"{have} CUDA device(s)" if accelerator == "cuda" else (
+            f"{have} CPU core(s) (at most {limit} CPU processes, {_CPU_OVERSUBSCRIPTION} per core)")
+        raise ValueError(
+            f"devices={devices} but this machine has {what}. Lower devices, or run across "
+            "nodes with num_nodes and `shardwise launch` / torchrun / srun."
+        )
+    return devices
+
+
+def _int_env(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'gpu[003-004,010],cpu1' -> 'gpu003'."""
+    match = re.match(r"^([^\[,]+)(\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_env() -> Optional[DistEnv]:
+    """Read torchrun's or SLURM's environment; None for a plain process."""
+    if _int_env("WORLD_SIZE") is not None and _int_env("RANK") is not None:
+        world = _int_env("WORLD_SIZE")
+        local_world = _int_env("LOCAL_WORLD_SIZE") or world
+        return DistEnv(
+            world_size=world,
+            global_rank=_int_env("RANK"),
+            local_rank=_int_env("LOCAL_RANK") or 0,
+            node_rank=_int_env("GROUP_RANK") or _int_env("NODE_RANK") or 0,
+            num_nodes=max(1, world // local_world),
+            local_world_size=local_world,
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int_env("MASTER_PORT") or 29500,
+            launcher="shardwise" if os.environ.get("SHARDWISE_LAUNCHED") else "torchrun",
+        )
+    # SLURM: only when srun started several tasks (a batch script's own shell
+    # also has SLURM_* variables, with SLURM_NTASKS possibly unset).
+    ntasks = _int_env("SLURM_NTASKS")
+    if ntasks and ntasks > 1 and _int_env("SLURM_PROCID") is not None and "SLURM_STEP_ID" in os.environ:
+        num_nodes = _int_env("SLURM_NNODES") or 1
+        return DistEnv(
+            world_size=ntasks,
+            global_rank=_int_env("SLURM_PROCID"),
+            local_rank=_int_env("SLURM_LOCALID") or 0,
+            node_rank=_int_env("SLURM_NODEID") or 0,
+            num_nodes=num_nodes,
+            local_world_size=max(1, ntasks // num_nodes),
+            master_addr=os.environ.get("MASTER_ADDR") or _first_slurm_host(os.environ.get("SLURM_NODELIST", "127.0.0.1")),
+            master_port=_int_env("MASTER_PORT") or (12910 + (_int_env("SLURM_JOB_ID") or 0) % 1000),
+            launcher="slurm",
+        )
+    return None
+
+
+def single_process_env() -> DistEnv:
+    return DistEnv(1, 0, 0, 0, 1, 1, "127.0.0.1", 0, "single")
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def backend_for(device_type: str) -> str:
+    # gloo everywhere but CUDA: the same code path, tested on CPU.
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def device_for(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Give each local process its share of cores, so N ranks don't fight over them."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // max(1, local_world_size)))

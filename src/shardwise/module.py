@@ -1,0 +1,132 @@
+"""TrainModule: the one class a user writes.
+
+The hooks are the ones Lightning users know (configure_model,
+configure_optimizers, training_step, validation_step, on_* hooks, self.log).
+The module holds no trainer internals: `self.trainer` is a reference set
+while a Trainer runs it, and `self.log` only appends to a buffer that the
+Trainer drains after each step (reducing across ranks when asked).
+
+Optional hook `init_weights(self)`: when defined, it replaces the default
+initialisation after the model is materialised from the meta device (see
+strategies/materialize.py). Define it when your layers need an init scheme
+their own `reset_parameters` does not express.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LoggedValue:
+    name: str
+    value: torch.Tensor
+    prog_bar: bool
+    on_step: bool
+    on_epoch: bool
+    sync_dist: bool
+    reduce_fx: str
+    batch_size: Optional[int]
+
+
+class TrainModule(nn.Module):
+    """Base class for training code: subclass it and implement training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "_trainer", None)
+        object.__setattr__(self, "_log_buffer", [])
+        object.__setattr__(self, "_current_hook", "training_step")
+        object.__setattr__(self, "hparams", {})
+
+    # ----------------------------------------------------------- user hooks
+    def configure_model(self) -> None:
+        """Build large layers here: it runs on the meta device under FSDP / ZeRO-3. Keep it idempotent."""
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer; or (optimizers, schedulers); or a dict with "optimizer" and "lr_scheduler"."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch[, batch_idx])")
+
+    # validation_step is looked up with getattr: defining it enables validation.
+
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
+
+    # ------------------------------------------------------------ accessors
+    @property
+    def trainer(self) -> Any:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet (call trainer.fit(module, ...)).")
+        return self._trainer
+
+    def _attach(self, trainer: Any) -> None:
+        object.__setattr__(self, "_trainer", trainer)
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch
+
+    @property
+    def device(self) -> torch.device:
+        for tensor in self.parameters():
+            return tensor.device
+        return torch.device("cpu")
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.trainer.print(*args, **kwargs)
+
+    def save_hyperparameters(self, **values: Any) -> None:
+        """Record hyperparameters (the caller's __init__ arguments when none are given)."""
+        if not values:
+            frame = inspect.currentframe().f_back  # type: ignore[union-attr]
+            args = inspect.getargvalues(frame)  # type: ignore[arg-type]
+            values = {name: args.locals[name] for name in args.args if name != "self"}
+            if args.keywords:
+                values.update(args.locals[args.keywords])
+        self.hparams.update(values)
+
+    # -------------------------------------------------------------- logging
+    def log(self, name: str, value: Any, prog_bar: bool = False, on_step: Optional[bool] = None,
+            on_epoch: Optional[bool] = None, sync_dist: bool = False, reduce_fx: str = "mean",
+            batch_size: Optional[int] = None, logger: bool = True) -> None:
+        """Record a metric. Defaults as in Lightning: per step in training, per epoch in validation."""
+        in_training = self._current_hook.startswith("train") or self._current_hook.startswith("on_train")
+        on_step = in_training if on_step is None else on_step
+        on_epoch = (not in_training) if on_epoch is None else on_epoch
+        if reduce_fx not in ("mean", "sum", "max", "min"):
+            raise ValueError(f"log({name!r}): reduce_fx must be mean, sum, max or min, got {reduce_fx!r}")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"log({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
+            value = value.detach().float().reshape(())
+        else:
+            value = torch.tensor(float(value))
+        self._log_buffer.append(LoggedValue(name, value, prog_bar, on_step, on_epoch, sync_dist, reduce_fx, batch_size))
+
+    def log_dict(self, metrics: Dict[str, Any], **kwargs: Any) -> None:
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    def _drain_logs(self) -> List[LoggedValue]:
+        logs = list(self._log_buffer)
+        self._log_buffer.clear()
+        return logs

@@ -1,0 +1,60 @@
+"""The one place a strategy name becomes a strategy object.
+
+`Trainer(strategy="fsdp")` and `Trainer(strategy=FSDPStrategy(...))` both end
+here; an unknown name fails with the list of valid ones before any process
+is started. DeepSpeed is imported only when asked for (it is an extra).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Union
+
+from shardwise.strategies.base import Strategy, wrap
+from shardwise.strategies.ddp import DDPStrategy
+from shardwise.strategies.fsdp import FSDPStrategy
+from shardwise.strategies.single import SingleDeviceStrategy
+
+
+def _deepspeed(name: str) -> Callable[[], Strategy]:
+    def build() -> Strategy:
+        from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy.from_name(name)
+
+    return build
+
+
+_REGISTRY: Dict[str, Callable[[], Strategy]] = {
+    "single": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "fsdp_shard_grad_op": lambda: FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"),
+    "fsdp_no_shard": lambda: FSDPStrategy(sharding_strategy="NO_SHARD"),
+    "fsdp_hybrid_shard": lambda: FSDPStrategy(sharding_strategy="HYBRID_SHARD"),
+    "fsdp_cpu_offload": lambda: FSDPStrategy(cpu_offload=True),
+    **{name: _deepspeed(name) for name in (
+        "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+        "deepspeed_stage_3", "deepspeed_stage_3_offload")},
+}
+_ALIASES = {"single_device": "single", "dp": "ddp", "fsdp2": "fsdp", "fsdp_full_shard": "fsdp"}
+
+STRATEGY_NAMES = ("auto", *_REGISTRY)
+
+
+def build_strategy(strategy: Union[str, Strategy], world_size: int = 1) -> Strategy:
+    """Turn a name (or an instance, returned as is) into a strategy."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
+    key = strategy.lower().strip()
+    key = _ALIASES.get(key, key)
+    if key == "auto":
+        return SingleDeviceStrategy() if world_size <= 1 else DDPStrategy()
+    if key not in _REGISTRY:
+        raise ValueError(f"Unknown strategy {strategy!r}. Valid names: {', '.join(STRATEGY_NAMES)}; "
+                         "or pass a strategy object such as FSDPStrategy(...).")
+    return _REGISTRY[key]()
+
+
+__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "build_strategy",
+           "STRATEGY_NAMES", "wrap"]

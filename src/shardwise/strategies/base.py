@@ -1,0 +1,284 @@
+"""The small contract every strategy fulfils -- also the low-level API.
+
+A strategy owns everything that differs between one device, DDP, FSDP and
+DeepSpeed: process-group setup, where `configure_model` builds (meta device
+or not), how the model is wrapped, precision, backward, gradient sync during
+accumulation, clipping, the optimizer step and its checkpoint format. The
+Trainer only calls these methods, so a user who prefers a hand-written loop
+can call them too (see README, "Without the Trainer"):
+
+    strategy = FSDPStrategy(auto_wrap_policy={Block})
+    strategy.setup_environment()
+    with strategy.module_init_context():
+        model = GPT(config)
+    model = strategy.setup_module(model)
+    optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters()))
+    for batch in strategy.setup_dataloader(loader):
+        with strategy.autocast():
+            loss = model(batch)
+        strategy.backward(loss)
+        strategy.clip_gradients(model, optimizer, max_norm=1.0)
+        strategy.optimizer_step(optimizer)
+        optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import random
+from contextvars import ContextVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.distributed import ops
+from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
+                                       set_cpu_threads, single_process_env)
+from shardwise.precision import Precision, build_precision
+from shardwise.strategies.materialize import has_meta_tensors, materialize_module
+
+# Set while configure_model runs, so `shardwise.wrap(m)` reaches the strategy.
+_ACTIVE_WRAP: ContextVar[Optional[Callable[[nn.Module], nn.Module]]] = ContextVar("shardwise_wrap", default=None)
+
+SEED_ENV = "SHARDWISE_SEED"
+
+
+def wrap(module: nn.Module) -> nn.Module:
+    """Shard `module` as its own FSDP unit when called inside `configure_model` under FSDP.
+
+    A no-op under every other strategy, so a model that wraps by hand runs
+    unchanged on one device or with DDP.
+    """
+    fn = _ACTIVE_WRAP.get()
+    return fn(module) if fn is not None else module
+
+
+def global_seed() -> int:
+    """The seed every rank agrees on (seed_everything's, else rank 0's random draw)."""
+    if SEED_ENV in os.environ:
+        return int(os.environ[SEED_ENV])
+    seed = ops.broadcast_object(random.randint(0, 2**31 - 1))
+    os.environ[SEED_ENV] = str(seed)
+    return seed
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Strategy:
+    """Base class: one device, no communication. Subclasses override what differs."""
+
+    name = "single"
+    #: build configure_model on the meta device and materialise after wrapping
+    init_on_meta = True
+
+    def __init__(self, precision: Union[str, Precision, None] = None, timeout_s: float = 1800.0) -> None:
+        self._precision_arg = precision
+        self.precision: Optional[Precision] = None
+        self.timeout_s = timeout_s
+        self.accelerator = "cpu"
+        self.env: DistEnv = single_process_env()
+        self.root_device = torch.device("cpu")
+        self.module: Optional[nn.Module] = None
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.lr_schedulers: List[Dict[str, Any]] = []
+        self.grad_scaler: Optional[torch.amp.GradScaler] = None
+        self._owns_process_group = False
+
+    # ------------------------------------------------------------------ set-up
+    def connect(self, accelerator: str = "auto", precision: Union[str, Precision, None] = None,
+                num_nodes: int = 1, devices: int = 1) -> None:
+        """Receive the Trainer's settings (accelerator, precision, layout) before setup."""
+        self.accelerator = resolve_accelerator(accelerator)
+        if precision is not None and self._precision_arg is not None:
+            mine = build_precision(self._precision_arg, self.accelerator).name
+            theirs = build_precision(precision, self.accelerator).name
+            if mine != theirs:
+                raise ValueError(f"The strategy was given precision={mine!r} but the Trainer "
+                                 f"precision={theirs!r}; set it in one place.")
+        self.precision = build_precision(precision or self._precision_arg or "32-true", self.accelerator)
+        self.num_nodes = num_nodes
+        self.devices = devices
+
+    def setup_environment(self) -> None:
+        """Join (or create) the process group and pick this rank's device."""
+        if self.precision is None:
+            self.connect()
+        self.env = detect_env() or single_process_env()
+        self.root_device = device_for(self.accelerator, self.env.local_rank)
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        else:
+            set_cpu_threads(self.env.local_world_size)
+        if self.env.is_distributed and not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend_for(self.root_device.type), rank=self.env.global_rank,
+                world_size=self.env.world_size, timeout=datetime.timedelta(seconds=self.timeout_s),
+                init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
+            )
+            self._owns_process_group = True
+            atexit.register(_destroy_process_group)
+        self.grad_scaler = self.precision.grad_scaler(self.root_device)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.env.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.env.global_rank == 0
+
+    # ------------------------------------------------------------------ model
+    @contextlib.contextmanager
+    def module_init_context(self) -> Iterator[None]:
+        """Where configure_model builds: the meta device, in the storage dtype."""
+        dtype_ctx = self.precision.default_dtype() if self.precision.is_half_true else contextlib.nullcontext()
+        device_ctx = torch.device("meta") if self.init_on_meta else self.root_device
+        token = _ACTIVE_WRAP.set(self._manual_wrap)
+        try:
+            with dtype_ctx, device_ctx:
+                yield
+        finally:
+            _ACTIVE_WRAP.reset(token)
+
+    def _manual_wrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def materialize(self, module: nn.Module) -> None:
+        """Allocate and initialise meta tensors (the same weights under every strategy)."""
+        if has_meta_tensors(module):
+            init_weights = getattr(module, "init_weights", None)
+            materialize_module(module, self.root_device, global_seed(),
+                               init_weights if callable(init_weights) else None)
+
+    def _prepare(self, module: nn.Module) -> nn.Module:
+        """Shared first step: dtype for true-half runs, then device."""
+        if self.precision.is_half_true and not has_meta_tensors(module):
+            module = module.to(self.precision.param_dtype)
+        return module
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self._prepare(module)
+        self.materialize(module)
+        module = module.to(self.root_device)
+        self.module = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.optimizers.append(optimizer)
+        return optimizer
+
+    def setup_dataloader(self, dataloader, shuffle: Optional[bool] = None, seed: Optional[int] = None):
+        from shardwise.data import distribute_dataloader
+
+        return distribute_dataloader(dataloader, self.world_size, self.global_rank,
+                                     seed=global_seed() if seed is None else seed, shuffle=shuffle)
+
+    # ------------------------------------------------------------------ steps
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast(self.root_device)
+
+    def call(self, model: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `module.<method>(*args)` through `model.__call__`, so wrappers' hooks fire.
+
+        FSDP gathers parameters and DDP prepares gradient sync in forward
+        hooks; a training_step that calls submodules directly would bypass
+        the root's hooks. Redirecting forward once makes the step look like
+        a forward call to every wrapper.
+        """
+        inner = self.unwrap(model)
+        original = inner.forward
+
+        def redirected(*a: Any, **k: Any) -> Any:
+            inner.forward = original  # restore before the user's code runs
+            return getattr(inner, method)(*a, **k)
+
+        inner.forward = redirected
+        try:
+            return model(*args, **kwargs)
+        finally:
+            inner.forward = original
+            if inner.__dict__.get("forward") is original:
+                del inner.__dict__["forward"]
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        loss.backward()
+
+    def no_backward_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Skip gradient communication for a non-final micro-batch."""
+        return contextlib.nullcontext()
+
+    def _grads(self, model: nn.Module) -> List[torch.Tensor]:
+        return [p for p in model.parameters() if p.grad is not None]
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       max_norm: Optional[float] = None, max_value: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Clip by global norm (or value); return the total norm before clipping."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(optimizer)
+        params = self._grads(model)
+        if max_value is not None:
+            torch.nn.utils.clip_grad_value_(params, max_value)
+        if max_norm is None:
+            return None
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        total = self._full_norm(total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def _full_norm(self, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step; return False when the fp16 scaler skipped it because of inf/nan."""
+        if self.grad_scaler is None:
+            optimizer.step()
+            return True
+        scale = self.grad_scaler.get_scale()
+        self.grad_scaler.step(optimizer)
+        self.grad_scaler.update()
+        return self.grad_scaler.get_scale() >= scale
+
+    # ------------------------------------------------------------ collectives
+    def reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
+        return ops.reduce(value, op, device=self.root_device if self.accelerator == "cuda" else None)
+
+    def barrier(self, name: str = "") -> None:
+        ops.barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return ops.broadcast_object(obj, src)
+
+    # ------------------------------------------------------------ checkpoints
+    def model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        return self.unwrap(model).state_dict()
+
+    def teardown(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+

@@ -1,0 +1,48 @@
+"""DDP: every rank holds the whole model; gradients are averaged in backward.
+
+The model is built on the meta device like everywhere else and materialised
+with the same sharding-invariant init, so a DDP run starts from bitwise the
+same weights as an FSDP or single-device run with the same seed. Gradients
+live in DDP's communication buckets (gradient_as_bucket_view) instead of in
+a second copy, which is the lowest-memory DDP configuration.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self, precision: Any = None, find_unused_parameters: bool = False,
+                 static_graph: bool = False, gradient_as_bucket_view: bool = True,
+                 bucket_cap_mb: Optional[float] = None, timeout_s: float = 1800.0) -> None:
+        super().__init__(precision=precision, timeout_s=timeout_s)
+        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                               gradient_as_bucket_view=gradient_as_bucket_view)
+        if bucket_cap_mb is not None:
+            self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self._prepare(module)
+        self.materialize(module)
+        module = module.to(self.root_device)
+        if self.world_size > 1:
+            device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+            module = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        self.module = module
+        return module
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_backward_sync(self, model: nn.Module, enabled: bool):
+        if enabled and isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()

@@ -1,0 +1,278 @@
+"""FSDP on PyTorch's FSDP2 (`fully_shard`): shard parameters, gradients and optimizer state.
+
+The order of set-up is fixed and matters (torchtitan's order):
+1. `configure_model` builds on the meta device (nothing allocated);
+2. activation checkpointing wraps the selected blocks, so recomputation
+   happens inside each FSDP unit;
+3. `fully_shard` each block the wrap policy selects (children first), then
+   the root, over a 1-D mesh (FULL_SHARD / SHARD_GRAD_OP) or a 2-D
+   (replicate, shard) mesh (HYBRID_SHARD, NO_SHARD);
+4. materialise only the local shards and initialise them with the same
+   sharding-invariant init every strategy uses (materialize.py);
+5. the optimizer is then built on the sharded (DTensor) parameters.
+Lightning's names map onto FSDP2 like this: SHARD_GRAD_OP keeps parameters
+gathered between forward and backward (reshard_after_forward=False),
+NO_SHARD is a replicate-only 2-D mesh, and limit_all_gathers is always on in
+FSDP2 (it rate-limits all-gathers by design), so the flag is accepted and
+has nothing to switch.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import warnings
+from collections import Counter
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, CheckpointWrapper,
+                                                                         checkpoint_wrapper)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from shardwise.strategies.base import Strategy, _destroy_process_group
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+STATE_DICT_TYPES = ("sharded", "full")
+
+Policy = Union[None, Set[Type[nn.Module]], Sequence[Type[nn.Module]], Callable[..., bool], str, Sequence[str]]
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+
+
+def build_policy_fn(policy: Policy, what: str) -> Optional[Callable[[nn.Module, int], bool]]:
+    """Normalise a wrap / checkpoint policy to `fn(module, unwrapped_numel) -> bool`.
+
+    Accepted forms: a set of module classes (the seed's `{Block}`), class
+    names as strings (Hugging Face's `_no_split_modules`), a callable
+    `module -> bool`, or an FSDP1-style policy such as
+    `partial(size_based_auto_wrap_policy, min_num_params=...)`.
+    """
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        policy = [policy]
+    if isinstance(policy, type):
+        policy = [policy]
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        items = list(policy)
+        classes = tuple(p for p in items if isinstance(p, type))
+        names = {p for p in items if isinstance(p, str)}
+        bad = [p for p in items if not isinstance(p, (type, str))]
+        if bad or not items:
+            raise TypeError(f"{what} must be a set of nn.Module classes (or class names), or a callable; got {policy!r}")
+        return lambda m, _numel: isinstance(m, classes) or type(m).__name__ in names
+    if callable(policy):
+        try:
+            params = inspect.signature(policy).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "recurse" in params:  # FSDP1-style: policy(module, recurse, nonwrapped_numel)
+            return lambda m, numel: bool(policy(module=m, recurse=False, nonwrapped_numel=numel))
+        return lambda m, _numel: bool(policy(m))
+    raise TypeError(f"{what} must be a set of nn.Module classes, class names, or a callable; got {policy!r}")
+
+
+def describe_modules(module: nn.Module, limit: int = 8) -> str:
+    counts = Counter(type(_inner(m)).__name__ for m in module.modules() if not isinstance(m, CheckpointWrapper))
+    return ", ".join(f"{name} ({n})" for name, n in counts.most_common(limit))
+
+
+def apply_activation_checkpointing(module: nn.Module, policy: Policy) -> int:
+    """Wrap every module the policy selects in non-reentrant activation checkpointing."""
+    fn = build_policy_fn(policy, "activation_checkpointing_policy")
+    if fn is None:
+        return 0
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, CheckpointWrapper) or isinstance(parent, CheckpointWrapper):
+                continue
+            if fn(child, 0):
+                setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+                count += 1
+    if count == 0:
+        raise ValueError(
+            f"activation_checkpointing_policy={policy!r} matched no module of {type(module).__name__}. "
+            f"The model contains: {describe_modules(module)}. Pass the class of your transformer block."
+        )
+    return count
+
+
+def _own_numel(module: nn.Module, done: Set[int]) -> int:
+    """Parameters under `module` not already inside a selected unit (FSDP1 'nonwrapped_numel')."""
+    total = 0
+    for sub in module.modules():
+        if id(sub) in done and sub is not module:
+            continue
+        total += sum(p.numel() for p in sub.parameters(recurse=False))
+    return total
+
+
+def select_units(module: nn.Module, policy: Policy) -> List[Tuple[str, nn.Module]]:
+    """The submodules a wrap policy selects, children before parents (root excluded)."""
+    fn = build_policy_fn(policy, "auto_wrap_policy")
+    if fn is None:
+        return []
+    inside_wrapper = {id(m._checkpoint_wrapped_module) for m in module.modules() if isinstance(m, CheckpointWrapper)}
+    selected: List[Tuple[str, nn.Module]] = []
+    done: Set[int] = set()
+    for name, sub in reversed(list(module.named_modules())):
+        if sub is module or id(sub) in inside_wrapper or isinstance(sub, FSDPModule):
+            continue
+        if fn(_inner(sub), _own_numel(sub, done)):
+            selected.append((name, sub))
+            done.add(id(sub))
+    return selected
+
+
+def build_device_mesh(sharding_strategy: str, world_size: int, num_nodes: int, device_type: str,
+                      device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None) -> DeviceMesh:
+    """1-D mesh for sharding within the world, 2-D (replicate, shard) for hybrid / replicate-only."""
+    if isinstance(device_mesh, DeviceMesh):
+        return device_mesh
+    if device_mesh is not None:
+        replicate, shard = device_mesh
+        if replicate * shard != world_size:
+            raise ValueError(f"device_mesh={tuple(device_mesh)} has {replicate * shard} ranks but the world "
+                             f"size is {world_size}; replicate x shard must equal it.")
+        return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    if sharding_strategy == "HYBRID_SHARD":
+        if num_nodes < 2 or world_size % num_nodes:
+            raise ValueError(
+                f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
+                f"(world size {world_size}). Use num_nodes>=2, or give device_mesh=(replicate, shard) "
+                "explicitly, or use FULL_SHARD on one node."
+            )
+        return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
+    if sharding_strategy == "NO_SHARD":
+        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+class FSDPStrategy(Strategy):
+    """Fully sharded data parallel (FSDP2). See README "FSDP" for every knob."""
+
+    name = "fsdp"
+
+    def __init__(self, auto_wrap_policy: Policy = None, activation_checkpointing_policy: Policy = None,
+                 sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
+                 state_dict_type: str = "sharded", device_mesh: Any = None,
+                 limit_all_gathers: Optional[bool] = None, reshard_after_forward: Optional[bool] = None,
+                 precision: Any = None, timeout_s: float = 1800.0, **_unknown: Any) -> None:
+        super().__init__(precision=precision, timeout_s=timeout_s)
+        if _unknown:
+            raise TypeError(f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
+                            "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
+                            "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s.")
+        sharding_strategy = str(sharding_strategy).upper()
+        if sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"Unknown sharding_strategy {sharding_strategy!r}. Valid: {', '.join(SHARDING_STRATEGIES)}.")
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"Unknown state_dict_type {state_dict_type!r}. Valid: {', '.join(STATE_DICT_TYPES)}.")
+        # Fail on malformed policies now, not inside every worker.
+        build_policy_fn(auto_wrap_policy, "auto_wrap_policy")
+        build_policy_fn(activation_checkpointing_policy, "activation_checkpointing_policy")
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.sharding_strategy = sharding_strategy
+        self.cpu_offload = bool(cpu_offload)
+        self.state_dict_type = state_dict_type
+        self.device_mesh_arg = device_mesh
+        self.limit_all_gathers = limit_all_gathers  # FSDP2 always limits; kept for the seed's code
+        self.reshard_after_forward = (sharding_strategy != "SHARD_GRAD_OP"
+                                      if reshard_after_forward is None else reshard_after_forward)
+        self.mesh: Optional[DeviceMesh] = None
+        self._manual_units: List[nn.Module] = []
+
+    # ------------------------------------------------------------------ set-up
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not dist.is_initialized():
+            # One process: FSDP still works on a world of one (useful for
+            # planning and tests); give it a private gloo group.
+            from shardwise.distributed.env import find_free_port
+
+            dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{find_free_port()}")
+            self._owns_process_group = True
+            atexit.register(_destroy_process_group)
+        self.mesh = build_device_mesh(self.sharding_strategy, dist.get_world_size(),
+                                      getattr(self, "num_nodes", 1) or 1, self.root_device.type, self.device_mesh_arg)
+        if self.precision.needs_grad_scaler:  # CUDA fp16: inf checks must agree across shards
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.grad_scaler = ShardedGradScaler()
+        if self.cpu_offload and self.root_device.type == "cpu":
+            warnings.warn("FSDPStrategy(cpu_offload=True) does nothing on CPU: parameters already live in "
+                          "host memory. It offloads parameters, gradients and optimizer state on CUDA.",
+                          stacklevel=2)
+
+    def _fsdp_kwargs(self) -> dict:
+        kwargs: dict = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
+        if self.precision.mixed:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype,
+                                                       reduce_dtype=self.precision.reduce_dtype)
+        if self.cpu_offload and self.root_device.type == "cuda":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        return kwargs
+
+    def _manual_wrap(self, module: nn.Module) -> nn.Module:
+        fully_shard(module, **self._fsdp_kwargs())
+        self._manual_units.append(module)
+        return module
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self._prepare(module)
+        if self.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        units = select_units(module, self.auto_wrap_policy)
+        if self.auto_wrap_policy is not None and not units:
+            raise ValueError(
+                f"auto_wrap_policy={self.auto_wrap_policy!r} matched no module of {type(module).__name__}, so "
+                f"nothing but the root would be sharded. The model contains: {describe_modules(module)}. "
+                "Pass the class of your transformer block (e.g. {nn.TransformerEncoderLayer, "
+                "nn.TransformerDecoderLayer} for the demo Transformer)."
+            )
+        kwargs = self._fsdp_kwargs()
+        for _, unit in units:
+            fully_shard(unit, **kwargs)
+        # The root unit also owns what no policy selected (embeddings, head).
+        fully_shard(module, **kwargs)
+        init_device = torch.device("cpu") if "offload_policy" in kwargs else self.root_device
+        self.materialize_on(module, init_device)
+        self.module = module
+        self.units = [name for name, _ in units] + [f"<manual {type(m).__name__}>" for m in self._manual_units]
+        return module
+
+    def materialize_on(self, module: nn.Module, device: torch.device) -> None:
+        saved, self.root_device = self.root_device, device
+        try:
+            self.materialize(module)
+        finally:
+            self.root_device = saved
+
+    # ------------------------------------------------------------------ steps
+    def no_backward_sync(self, model: nn.Module, enabled: bool):
+        if not enabled or not isinstance(model, FSDPModule):
+            return contextlib.nullcontext()
+        return _no_gradient_sync(model)
+
+    def _full_norm(self, total: torch.Tensor) -> torch.Tensor:
+        # Norms of sharded gradients are partial per rank; full_tensor() reduces them.
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: FSDPModule):
+    # Gradients accumulate unsharded in each unit until the final micro-batch,
+    # which then reduce-scatters the sum: one collective per optimizer step.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

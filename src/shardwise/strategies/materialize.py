@@ -1,0 +1,181 @@
+"""Meta-device models -> real, initialised weights, the same under every strategy.
+
+`configure_model` runs on the meta device, so a 70B model costs nothing until
+it is sharded. Afterwards each strategy calls `materialize_module`: allocate
+(only the local shards, for FSDP), fill with a sentinel, initialise, and
+check that every tensor was written. Uninitialised memory never reaches
+training: a parameter or buffer nobody wrote is an error naming the module.
+
+Initialisation is sharding-invariant. Each module's `reset_parameters()` runs
+under an RNG seeded from (global seed, the module's name), on full-size
+temporary copies of its own parameters, and each rank keeps its slice. So the
+same seed gives bitwise the same weights on one device, under DDP, and under
+FSDP at any world size -- the property that makes loss curves comparable
+across strategies (and the parity tests possible). Modules are visited
+children-first, matching eager construction, where a parent's own init code
+(e.g. nn.MultiheadAttention zeroing out_proj.bias) runs after its children's.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+try:  # DTensor is what FSDP2 parameters are
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment]
+
+# Wrapper names that must not change a module's identity (and so its seed).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class UninitializedParameterError(RuntimeError):
+    """A parameter or buffer was left uninitialised after meta-device materialisation."""
+
+
+def canonical_name(fqn: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn.replace("_checkpoint_wrapped_module", "").rstrip(".")
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    return zlib.crc32(f"{seed}:{canonical_name(fqn)}".encode()) & 0x7FFFFFFF
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    for t in module.parameters():
+        yield t
+    for t in module.buffers():
+        yield t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
+
+
+def _reset_fn(module: nn.Module) -> Optional[Callable[[], None]]:
+    fn = getattr(module, "reset_parameters", None)
+    if callable(fn):
+        return fn
+    # nn.MultiheadAttention (and nn.Transformer) keep their init private; it is
+    # the classic meta-init trap: in_proj_weight stays garbage otherwise.
+    if isinstance(module, nn.MultiheadAttention):
+        return module._reset_parameters
+    return None
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+def _slice_for(full: torch.Tensor, dt: "DTensor") -> torch.Tensor:
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def _reset_own(module: nn.Module, fn: Callable[[], None]) -> None:
+    """Run a module's init on full-size copies of its own DTensor params, keep our slice."""
+    swapped: List[Tuple[Dict, str, torch.Tensor, torch.Tensor]] = []
+    for store in (module._parameters, module._buffers):
+        for name, t in store.items():
+            if t is not None and isinstance(t, DTensor):
+                full = torch.empty(t.shape, dtype=t.dtype, device=_local(t).device)
+                temp = nn.Parameter(full, requires_grad=t.requires_grad) if store is module._parameters else full
+                swapped.append((store, name, t, full))
+                store[name] = temp
+    try:
+        fn()
+    finally:
+        for store, name, original, full in swapped:
+            store[name] = original
+            _local(original).copy_(_slice_for(full, original))
+
+
+@torch.no_grad()
+def materialize_module(module: nn.Module, device: torch.device, seed: int,
+                       init_weights: Optional[Callable[[], None]] = None) -> int:
+    """Allocate meta tensors on `device` and initialise them; return how many were materialised.
+
+    `init_weights`: the user's TrainModule.init_weights hook, which replaces
+    the per-module reset_parameters pass when defined.
+    """
+    def named_tensors() -> List[Tuple[str, torch.Tensor]]:
+        out = []
+        for prefix, mod in module.named_modules():
+            for kind in ("_parameters", "_buffers"):
+                for name, t in getattr(mod, kind).items():
+                    if t is not None:
+                        out.append((f"{prefix}.{name}" if prefix else name, t))
+        return out
+
+    before = named_tensors()
+    meta_names = {name for name, t in before if t.is_meta}
+    if not meta_names:
+        return 0
+    # Tensors that already hold real values (layers built in __init__) survive
+    # to_empty: keep references to their old storage and copy them back.
+    real = {name: _local(t) for name, t in before if not t.is_meta}
+    module.to_empty(device=device)
+    targets = named_tensors()
+    for _, t in targets:
+        _fill_sentinel(_local(t))
+    versions = {id(t): _local(t)._version for _, t in targets}
+
+    if init_weights is not None:
+        init_weights()
+    else:
+        modules = list(module.named_modules())
+        for fqn, mod in reversed(modules):  # children first, as eager construction
+            fn = _reset_fn(mod)
+            if fn is None:
+                continue
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(module_seed(seed, fqn))
+                _reset_own(mod, fn)
+    for name, t in targets:
+        if name in real:
+            _local(t).copy_(real[name])
+    targets = [(name, t) for name, t in targets if name in meta_names]
+    check_initialized(targets, versions, user_hook=init_weights is not None)
+    return len(meta_names)
+
+
+def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[int, int],
+                      user_hook: bool = False) -> None:
+    bad = []
+    for name, t in targets:
+        local = _local(t)
+        untouched = local._version == versions[id(t)]
+        has_nan = local.is_floating_point() and local.numel() > 0 and bool(torch.isnan(local).any())
+        if untouched or has_nan:
+            bad.append((name, "never written" if untouched else "contains the uninitialised sentinel (NaN)"))
+    if not bad:
+        return
+    listing = "\n".join(f"  - {name}: {why}" for name, why in bad[:20])
+    more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+    owners = sorted({name.rsplit(".", 1)[0] if "." in name else "<root>" for name, _ in bad})
+    fix = ("your TrainModule.init_weights() must initialise every parameter and buffer"
+           if user_hook else
+           "give the owning module(s) a reset_parameters() method that initialises their own "
+           "parameters and buffers (including computed buffers such as positional tables), or "
+           "define TrainModule.init_weights() to initialise the whole model")
+    raise UninitializedParameterError(
+        f"{len(bad)} tensor(s) were not initialised after building the model on the meta device:\n"
+        f"{listing}{more}\nModules: {', '.join(owners[:10])}.\nFix: {fix}. "
+        "(Or build those layers in __init__ instead of configure_model so they are created with real values.)"
+    )

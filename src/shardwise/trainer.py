@@ -1,0 +1,515 @@
+"""The Trainer: the training loop, top to bottom.
+
+Set-up (in this order, every step commented where it matters):
+environment -> strategy -> configure_model under the strategy's init context
+-> strategy wraps / shards / materialises -> optimizers on the wrapped
+parameters -> data loaders with distributed, resumable sampling -> restore a
+checkpoint -> loop. The loop accumulates micro-batches (communicating only on
+the last one), clips, steps, logs, validates and checkpoints. Everything that
+differs between one device, DDP, FSDP and DeepSpeed is a strategy method;
+nothing here knows which strategy runs.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
+from shardwise.distributed.launch import launch_script
+from shardwise.metrics import MetricStore
+from shardwise.module import TrainModule
+from shardwise.state import TrainState
+from shardwise.strategies import Strategy, build_strategy
+
+_MAX_EPOCHS_DEFAULT = 1000  # Lightning's default when neither max_epochs nor max_steps is set
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [_move(b, device) for b in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return {k: _move(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _limit(limit: Union[int, float, None], available: float) -> float:
+    if limit is None:
+        return available
+    if isinstance(limit, float) and limit <= 1.0:
+        if math.isinf(available):
+            raise ValueError("A fractional limit_*_batches needs a DataLoader with a length.")
+        return int(available * limit)
+    return min(int(limit), available)
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    if output is None or isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    raise TypeError("training_step must return a loss tensor, a dict with a 'loss' key, or None (skip the batch).")
+
+
+def _takes_batch_idx(fn: Any) -> bool:
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+class Trainer:
+    def __init__(self, accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
+                 strategy: Union[str, Strategy] = "auto", precision: Union[str, int] = "32-true",
+                 max_epochs: Optional[int] = None, max_steps: int = -1,
+                 limit_train_batches: Union[int, float, None] = None,
+                 limit_val_batches: Union[int, float, None] = None,
+                 val_check_interval: Union[int, float, None] = None, check_val_every_n_epoch: int = 1,
+                 accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
+                 gradient_clip_algorithm: str = "norm", log_every_n_steps: int = 50,
+                 callbacks: Optional[List[Any]] = None, logger: Any = True, enable_progress_bar: bool = True,
+                 enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
+                 deterministic: bool = False) -> None:
+        # Everything is validated here, in the process the user started,
+        # before any worker is spawned or any weight allocated.
+        self.accelerator = resolve_accelerator(accelerator)
+        env = detect_env()
+        if env is not None and devices == "auto":
+            devices = env.local_world_size
+        self.devices = resolve_devices(devices, self.accelerator)
+        if not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes={num_nodes!r}: use a positive integer.")
+        self.num_nodes = num_nodes
+        self.strategy = build_strategy(strategy, world_size=self.devices * num_nodes)
+        self.strategy.connect(self.accelerator, precision, num_nodes=num_nodes, devices=self.devices)
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches}: use 1 or more.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
+        self.max_epochs = max_epochs if max_epochs is not None else (_MAX_EPOCHS_DEFAULT if max_steps == -1 else -1)
+        self.max_steps = max_steps
+        self.limit_train_batches = limit_train_batches
+        self.limit_val_batches = limit_val_batches
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.log_every_n_steps = max(1, log_every_n_steps)
+        self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
+        self.deterministic = deterministic
+        self.enable_checkpointing = enable_checkpointing
+        self.callbacks = self._default_callbacks(list(callbacks or []), enable_progress_bar, enable_checkpointing)
+        self.loggers = self._build_loggers(logger)
+        self.state = TrainState()
+        self.metrics = MetricStore()
+        self.should_stop = False
+        self.validating = False
+        self.is_last_microbatch = False
+        self.num_training_batches: float = float("inf")
+        self.num_val_batches: float = 0
+        self.model: Optional[nn.Module] = None
+        self.lightning_module: Optional[TrainModule] = None
+        self.train_dataloader: Any = None
+        self.val_dataloaders: Any = None
+        self._set_up = False
+
+    # ---------------------------------------------------------------- wiring
+    def _default_callbacks(self, callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
+        from shardwise import callbacks as cb
+
+        if progress and not any(hasattr(c, "is_progress_bar") for c in callbacks):
+            callbacks.append(cb.RichProgressBar())
+        model_ckpt = getattr(cb, "ModelCheckpoint", None)
+        if checkpointing and model_ckpt is not None and not any(isinstance(c, model_ckpt) for c in callbacks):
+            callbacks.append(model_ckpt())
+        return callbacks
+
+    def _build_loggers(self, logger: Any) -> List[Any]:
+        from shardwise.loggers import CSVLogger
+
+        if logger is True:
+            return [CSVLogger(self.default_root_dir)]
+        if logger in (False, None):
+            return []
+        return list(logger) if isinstance(logger, (list, tuple)) else [logger]
+
+    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        """Duck-typed callbacks: call `hook` on every callback that defines it, then the module's."""
+        for callback in self.callbacks:
+            fn = getattr(callback, hook, None)
+            if callable(fn):
+                fn(self, self.lightning_module, *args, **kwargs)
+
+    def _call_module(self, hook: str, *args: Any) -> Any:
+        module = self.lightning_module
+        fn = getattr(module, hook, None)
+        if not callable(fn):
+            return None
+        object.__setattr__(module, "_current_hook", hook)
+        return fn(*args)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def batch_idx(self) -> int:
+        return self.state.batch_idx
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def callback_metrics(self) -> Dict[str, float]:
+        return self.metrics.callback_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        return self.metrics.progress_bar_metrics
+
+    @property
+    def logged_metrics(self) -> Dict[str, float]:
+        return self.metrics.logged_metrics
+
+    @property
+    def logger(self) -> Any:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        return getattr(self.logger, "log_dir", None) or self.default_root_dir
+
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        return self.strategy.optimizers
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on global rank 0 only."""
+        if self.strategy.is_global_zero:
+            print(*args, **kwargs)
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        if not self.strategy.is_global_zero or not metrics:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=self.global_step if step is None else step)
+
+    # ----------------------------------------------------------------- launch
+    def _launch_if_needed(self) -> None:
+        """Become the supervisor of `devices` workers, or check the launcher's world."""
+        world = self.devices * self.num_nodes
+        env = detect_env()
+        if env is None:
+            if world == 1:
+                return
+            if self.num_nodes > 1:
+                raise RuntimeError(
+                    f"num_nodes={self.num_nodes} needs one launcher per node: run `shardwise launch --nnodes "
+                    f"{self.num_nodes} --node-rank <i> --nproc-per-node {self.devices} ...`, torchrun, or srun.")
+            if "pytest" in sys.modules or "ipykernel" in sys.modules:
+                raise RuntimeError(
+                    "Trainer(devices>1) re-runs the program in each worker, which is not possible from a "
+                    "test runner or notebook. Wrap the training in a function and run it with "
+                    "`shardwise.launch(fn, devices=N)`.")
+            launch_script(self.devices)  # never returns: the workers run the script
+        if env.world_size != world:
+            raise RuntimeError(
+                f"The launcher started {env.world_size} processes but Trainer(devices={self.devices}, "
+                f"num_nodes={self.num_nodes}) expects {world}. Make them agree (devices='auto' follows the launcher).")
+
+    # -------------------------------------------------------------------- set-up
+    def _setup(self, module: TrainModule) -> None:
+        if self._set_up and self.lightning_module is module:
+            return
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"fit() takes a shardwise.TrainModule, got {type(module).__name__}.")
+        strategy = self.strategy
+        strategy.setup_environment()
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.lightning_module = module
+        module._attach(self)
+        self._call("setup", stage="fit")
+        # 1. configure_model under the strategy's init context (meta device),
+        # 2. the strategy wraps, shards and materialises it.
+        with strategy.module_init_context():
+            self._call_module("configure_model")
+        self.model = strategy.setup_module(module)
+        # 3. optimizers on the wrapped (possibly sharded) parameters.
+        optimizers, schedulers = self._parse_optimizers(self._call_module("configure_optimizers"))
+        for opt in optimizers:
+            strategy.setup_optimizer(opt)
+        strategy.lr_schedulers = schedulers
+        for logger in self.loggers:
+            if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
+                logger.log_hyperparams(dict(module.hparams))
+        self._set_up = True
+
+    def _parse_optimizers(self, config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dict[str, Any]]]:
+        def scheduler_entry(s: Any) -> Dict[str, Any]:
+            entry = dict(s) if isinstance(s, dict) else {"scheduler": s}
+            entry.setdefault("interval", "epoch")
+            entry.setdefault("frequency", 1)
+            if entry["interval"] not in ("step", "epoch"):
+                raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {entry['interval']!r}")
+            return entry
+
+        if config is None:
+            raise ValueError("configure_optimizers() returned None; return an optimizer.")
+        if isinstance(config, torch.optim.Optimizer):
+            return [config], []
+        if isinstance(config, dict):
+            scheds = config.get("lr_scheduler")
+            return [config["optimizer"]], ([scheduler_entry(scheds)] if scheds is not None else [])
+        if isinstance(config, (list, tuple)):
+            if len(config) == 2 and isinstance(config[0], (list, tuple)):
+                return list(config[0]), [scheduler_entry(s) for s in config[1]]
+            if all(isinstance(o, dict) for o in config):
+                opts, scheds = [], []
+                for c in config:
+                    o, s = self._parse_optimizers(c)
+                    opts += o
+                    scheds += s
+                return opts, scheds
+            return list(config), []
+        raise TypeError(f"configure_optimizers() returned {type(config).__name__}; return an optimizer, "
+                        "a dict {'optimizer', 'lr_scheduler'}, or ([optimizers], [schedulers]).")
+
+    # ------------------------------------------------------------------- fit
+    def fit(self, module: TrainModule, train_dataloaders: Iterable, val_dataloaders: Optional[Iterable] = None,
+            ckpt_path: Optional[str] = None) -> None:
+        self._launch_if_needed()
+        self.state.stage = "fit"
+        try:
+            self._setup(module)
+            self.train_dataloader = self.strategy.setup_dataloader(train_dataloaders)
+            self.val_dataloaders = (self.strategy.setup_dataloader(val_dataloaders, shuffle=False)
+                                    if val_dataloaders is not None else None)
+            if ckpt_path is not None:
+                self._restore(ckpt_path)
+            self._call("on_fit_start")
+            self._call("on_train_start")
+            self._call_module("on_train_start")
+            self._fit_loop()
+            self._call_module("on_train_end")
+            self._call("on_train_end")
+            self._call("on_fit_end")
+            for logger in self.loggers:
+                if self.strategy.is_global_zero and hasattr(logger, "finalize"):
+                    logger.finalize("success")
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            for logger in self.loggers:
+                if self.strategy.is_global_zero and hasattr(logger, "finalize"):
+                    logger.finalize("failed")
+            raise
+        finally:
+            self.state.stage = "idle"
+            self._call("teardown", stage="fit")
+
+    def _restore(self, ckpt_path: str) -> None:
+        from shardwise.checkpoint import load_training_checkpoint
+
+        load_training_checkpoint(self, ckpt_path)
+
+    def save_checkpoint(self, path: str) -> str:
+        """Save everything needed to resume (in the strategy's format); returns the path."""
+        from shardwise.checkpoint import save_training_checkpoint
+
+        return save_training_checkpoint(self, path)
+
+    def _done(self) -> bool:
+        return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
+
+    def _fit_loop(self) -> None:
+        strategy, state = self.strategy, self.state
+        loader = self.train_dataloader
+        length = float(len(loader)) if hasattr(loader, "__len__") else float("inf")
+        self.num_training_batches = _limit(self.limit_train_batches, length)
+        if self.num_training_batches == 0:
+            warnings.warn("limit_train_batches leaves no training batch: nothing to train.", stacklevel=2)
+            return
+        step_fn = self.lightning_module.training_step
+        pass_idx = _takes_batch_idx(step_fn)
+        while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):
+            sampler = getattr(loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(state.epoch)
+            if hasattr(sampler, "set_start_index") and state.batch_idx:
+                # Mid-epoch resume: skip consumed batches by index, without loading them.
+                sampler.set_start_index(state.batch_idx * (loader.batch_size or 1))
+            self._call("on_train_epoch_start")
+            self._call_module("on_train_epoch_start")
+            self.model.train()
+            for batch in loader:
+                if state.batch_idx >= self.num_training_batches or self._done():
+                    break
+                self._train_batch(batch, pass_idx)
+            if self._done() and state.batch_idx < self.num_training_batches:
+                break  # stopped mid-epoch by max_steps; the epoch is not over
+            # End of epoch: a partial accumulation window still steps.
+            self._call_module("on_train_epoch_end")
+            epoch_metrics = self.metrics.finish_epoch()
+            self.log_metrics(epoch_metrics)
+            self._step_schedulers("epoch")
+            if self.val_dataloaders is not None and self.val_check_interval is None and \
+                    (state.epoch + 1) % self.check_val_every_n_epoch == 0:
+                self._run_validation()
+            self._call("on_train_epoch_end")
+            state.epoch += 1
+            state.batch_idx = 0
+
+    def _train_batch(self, batch: Any, pass_idx: bool) -> None:
+        strategy, state, module = self.strategy, self.state, self.lightning_module
+        batch_idx = state.batch_idx
+        batch = _move(batch, strategy.root_device)
+        self._call("on_train_batch_start", batch, batch_idx)
+        if self._call_module("on_train_batch_start", batch, batch_idx) == -1:
+            self.should_stop = True  # Lightning's convention: -1 ends the epoch and the run
+            return
+        window = self.accumulate_grad_batches
+        last_in_epoch = batch_idx + 1 >= self.num_training_batches
+        self.is_last_microbatch = (batch_idx + 1) % window == 0 or last_in_epoch
+        args = (batch, batch_idx) if pass_idx else (batch,)
+        object.__setattr__(module, "_current_hook", "training_step")
+        # Non-final micro-batches skip gradient communication entirely.
+        with strategy.no_backward_sync(self.model, enabled=not self.is_last_microbatch):
+            with strategy.autocast():
+                output = strategy.call(self.model, "training_step", *args)
+            loss = _loss_of(output)
+            if loss is not None:
+                strategy.backward(loss / window, self.model)
+        state.batch_idx += 1
+        state.total_batches += 1
+        if self.is_last_microbatch:
+            self._optimizer_step()
+        step_logs = self.metrics.record(module._drain_logs())
+        if self.is_last_microbatch and (state.global_step % self.log_every_n_steps == 0 or state.global_step == 1):
+            self.log_metrics({**step_logs, "epoch": float(state.epoch)})
+        self._call_module("on_train_batch_end", output, batch, batch_idx)
+        self._call("on_train_batch_end", output, batch, batch_idx)
+        if self.val_dataloaders is not None and self._val_due(state.batch_idx):
+            self._run_validation()
+
+    def _optimizer_step(self) -> None:
+        strategy = self.strategy
+        for optimizer in strategy.optimizers:
+            self._call("on_before_optimizer_step", optimizer)
+            if self.gradient_clip_val is not None:
+                if self.gradient_clip_algorithm == "norm":
+                    strategy.clip_gradients(self.model, optimizer, max_norm=self.gradient_clip_val)
+                else:
+                    strategy.clip_gradients(self.model, optimizer, max_value=self.gradient_clip_val)
+            strategy.optimizer_step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self._step_schedulers("step")
+
+    def _step_schedulers(self, interval: str) -> None:
+        counter = self.global_step if interval == "step" else self.current_epoch + 1
+        for entry in self.strategy.lr_schedulers:
+            if entry["interval"] == interval and counter % entry["frequency"] == 0:
+                monitor = entry.get("monitor")
+                if monitor is not None:
+                    if monitor not in self.callback_metrics:
+                        raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged. "
+                                       f"Logged: {sorted(self.callback_metrics)}")
+                    entry["scheduler"].step(self.callback_metrics[monitor])
+                else:
+                    entry["scheduler"].step()
+
+    def _val_due(self, batches_done: int) -> bool:
+        interval = self.val_check_interval
+        if interval is None or not self.is_last_microbatch and isinstance(interval, int) is False:
+            return False
+        if isinstance(interval, float) and interval <= 1.0:
+            every = max(1, int(self.num_training_batches * interval))
+        else:
+            every = int(interval)
+        return batches_done % every == 0
+
+    # -------------------------------------------------------------- validation
+    def validate(self, module: Optional[TrainModule] = None, dataloaders: Optional[Iterable] = None,
+                 ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
+        """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
+        self._launch_if_needed()
+        module = module or self.lightning_module
+        if module is None:
+            raise ValueError("validate() needs a module (or a previous fit()).")
+        self._setup(module)
+        if dataloaders is not None:
+            self.val_dataloaders = self.strategy.setup_dataloader(dataloaders, shuffle=False)
+        if self.val_dataloaders is None:
+            raise ValueError("validate() needs dataloaders (none were given here or to fit()).")
+        if ckpt_path is not None:
+            self._restore(ckpt_path)
+        return [self._run_validation()]
+
+    @torch.no_grad()
+    def _run_validation(self) -> Dict[str, float]:
+        module, strategy = self.lightning_module, self.strategy
+        if not callable(getattr(module, "validation_step", None)):
+            return {}
+        loader = self.val_dataloaders
+        length = float(len(loader)) if hasattr(loader, "__len__") else float("inf")
+        self.num_val_batches = _limit(self.limit_val_batches, length)
+        if self.num_val_batches == 0:
+            return {}
+        self.validating = True
+        was_training = self.model.training
+        self.model.eval()
+        # Validation epochs keep their own accumulators, apart from training's.
+        train_epoch, self.metrics._epoch = self.metrics._epoch, {}
+        self._call("on_validation_start")
+        self._call_module("on_validation_epoch_start")
+        pass_idx = _takes_batch_idx(module.validation_step)
+        try:
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= self.num_val_batches:
+                    break
+                batch = _move(batch, strategy.root_device)
+                object.__setattr__(module, "_current_hook", "validation_step")
+                with strategy.autocast():
+                    args = (batch, batch_idx) if pass_idx else (batch,)
+                    output = strategy.call(self.model, "validation_step", *args)
+                self.metrics.record(module._drain_logs())
+                self._call("on_validation_batch_end", output, batch, batch_idx)
+            self._call_module("on_validation_epoch_end")
+            self.metrics.record(module._drain_logs())
+            results = self.metrics.finish_epoch(suffix=False)
+            self.log_metrics(results)
+            self._call("on_validation_epoch_end")
+            self._call("on_validation_end")
+        finally:
+            self.metrics._epoch = train_epoch
+            self.validating = False
+            self.model.train(was_training)
+        return results
