@@ -1,0 +1,145 @@
+"""Trainer overhead: shardwise's Trainer vs a hand-written FSDP2 loop, same model, same run.
+
+Both train the seed Transformer with FSDP2 (fully_shard per encoder/decoder
+layer, then the root) on 2 local processes for the same number of steps on
+the same data. The Trainer runs with its defaults (progress bar, CSV logger,
+logging every 50 steps; checkpointing off, since the hand loop saves nothing).
+Runs alternate (hand, Trainer, hand, Trainer, ...) so machine noise hits both
+alike; the result is the median ratio of steps/second. Prints a markdown row.
+
+    python benchmarks/overhead.py [--steps 40] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+import shardwise
+from shardwise import FSDPStrategy, TrainModule, Trainer
+from shardwise.demos import PythonDocsText, Transformer
+
+LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+SIZE = dict(nlayers=4, nhid=1024, ninp=256, nhead=4)
+WARMUP = 3
+
+
+def _data():
+    return PythonDocsText(block_size=64)
+
+
+def hand_loop(steps: int) -> float:
+    """What a user writes with FSDP2 directly: meta init, fully_shard, to_empty, init, loop."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    data = _data()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = Transformer(vocab_size=data.vocab_size, **SIZE)
+    for module in model.modules():
+        if isinstance(module, LAYERS):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif isinstance(module, nn.MultiheadAttention):
+                module._reset_parameters()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    start = None
+    for step, (inp, target) in enumerate(loader):
+        if step == steps:
+            break
+        if step == WARMUP:
+            start = time.perf_counter()
+        loss = F.nll_loss(model(inp, target), target.view(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (steps - WARMUP) / (time.perf_counter() - start)
+
+
+class LanguageModel(TrainModule):
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Transformer(vocab_size=self.vocab_size, **SIZE)
+
+    def training_step(self, batch):
+        inp, target = batch
+        loss = F.nll_loss(self.model(inp, target), target.view(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class _Clock:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == WARMUP:
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, module):
+        self.rate = (trainer.global_step - WARMUP) / (time.perf_counter() - self.start)
+
+
+def trainer_loop(steps: int) -> float:
+    shardwise.seed_everything(0)
+    data = _data()
+    clock = _Clock()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=set(LAYERS)),
+                          max_steps=steps, callbacks=[clock], enable_checkpointing=False, default_root_dir=root)
+        trainer.fit(LanguageModel(data.vocab_size), DataLoader(data, batch_size=8, shuffle=True))
+    return clock.rate
+
+
+def alternate(steps: int, repeats: int):
+    rows = []
+    for _ in range(repeats):
+        hand = hand_loop(steps)
+        ours = trainer_loop(steps)
+        rows.append((hand, ours))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = shardwise.launch(alternate, args.steps, args.repeats, devices=2)[0]
+    ratios = [ours / hand for hand, ours in rows]
+    for i, (hand, ours) in enumerate(rows):
+        print(f"run {i}: hand-written FSDP2 {hand:.2f} steps/s, shardwise Trainer {ours:.2f} steps/s, ratio {ours / hand:.3f}")
+    print()
+    print("| model | processes | steps timed x runs | hand-written FSDP2 (steps/s, median) | "
+          "shardwise Trainer (steps/s, median) | ratio (median) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| seed Transformer {SIZE} | 2 | {args.steps - WARMUP} x {args.repeats} | "
+          f"{statistics.median(h for h, _ in rows):.2f} | {statistics.median(o for _, o in rows):.2f} | "
+          f"{statistics.median(ratios):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
