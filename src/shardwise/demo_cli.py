@@ -142,7 +142,7 @@ def _table(rows: List[Dict[str, Any]], devices: int) -> None:
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
     table = Table(title=f"Peak tracked tensor memory per rank and speed, {devices} CPU processes "
                         "(seed: A100 40GB, 1B model)")
-    for col in ("strategy", "peak / rank", "vs DDP", "params", "grads", "optimizer", "activations",
+    for col in ("strategy", "peak/rank", "vs DDP", "params", "grads", "optim", "activ.",
                 "it/s", "seed MB", "seed vs DDP", "seed it/s"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in rows:
@@ -155,11 +155,14 @@ def _table(rows: List[Dict[str, Any]], devices: int) -> None:
             format_bytes(b.get("optimizer", 0)), format_bytes(b.get("activations", 0) + b.get("other", 0)),
             f"{r['its']:.2f}", f"{seed[0]:,}" if seed else "-",
             f"{seed[0] / SEED_TABLE['ddp'][0]:.2f}x" if seed else "-", f"{seed[1]:.2f}" if seed else "-")
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # CI logs and pipes: keep the table on one line per row
+        console = Console(width=170)
+    console.print(table)
 
 
-def demo(devices: int = 2, steps: int = 40, compare_steps: int = 8, nlayers: int = 4, nhid: int = 512,
-         ninp: int = 128, nhead: int = 4, batch_size: int = 8, block_size: int = 32, lr: float = 1e-3,
+def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int = 8, nhid: int = 1024,
+         ninp: int = 128, nhead: int = 4, batch_size: int = 4, block_size: int = 32, lr: float = 1e-3,
          precision: str = "32-true", data_dir: Optional[str] = None, root_dir: str = "shardwise_demo",
          strategies: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """Train the seed Transformer with FSDP on `devices` local processes, then compare strategies.
