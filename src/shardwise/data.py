@@ -49,6 +49,9 @@ class ResumableSampler(DistributedSampler):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.epoch = state["epoch"]
         self.start_index = state["start_index"]
+        # The permutation is a function of (seed, epoch): without the saved seed a
+        # resumed run that did not call seed_everything would shuffle differently.
+        self.seed = state.get("seed", self.seed)
 
 
 def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int,

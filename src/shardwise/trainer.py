@@ -122,6 +122,12 @@ class Trainer:
         self.train_dataloader: Any = None
         self.val_dataloaders: Any = None
         self._set_up = False
+        # Checkpoint bookkeeping (shardwise/checkpoint/training.py): RNG states a
+        # resumed run re-applies in _epoch_iterator, whether the loop is in its
+        # epoch-end phase, and training's RNG states while validation runs.
+        self._pending_rng: Optional[Dict[str, Any]] = None
+        self._in_epoch_end = False
+        self._rng_outside_validation: Optional[Dict[str, Any]] = None
 
     # ---------------------------------------------------------------- wiring
     def _default_callbacks(self, callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
@@ -306,6 +312,13 @@ class Trainer:
     # ------------------------------------------------------------------- fit
     def fit(self, module: TrainModule, train_dataloaders: Iterable, val_dataloaders: Optional[Iterable] = None,
             ckpt_path: Optional[str] = None) -> None:
+        # Before any worker starts: a strategy whose engine owns accumulation,
+        # clipping and the micro-batch size (DeepSpeed) checks them against its
+        # own configuration now, so a contradiction fails in the user's process.
+        self.strategy.configure_training(
+            accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
+            gradient_clip_algorithm=self.gradient_clip_algorithm,
+            micro_batch_size=getattr(train_dataloaders, "batch_size", None))
         self._launch_if_needed()
         self.state.stage = "fit"
         try:
@@ -341,7 +354,10 @@ class Trainer:
         load_training_checkpoint(self, ckpt_path)
 
     def save_checkpoint(self, path: str) -> str:
-        """Save everything needed to resume (in the strategy's format); returns the path."""
+        """Save everything needed to resume, in the strategy's format; returns the path.
+
+        Call it on every rank (it is collective). The checkpoint appears at
+        `path` atomically, once every rank has written its part."""
         from shardwise.checkpoint import save_training_checkpoint
 
         return save_training_checkpoint(self, path)
@@ -369,13 +385,14 @@ class Trainer:
             self._call("on_train_epoch_start")
             self._call_module("on_train_epoch_start")
             self.model.train()
-            for batch in loader:
+            for batch in self._epoch_iterator(loader):
                 if state.batch_idx >= self.num_training_batches or self._done():
                     break
                 self._train_batch(batch, pass_idx)
             if self._done() and state.batch_idx < self.num_training_batches:
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
+            self._in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
             self._call_module("on_train_epoch_end")
             epoch_metrics = self.metrics.finish_epoch()
             self.log_metrics(epoch_metrics)
@@ -384,8 +401,28 @@ class Trainer:
                     (state.epoch + 1) % self.check_val_every_n_epoch == 0:
                 self._run_validation()
             self._call("on_train_epoch_end")
+            self._in_epoch_end = False
             state.epoch += 1
             state.batch_idx = 0
+
+    def _epoch_iterator(self, loader: Iterable) -> Any:
+        """iter(loader), re-applying a checkpoint's RNG states at the point the saved run was at.
+
+        A checkpoint captures the generators right after an optimizer step.
+        Creating a DataLoader iterator draws a seed from torch's generator: the
+        saved run drew it before a mid-epoch checkpoint and after an
+        end-of-epoch one, so the resumed run restores after, respectively
+        before, creating its iterator, and then draws the same numbers.
+        """
+        from shardwise.checkpoint.rng import restore_rng_states
+
+        pending, self._pending_rng = self._pending_rng, None
+        if pending is not None and self.state.batch_idx == 0:
+            restore_rng_states(pending)
+        iterator = iter(loader)
+        if pending is not None and self.state.batch_idx > 0:
+            restore_rng_states(pending)
+        return iterator
 
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
         strategy, state, module = self.strategy, self.state, self.lightning_module
@@ -484,6 +521,12 @@ class Trainer:
         if self.num_val_batches == 0:
             return {}
         self.validating = True
+        # Validation draws from the generators too (its DataLoader's seed, user
+        # code); run it on a copy so that training's random stream, and so a
+        # resumed run, does not depend on when or how often validation runs.
+        from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
+
+        self._rng_outside_validation = capture_rng_states()
         was_training = self.model.training
         self.model.eval()
         # Validation epochs keep their own accumulators, apart from training's.
@@ -510,6 +553,8 @@ class Trainer:
             self._call("on_validation_end")
         finally:
             self.metrics._epoch = train_epoch
+            restore_rng_states(self._rng_outside_validation)
+            self._rng_outside_validation = None
             self.validating = False
             self.model.train(was_training)
         return results

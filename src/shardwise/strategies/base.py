@@ -106,6 +106,15 @@ class Strategy:
         self.num_nodes = num_nodes
         self.devices = devices
 
+    def configure_training(self, accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
+                           gradient_clip_algorithm: str = "norm", micro_batch_size: Optional[int] = None) -> None:
+        """Receive the loop's settings before launch; a no-op unless the engine owns them.
+
+        DeepSpeed's engine does accumulation, clipping and sizes its buffers by
+        the micro-batch, so it must know them before it is built (and can
+        refuse a contradiction with its own config before any worker starts).
+        """
+
     def setup_environment(self) -> None:
         """Join (or create) the process group and pick this rank's device."""
         if self.precision is None:
@@ -274,6 +283,56 @@ class Strategy:
         return ops.broadcast_object(obj, src)
 
     # ------------------------------------------------------------ checkpoints
+    # The contract between a strategy and shardwise.checkpoint (which owns
+    # everything else: paths, temporary names, the atomic rename, `last`,
+    # pruning, trainer progress, RNG, callbacks; see checkpoint/layout.py).
+    #
+    # checkpoint_format: the name recorded in the checkpoint's manifest and
+    #   used to pick a reader. Built in: "full" (one torch file: the
+    #   consolidated model under "state_dict", optimizers under
+    #   "optimizer_states" keyed by parameter name, plus the trainer state at
+    #   the top level) and "sharded" (a directory: torch.distributed.checkpoint
+    #   files, one per rank, + trainer_state.pt + shardwise.json). A strategy
+    #   with its own engine format (e.g. "deepspeed") names it here.
+    #
+    # save_checkpoint(path, state): called on EVERY rank at the same point in
+    #   the loop (it may run collectives). `path` is a temporary name that does
+    #   not exist yet; write there and nowhere else: a file (rank 0 writes it)
+    #   or a directory (any rank may write into it). Never rename or delete:
+    #   the caller commits after every rank has returned. `state` is the
+    #   trainer's part (progress, every rank's RNG, schedulers, callbacks,
+    #   hparams, and state["shardwise"], the manifest), identical and
+    #   picklable on every rank; store it so load_checkpoint can return it
+    #   unchanged. Directory formats: call
+    #   `shardwise.checkpoint.layout.write_trainer_state(path, state)` on rank 0,
+    #   which also writes the manifest that makes the directory recognisable.
+    #   Return None once this rank's bytes are written and flushed, or a
+    #   concurrent.futures.Future that completes when they are (async saves);
+    #   the caller waits for it before committing.
+    #
+    # load_checkpoint(path, checkpoint_format): called on every rank after
+    #   setup (model wrapped, optimizers built). Load the model and optimizer
+    #   state found at `path` (a committed checkpoint in `checkpoint_format`)
+    #   into self.module / self.optimizers and return the `state` dict that was
+    #   saved with it. For a format this strategy cannot read, raise
+    #   shardwise.checkpoint.errors.CheckpointFormatError saying what to do;
+    #   the built-in "full" / "sharded" readers below work for any model that
+    #   torch.distributed.checkpoint.state_dict understands.
+    @property
+    def checkpoint_format(self) -> str:
+        return "full"
+
+    def save_checkpoint(self, path: str, state: Dict[str, Any]) -> Optional[Any]:
+        from shardwise.checkpoint.formats import save_model_and_optimizers
+
+        return save_model_and_optimizers(self.module, self.optimizers, path, state, self.checkpoint_format,
+                                         async_save=bool(getattr(self, "async_save", False)))
+
+    def load_checkpoint(self, path: str, checkpoint_format: str) -> Dict[str, Any]:
+        from shardwise.checkpoint.formats import load_model_and_optimizers
+
+        return load_model_and_optimizers(self.module, self.optimizers, path, checkpoint_format)
+
     def model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         return self.unwrap(model).state_dict()
 

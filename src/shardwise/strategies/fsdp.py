@@ -164,12 +164,13 @@ class FSDPStrategy(Strategy):
                  sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
                  state_dict_type: str = "sharded", device_mesh: Any = None,
                  limit_all_gathers: Optional[bool] = None, reshard_after_forward: Optional[bool] = None,
-                 precision: Any = None, timeout_s: float = 1800.0, **_unknown: Any) -> None:
+                 precision: Any = None, timeout_s: float = 1800.0, async_save: bool = False,
+                 **_unknown: Any) -> None:
         super().__init__(precision=precision, timeout_s=timeout_s)
         if _unknown:
             raise TypeError(f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
                             "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
-                            "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s.")
+                            "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save.")
         sharding_strategy = str(sharding_strategy).upper()
         if sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"Unknown sharding_strategy {sharding_strategy!r}. Valid: {', '.join(SHARDING_STRATEGIES)}.")
@@ -183,6 +184,11 @@ class FSDPStrategy(Strategy):
         self.sharding_strategy = sharding_strategy
         self.cpu_offload = bool(cpu_offload)
         self.state_dict_type = state_dict_type
+        if async_save and state_dict_type != "sharded":
+            raise ValueError("async_save=True needs state_dict_type='sharded' (a full checkpoint is gathered "
+                             "to rank 0 and written synchronously).")
+        # Stage this rank's shards to host memory, then write them in a background thread.
+        self.async_save = bool(async_save)
         self.device_mesh_arg = device_mesh
         self.limit_all_gathers = limit_all_gathers  # FSDP2 always limits; kept for the seed's code
         self.reshard_after_forward = (sharding_strategy != "SHARD_GRAD_OP"
@@ -255,6 +261,12 @@ class FSDPStrategy(Strategy):
             self.materialize(module)
         finally:
             self.root_device = saved
+
+    @property
+    def checkpoint_format(self) -> str:
+        # "sharded": DCP, one file per rank, nothing gathered (the default);
+        # "full": gathered tensor by tensor to rank 0's host memory, one file.
+        return self.state_dict_type
 
     # ------------------------------------------------------------------ steps
     def no_backward_sync(self, model: nn.Module, enabled: bool):

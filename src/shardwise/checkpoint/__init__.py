@@ -1,0 +1,28 @@
+"""Checkpoints: sharded by default, exact resume, any world size, atomic, one command to a consolidated file.
+
+`save_training_checkpoint` / `load_training_checkpoint` are what
+`Trainer.save_checkpoint` and `fit(ckpt_path=...)` call; `open_checkpoint`
+reads any checkpoint tensor by tensor without a model (used by
+`shardwise convert` and `shardwise inspect`). Files: layout.py (names,
+atomic commit, `last`), formats.py (model + optimizers, "full" / "sharded"),
+training.py (everything else a resumed run needs), rng.py, reader.py,
+convert.py, inspect.py, errors.py.
+"""
+from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
+                                         CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
+from shardwise.checkpoint.layout import FORMAT_VERSION, LAST_NAME, latest_checkpoint, list_checkpoints
+from shardwise.checkpoint.training import load_training_checkpoint, save_training_checkpoint
+
+
+def open_checkpoint(path: str):
+    """A reader over the checkpoint at `path` (see reader.py); imported lazily, it is only for tools."""
+    from shardwise.checkpoint.reader import open_checkpoint as _open
+
+    return _open(path)
+
+
+__all__ = [
+    "save_training_checkpoint", "load_training_checkpoint", "open_checkpoint", "list_checkpoints",
+    "latest_checkpoint", "FORMAT_VERSION", "LAST_NAME", "CheckpointError", "CheckpointNotFoundError",
+    "CorruptCheckpointError", "CheckpointMismatchError", "CheckpointVersionError", "CheckpointFormatError",
+]

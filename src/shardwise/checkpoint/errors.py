@@ -1,0 +1,33 @@
+"""The errors a checkpoint can raise, each saying what is wrong and what to do.
+
+Loading is where a long run meets its past: a wrong path, a file cut short by
+a full disk, a model that changed shape since the save, a checkpoint from
+another shardwise release. Each case has its own exception type (so tests and
+callers can catch it precisely) and a message that names the file, the keys
+or the versions involved instead of surfacing a pickle or zip traceback.
+"""
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every checkpoint error."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path does not exist (the message lists the checkpoints that do)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is truncated or unreadable (the message names it)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's model / optimizer keys or shapes differ from the running ones."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """The checkpoint was written in a layout version this shardwise cannot read."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The checkpoint's format cannot be read by the running strategy."""

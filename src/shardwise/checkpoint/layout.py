@@ -1,0 +1,296 @@
+"""Where checkpoints live on disk and how they appear there atomically.
+
+A checkpoint is either ONE FILE (format "full": a torch.save'd dict holding
+the consolidated model, optimizers and trainer state) or ONE DIRECTORY
+(format "sharded": torch.distributed.checkpoint files, one per rank, plus
+`trainer_state.pt` and a human-readable `shardwise.json` manifest; other
+directory formats such as DeepSpeed's follow the same rules). Either way it
+is written under a hidden temporary name in the same directory
+(`.NAME.tmp-TOKEN`) and renamed into place by rank 0 only after every rank
+has finished writing: the rename is the commit. A checkpoint directory's
+`last.ckpt` is a relative symlink moved (atomically, by rename) only after the
+checkpoint it points to is committed, and old checkpoints are deleted only
+after that. A process killed at any moment therefore leaves every
+previously committed checkpoint, and `last.ckpt`, intact; what it leaves
+behind is a hidden temporary entry that the next run removes.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from shardwise.checkpoint.errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError
+
+#: Version of the on-disk layout. Bump it when a change makes old checkpoints
+#: unreadable, and teach load() to read the old one or say how to convert it.
+FORMAT_VERSION = 1
+MANIFEST_NAME = "shardwise.json"
+TRAINER_STATE_NAME = "trainer_state.pt"
+SUFFIX = ".ckpt"
+LAST_NAME = "last" + SUFFIX
+_TEMP_MARK = ".tmp-"
+_TRASH_MARK = ".deleting-"
+
+
+def new_token() -> str:
+    """A unique suffix for temporary names; uses os.urandom so no training RNG is disturbed."""
+    return f"{int(time.time())}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def temp_path(final: str, token: str) -> str:
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}{_TEMP_MARK}{token}")
+
+
+def is_hidden_leftover(name: str) -> bool:
+    return name.startswith(".") and (_TEMP_MARK in name or _TRASH_MARK in name)
+
+
+# ---------------------------------------------------------------- manifest
+def build_manifest(checkpoint_format: str, strategy: str, world_size: int, train_state: Dict[str, Any]) -> Dict[str, Any]:
+    try:
+        from shardwise import __version__ as version
+    except ImportError:  # pragma: no cover - partial installs
+        version = "unknown"
+    return {
+        "format_version": FORMAT_VERSION,
+        "checkpoint_format": checkpoint_format,
+        "strategy": strategy,
+        "world_size": world_size,
+        "epoch": int(train_state.get("epoch", 0)),
+        "global_step": int(train_state.get("global_step", 0)),
+        "batch_idx": int(train_state.get("batch_idx", 0)),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shardwise_version": version,
+        "torch_version": torch.__version__,
+    }
+
+
+def check_version(manifest: Dict[str, Any], path: str) -> None:
+    found = manifest.get("format_version")
+    if found != FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{path} uses checkpoint layout version {found!r} (written by shardwise "
+            f"{manifest.get('shardwise_version', '?')}), but this shardwise reads version {FORMAT_VERSION}. "
+            "Load it with the shardwise release that wrote it and re-save, or export the weights with that "
+            "release's `shardwise convert`.")
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename durable: fsync the directory that holds the entry."""
+    try:
+        fsync_file(path)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+
+
+def save_torch_durably(obj: Any, path: str) -> None:
+    """torch.save + flush + fsync, so a later rename never exposes a half-written file."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_trainer_state(directory: str, state: Dict[str, Any]) -> None:
+    """For directory formats: write `state` and the JSON manifest into `directory` (rank 0 only).
+
+    Strategies with their own directory format (DeepSpeed) call this from
+    `Strategy.save_checkpoint` so that every directory checkpoint is
+    recognised, inspected and resumed the same way.
+    """
+    os.makedirs(directory, exist_ok=True)
+    save_torch_durably(state, os.path.join(directory, TRAINER_STATE_NAME))
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    with open(manifest_path, "w") as fh:
+        json.dump(state["shardwise"], fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_trainer_state(directory: str) -> Dict[str, Any]:
+    return load_torch(os.path.join(directory, TRAINER_STATE_NAME))
+
+
+def load_torch(path: str, **kwargs: Any) -> Any:
+    """torch.load with errors that name the file. Checkpoints are pickles: load only trusted ones."""
+    if not os.path.exists(path):
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete.")
+    try:
+        return torch.load(path, map_location=kwargs.pop("map_location", "cpu"), weights_only=False, **kwargs)
+    except Exception as exc:  # zip / pickle / EOF errors all mean the same thing here
+        raise CorruptCheckpointError(
+            f"{path} is truncated or corrupt ({os.path.getsize(path)} bytes; torch.load said: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). Resume from an earlier checkpoint."
+        ) from exc
+
+
+def read_manifest(path: str) -> Dict[str, Any]:
+    """The manifest of the checkpoint at `path` (a file or a directory), without reading tensors."""
+    if os.path.isdir(path):
+        manifest_path = os.path.join(path, MANIFEST_NAME)
+        if not os.path.exists(manifest_path):
+            hint = (" It looks like a directory of checkpoints: pass one of them, or ckpt_path='last'."
+                    if list_checkpoints(path) else "")
+            raise CorruptCheckpointError(f"{path} is not a shardwise checkpoint: it has no {MANIFEST_NAME}.{hint}")
+        try:
+            with open(manifest_path) as fh:
+                return json.load(fh)
+        except (ValueError, OSError) as exc:
+            raise CorruptCheckpointError(f"{manifest_path} is truncated or corrupt: {exc}") from exc
+    # One file: load it on the meta device, which reads only the pickled
+    # structure, never the tensor bytes.
+    payload = load_torch(path, map_location="meta")
+    if not isinstance(payload, dict) or "shardwise" not in payload:
+        raise CorruptCheckpointError(f"{path} is a torch file but not a shardwise checkpoint (no 'shardwise' entry).")
+    return payload["shardwise"]
+
+
+# -------------------------------------------------------------- committing
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two existing paths (Linux renameat2); False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def commit(tmp: str, final: str) -> None:
+    """Rename a finished temporary checkpoint into place (rank 0). Replacing an existing one is atomic too."""
+    if os.path.lexists(final):
+        if os.path.isfile(tmp) and os.path.isfile(final) and not os.path.islink(final):
+            os.replace(tmp, final)
+        elif _exchange(tmp, final):
+            remove_checkpoint(tmp)  # now holds the old checkpoint
+        else:  # no atomic swap here: move the old one aside first (a short window without `final`)
+            aside = temp_path(final, new_token()).replace(_TEMP_MARK, _TRASH_MARK)
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            remove_checkpoint(aside)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint so that no half-deleted one is ever visible under its name."""
+    if os.path.islink(path) or not os.path.exists(path):
+        if os.path.lexists(path):
+            os.unlink(path)
+        return
+    trash = path
+    if not is_hidden_leftover(os.path.basename(path)):
+        trash = temp_path(path, new_token()).replace(_TEMP_MARK, _TRASH_MARK)
+        os.rename(path, trash)
+    if os.path.isdir(trash):
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.unlink(trash)
+
+
+def remove_leftovers(directory: str) -> List[str]:
+    """Delete hidden temporary / half-deleted entries a killed run left in `directory`."""
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in os.listdir(directory):
+        if is_hidden_leftover(name):
+            remove_checkpoint(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+def point_last(directory: str, target: str, name: str = LAST_NAME) -> str:
+    """Atomically make `directory/last.ckpt` a relative symlink to `target` (a checkpoint in `directory`)."""
+    link = os.path.join(directory, name)
+    tmp = temp_path(link, new_token())
+    os.symlink(os.path.relpath(os.path.abspath(target), os.path.abspath(directory)), tmp)
+    os.replace(tmp, link)  # rename() replaces the link itself, never what it points to
+    fsync_dir(directory)
+    return link
+
+
+# ------------------------------------------------------------------ finding
+@dataclass
+class CheckpointEntry:
+    path: str
+    manifest: Dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest.get("global_step", -1))
+
+
+def list_checkpoints(directory: str) -> List[CheckpointEntry]:
+    """Committed shardwise checkpoints in `directory`, oldest step first (symlinks and leftovers skipped)."""
+    entries: List[CheckpointEntry] = []
+    if not os.path.isdir(directory):
+        return entries
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(".") or os.path.islink(path):
+            continue
+        is_dir_ckpt = os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST_NAME))
+        if not (is_dir_ckpt or (os.path.isfile(path) and name.endswith(SUFFIX))):
+            continue
+        try:
+            entries.append(CheckpointEntry(path, read_manifest(path)))
+        except Exception:  # unreadable: not something to resume from
+            continue
+    entries.sort(key=lambda e: (e.step, os.path.getmtime(e.path)))
+    return entries
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """`directory/last.ckpt` if it points to something, else the committed checkpoint with the highest step."""
+    link = os.path.join(directory, LAST_NAME)
+    if os.path.exists(link):  # exists() follows the link: a dangling one is skipped
+        return os.path.realpath(link)
+    entries = list_checkpoints(directory)
+    return entries[-1].path if entries else None
+
+
+def describe_available(directories: List[str]) -> str:
+    lines = []
+    for directory in dict.fromkeys(os.path.abspath(d) for d in directories):
+        for entry in list_checkpoints(directory):
+            lines.append(f"  {entry.path}  (step {entry.step}, {entry.manifest.get('checkpoint_format')})")
+    return "\n".join(lines) if lines else "  (none)"
+
+
+def resolve(ckpt_path: str, search_dirs: List[str]) -> Optional[str]:
+    """Turn fit(ckpt_path=...) into a committed checkpoint path; None for 'last' when nothing was saved yet."""
+    if ckpt_path == "last":
+        for directory in search_dirs:
+            found = latest_checkpoint(directory)
+            if found:
+                return found
+        return None
+    path = os.path.abspath(os.path.expanduser(os.fspath(ckpt_path)))
+    if not os.path.exists(path):
+        dirs = [os.path.dirname(path)] + list(search_dirs)
+        raise CheckpointNotFoundError(
+            f"Checkpoint {path} does not exist. Checkpoints found:\n{describe_available(dirs)}")
+    return os.path.realpath(path)

@@ -1,0 +1,241 @@
+"""Save and restore a whole training run: the trainer's side of a checkpoint.
+
+The strategy writes the model and optimizers in its format (strategies/base.py
+states the contract); this file gathers everything else a resumed run needs
+to continue exactly where the saved one was -- progress counters, the data
+position, every rank's RNG states, LR schedulers, the grad scaler, callback
+and logger state, the module's own extras and hyperparameters -- and runs
+the atomic commit (layout.py). Where the RNG states come from and where they
+go back is the subtle part, explained at `_resume_position` and in
+Trainer._epoch_iterator: a checkpoint is taken right after an optimizer step,
+and the resumed run puts the generators back at the matching point of its
+own loop, so both runs draw the same numbers from there on.
+"""
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from shardwise.checkpoint import layout
+from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from shardwise.checkpoint.rng import capture_rng_states
+from shardwise.distributed import ops
+
+
+class PendingCheckpoint:
+    """A checkpoint written (or being written) under its temporary name, not yet committed.
+
+    `commit()` is collective: every rank waits for its own writes, the ranks
+    agree that all succeeded, then rank 0 renames the checkpoint into place.
+    """
+
+    def __init__(self, strategy: Any, tmp: str, final: str, future: Optional[Any]) -> None:
+        self.strategy, self.tmp, self.final, self.future = strategy, tmp, final, future
+
+    @property
+    def is_async(self) -> bool:
+        return self.future is not None
+
+    def commit(self) -> str:
+        error = None
+        try:
+            future = getattr(self.future, "upload_completion", self.future)  # AsyncSaveResponse or Future
+            if isinstance(future, Future):
+                future.result()
+        except BaseException as exc:  # reported to every rank below, so none waits forever
+            error = f"rank {self.strategy.global_rank}: {type(exc).__name__}: {exc}"
+        errors = [e for e in ops.all_gather_object(error) if e]
+        if errors:
+            if self.strategy.is_global_zero:
+                layout.remove_checkpoint(self.tmp)
+            raise CheckpointError(f"Saving {self.final} failed; the previous checkpoints are untouched. "
+                                  + "; ".join(errors))
+        if self.strategy.is_global_zero:
+            layout.commit(self.tmp, self.final)
+        self.strategy.barrier("checkpoint-commit")
+        return self.final
+
+
+# --------------------------------------------------------------------- save
+def _resume_position(trainer: Any) -> Dict[str, Any]:
+    """The loop position a resumed run must start from.
+
+    Inside on_train_epoch_end the epoch's work is done (its validation, its
+    epoch-interval schedulers, its callbacks) although the counters still
+    say `epoch`: a run resumed from there starts at the next epoch, or it
+    would repeat that work. Anywhere else the counters are the position.
+    """
+    position = trainer.state.state_dict()
+    position.pop("stage", None)
+    if getattr(trainer, "_in_epoch_end", False):
+        position["epoch"] += 1
+        position["batch_idx"] = 0
+    return position
+
+
+def _keyed(objects: List[Any], method: str) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for obj in objects:
+        fn = getattr(obj, method, None)
+        if not callable(fn):
+            continue
+        key = getattr(obj, "state_key", None) or type(obj).__qualname__
+        base, n = key, 1
+        while key in out:  # two callbacks of one class: keep both, in order
+            n += 1
+            key = f"{base}#{n}"
+        out[key] = fn()
+    return out
+
+
+def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every rank's RNG states, on every rank. They travel as torch.save bytes: pickling a
+    tensor straight through all_gather_object does not round-trip its storage."""
+    buffer = io.BytesIO()
+    torch.save(rng, buffer)
+    return [torch.load(io.BytesIO(blob), weights_only=False) for blob in ops.all_gather_object(buffer.getvalue())]
+
+
+def collect_state(trainer: Any) -> Dict[str, Any]:
+    """Everything but the model and optimizers, identical on every rank (collective: gathers RNG states)."""
+    from shardwise.data import find_sampler
+
+    strategy, module = trainer.strategy, trainer.lightning_module
+    position = _resume_position(trainer)
+    # During validation the generators run on a copy; save training's own.
+    rng = getattr(trainer, "_rng_outside_validation", None) or capture_rng_states()
+    loader = trainer.train_dataloader
+    sampler = find_sampler(loader)
+    state: Dict[str, Any] = {
+        "shardwise": {**layout.build_manifest(strategy.checkpoint_format, getattr(strategy, "name", "?"),
+                                              strategy.world_size, position),
+                      "optimizers": [type(opt).__name__ for opt in strategy.optimizers]},
+        "train_state": position,
+        "data": {"batch_size": getattr(loader, "batch_size", None), "world_size": strategy.world_size},
+        "sampler": sampler.state_dict() if sampler is not None else None,
+        "rng_states": _gather_rng(rng),
+        "lr_schedulers": [entry["scheduler"].state_dict() for entry in strategy.lr_schedulers],
+        "grad_scaler": strategy.grad_scaler.state_dict() if strategy.grad_scaler is not None else None,
+        "callbacks": _keyed(trainer.callbacks, "state_dict"),
+        "loggers": _keyed(trainer.loggers, "state_dict"),
+        "callback_metrics": dict(trainer.metrics.callback_metrics),
+        "hyper_parameters": dict(getattr(module, "hparams", {}) or {}),
+    }
+    if module is not None:
+        module.on_save_checkpoint(state)
+    trainer._call("on_save_checkpoint", state)
+    return state
+
+
+def save_training_checkpoint(trainer: Any, path: str, wait: bool = True) -> Any:
+    """Write a resumable checkpoint of `trainer` at `path`; call on every rank.
+
+    Returns the committed path, or with wait=False the PendingCheckpoint, whose
+    commit() the caller must then run on every rank: ModelCheckpoint commits a
+    synchronous save at once and an async one at its next save or at the end
+    of training, and runs its own follow-up (move `last`, prune) after that.
+    """
+    strategy = trainer.strategy
+    if strategy.module is None:
+        raise CheckpointError("save_checkpoint() needs a set-up model: call it during or after fit().")
+    final, token = strategy.broadcast((os.path.abspath(os.fspath(path)), layout.new_token()))
+    state = collect_state(trainer)
+    tmp = layout.temp_path(final, token)
+    if strategy.is_global_zero:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    strategy.barrier("checkpoint-start")
+    future = strategy.save_checkpoint(tmp, state)
+    pending = PendingCheckpoint(strategy, tmp, final, future)
+    return pending.commit() if wait else pending
+
+
+# --------------------------------------------------------------------- load
+def search_dirs(trainer: Any) -> List[str]:
+    dirs = [cb.resolve_dirpath(trainer) for cb in trainer.callbacks if hasattr(cb, "resolve_dirpath")]
+    return dirs + [os.path.join(trainer.default_root_dir, "checkpoints")]
+
+
+def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
+    """Restore `trainer` (set up already) from a checkpoint; returns the path used, None if 'last' found none."""
+    resolved = layout.resolve(path, search_dirs(trainer))
+    if resolved is None:
+        warnings.warn(f"ckpt_path='last' found no checkpoint in {search_dirs(trainer)}; training starts from "
+                      "scratch.", stacklevel=3)
+        return None
+    manifest = layout.read_manifest(resolved)
+    layout.check_version(manifest, resolved)
+    running = [type(opt).__name__ for opt in trainer.strategy.optimizers]
+    if manifest.get("optimizers", running) != running:
+        raise CheckpointMismatchError(
+            f"{resolved} holds the state of optimizer(s) {manifest['optimizers']}, but configure_optimizers() "
+            f"returned {running}. Resume with the same optimizer(s), or load only the weights.")
+    state = trainer.strategy.load_checkpoint(resolved, manifest["checkpoint_format"])
+    restore_state(trainer, state)
+    trainer.strategy.barrier("checkpoint-loaded")
+    return resolved
+
+
+def _restore_position(trainer: Any, state: Dict[str, Any]) -> None:
+    """Progress counters and the data position, re-expressed for this world size and batch size."""
+    from shardwise.data import find_sampler
+
+    position = dict(state["train_state"])
+    loader = trainer.train_dataloader
+    sampler = find_sampler(loader)
+    saved = state.get("data", {})
+    batch_size = getattr(loader, "batch_size", None)
+    old = (saved.get("batch_size"), saved.get("world_size"))
+    new = (batch_size, trainer.world_size)
+    if position["batch_idx"] and None not in old + new and old != new:
+        # Ranks take interleaved slices of one permutation, so the samples
+        # consumed so far are its first batch_idx * batch_size * world_size
+        # entries, whatever the layout: continue after the same count.
+        consumed = position["batch_idx"] * old[0] * old[1]
+        position["batch_idx"] = consumed // (new[0] * new[1])
+        if consumed % (new[0] * new[1]):
+            warnings.warn(f"Resuming mid-epoch with batch size x world size {new[0]}x{new[1]} instead of "
+                          f"{old[0]}x{old[1]}: {consumed % (new[0] * new[1])} sample(s) will be seen twice.",
+                          stacklevel=4)
+    if position["batch_idx"] and sampler is None and loader is not None:
+        warnings.warn("Resuming mid-epoch, but the train DataLoader has no shardwise sampler to skip the "
+                      "consumed batches (custom sampler or IterableDataset): the epoch restarts from its "
+                      "first batch.", stacklevel=4)
+    trainer.state.load_state_dict(position)
+    if sampler is not None and state.get("sampler"):
+        sampler.load_state_dict(state["sampler"])
+
+
+def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
+    strategy, module = trainer.strategy, trainer.lightning_module
+    _restore_position(trainer, state)
+    rng_states = state.get("rng_states") or []
+    if len(rng_states) != strategy.world_size:
+        warnings.warn(f"The checkpoint holds RNG states of {len(rng_states)} rank(s), this run has "
+                      f"{strategy.world_size}: random streams (dropout, augmentation) will differ from the "
+                      "saved run's.", stacklevel=3)
+    if strategy.global_rank < len(rng_states):
+        # Applied by the loop at the point the saved run was at (Trainer._epoch_iterator).
+        trainer._pending_rng = rng_states[strategy.global_rank]
+    saved_scheds = state.get("lr_schedulers", [])
+    if len(saved_scheds) != len(strategy.lr_schedulers):
+        raise CheckpointMismatchError(f"The checkpoint holds {len(saved_scheds)} LR scheduler(s) but "
+                                      f"configure_optimizers() returned {len(strategy.lr_schedulers)}.")
+    for entry, sched_state in zip(strategy.lr_schedulers, saved_scheds):
+        entry["scheduler"].load_state_dict(sched_state)
+    if strategy.grad_scaler is not None and state.get("grad_scaler"):
+        strategy.grad_scaler.load_state_dict(state["grad_scaler"])
+    for objects, key in ((trainer.callbacks, "callbacks"), (trainer.loggers, "loggers")):
+        saved = state.get(key, {})
+        current = _keyed(objects, "state_dict")  # same keys, in the same order
+        for obj, name in zip([o for o in objects if callable(getattr(o, "state_dict", None))], current):
+            if name in saved and callable(getattr(obj, "load_state_dict", None)):
+                obj.load_state_dict(saved[name])
+    trainer.metrics.callback_metrics.update(state.get("callback_metrics", {}))
+    if module is not None:
+        module.on_load_checkpoint(state)
+    trainer._call("on_load_checkpoint", state)

@@ -1,0 +1,212 @@
+# CSVLogger, the default logger: metrics.csv and hparams.yaml under
+# <save_dir>/<name>/version_<n>/, readable with any spreadsheet or pandas and with no
+# dependency beyond the standard library. Rows are buffered and flushed every
+# `flush_every_n_steps` log calls and on save()/finalize(); when a metric appears that
+# the file has no column for, the whole file is rewritten with the wider header
+# (atomically: write a temporary file, then rename) so every row lines up. Only
+# global rank 0 touches the filesystem. This file also holds the small helpers the
+# TensorBoard logger shares: version numbering, rank detection, hparams.yaml.
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import re
+from argparse import Namespace
+from typing import Any, Mapping
+
+__all__ = ["CSVLogger"]
+
+METRICS_FILE = "metrics.csv"
+HPARAMS_FILE = "hparams.yaml"
+
+
+def rank_zero() -> bool:
+    """True on global rank 0 (or when not distributed): the only rank that writes logs."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def next_version(root: str) -> int:
+    """One more than the highest existing version_<n> under root (0 if none)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return 0
+    found = [int(m.group(1)) for n in names if (m := re.fullmatch(r"version_(\d+)", n))]
+    return max(found) + 1 if found else 0
+
+
+def to_scalar(value: Any) -> Any:
+    """Tensors and numpy scalars become Python numbers; other values pass through."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    return value
+
+
+def flatten_dict(d: Mapping, prefix: str = "", sep: str = "/") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_dict(value, name, sep))
+        else:
+            out[name] = value
+    return out
+
+
+def hparams_to_dict(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if isinstance(params, Namespace):
+        return dict(vars(params))
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
+        return dataclasses.asdict(params)
+    return dict(params)
+
+
+def _plain(value: Any) -> Any:
+    # YAML/JSON-safe copy: containers recurse, numbers stay, everything else is repr'd
+    # (a torch.dtype or a class should not make logging crash).
+    value = to_scalar(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def write_hparams(path: str, hparams: Mapping[str, Any]) -> None:
+    """Write hparams as YAML (PyYAML if installed, else JSON, which is valid YAML)."""
+    data = _plain(dict(hparams))
+    try:
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=False)
+    except ImportError:
+        text = json.dumps(data, indent=2) + "\n"
+    _atomic_write(path, text)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class CSVLogger:
+    """Log metrics to ``<save_dir>/<name>/version_<n>/metrics.csv``.
+
+    ``version=None`` picks the next free number; a string version is used as the
+    directory name as is. Call pattern (from the Trainer): log_hyperparams(dict),
+    log_metrics(dict, step), save(), finalize(status).
+    """
+
+    def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
+                 flush_every_n_steps: int = 100):
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._flush_every = max(1, flush_every_n_steps)
+        self._columns: list[str] = []  # the header currently on disk
+        self._pending: list[dict[str, Any]] = []
+        self._hparams: dict[str, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def version(self) -> int | str:
+        # Resolved lazily so constructing a logger touches nothing. In multi-process
+        # runs the Trainer should pass rank 0's version to the other ranks.
+        if self._version is None:
+            self._version = next_version(self.root_dir)
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version
+        return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
+
+    @property
+    def metrics_file(self) -> str:
+        return os.path.join(self.log_dir, METRICS_FILE)
+
+    def log_hyperparams(self, params: Any) -> None:
+        self._hparams.update(hparams_to_dict(params))
+        if rank_zero():
+            os.makedirs(self.log_dir, exist_ok=True)
+            write_hparams(os.path.join(self.log_dir, HPARAMS_FILE), self._hparams)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if not rank_zero():
+            return
+        row = {k: to_scalar(v) for k, v in flatten_dict(metrics).items()}
+        if step is not None:
+            row["step"] = int(step)
+        self._pending.append(row)
+        if len(self._pending) >= self._flush_every:
+            self.save()
+
+    def save(self) -> None:
+        if not self._pending or not rank_zero():
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = self.metrics_file
+        if not self._columns and os.path.exists(path):
+            self._columns = self._read(path)[0]  # appending to an existing run's file
+        new_keys = [k for row in self._pending for k in row if k not in self._columns]
+        if new_keys or not os.path.exists(path):
+            # New columns: rewrite everything under the wider header. "step" leads;
+            # other columns keep the order they first appeared in.
+            old_rows = self._read(path)[1]
+            columns = list(self._columns)
+            for key in new_keys:
+                if key not in columns:
+                    columns.append(key)
+            columns.sort(key=lambda c: c != "step")
+            tmp = f"{path}.tmp"
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns, restval="")
+                writer.writeheader()
+                writer.writerows(old_rows + self._pending)
+            os.replace(tmp, path)
+            self._columns = columns
+        else:
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._columns, restval="").writerows(self._pending)
+        self._pending = []
+
+    @staticmethod
+    def _read(path: str) -> tuple[list[str], list[dict[str, Any]]]:
+        if not os.path.exists(path):
+            return [], []
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            return list(reader.fieldnames or []), rows
+
+    def finalize(self, status: str = "success") -> None:
+        self.save()
+
+    def __repr__(self) -> str:
+        return f"CSVLogger(log_dir={self.log_dir!r})"

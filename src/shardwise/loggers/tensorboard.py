@@ -1,0 +1,104 @@
+# TensorBoardLogger: scalars to a TensorBoard event file under
+# <save_dir>/<name>/version_<n>/ via torch.utils.tensorboard.SummaryWriter, plus the
+# same hparams.yaml the CSV logger writes. tensorboard is an optional extra, so it is
+# imported only when the writer is first needed and a missing install names the pip
+# command. Only global rank 0 creates a writer; other ranks make every call a no-op.
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from shardwise.loggers.csv import (
+    HPARAMS_FILE, flatten_dict, hparams_to_dict, next_version, rank_zero, to_scalar, write_hparams,
+)
+
+__all__ = ["TensorBoardLogger"]
+
+
+def _summary_writer_class():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:  # torch raises ImportError when tensorboard is missing
+        raise ImportError(
+            "TensorBoardLogger needs the tensorboard package: pip install \"shardwise[tensorboard]\" "
+            "(or pip install tensorboard). The default CSVLogger has no extra dependency."
+        ) from err
+    return SummaryWriter
+
+
+class TensorBoardLogger:
+    """Log scalars to TensorBoard: ``tensorboard --logdir <save_dir>/<name>``."""
+
+    def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
+                 **writer_kwargs: Any):
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._writer_kwargs = writer_kwargs
+        self._writer = None
+        self._hparams: dict[str, Any] = {}
+        if rank_zero():
+            _summary_writer_class()  # fail at construction, not at the first logged step
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = next_version(self.root_dir)
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version
+        return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
+
+    @property
+    def experiment(self):
+        """The SummaryWriter (None on ranks other than 0), for images, histograms, ..."""
+        if self._writer is None and rank_zero():
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = _summary_writer_class()(log_dir=self.log_dir, **self._writer_kwargs)
+        return self._writer
+
+    def log_hyperparams(self, params: Any) -> None:
+        self._hparams.update(hparams_to_dict(params))
+        writer = self.experiment
+        if writer is None:
+            return
+        write_hparams(os.path.join(self.log_dir, HPARAMS_FILE), self._hparams)
+        # A markdown table under the TEXT tab; add_hparams() would start a separate run.
+        rows = "\n".join(f"| {k} | {v} |" for k, v in flatten_dict(self._hparams).items())
+        writer.add_text("hparams", "| name | value |\n|---|---|\n" + rows)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        writer = self.experiment
+        if writer is None:
+            return
+        for key, value in flatten_dict(metrics).items():
+            value = to_scalar(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(key, value, global_step=step)
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str = "success") -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+    def __repr__(self) -> str:
+        return f"TensorBoardLogger(log_dir={self.log_dir!r})"

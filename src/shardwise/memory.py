@@ -1,0 +1,723 @@
+# Tracked tensor memory: the measurement every memory claim in shardwise rests on.
+# CPUs have no allocator statistics like torch.cuda.max_memory_allocated, and RSS
+# mixes in the Python heap, freed-but-resident pages and library buffers, so it
+# cannot support exact assertions such as "FSDP's peak is at most 0.6x DDP's". A
+# MemoryTracker counts the bytes of live tensor storages instead: a TorchDispatchMode
+# sees each op's outputs and records every new storage once (keyed by its C++
+# StorageImpl); a weakref on the storage subtracts it when it is freed. Storages are
+# split into roles (parameters, gradients, optimizer, activations, buffers, other)
+# learned from registered modules/optimizers, module/optimizer hooks and the
+# collectives a storage takes part in; a storage is re-categorised, inside the
+# recorded peak too, when its role becomes known. Module-level functions mirror
+# torch.cuda (max_memory_allocated, memory_allocated, reset_peak_memory_stats); the
+# RSS helpers give the whole-process peak on Linux; format_bytes/parse_bytes are
+# shared with the memory planner.
+#
+# Why not torch.distributed._tools.mem_tracker.MemTracker: it deep-copies per-module
+# snapshots on every op and refuses a second forward of the root module inside one
+# context, so it cannot watch a training run, and it does not see DDP buckets. We
+# keep its two key ideas (storage weakrefs; patching UntypedStorage.resize_, which
+# FSDP2 uses to free and re-allocate unsharded parameters without dispatch).
+#
+# Counted: storages produced by ops dispatched on the tracking thread (autograd's
+# threads inherit the mode), storages reachable from registered modules/optimizers,
+# and storage resizes. Not counted: scratch memory kernels allocate internally, gloo
+# and NCCL internal buffers, other threads (DataLoader workers, pin-memory), code
+# compiled by inductor (only its outputs are seen), non-tensor memory. Memory that
+# predates tracking counts from when it is found: at once for registered objects
+# (and in the peak, since it existed all along), else from the first op touching
+# it. DDP's reducer buckets are allocated in C++ at wrap time; with
+# gradient_as_bucket_view=True the .grads are views of them, and in both modes the
+# reducer copies gradients into them and all-reduces them, so they are counted (as
+# gradients) from the first backward on. Sizes are storage nbytes, not allocator
+# blocks. start/stop must nest properly with other dispatch modes, on one thread.
+from __future__ import annotations
+
+import collections
+import re
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch._guards import active_fake_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode, is_traceable_wrapper_subclass, is_traceable_wrapper_subclass_type,
+)
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "CATEGORIES", "MemoryTracker", "active_tracker", "current_rss_bytes", "format_bytes", "last_tracker",
+    "max_memory_allocated", "memory_allocated", "parse_bytes", "peak_rss_bytes",
+    "reset_peak_memory_stats", "reset_peak_rss", "start_tracking", "stop_tracking", "track_memory",
+]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "other")
+
+# Collectives tell us what a buffer holds even when nobody registered it: FSDP's
+# all-gather buffers are parameters, reduce-scatter / gradient all-reduce buffers are
+# gradients. Keyed by schema name so no distributed module has to be imported.
+_PARAM_OPS = frozenset({
+    "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy",
+    "c10d::_allgather_base_", "c10d::allgather_", "c10d::allgather_into_tensor_coalesced_",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::all_gather_into_tensor_coalesced",
+})
+_GRAD_OPS = frozenset({
+    "fsdp::chunk_cat", "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_",
+    "c10d::reduce_scatter_tensor_coalesced_", "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::reduce_scatter_tensor_coalesced",
+})
+# All-reduce also syncs metrics and norms, so it only means "gradients" in backward.
+_BACKWARD_GRAD_OPS = frozenset({"c10d::allreduce_", "_c10d_functional::all_reduce"})
+
+_ACTIVE: MemoryTracker | None = None  # the one tracker currently running in this process
+_LAST: MemoryTracker | None = None  # kept after stop so its peak stays readable until reset
+_WARNED_OFF = False
+
+
+def _op_info(func) -> tuple[str | None, bool]:
+    """(role implied by the op, whether an output aliases an input) for one overload."""
+    name = func._schema.name
+    role = None
+    if name in _PARAM_OPS:
+        role = "parameters"
+    elif name in _GRAD_OPS:
+        role = "gradients"
+    elif name in _BACKWARD_GRAD_OPS:
+        role = "bw-gradients"
+    # lift_fresh "aliases" a tensor torch.tensor() built without dispatch: it is a birth.
+    aliasing = name != "aten::lift_fresh" and any(r.alias_info is not None for r in func._schema.returns)
+    return role, aliasing
+
+
+def _storages(t: torch.Tensor) -> list:
+    # Wrapper subclasses (DTensor, FSDP's extensions) own no memory themselves; the
+    # bytes live in the inner tensors they flatten to.
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        out = []
+        for attr in t.__tensor_flatten__()[0]:
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):
+                out.extend(_storages(inner))
+        return out
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return []  # sparse / mkldnn / nested layouts: no single dense storage to count
+
+
+class _Entry(weakref.ref):
+    """A weak reference to one storage plus its accounting; the callback is the free."""
+
+    __slots__ = ("key", "nbytes", "cat", "born", "peak_mark", "peak_nbytes")
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: MemoryTracker):
+        super().__init__()
+        self.tracker = tracker
+        self.is_wrapper: dict[type, bool] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Let wrapper subclasses desugar first: their local ops come back through
+        # this mode with plain tensors, whose storages are the real memory.
+        for t in types:
+            w = self.is_wrapper.get(t)
+            if w is None:
+                w = self.is_wrapper[t] = is_traceable_wrapper_subclass_type(t)
+            if w:
+                return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        self.tracker._after_op(func, args, kwargs, out)
+        return out
+
+
+class MemoryTracker:
+    """Counts live tensor storage bytes by category, and their peak.
+
+    Use as a context manager (``with MemoryTracker() as t: ...``) or with
+    ``start()``/``stop()``. At most one tracker runs per process; it watches the
+    thread that started it (plus autograd's threads). Call ``register(module,
+    optimizers)`` so memory that existed before tracking started is counted and
+    categorised. After ``stop()`` the peak numbers stay readable; current numbers
+    freeze at their value when tracking stopped.
+    """
+
+    def __init__(self, count_fake: bool | None = None):
+        # count_fake: count FakeTensor (meta) storages, for the memory planner;
+        # None = decide at start() from whether a FakeTensorMode is active then.
+        self._count_fake_arg, self._count_meta, self._fake_mode = count_fake, False, None
+        self._lock = threading.RLock()
+        self._entries: dict[int, _Entry] = {}  # StorageImpl address -> entry
+        self._pending: collections.deque = collections.deque()  # freed, not yet subtracted
+        self._cur, self._total = dict.fromkeys(CATEGORIES, 0), 0
+        self._peak_snap, self._peak_total = dict.fromkeys(CATEGORIES, 0), 0
+        self._peak_id = 0  # bumps whenever a new peak moment is recorded
+        self._peak_limit = 0  # entries with born <= this were alive at the peak moment
+        self._seq = 0  # birth counter
+        self._modules: list[weakref.ref] = []
+        self._optimizers: list[weakref.ref] = []
+        self._grad_hooked = WeakIdKeyDictionary()  # param -> hook handle
+        self._handles: list = []
+        self._op_cache: dict[Any, tuple[str | None, bool]] = {}
+        self._mode: _Mode | None = None
+        self._orig_resize = None
+        self._fwd_depth, self._in_opt, self._awaiting_backward, self._bw_task = 0, 0, False, -1
+        self._owner_stack: list[bool] = []
+        self._adoptable = False
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    @property
+    def current_bytes(self) -> int:
+        with self._lock:
+            self._drain()
+            return self._total
+
+    @property
+    def current_breakdown(self) -> dict[str, int]:
+        with self._lock:
+            self._refresh()
+            return dict(self._cur)
+
+    @property
+    def peak_bytes(self) -> int:
+        with self._lock:
+            self._drain()
+            return self._peak_total
+
+    @property
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes per category at the moment the total peaked (roles re-checked now)."""
+        with self._lock:
+            self._refresh()
+            return dict(self._peak_snap)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._drain()
+            self._new_peak()
+
+    def register(self, module: torch.nn.Module | None = None, optimizers: Any = ()) -> MemoryTracker:
+        """Attach a model and optimizers so their tensors are counted and categorised."""
+        if isinstance(optimizers, torch.optim.Optimizer) or hasattr(optimizers, "param_groups"):
+            optimizers = (optimizers,)
+        with self._lock:
+            if module is not None and not any(r() is module for r in self._modules):
+                self._modules.append(weakref.ref(module))
+            for opt in optimizers or ():
+                if not any(r() is opt for r in self._optimizers):
+                    self._optimizers.append(weakref.ref(opt))
+            if self.active:
+                self._drain()
+                self._scan_registered()
+                self._maybe_peak()
+        return self
+
+    def start(self) -> MemoryTracker:
+        global _ACTIVE, _LAST
+        if self.active:
+            return self
+        if _ACTIVE is not None:
+            raise RuntimeError("Another MemoryTracker is already running in this process; reuse it "
+                               "via shardwise.memory.active_tracker() or stop it first (stop_tracking()).")
+        self._fake_mode = active_fake_mode()
+        self._count_meta = (self._fake_mode is not None) if self._count_fake_arg is None else self._count_fake_arg
+        self._fwd_depth, self._in_opt, self._awaiting_backward, self._bw_task = 0, 0, False, -1
+        self._install_hooks()
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        _ACTIVE = _LAST = self
+        with self._lock:
+            # Current accounting restarts from what is reachable now; a previous run's
+            # peak is kept (those bytes are already in it, hence retro=False).
+            self._cur, self._total = dict.fromkeys(CATEGORIES, 0), 0
+            self._scan_registered(retro=False)
+            self._maybe_peak()
+        return self
+
+    def stop(self) -> MemoryTracker:
+        global _ACTIVE
+        if not self.active:
+            return self
+        with self._lock:
+            self._refresh()
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        self._remove_hooks()
+        # Dropping the weakrefs disarms their callbacks: nothing costs anything once off.
+        self._entries = {}
+        self._pending.clear()
+        self._adoptable = False
+        if _ACTIVE is self:
+            _ACTIVE = None
+        return self
+
+    def __enter__(self) -> MemoryTracker:
+        # A tracker started by track_memory() is "adopted" by the first `with`, so
+        # `with track_memory(): ...` stops it at the end; otherwise a `with` only
+        # stops what it started itself.
+        owns = not self.active or self._adoptable
+        self._adoptable = False
+        self.start()
+        self._owner_stack.append(owns)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owner_stack.pop():
+            self.stop()
+
+    def summary(self) -> str:
+        peak = self.peak_breakdown
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in peak.items() if v)
+        return f"peak tracked tensor memory {format_bytes(self.peak_bytes)} ({parts or 'nothing tracked'})"
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "stopped"
+        return f"MemoryTracker({state}, current={format_bytes(self.current_bytes)}, peak={format_bytes(self.peak_bytes)})"
+
+    # ----------------------------------------------------------- accounting core
+    # All mutation happens under self._lock in the thread running ops; weakref
+    # callbacks (which may fire on any thread, even mid-update) only queue the entry.
+    def _on_free(self, entry: _Entry) -> None:
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        self._pending.append(entry)
+
+    def _drain(self) -> None:
+        while self._pending:
+            e = self._pending.popleft()
+            self._cur[e.cat] -= e.nbytes
+            self._total -= e.nbytes
+
+    def _maybe_peak(self) -> None:
+        if self._total > self._peak_total:
+            self._new_peak()
+
+    def _new_peak(self) -> None:
+        self._peak_total, self._peak_snap = self._total, dict(self._cur)
+        self._peak_id += 1
+        self._peak_limit = self._seq
+
+    def _add(self, st, cat: str, retro: bool) -> None:
+        # retro: the storage existed before tracking saw it (found via a registered
+        # object), so it was also part of every earlier moment, including the peak.
+        n = st.nbytes()
+        self._seq += 1
+        e = _Entry(st, self._on_free)
+        e.key, e.nbytes, e.cat, e.peak_mark, e.peak_nbytes = st._cdata, n, cat, -1, 0
+        e.born = -1 if retro else self._seq
+        self._entries[e.key] = e
+        self._cur[cat] += n
+        self._total += n
+        if retro:
+            self._peak_total += n
+            self._peak_snap[cat] += n
+
+    def _recat(self, e: _Entry, cat: str) -> None:
+        old = e.cat
+        if old == cat:
+            return
+        self._cur[old] -= e.nbytes
+        self._cur[cat] += e.nbytes
+        if e.born <= self._peak_limit:  # alive now and born before the peak: it was in the peak
+            n = e.peak_nbytes if e.peak_mark == self._peak_id else e.nbytes
+            self._peak_snap[old] -= n
+            self._peak_snap[cat] += n
+        e.cat = cat
+
+    def _resize(self, e: _Entry, n: int) -> None:
+        if e.born <= self._peak_limit and e.peak_mark != self._peak_id:
+            e.peak_mark, e.peak_nbytes = self._peak_id, e.nbytes  # remember its size at the peak
+        delta, e.nbytes = n - e.nbytes, n
+        self._cur[e.cat] += delta
+        self._total += delta
+
+    def _see(self, t: torch.Tensor, cat: str) -> None:
+        """An op produced t: count its storage if new, follow size changes if known."""
+        self._claim(t, cat, retro=False, role=False)
+
+    def _claim(self, t, cat: str, retro: bool = True, weak: bool = False, role: bool = True) -> None:
+        """t holds `cat`: count it if unseen; if role, re-label it (weak: only
+        activations/other are re-labelled); always follow a size change."""
+        if t is None:
+            return
+        for st in _storages(t):
+            e = self._entries.get(st._cdata)
+            if e is None:
+                if self._count_meta or st.device.type != "meta":
+                    self._add(st, cat, retro)
+                continue
+            if st.nbytes() != e.nbytes:
+                self._resize(e, st.nbytes())
+            if role and (not weak or e.cat in ("activations", "other")):
+                self._recat(e, cat)
+
+    def _phase_category(self) -> str:
+        if self._in_opt:
+            return "optimizer"
+        if self._fwd_depth or self._awaiting_backward:
+            return "activations"
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            if task != self._bw_task:
+                # First op of this backward: learn when it ends, so allocations
+                # after it (clipping, logging, data) are not called activations.
+                self._bw_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            return "activations"
+        return "other"
+
+    def _backward_done(self) -> None:
+        if not self._fwd_depth:
+            self._awaiting_backward = False
+
+    def _after_op(self, func, args, kwargs, out) -> None:
+        if self._fake_mode is not None and active_fake_mode() is not self._fake_mode:
+            return  # a nested fake mode (DTensor sharding propagation): not real memory
+        info = self._op_cache.get(func)
+        if info is None:
+            info = self._op_cache[func] = _op_info(func)
+        role, aliasing = info
+        cat = self._phase_category()
+        if aliasing and cat != "optimizer":
+            # An in-place/out=/view op returns memory that already existed; if we have
+            # never seen it, it predates tracking and is not this phase's allocation.
+            cat = "other"
+        with self._lock:
+            if self._pending:
+                self._drain()
+            entries = self._entries
+            for t in (out,) if type(out) is torch.Tensor else tree_leaves(out) if out is not None else ():
+                if type(t) is not torch.Tensor:
+                    if isinstance(t, torch.Tensor):
+                        self._see(t, cat)
+                    continue
+                # Inlined _see for plain tensors: this runs after every op.
+                st = t.untyped_storage()
+                e = entries.get(st._cdata)
+                if e is None:
+                    if self._count_meta or not t.is_meta:
+                        self._add(st, cat, retro=False)
+                elif st.nbytes() != e.nbytes:
+                    self._resize(e, st.nbytes())
+            if role is not None:
+                self._apply_role(role, args, kwargs, out)
+            self._maybe_peak()
+
+    def _apply_role(self, role: str, args, kwargs, out) -> None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self._in_opt or (role == "bw-gradients" and not in_backward):
+            return
+        if role == "parameters" and not (self._fwd_depth or self._awaiting_backward or in_backward):
+            return  # an all-gather outside forward/backward (e.g. gather_object) is not FSDP
+        role = "gradients" if role == "bw-gradients" else role
+        for leaf in tree_leaves((args, kwargs, out)):
+            if isinstance(leaf, torch.Tensor):
+                self._claim(leaf, role, retro=False, weak=True)
+
+    def _on_resize(self, st) -> None:
+        # FSDP2 frees/re-allocates unsharded parameters with storage.resize_, which
+        # never reaches the dispatcher.
+        with self._lock:
+            self._drain()
+            e = self._entries.get(st._cdata)
+            if e is None:
+                if st.nbytes() and (self._count_meta or st.device.type != "meta"):
+                    self._add(st, self._phase_category(), retro=False)
+            elif st.nbytes() != e.nbytes:
+                self._resize(e, st.nbytes())
+            self._maybe_peak()
+
+    # --------------------------------------------------------- roles from objects
+    def _scan_registered(self, retro: bool = True) -> None:
+        for module in filter(None, (r() for r in self._modules)):
+            for p in module.parameters():
+                self._claim(p, "parameters", retro)
+                self._claim(p.grad, "gradients", retro)
+                self._hook_grad(p)
+            for b in module.buffers():
+                self._claim(b, "buffers", retro)
+        for opt in filter(None, (r() for r in self._optimizers)):
+            self._scan_optimizer(opt, state=True, retro=retro)
+
+    def _scan_optimizer(self, opt, state: bool, retro: bool = True, params: bool = True) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if params:
+                    self._claim(p, "parameters", retro)
+                self._claim(p.grad, "gradients", retro)
+        if state:
+            for per_param in opt.state.values():
+                for v in per_param.values() if isinstance(per_param, dict) else ():
+                    if isinstance(v, torch.Tensor):
+                        self._claim(v, "optimizer", retro)
+
+    def _refresh(self) -> None:
+        self._drain()
+        if self.active:
+            self._scan_registered()
+
+    def _hook_grad(self, p: torch.Tensor) -> None:
+        # A gradient is born as an anonymous backward output; the hook fires right
+        # after it lands in .grad so it is re-labelled before it can skew the split.
+        if not p.requires_grad or p in self._grad_hooked or type(p) is not torch.nn.Parameter:
+            return
+
+        def hook(param: torch.Tensor) -> None:
+            with self._lock:
+                self._claim(param.grad, "gradients")
+
+        self._grad_hooked[p] = p.register_post_accumulate_grad_hook(hook)
+
+    # ------------------------------------------------------------- global hooks
+    def _install_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        def fwd_pre(module, args):
+            self._fwd_depth += 1
+
+        def fwd_post(module, args, output):
+            self._fwd_depth = max(0, self._fwd_depth - 1)
+            if not self._fwd_depth and torch.is_grad_enabled():
+                self._awaiting_backward = True
+
+        # Parameters and existing state only need finding once per optimizer (new
+        # state is allocated inside step(), where it is labelled as it is born);
+        # gradients are re-checked every step, cheaply, as they come and go.
+        seen = WeakIdKeyDictionary()  # optimizer -> number of state entries last scanned
+
+        def opt_pre(opt, args, kwargs):
+            with self._lock:
+                self._drain()
+                self._scan_optimizer(opt, state=False, params=opt not in seen)
+            self._in_opt += 1
+            self._awaiting_backward = False
+
+        def opt_post(opt, args, kwargs):
+            self._in_opt = max(0, self._in_opt - 1)
+            if seen.get(opt) != len(opt.state):
+                with self._lock:
+                    self._drain()
+                    self._scan_optimizer(opt, state=True, params=False)
+                seen[opt] = len(opt.state)
+
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(fwd_pre),
+            nn_module.register_module_forward_hook(fwd_post, always_call=True),
+            register_optimizer_step_pre_hook(opt_pre),
+            register_optimizer_step_post_hook(opt_post),
+        ]
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            result = orig(storage, size)
+            self._on_resize(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for h in list(self._grad_hooked.values()):
+            h.remove()
+        self._grad_hooked = WeakIdKeyDictionary()
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+
+
+# ---------------------------------------------------------------- process-wide API
+def active_tracker() -> MemoryTracker | None:
+    """The tracker running in this process, if any."""
+    return _ACTIVE
+
+
+def last_tracker() -> MemoryTracker | None:
+    """The running tracker, else the last stopped one (until reset_peak_memory_stats())."""
+    return _ACTIVE or _LAST
+
+
+def start_tracking(module: torch.nn.Module | None = None, optimizers: Any = ()) -> MemoryTracker:
+    """Start (or reuse) the process-wide tracker and register module/optimizers with it."""
+    tracker = _ACTIVE or MemoryTracker()
+    tracker.register(module, optimizers)
+    return tracker.start()
+
+
+def stop_tracking() -> MemoryTracker | None:
+    """Stop the process-wide tracker; its peak stays readable via max_memory_allocated()."""
+    tracker = _ACTIVE
+    if tracker is not None:
+        tracker.stop()
+    return tracker
+
+
+def track_memory(module: torch.nn.Module | None = None, optimizers: Any = ()) -> MemoryTracker:
+    """Start tracking now; also usable as ``with track_memory(model, opt) as t:``.
+
+    If a tracker is already running (e.g. a DeviceStatsMonitor's), the model and
+    optimizers are registered with it and leaving a ``with`` block does not stop it.
+    """
+    fresh = _ACTIVE is None
+    tracker = start_tracking(module, optimizers)
+    if fresh:
+        tracker._adoptable = True
+    return tracker
+
+
+def _device_type(device) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+    if isinstance(device, int):
+        return "cuda"
+    return torch.device(device).type
+
+
+def _tracker_or_warn() -> MemoryTracker | None:
+    global _WARNED_OFF
+    tracker = _ACTIVE or _LAST
+    if tracker is None and not _WARNED_OFF:
+        _WARNED_OFF = True
+        warnings.warn("shardwise.memory: tensor memory tracking is off, so CPU memory reads as 0. "
+                      "Turn it on with `with shardwise.track_memory(model, optimizer): ...` (or "
+                      "shardwise.memory.start_tracking()), or add "
+                      "shardwise.callbacks.DeviceStatsMonitor() to the Trainer's callbacks.", stacklevel=3)
+    return tracker
+
+
+def max_memory_allocated(device=None) -> int:
+    """Peak tensor bytes: torch.cuda's on CUDA, the tracked peak elsewhere (0 if off)."""
+    if _device_type(device) == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    tracker = _tracker_or_warn()
+    return tracker.peak_bytes if tracker is not None else 0
+
+
+def memory_allocated(device=None) -> int:
+    """Live tensor bytes: torch.cuda's on CUDA, the tracked current bytes elsewhere."""
+    if _device_type(device) == "cuda":
+        return torch.cuda.memory_allocated(device)
+    tracker = _tracker_or_warn()
+    return tracker.current_bytes if tracker is not None else 0
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    """Reset the peak: torch.cuda's on CUDA; on CPU the running tracker's, or forget
+    the last stopped tracker's peak."""
+    global _LAST
+    if _device_type(device) == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif _ACTIVE is not None:
+        _ACTIVE.reset_peak()
+    else:
+        _LAST = None
+
+
+# ----------------------------------------------------------- whole-process RSS
+# For the process as a whole: reset the kernel's high-water mark, run, read VmHWM.
+# resource.getrusage().ru_maxrss cannot be reset (it is the peak since exec), and
+# tracemalloc only sees Python-object allocations, not tensor storages. Current RSS
+# after a step overstates live memory because freed heap pages often stay resident.
+_WARNED_CLEAR_REFS = False
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark (VmHWM); False if refused (non-Linux, read-only
+    /proc in a container), and then peak_rss_bytes() means "since process start"."""
+    global _WARNED_CLEAR_REFS
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError as err:  # PermissionError, FileNotFoundError, read-only /proc
+        if not _WARNED_CLEAR_REFS:
+            _WARNED_CLEAR_REFS = True
+            warnings.warn(f"shardwise.memory.reset_peak_rss(): cannot reset the RSS high-water mark "
+                          f"({err}); peak_rss_bytes() reports the peak since process start. Use a "
+                          "MemoryTracker for resettable tensor-memory peaks.", stacklevel=2)
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since start or the last reset_peak_rss() (VmHWM)."""
+    value = _proc_status_bytes("VmHWM")
+    if value is not None:
+        return value
+    try:  # not Linux: ru_maxrss is the never-reset peak (bytes on macOS, kB elsewhere)
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    except ImportError:
+        return 0
+
+
+def current_rss_bytes() -> int:
+    """Current resident set size (VmRSS); 0 where /proc is missing."""
+    return _proc_status_bytes("VmRSS") or 0
+
+
+# ------------------------------------------------------------------ byte units
+# GB & co. are powers of 1000, GiB & co. powers of 1024; bare K/M/G/T/P are binary, as
+# in Slurm's --mem and Docker.
+_UNITS = {"": 1, "b": 1} | {f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")}
+_UNITS |= {f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")}
+_UNITS |= {p: 1024 ** (i + 1) for i, p in enumerate("kmgtp")}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def format_bytes(n: float) -> str:
+    """1234567 -> '1.2 MiB' (binary units, one decimal; plain bytes below 1 KiB)."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < 1024:
+        return f"{sign}{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{sign}{n:.1f} {unit}"
+    return f"{sign}{n / 1024:.1f} PiB"
+
+
+def parse_bytes(value: str | int) -> int:
+    """'80GiB' / '80GB' / '512MiB' / '1.5TiB' / '4096' / 4096 -> bytes.
+
+    GB/MB/... are powers of 1000, GiB/MiB/... powers of 1024, and bare K/M/G/T are
+    binary (as in Slurm's --mem). Case does not matter.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"Cannot parse memory size {value!r}: expected bytes or a size string")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"Memory size must be non-negative, got {value}")
+        return value
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"Cannot parse memory size {value!r}. Use a number with an optional unit, "
+                         "e.g. '80GiB', '80GB', '512MiB', '1.5TiB' or an integer number of bytes; "
+                         "units: B, KB/MB/GB/TB/PB (powers of 1000), KiB/MiB/GiB/TiB/PiB or "
+                         "K/M/G/T/P (powers of 1024).")
+    return int(round(float(match.group(1)) * _UNITS[unit]))

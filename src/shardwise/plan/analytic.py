@@ -1,0 +1,239 @@
+"""Memory that is accounted rather than traced: DeepSpeed ZeRO, CPU offload, and the per-block fallback.
+
+DeepSpeed's engine cannot run on fake tensors (it allocates flat buffers and
+reads data pointers in C++), so ZeRO stages are modelled from ZeRO's published
+accounting -- mixed-precision Adam costs 2 + 2 + 12 bytes per parameter
+(bf16 weights, bf16 gradients, fp32 master + two moments), split by stage --
+refined by what DeepSpeed 0.19's code allocates on top (read from
+runtime/zero/stage_1_and_2.py and stage3.py, checked by measured CPU runs in
+benchmarks/plan_accuracy.py):
+- stages 1-2 keep the whole model flat in its training dtype and clone this
+  rank's fp32 partition as the master copy (also in fp32 training); stage 3
+  keeps a partition plus the master copy, and gathers parameters per module;
+- the gradient reduction buffer is `reduce_bucket_size` elements, allocated
+  whole at the first backward whatever the model size (5e8 by default: 1 GB
+  in bf16, 2 GB in fp32) -- often the largest ZeRO term for small models;
+- ZeRO-1 accumulates full fp32 gradients through the backward, ZeRO-2/3
+  reduce them bucket by bucket into this rank's partition;
+- stage 3 keeps parameters under `stage3_param_persistence_threshold`
+  elements gathered on every rank, and from the second step on keeps
+  gathered what it will reuse within `stage3_max_reuse_distance`, up to
+  `stage3_max_live_parameters` (1e9 by default: a whole sub-1B model);
+- the optimizer step on one flat fp32 partition makes two partition-sized
+  temporaries (Adam's sqrt and division).
+Activations are not modelled here: they come from the DDP trace of the same
+model (same activation checkpointing), through the linear "views" trace.py
+evaluates at every recorded moment.
+
+The fallback, for models that cannot run under fake tensors (some Hugging
+Face models branch on tensor values), is a per-block estimate: saved
+activations per transformer block from its shapes, plus logits and the
+float32 cross entropy over the vocabulary (about 10 bytes x batch x seq x
+vocab), plus model states per strategy. The report marks such rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from shardwise.plan.candidates import Candidate
+from shardwise.plan.presets import ModelSpec
+from shardwise.plan.trace import View
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py); a user's config overrides them.
+ZERO_DEFAULTS = {
+    "reduce_bucket_size": int(5e8),
+    "allgather_bucket_size": int(5e8),
+    "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_param_persistence_threshold": int(1e5),
+    "stage3_max_live_parameters": int(1e9),
+    "stage3_max_reuse_distance": int(1e9),
+}
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+ADAM_TEMP_BYTES = 8  # two fp32 partition-sized temporaries in the step
+
+
+def zero_settings(deepspeed_config: Optional[Dict[str, Any]]) -> Dict[str, int]:
+    zero = dict(ZERO_DEFAULTS)
+    section = (deepspeed_config or {}).get("zero_optimization") or {}
+    for key in ZERO_DEFAULTS:
+        value = section.get(key, section.get(key.replace("stage3_", "")))
+        if value is not None and value != "auto":
+            zero[key] = int(value)
+    return zero
+
+
+@dataclass
+class ParamStats:
+    """Parameter counts of one (meta) model build."""
+
+    total: int
+    small: int  # in tensors under ZeRO-3's persistence threshold (kept gathered everywhere)
+    largest_leaf: int  # the largest module's own parameters (ZeRO-3 gathers module by module)
+
+    def scaled(self, other: "ParamStats", t: float) -> "ParamStats":
+        """Linear inter/extrapolation between two depths (t = 0 -> self, 1 -> other)."""
+        return ParamStats(total=int(round(self.total + (other.total - self.total) * t)),
+                          small=int(round(self.small + (other.small - self.small) * t)),
+                          largest_leaf=max(self.largest_leaf, other.largest_leaf))
+
+
+def param_stats(model: nn.Module, threshold: int) -> ParamStats:
+    seen = set()
+    total = small = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        small += p.numel() if p.numel() < threshold else 0
+    leaf = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return ParamStats(total=total, small=small, largest_leaf=leaf)
+
+
+def spec_param_stats(spec: ModelSpec, depth: Optional[int], threshold: int) -> ParamStats:
+    """ParamStats of the spec's model at `depth`, from a meta build (nothing allocated)."""
+    if spec.kind == "module":
+        return param_stats(spec.module, threshold)
+    with torch.device("meta"):
+        return param_stats(spec.build(depth), threshold)
+
+
+def weight_bytes(precision: str) -> int:
+    """Bytes per parameter DeepSpeed trains in: bf16 / fp16 for the half modes, fp32 otherwise."""
+    return 4 if precision in ("32-true", "64-true") else 2
+
+
+# ------------------------------------------------------------------ ZeRO
+@dataclass
+class ZeroTerms:
+    """Per-rank bytes of one ZeRO configuration (one world size, one model build)."""
+
+    weights: float  # the model's parameters as the forward sees them (full, or partition + persistent)
+    master: float  # fp32 master partition
+    optimizer: float  # optimizer state partition
+    grad_partition: float  # gradient partition held through forward/backward (ZeRO-2: bf16, ZeRO-3: fp32)
+    bucket: float  # gradient reduction buffer
+    gathered: float  # ZeRO-3: parameters kept gathered between modules
+    step_grads: float  # gradient bytes during the optimizer step
+    step_temps: float  # optimizer-step temporaries
+    host: float = 0.0  # per rank, on the host, when offloaded
+
+
+def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precision: str,
+               settings: Dict[str, int]) -> ZeroTerms:
+    n, w = stats.total, max(1, world)
+    pb = weight_bytes(precision)
+    part = n / w
+    if stage < 3:
+        # ZeRO-1 reduces through an fp32 accumulator bucket, ZeRO-2 in the training dtype. In the
+        # step the gradient partition is fp32; ZeRO-2 in half precision also still holds its
+        # half-precision partition then (in fp32 the two are one tensor).
+        return ZeroTerms(weights=pb * n, master=4 * part, optimizer=ADAM_STATE_BYTES * part,
+                         grad_partition=(pb * part if stage == 2 else 0.0),
+                         bucket=settings["reduce_bucket_size"] * (4 if stage == 1 else pb), gathered=0.0,
+                         step_grads=4 * part + (pb * part if stage == 2 and pb != 4 else 0.0),
+                         step_temps=ADAM_TEMP_BYTES * part)
+    persistent = stats.small * (1 - 1 / w)
+    live = min(settings["stage3_max_live_parameters"], max(0, n - stats.small),
+               max(settings["stage3_max_reuse_distance"], stats.largest_leaf + settings["stage3_prefetch_bucket_size"]))
+    terms = ZeroTerms(weights=pb * (part + persistent), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
+                      grad_partition=4 * part, bucket=min(settings["reduce_bucket_size"], max(n, 1)) * pb,
+                      gathered=pb * live, step_grads=4 * part + pb * part, step_temps=ADAM_TEMP_BYTES * part)
+    if offload:
+        # Partitions, master weights, optimizer state and gradients live on the host; the device
+        # keeps persistent small parameters, what is gathered, and the reduction bucket.
+        terms.host = pb * part + terms.master + terms.optimizer + terms.grad_partition
+        terms.weights = pb * persistent
+        terms.master = terms.optimizer = terms.grad_partition = terms.step_grads = terms.step_temps = 0.0
+    return terms
+
+
+def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float) -> View:
+    """The forward/backward-phase view of a DDP trace that gives this ZeRO stage's bytes.
+
+    Activations (and the activation-sized gradient temporaries of backward)
+    come from the trace; the model states are replaced by ZeRO's. ZeRO-1 keeps
+    full fp32 gradients while the backward runs, as DDP does (scaled from the
+    traced gradient dtype to fp32).
+    """
+    # The bucket and the gathered parameters are not linear in depth (they are capped), so they
+    # are added at the full depth by the planner, not carried through the extrapolated trace.
+    const = terms.weights + terms.master + terms.optimizer + terms.grad_partition
+    grads = 4.0 / trace_grad_bytes if stage == 1 else 0.0
+    return (0.0, grads, 0.0, 1.0, const, False)
+
+
+def zero_step_bytes(stage: int, terms: ZeroTerms) -> float:
+    """Bytes during the optimizer step (activations are gone, parameters released, bucket kept at stage 3)."""
+    bucket = terms.bucket if stage == 3 else 0.0
+    return terms.weights + terms.master + terms.optimizer + terms.step_grads + terms.step_temps + bucket
+
+
+def deepspeed_estimator(stage: int, offload: bool, stats: ParamStats, gpus_per_node: int, num_nodes: int) -> Optional[int]:
+    """DeepSpeed's own per-GPU model-states estimate (its 'all_cold' functions), for comparison; None if absent."""
+    try:
+        if stage == 3:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+            return int(estimate_zero3_model_states_mem_needs(stats.total, stats.largest_leaf, gpus_per_node, num_nodes,
+                                                             cpu_offload=offload, cpu_offload_params=offload)[1])
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return int(estimate_zero2_model_states_mem_needs(stats.total, gpus_per_node, num_nodes, cpu_offload=offload)[1])
+    except Exception:  # deepspeed missing or its API moved: the comparison is optional
+        return None
+
+
+# ------------------------------------------------------------------ per-block fallback
+def block_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int,
+                           checkpointed: bool) -> float:
+    """Saved activations of one transformer block (no flash-attention score matrix assumed saved).
+
+    Counted tensors (each b x s x width): norm inputs/outputs, q/k/v, attention
+    output and its projection input, the MLP's up (and gate) projections and
+    activation. With checkpointing only the block input is kept.
+    """
+    tokens = micro_batch * seq_len
+    h, f = spec.hidden, spec.ffn
+    kv = h * spec.kv_heads / max(1, spec.heads)
+    if checkpointed:
+        return tokens * h * act_bytes
+    mlp = 3 * f if spec.kind == "gpt" and getattr(spec.config, "mlp", "gelu") == "swiglu" else 2 * f
+    per_token = 6 * h + 2 * kv + mlp
+    return tokens * per_token * act_bytes
+
+
+def fallback_estimate(spec: ModelSpec, cand: Candidate, stats: ParamStats, world: int, num_nodes: int,
+                      precision: str, micro_batch: int, seq_len: int, settings: Dict[str, int]) -> Tuple[float, Dict[str, float]]:
+    """(peak bytes, breakdown) without a trace: model states per strategy + per-block activations + logits."""
+    n, w = stats.total, max(1, world)
+    half = precision not in ("32-true", "64-true")
+    act_bytes = 2 if half else 4
+    store = 2 if precision in ("bf16-true", "16-true") else (8 if precision == "64-true" else 4)
+    depth = spec.depth or 1
+    acts = depth * block_activation_bytes(spec, micro_batch, seq_len, act_bytes, cand.activation_checkpointing)
+    if cand.activation_checkpointing:  # one block is recomputed at a time
+        acts += block_activation_bytes(spec, micro_batch, seq_len, act_bytes, False)
+    logits = 10.0 * micro_batch * seq_len * spec.vocab_size  # bf16 logits + fp32 copy + fp32 gradient
+    block_params = (n - stats.small) / depth if depth else n
+    if cand.kind == "deepspeed":
+        t = zero_terms(cand.stage, cand.offload, stats, world, precision, settings)
+        grads = 4 * n if cand.stage == 1 else 0.0
+        states = dict(parameters=t.weights + t.master, gradients=t.grad_partition + grads,
+                      optimizer=t.optimizer, temporary=t.bucket + t.gathered)
+    else:
+        shard = w if cand.kind == "fsdp" and cand.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") else 1
+        if cand.kind == "fsdp" and cand.sharding == "HYBRID_SHARD":
+            shard = w // max(1, num_nodes)
+        gathered = 0.0 if shard == 1 else 2 * block_params * act_bytes + (n - depth * block_params) * act_bytes
+        states = dict(parameters=store * n / shard, gradients=store * n / shard, optimizer=8 * n / shard,
+                      temporary=gathered + (2 * block_params * 4 if shard > 1 else 0))
+        if cand.offload:
+            states["parameters"] = 0.0
+            states["optimizer"] = 0.0
+    breakdown = dict(states, activations=acts + logits)
+    return sum(breakdown.values()), breakdown

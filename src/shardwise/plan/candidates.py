@@ -1,0 +1,140 @@
+"""The configurations the planner compares, and how each becomes a real strategy object.
+
+A `Candidate` is what a user would try, in the seed's order of recipes: DDP;
+FSDP NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, each with and
+without activation checkpointing; FULL_SHARD with CPU offload; DeepSpeed
+ZeRO-1/2/3 and ZeRO-3 offload; each at a micro-batch size with gradient
+accumulation that keeps the global batch. `build_strategy` is the only place a
+candidate turns into a strategy, and both the planner's fake-tensor trace and
+the accuracy benchmark's real runs call it, so what is predicted and what is
+measured are the same configuration by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Sequence
+
+from shardwise.plan.presets import PlanError, divisors
+
+FSDP_SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration. kind: "ddp" | "fsdp" | "deepspeed"."""
+
+    kind: str
+    sharding: str = ""  # FSDP sharding strategy
+    stage: int = 0  # DeepSpeed ZeRO stage
+    activation_checkpointing: bool = False
+    offload: bool = False
+    micro_batch: int = 1
+    accumulation: int = 1
+
+    @property
+    def config_label(self) -> str:
+        """The configuration without the batch split: what the user selects in the Trainer."""
+        if self.kind == "ddp":
+            base = "DDP"
+        elif self.kind == "fsdp":
+            base = f"FSDP {self.sharding}"
+        else:
+            base = f"ZeRO-{self.stage}"
+        if self.offload:
+            base += " + offload"
+        if self.activation_checkpointing:
+            base += " + AC"
+        return base
+
+    @property
+    def label(self) -> str:
+        return f"{self.config_label}, mb {self.micro_batch}x{self.accumulation}"
+
+    @property
+    def config_key(self) -> "Candidate":
+        return replace(self, micro_batch=0, accumulation=0)
+
+    def with_batch(self, micro_batch: int, accumulation: int) -> "Candidate":
+        return replace(self, micro_batch=micro_batch, accumulation=accumulation)
+
+    def trainer_strategy_code(self, block: str = "Block") -> str:
+        """The Trainer argument a user writes for this candidate (shown in reports and warnings)."""
+        ac = f", activation_checkpointing_policy={{{block}}}" if self.activation_checkpointing else ""
+        if self.kind == "ddp":
+            return '"ddp"' if not ac else f"DDPStrategy()  # + checkpoint {block} yourself"
+        if self.kind == "fsdp":
+            extra = '' if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
+            off = ", cpu_offload=True" if self.offload else ""
+            return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{ac}{off})"
+        off = ", offload_optimizer=True, offload_parameters=True" if self.offload else ""
+        return f"DeepSpeedStrategy(stage={self.stage}{off}{ac})"
+
+    def build_strategy(self, block_classes: Sequence[Any], precision: Any = None,
+                       deepspeed_config: Optional[Dict[str, Any]] = None) -> Any:
+        """The strategy object the Trainer would run for this candidate."""
+        blocks = set(block_classes) if block_classes else None
+        ac = blocks if self.activation_checkpointing else None
+        if self.activation_checkpointing and not blocks:
+            raise PlanError("activation checkpointing needs the model's block class; none was found")
+        if self.kind == "ddp":
+            from shardwise.strategies import DDPStrategy
+
+            return DDPStrategy(precision=precision)
+        if self.kind == "fsdp":
+            from shardwise.strategies import FSDPStrategy
+
+            return FSDPStrategy(auto_wrap_policy=blocks, activation_checkpointing_policy=ac,
+                                sharding_strategy=self.sharding, cpu_offload=self.offload, precision=precision)
+        from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(stage=self.stage, offload_optimizer=self.offload or None,
+                                 offload_parameters=(self.offload and self.stage == 3) or None,
+                                 activation_checkpointing_policy=ac, precision=precision, config=deepspeed_config)
+
+
+def default_candidates(world_size: int, num_nodes: int, include_deepspeed: bool = True) -> List[Candidate]:
+    """The seed's order of recipes (micro-batch filled in later)."""
+    # DDPStrategy has no checkpointing knob, so "DDP + AC" is not something a user selects.
+    out: List[Candidate] = [Candidate("ddp")]
+    for sharding in FSDP_SHARDINGS:
+        if sharding == "HYBRID_SHARD" and num_nodes < 2:
+            continue  # one node: HYBRID_SHARD has nothing to replicate across (an error if asked for)
+        for ac in (False, True):
+            out.append(Candidate("fsdp", sharding=sharding, activation_checkpointing=ac))
+    for ac in (False, True):
+        out.append(Candidate("fsdp", sharding="FULL_SHARD", offload=True, activation_checkpointing=ac))
+    if include_deepspeed:
+        for stage in (1, 2, 3):
+            for ac in (False, True):
+                out.append(Candidate("deepspeed", stage=stage, activation_checkpointing=ac))
+        for ac in (False, True):
+            out.append(Candidate("deepspeed", stage=3, offload=True, activation_checkpointing=ac))
+    return out
+
+
+def parse_candidate(name: str) -> Candidate:
+    """'ddp', 'fsdp_full_shard_ac', 'zero2', 'zero3_offload_ac', ... -> Candidate (for --only)."""
+    key = name.lower().replace("-", "_").strip()
+    ac = key.endswith("_ac")
+    key = key[:-3] if ac else key
+    offload = key.endswith("_offload")
+    key = key[: -len("_offload")] if offload else key
+    if key == "ddp":
+        return Candidate("ddp", activation_checkpointing=ac)
+    if key.startswith("fsdp"):
+        sharding = (key[5:] or "full_shard").upper()
+        if sharding not in FSDP_SHARDINGS:
+            raise PlanError(f"Unknown FSDP sharding in {name!r}; use one of {', '.join(FSDP_SHARDINGS)}.")
+        return Candidate("fsdp", sharding=sharding, offload=offload, activation_checkpointing=ac)
+    if key.startswith(("zero", "deepspeed_stage_")):
+        stage = int(key[-1])
+        if stage not in (1, 2, 3):
+            raise PlanError(f"ZeRO stage in {name!r} must be 1, 2 or 3.")
+        return Candidate("deepspeed", stage=stage, offload=offload, activation_checkpointing=ac)
+    raise PlanError(f"Unknown configuration {name!r}: use ddp, fsdp_<sharding>, zero<1|2|3>, with optional "
+                    "_offload and _ac suffixes (e.g. fsdp_full_shard_ac, zero3_offload).")
+
+
+def batch_splits(batch_size: int) -> List[tuple]:
+    """(micro_batch, accumulation) pairs that keep the per-device batch, largest micro-batch first."""
+    return [(m, batch_size // m) for m in sorted(divisors(batch_size), reverse=True)]

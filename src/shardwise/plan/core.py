@@ -1,0 +1,447 @@
+"""`plan()`: does it fit, and which configuration is fastest that fits?
+
+The steps, in order:
+1. resolve the model (preset, config.json, python:module.Class, TrainModule)
+   and validate the layout before anything is traced;
+2. trace every FSDP / DDP configuration on fake tensors with the real
+   strategy code (trace.py). Models with repeated blocks are traced at 2 and
+   3 blocks and extrapolated linearly to their depth -- a 70B model costs
+   the same to plan as a 3-block one. ZeRO stages ride on the DDP trace with
+   the same activation checkpointing (analytic.py's views), FSDP CPU offload
+   on the FULL_SHARD trace;
+3. only when the whole per-device batch does not fit, trace once more with
+   two micro-batches (gradient accumulation holds gradients between them)
+   and read every smaller micro-batch size off that trace's scaled envelopes;
+4. attach a step-time estimate (cost.py) and pick the fastest configuration
+   whose *reserved* memory fits: allocated peak x `reserved_factor`, the
+   caching allocator's overhead (1.25 by default; published
+   reserved/allocated ratios are 1.2-1.35). On accelerator="cpu" the factor
+   is 1 (no caching allocator).
+If the model cannot run under fake tensors, every row falls back to the
+analytic per-block estimate and the plan says so.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from shardwise.memory import format_bytes, parse_bytes
+from shardwise.plan import analytic
+from shardwise.plan.candidates import Candidate, batch_splits, default_candidates, parse_candidate
+from shardwise.plan.cost import Hardware, step_cost
+from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
+from shardwise.plan.jobs import Setting, TraceJob, run_jobs
+from shardwise.plan.trace import DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
+
+RESERVED_FACTOR = 1.25
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
+
+
+@dataclass
+class Estimate:
+    """One candidate at one micro-batch split. Bytes are per device (per rank)."""
+
+    candidate: Candidate
+    allocated: float
+    reserved: float
+    breakdown: Dict[str, float]
+    cpu_per_node: float
+    step_seconds: float
+    comm_bytes: float
+    method: str
+    fits: Optional[bool] = None
+    phase: str = ""
+    deepspeed_estimate: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["candidate"] = dict(asdict(self.candidate), label=self.candidate.label,
+                              config=self.candidate.config_label)
+        return d
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    world_size: int
+    devices: int
+    num_nodes: int
+    precision: str
+    batch_size: int
+    seq_len: int
+    device_memory: Optional[int]
+    cpu_memory: Optional[int]
+    reserved_factor: float
+    hardware: Dict[str, str]
+    estimates: List[Estimate]
+    recommended: Optional[Estimate]
+    reason: str
+    notes: List[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def fits_uses(self) -> str:
+        return f"reserved = allocated x {self.reserved_factor:g}"
+
+    def best_for(self, config: Candidate) -> Optional[Estimate]:
+        rows = [e for e in self.estimates if e.candidate.config_key == config.config_key]
+        fitting = [e for e in rows if e.fits]
+        return (fitting or rows or [None])[0]
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("estimates", "recommended")}
+        d["fits_uses"] = self.fits_uses
+        d["estimates"] = [e.to_dict() for e in self.estimates]
+        d["recommended"] = self.recommended.to_dict() if self.recommended else None
+        return d
+
+
+def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len: Optional[int] = None,
+         devices: int = 1, num_nodes: int = 1, device_memory: Union[None, str, int] = None,
+         precision: str = "bf16-mixed", cpu_memory: Union[None, str, int] = None,
+         candidates: Optional[Iterable[Union[str, Candidate]]] = None, accelerator: str = "cuda",
+         gpu: str = "a100", interconnect: str = "nvlink", network: str = "infiniband",
+         reserved_factor: Optional[float] = None, deepspeed_config: Optional[Dict[str, Any]] = None,
+         optimizer: str = "adamw", all_micro_batches: bool = False, workers: Optional[int] = None) -> Plan:
+    """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
+
+    Args:
+        model: preset name, path to a Hugging Face config.json, "python:module.Class", a GPTConfig,
+            or a TrainModule (then `example_batch` is one batch of its training_step).
+        batch_size: sequences per device per optimizer step (split into micro-batches when needed).
+        seq_len: tokens per sequence (default: the model's context length).
+        devices, num_nodes: devices per node and nodes.
+        device_memory: e.g. "80GiB"; without it nothing is judged to fit or not.
+        cpu_memory: host memory per node, checked against offload and loading needs.
+        candidates: names like "ddp", "fsdp_full_shard_ac", "zero3_offload" (default: all, seed order).
+        accelerator: "cuda" (GPU target: foreach optimizer, caching allocator) or "cpu".
+        reserved_factor: reserved / allocated (default 1.25 on cuda, 1.0 on cpu).
+        all_micro_batches: evaluate every micro-batch split, not only when the full batch does not fit.
+        workers: processes tracing in parallel (default: 2 on a machine with 2+ cores, for 4+ traces).
+    """
+    start = time.perf_counter()
+    spec = resolve_model(model, example_batch)
+    layout = _validate(spec, batch_size, seq_len, devices, num_nodes, device_memory, cpu_memory, precision,
+                       accelerator, reserved_factor)
+    world, seq_len, dev_mem, cpu_mem, factor = layout
+    hw = Hardware(gpu=gpu if accelerator == "cuda" else "cpu", interconnect=interconnect, network=network)
+    cands = _candidates(candidates, world, num_nodes)
+    planner = _Planner(spec, cands, world=world, num_nodes=num_nodes, precision=precision, seq_len=seq_len,
+                       batch_size=batch_size, device_memory=dev_mem, cpu_memory=cpu_mem, factor=factor, hw=hw,
+                       deepspeed_config=deepspeed_config, optimizer=optimizer,
+                       foreach=True if accelerator == "cuda" else None, all_micro=all_micro_batches, workers=workers)
+    estimates = planner.run()
+    best, reason = _recommend(estimates, dev_mem)
+    return Plan(model=describe(spec), params=planner.params, world_size=world, devices=devices, num_nodes=num_nodes,
+                precision=precision, batch_size=batch_size, seq_len=seq_len, device_memory=dev_mem,
+                cpu_memory=cpu_mem, reserved_factor=factor,
+                hardware=dict(gpu=hw.gpu, interconnect=hw.interconnect, network=hw.network, accelerator=accelerator),
+                estimates=estimates, recommended=best, reason=reason, notes=planner.notes,
+                elapsed_s=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------ validation
+def _validate(spec: ModelSpec, batch_size: int, seq_len: Optional[int], devices: int, num_nodes: int,
+              device_memory: Any, cpu_memory: Any, precision: str, accelerator: str,
+              reserved_factor: Optional[float]) -> Tuple[int, int, Optional[int], Optional[int], float]:
+    from shardwise.precision import build_precision
+
+    for name, value in (("devices", devices), ("num_nodes", num_nodes), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name}={value!r}: use a positive integer.")
+    if accelerator not in ("cuda", "cpu"):
+        raise PlanError(f"accelerator={accelerator!r}: plan for 'cuda' (GPUs) or 'cpu'.")
+    try:
+        build_precision(precision, accelerator)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+
+    def size(value: Any, what: str) -> Optional[int]:
+        if value is None:
+            return None
+        try:
+            return parse_bytes(value)
+        except (ValueError, TypeError) as exc:
+            raise PlanError(f"{what}={value!r} is not a memory size. {exc}") from exc
+
+    dev_mem, cpu_mem = size(device_memory, "device_memory"), size(cpu_memory, "cpu_memory")
+    if seq_len is None:
+        seq_len = spec.default_seq_len
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise PlanError(f"seq_len={seq_len!r}: use a positive integer.")
+    if spec.kind == "gpt" and seq_len > spec.config.block_size:
+        raise PlanError(f"seq_len={seq_len} exceeds {spec.name}'s context length {spec.config.block_size}.")
+    factor = reserved_factor if reserved_factor is not None else (RESERVED_FACTOR if accelerator == "cuda" else 1.0)
+    return devices * num_nodes, seq_len, dev_mem, cpu_mem, float(factor)
+
+
+def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int, num_nodes: int) -> List[Candidate]:
+    if requested is None:
+        return default_candidates(world, num_nodes)
+    out = [c if isinstance(c, Candidate) else parse_candidate(c) for c in requested]
+    for c in out:
+        if c.kind == "fsdp" and c.sharding == "HYBRID_SHARD" and (num_nodes < 2 or world % num_nodes):
+            raise PlanError(f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
+                            f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on one node.")
+        if c.activation_checkpointing and c.kind == "ddp":
+            raise PlanError("DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
+                            "(the same replication) or ZeRO with AC.")
+    if not out:
+        raise PlanError("No configurations to plan.")
+    return out
+
+
+# ------------------------------------------------------------------ the planner
+class _Planner:
+    def __init__(self, spec: ModelSpec, cands: List[Candidate], *, world: int, num_nodes: int, precision: str,
+                 seq_len: int, batch_size: int, device_memory: Optional[int], cpu_memory: Optional[int],
+                 factor: float, hw: Hardware, deepspeed_config: Optional[Dict[str, Any]], optimizer: str,
+                 foreach: Optional[bool], all_micro: bool, workers: Optional[int]) -> None:
+        self.spec, self.cands, self.world, self.num_nodes = spec, cands, world, num_nodes
+        self.precision, self.seq_len, self.batch_size = precision, seq_len, batch_size
+        self.device_memory, self.cpu_memory, self.factor, self.hw = device_memory, cpu_memory, factor, hw
+        self.zero = analytic.zero_settings(deepspeed_config)
+        self.all_micro, self.workers = all_micro, workers
+        self.setting = Setting(world_size=world, num_nodes=num_nodes, seq_len=seq_len, foreach=foreach,
+                               optimizer=optimizer)
+        self.notes: List[str] = []
+        self.per_node = max(1, world // num_nodes)
+        full = spec.depth
+        # 3 and 4, not 2 and 3: with two blocks FSDP's backward prefetch has no steady state yet.
+        self.depths: Tuple[Optional[int], ...] = (3, 4) if spec.kind != "module" and full and full > 4 else (full,)
+        if len(self.depths) == 2:
+            self.notes.append(f"Traced at 3 and 4 blocks and extrapolated linearly to {full}.")
+        threshold = self.zero["stage3_param_persistence_threshold"]
+        self.stats = {d: analytic.spec_param_stats(spec, d, threshold) for d in self.depths}
+        self.full_stats = self._at_full(lambda d: self.stats[d])
+        self.params = self.full_stats.total
+        self.traces: Dict[Tuple[Candidate, str, int, int], Trace] = {}
+        self.failed: Optional[str] = None
+
+    def _at_full(self, fn: Any) -> Any:
+        if len(self.depths) == 1:
+            return fn(self.depths[0])
+        return fn(3).scaled(fn(4), float(self.spec.depth - 3))
+
+    # ---------------------------------------------------------- what is traced
+    def _traced(self, cand: Candidate) -> Tuple[Candidate, str]:
+        """(configuration, precision) whose trace answers for `cand`.
+
+        ZeRO stages ride on a plain data-parallel trace in DeepSpeed's own
+        precision: with bf16 enabled DeepSpeed casts the module to bf16 and runs
+        without autocast (so no bf16 weight copies are saved, unlike DDP +
+        autocast). FSDP CPU offload rides on FULL_SHARD's trace.
+        """
+        if cand.kind == "deepspeed":
+            half = self.precision not in ("32-true", "64-true")
+            return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing).config_key, \
+                ("bf16-true" if half else self.precision)
+        if cand.offload:
+            return Candidate("fsdp", sharding="FULL_SHARD",
+                             activation_checkpointing=cand.activation_checkpointing).config_key, self.precision
+        return cand.config_key, self.precision
+
+    def _views(self, traced: Candidate, precision: str, depth: Optional[int]) -> Tuple[Tuple[str, Any], ...]:
+        views = [("identity", DDP_VIEW if traced.kind == "ddp" else IDENTITY)]
+        grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
+        for c in self.cands:
+            if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
+                terms = analytic.zero_terms(c.stage, c.offload, self.stats[depth], self.world, self.precision, self.zero)
+                views.append((_zero_key(c), analytic.zero_view(c.stage, terms, grad_bytes)))
+        return tuple(views)
+
+    def _jobs(self, traced: Candidate, precision: str, micro: int, accumulation: int,
+              scales: Tuple[float, ...]) -> List[TraceJob]:
+        return [TraceJob(traced, precision, micro, accumulation, d, scales, self._views(traced, precision, d))
+                for d in self.depths]
+
+    def _run(self, groups: List[Tuple[Candidate, str, int, int, Tuple[float, ...]]]) -> None:
+        """Trace every (configuration, precision, micro-batch, accumulation) group at each depth."""
+        todo = [g for g in dict.fromkeys(groups) if g[:4] not in self.traces]
+        jobs = {g: self._jobs(*g) for g in todo}
+        results = run_jobs(self.spec, self.setting, [j for js in jobs.values() for j in js], self.workers)
+        for g, js in jobs.items():
+            runs = [results[j] for j in js]
+            failed = next((r for r in runs if isinstance(r, TraceFailed)), None)
+            if failed is not None:
+                raise failed
+            self.traces[g[:4]] = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], self.spec.depth)
+
+    # ---------------------------------------------------------- estimates
+    def run(self) -> List[Estimate]:
+        splits = batch_splits(self.batch_size)
+        full_m = splits[0][0]
+        try:
+            self._run([(*self._traced(c), full_m, 1, (1.0,)) for c in self.cands])
+            rows = {c: [self._estimate(c.with_batch(full_m, 1), self.traces[(*self._traced(c), full_m, 1)], 1.0)]
+                    for c in self.cands}
+            if len(splits) > 1:
+                # Smaller micro-batches only where the whole batch does not fit: one more trace with
+                # two micro-batches (accumulation keeps gradients between them) answers every size.
+                m1, smaller = splits[1][0], [m for m, _ in splits[1:]]
+                scales = tuple(m / m1 for m in smaller)
+                need = [c for c in self.cands if self.all_micro or rows[c][0].fits is False]
+                self._run([(*self._traced(c), m1, 2, scales) for c in need])
+                for c in need:
+                    tr = self.traces[(*self._traced(c), m1, 2)]
+                    rows[c] += [self._estimate(c.with_batch(m, k), tr, m / m1) for m, k in splits[1:]]
+            return [e for c in self.cands for e in rows[c]]
+        except TraceFailed as exc:
+            self.failed = str(exc)
+            self.notes.append(f"The model does not run under fake tensors ({exc}); every row is the analytic "
+                              "per-block estimate instead of a trace.")
+            return [e for cand in self.cands for e in self._fallback_for(cand, splits)]
+
+    def _estimate(self, cand: Candidate, tr: Trace, r: float) -> Estimate:
+        if cand.kind == "deepspeed":
+            allocated, phase, breakdown, host, method = self._zero(cand, tr, r)
+        elif cand.offload:
+            allocated, phase, breakdown, host, method = self._fsdp_offload(tr, r)
+        else:
+            allocated, phase, breakdown, host, method = self._traced_estimate(cand, tr, r)
+        if len(self.depths) == 2:
+            method += ", extrapolated from 3-4 blocks"
+        return self._finish(cand, allocated, phase, breakdown, host, method)
+
+    def _finish(self, cand: Candidate, allocated: float, phase: str, breakdown: Dict[str, float], host: float,
+                method: str) -> Estimate:
+        cost = step_cost(cand, self.hw, params=self.params, flops_per_token=self.spec.flops_per_token(self.seq_len),
+                         batch_size=self.batch_size, seq_len=self.seq_len, world=self.world,
+                         num_nodes=self.num_nodes, precision=self.precision)
+        load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
+        cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading
+        reserved = allocated * self.factor
+        fits = None
+        if self.device_memory is not None:
+            fits = reserved <= self.device_memory and (self.cpu_memory is None or cpu <= self.cpu_memory)
+        ds = None
+        if cand.kind == "deepspeed":
+            ds = analytic.deepspeed_estimator(cand.stage, cand.offload, self.full_stats, self.per_node, self.num_nodes)
+        return Estimate(candidate=cand, allocated=allocated, reserved=reserved, breakdown=breakdown,
+                        cpu_per_node=cpu, step_seconds=cost.seconds, comm_bytes=cost.comm_bytes, method=method,
+                        fits=fits, phase=phase, deepspeed_estimate=ds)
+
+    def _traced_estimate(self, cand: Candidate, tr: Trace, r: float):
+        value, phase, parts = _peak(tr, "identity", r)
+        p, g, o, b, a = parts
+        breakdown = _split(value, params=min(p, tr.params) + b, grads=min(g, tr.grads), opt=min(o, tr.optimizer),
+                           acts=r * a)
+        return value, phase, breakdown, 0.0, "traced"
+
+    def _fsdp_offload(self, tr: Trace, r: float):
+        """FULL_SHARD + CPUOffloadPolicy from the FULL_SHARD trace (offload is CUDA-only, so never traced).
+
+        On the host: the sharded fp32 parameters, their gradients (each
+        reduce-scattered shard is copied out as it is produced) and the
+        optimizer state, which also steps there. On the device stays what the
+        trace shows minus those: gathered parameters, activations, and the
+        unsharded gradients of the unit(s) being reduced, capped at two units.
+        """
+        counts = self.spec.param_counts()
+        unit = max(counts["per_block"], counts["largest_layer"]) if counts["per_block"] else counts["largest_layer"]
+        grad_cap = 2 * unit * 4.0
+        best = (0.0, "", (0.0,) * 5)
+        for (phase, view, scale), (value, parts) in tr.envelope.items():
+            if view == "identity" and scale == r and phase != "opt":
+                p, g, o, b, a = parts
+                on_device = value - min(p, tr.params) - o - g + min(g, grad_cap)
+                if on_device > best[0]:
+                    best = (on_device, phase, parts)
+        value, phase, (p, g, o, b, a) = best
+        breakdown = _split(value, params=b, grads=min(g, grad_cap), opt=0.0, acts=r * a)
+        host = tr.params + tr.grads + tr.optimizer
+        return value, phase, breakdown, host, "FULL_SHARD trace, sharded states on host (modelled)"
+
+    def _zero(self, cand: Candidate, tr: Trace, r: float):
+        terms = analytic.zero_terms(cand.stage, cand.offload, self.full_stats, self.world, self.precision, self.zero)
+        best = (0.0, "", (0.0,) * 5)
+        for (phase, view, scale), (value, parts) in tr.envelope.items():
+            if view == _zero_key(cand) and scale == r and phase != "opt" and value > best[0]:
+                best = (value, phase, parts)
+        value, phase, (p, g, o, b, a) = best
+        value += terms.bucket + terms.gathered
+        traced_grad_bytes = 2.0 if self._traced(cand)[1] in ("bf16-true", "16-true") else 4.0
+        grads = terms.grad_partition + (g * 4.0 / traced_grad_bytes if cand.stage == 1 else 0.0)
+        breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer,
+                           acts=r * a)
+        step = analytic.zero_step_bytes(cand.stage, terms)
+        if step > value:
+            value, phase = step, "opt"
+            breakdown = _split(step, params=terms.weights + terms.master, grads=terms.step_grads,
+                               opt=terms.optimizer, acts=0.0)
+        return value, phase, breakdown, terms.host, "ZeRO accounting + traced activations"
+
+    def _fallback_for(self, cand: Candidate, splits: List[Tuple[int, int]]) -> List[Estimate]:
+        rows = []
+        for i, (m, k) in enumerate(splits):
+            if i > 0 and not (self.all_micro or rows[0].fits is False):
+                break
+            value, breakdown = analytic.fallback_estimate(self.spec, cand, self.full_stats, self.world,
+                                                          self.num_nodes, self.precision, m, self.seq_len, self.zero)
+            host = 0.0
+            if cand.offload:
+                n = self.full_stats.total / self.world
+                host = 16 * n if cand.kind == "fsdp" else 18 * n
+            breakdown = {k2: breakdown.get(k2, 0.0) for k2 in CATEGORIES}
+            rows.append(self._finish(cand.with_batch(m, k), value, "", breakdown, host, "analytic per-block fallback"))
+        return rows
+
+
+def _zero_key(cand: Candidate) -> str:
+    return f"zero{cand.stage}{'_offload' if cand.offload else ''}"
+
+
+def _peak(tr: Trace, view: str, r: float) -> Tuple[float, str, Tuple[float, ...]]:
+    best = (0.0, "", (0.0,) * 5)
+    for (phase, name, scale), (value, parts) in tr.envelope.items():
+        if name == view and scale == r and value > best[0]:
+            best = (value, phase, parts)
+    return best
+
+
+def _split(total: float, *, params: float, grads: float, opt: float, acts: float) -> Dict[str, float]:
+    """Breakdown whose parts add up to `total`: what is not a model state or an activation is temporary."""
+    parts = dict(parameters=params, gradients=grads, optimizer=opt, activations=acts)
+    parts["temporary"] = max(0.0, total - sum(parts.values()))
+    return parts
+
+
+# ------------------------------------------------------------------ recommendation
+def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple[Optional[Estimate], str]:
+    if not estimates:
+        return None, "no configurations were evaluated"
+    fastest = min(estimates, key=lambda e: e.step_seconds)
+    if device_memory is None:
+        return fastest, (f"{fastest.label} has the shortest estimated step ({fastest.step_seconds:.3g} s); give "
+                         "--device-memory to check what fits.")
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        smallest = min(estimates, key=lambda e: e.reserved)
+        return None, (f"Nothing fits in {format_bytes(device_memory)}: the smallest is {smallest.label} at "
+                      f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten sequences.")
+    best = min(fitting, key=lambda e: e.step_seconds)
+    why = (f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
+           f"{format_bytes(device_memory)}, est. {best.step_seconds:.3g} s/step)")
+    if fastest is not best and not fastest.fits:
+        gain = best.step_seconds / fastest.step_seconds - 1
+        why += f"; {fastest.label} would be {gain:.0%} faster but needs {format_bytes(fastest.reserved)}"
+    return best, why + "."
+
+
+def smallest_fitting_change(p: Plan, current: Candidate) -> Optional[Estimate]:
+    """The fitting estimate closest to `current` (same kind first, then fastest) -- for Trainer warnings."""
+    fitting = [e for e in p.estimates if e.fits]
+    if not fitting:
+        return None
+    same = [e for e in fitting if e.candidate.kind == current.kind and e.candidate.sharding == current.sharding
+            and e.candidate.stage == current.stage]
+    return min(same or fitting, key=lambda e: e.step_seconds)
+
+
+__all__ = ["plan", "Plan", "Estimate", "RESERVED_FACTOR", "smallest_fitting_change"]

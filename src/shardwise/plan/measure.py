@@ -1,0 +1,91 @@
+"""Measure what the planner predicts: peak tracked tensor memory per rank during real training steps.
+
+The accuracy test and benchmarks/plan_accuracy.py both call `measure()`: it
+starts `devices` CPU processes with shardwise.launch, trains the planner's own
+`LMModule` (the TrainModule a user would write) with the Trainer under the
+candidate's strategy for a few optimizer steps, and reads shardwise.memory's
+tracker, started once the model and optimizer exist (as the planner's trace
+is). Several candidates share one set of worker processes because process and
+DeepSpeed start-up dominate at these sizes. Nothing here is used by `plan()`
+itself.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from shardwise.plan.candidates import Candidate
+from shardwise.plan.presets import ModelSpec
+
+
+class _Tokens(Dataset):
+    """Random token batches shaped like ModelSpec.make_batch (seeded, so every strategy sees the same)."""
+
+    def __init__(self, spec: ModelSpec, seq_len: int, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.transformer = spec.kind == "transformer"
+        width = seq_len if self.transformer else seq_len + 1
+        self.data = torch.randint(0, spec.vocab_size, (n, width), generator=g)
+        self.target = torch.randint(0, spec.vocab_size, (n, width), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return (self.data[i], self.target[i]) if self.transformer else (self.data[i],)
+
+
+class _Probe:
+    """Callback: tracked memory from the first step (model + optimizer registered) to the end."""
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        from shardwise.memory import start_tracking
+
+        start_tracking(trainer.strategy.module, trainer.strategy.optimizers)
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        from shardwise.memory import stop_tracking
+
+        tracker = stop_tracking()
+        self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
+
+
+def _run_one(spec: ModelSpec, cand: Candidate, devices: int, precision: str, seq_len: int, steps: int,
+             optimizer: str, deepspeed_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    import shardwise
+    from shardwise import Trainer
+
+    shardwise.seed_everything(0)
+    module = spec.training_module(optimizer=optimizer)
+    probe = _Probe()
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=cand.build_strategy(spec.block_classes, deepspeed_config=deepspeed_config),
+                      precision=precision, max_steps=steps, accumulate_grad_batches=cand.accumulation,
+                      callbacks=[probe], enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    n = cand.micro_batch * cand.accumulation * steps * devices
+    trainer.fit(module, DataLoader(_Tokens(spec, seq_len, n), batch_size=cand.micro_batch))
+    # The process group stays up for the next candidate in this worker (as in train_many).
+    return dict(peak=probe.peak, breakdown=probe.breakdown)
+
+
+def _worker(spec: ModelSpec, cands: Sequence[Candidate], devices: int, precision: str, seq_len: int, steps: int,
+            optimizer: str, deepspeed_config: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    torch.set_num_threads(1)
+    return [_run_one(spec, c, devices, precision, seq_len, steps, optimizer, deepspeed_config) for c in cands]
+
+
+def measure(spec: ModelSpec, candidates: Sequence[Candidate], devices: int, precision: str = "32-true",
+            seq_len: int = 32, steps: int = 2, optimizer: str = "adamw",
+            deepspeed_config: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """Peak tracked bytes per candidate (the largest over ranks) from real CPU training steps."""
+    import shardwise
+
+    per_rank = shardwise.launch(_worker, spec, list(candidates), devices, precision, seq_len, steps, optimizer,
+                                deepspeed_config, devices=devices)
+    out = []
+    for i in range(len(candidates)):
+        runs = [rank[i] for rank in per_rank]
+        worst = max(runs, key=lambda r: r["peak"])
+        out.append(dict(worst, ranks=[r["peak"] for r in runs]))
+    return out

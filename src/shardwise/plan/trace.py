@@ -1,0 +1,343 @@
+"""Run the real model and the real strategy code on fake tensors and record per-rank memory.
+
+One trace = what rank 0 of a `world`-rank job does, with nothing allocated: a
+fake process group (torch's "fake" backend: collectives return at once),
+FakeTensorMode (tensors carry shape, dtype and device, no data), and the
+strategy object the Trainer would run -- `FSDPStrategy.setup_module` applies
+activation checkpointing, `select_units` and `fully_shard` exactly as in
+training, `DDPStrategy` wraps in DistributedDataParallel -- followed by the
+Trainer's own sequence: micro-batches under `no_backward_sync`, forward
+through `strategy.call`, `strategy.backward`, `optimizer_step`, `zero_grad`,
+and a second step so the optimizer state exists during a forward. Memory is
+counted by shardwise.memory's tracker (the one the accuracy test measures
+real runs with), in count-fake mode.
+
+Two corrections make fake-mode numbers mean what real ones do:
+- DTensor derives each new op's output metadata by running it on global-shape
+  tensors under whatever fake mode is active -- ours -- so the tracker would
+  count full-size temporaries that never exist (this is the "optimizer state
+  over-count in fake mode" seen with FSDPMemTracker and foreach optimizers).
+  Allocations made while the sharding propagator runs are ignored.
+- Only the phases are recorded, not one global peak: for every phase
+  (forward / backward of each micro-batch, optimizer step) we keep the upper
+  envelope of a few linear "views" of the category totals, evaluated at
+  several activation scales. Scale r = m/b predicts micro-batch m from a trace
+  at b (activations are proportional to the batch, model states are not);
+  views let one DDP trace also answer for ZeRO stages, whose model states
+  differ from DDP's by known amounts at every moment (see analytic.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.memory import MemoryTracker
+from shardwise.plan.candidates import Candidate
+from shardwise.plan.presets import ModelSpec, PlanError, spec_batch
+
+# A view is (cP, cG, cO, cA, const, buckets): bytes = cP*params + cG*grads + cO*optimizer + buffers +
+# r*cA*acts + const, where with `buckets` the gradients never drop below their full size once a
+# backward has run (DDP's gradient buckets outlive zero_grad; .grad are views into them).
+View = Tuple[float, float, float, float, float, bool]
+IDENTITY: View = (1.0, 1.0, 1.0, 1.0, 0.0, False)
+DDP_VIEW: View = (1.0, 1.0, 1.0, 1.0, 0.0, True)
+_STATE = threading.local()
+_NO_GRAD = "~nograd"
+
+
+class TraceFailed(RuntimeError):
+    """The model cannot run under fake tensors (data-dependent control flow, unsupported op)."""
+
+
+@dataclass
+class Trace:
+    """What one fake run recorded. envelope[(phase, view, r)] = (bytes, (P, G, O, B, A) at that moment)."""
+
+    depth: Optional[int]
+    micro_batch: int
+    accumulation: int
+    envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = field(default_factory=dict)
+    params: int = 0  # persistent (sharded) parameter bytes after set-up
+    grads: int = 0  # gradient bytes alive right before the optimizer step
+    optimizer: int = 0  # optimizer state bytes after the step
+    buffers: int = 0
+    units: List[str] = field(default_factory=list)
+
+
+class _PlanTracker(MemoryTracker):
+    """The shardwise tracker, plus per-phase envelopes and blindness to DTensor's metadata runs."""
+
+    def __init__(self, views: Dict[str, View], scales: Sequence[float]) -> None:
+        super().__init__(count_fake=True)
+        self.views = dict(views)
+        for name, (cp, cg, co, ca, const, buckets) in views.items():
+            if buckets:
+                self.views[name + _NO_GRAD] = (cp, 0.0, co, ca, const, False)
+        self.scales = tuple(scales)
+        self.phase: Optional[str] = None
+        self.envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
+
+    def _after_op(self, func, args, kwargs, out) -> None:
+        if getattr(_STATE, "propagating", 0):
+            return
+        super()._after_op(func, args, kwargs, out)
+        if self.phase is not None:
+            self._sample()
+
+    def _on_resize(self, st) -> None:
+        super()._on_resize(st)
+        if self.phase is not None:
+            self._sample()
+
+    def _hook_grad(self, p: torch.Tensor) -> None:
+        # The base tracker hooks only plain Parameters; ours are fake. Without the hook a
+        # fresh gradient would count as an activation until the optimizer step, and the
+        # ZeRO views need gradients and activations apart during the backward.
+        if not p.requires_grad or p in self._grad_hooked or _is_dtensor(p):
+            return
+
+        def hook(param: torch.Tensor) -> None:
+            with self._lock:
+                self._claim(param.grad, "gradients")
+
+        self._grad_hooked[p] = p.register_post_accumulate_grad_hook(hook)
+
+    def _sample(self) -> None:
+        cur = self._cur
+        p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"], cur["buffers"]
+        a = cur["activations"] + cur["other"]
+        env, phase = self.envelope, self.phase
+        for name, (cp, cg, co, ca, const, buckets) in self.views.items():
+            base = cp * p + cg * g + co * o + b + const
+            for r in self.scales:
+                value = base + ca * r * a
+                key = (phase, name, r)
+                best = env.get(key)
+                if best is None or value > best[0]:
+                    env[key] = (value, (p, g, o, b, a))
+
+    def synthesize_second_step(self, grads: int, optimizer: int) -> None:
+        """Step 2's forward/backward = step 1's plus what step 1 left behind.
+
+        Tracing a second step costs as much as the first; its only difference is
+        the optimizer state (and, with DDP buckets, the full gradients) being
+        alive throughout, which adds a constant to every moment of the phase.
+        """
+        for (phase, name, r), (value, (p, g, o, b, a)) in list(self.envelope.items()):
+            if not phase.startswith(("fwd1.", "bwd1.")) or name.endswith(_NO_GRAD):
+                continue
+            cp, cg, co, ca, const, buckets = self.views[name]
+            if buckets:  # the envelope without gradients, plus the full buckets
+                value, (p, g, o, b, a) = self.envelope[(phase, name + _NO_GRAD, r)]
+                value, g = value + cg * grads, grads
+            second = phase[:3] + "2" + phase[4:]  # "bwd1.0" -> "bwd2.0"
+            self.envelope[(second, name, r)] = (value + co * optimizer, (p, g, o + optimizer, b, a))
+        for key in [k for k in self.envelope if k[1].endswith(_NO_GRAD)]:
+            del self.envelope[key]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+@contextlib.contextmanager
+def _blind_sharding_propagation() -> Iterator[None]:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def wrapped(self, *args, **kwargs):
+        _STATE.propagating = getattr(_STATE, "propagating", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _STATE.propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = wrapped
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake default process group of `world_size` ranks (this process is rank 0) for the duration."""
+    if dist.is_initialized():
+        raise PlanError("The memory planner needs its own (fake) process group, but one is already initialised in "
+                        "this process. Plan before the strategy sets up (e.g. in the launching process).")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with _blind_sharding_propagation():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace_precision(name: str) -> str:
+    # fp16 is refused on CPU; its tensors have bf16's sizes, so trace that.
+    return {"16-mixed": "bf16-mixed", "16-true": "bf16-true"}.get(name, name)
+
+
+def _rank0_env(world_size: int, num_nodes: int):
+    from shardwise.distributed.env import single_process_env
+
+    return dataclasses.replace(single_process_env(), world_size=world_size, global_rank=0, local_rank=0,
+                               node_rank=0, num_nodes=num_nodes, local_world_size=max(1, world_size // num_nodes))
+
+
+def _fresh_module(spec: ModelSpec, depth: Optional[int], foreach: Optional[bool], optimizer: str) -> Any:
+    if spec.kind != "module":
+        return spec.training_module(depth=depth, foreach=foreach, optimizer=optimizer)
+    # Never touch the user's object: trace a copy whose tensors are turned into meta ones.
+    module = copy.deepcopy(spec.module)
+    with torch.no_grad():
+        module.to_empty(device="meta")
+    return module
+
+
+def _strategy_kind(cand: Candidate) -> Candidate:
+    """The configuration actually traced: ZeRO stages are traced as DDP, CPU offload as its on-device part.
+
+    DDP itself is traced unwrapped (as on one device): DistributedDataParallel's
+    C++ reducer reads parameter data at construction, which fake tensors do not
+    have. Its memory is the module's plus one effect, modelled by DDP_VIEW: with
+    gradient_as_bucket_view (our default) the gradients live in buckets that
+    stay allocated after zero_grad, so from the second step on they are always there.
+    """
+    if cand.kind == "deepspeed":
+        return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing)
+    return dataclasses.replace(cand, offload=False)
+
+
+def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, precision: str, seq_len: int,
+          micro_batch: int, accumulation: int, depth: Optional[int], scales: Sequence[float] = (1.0,),
+          views: Optional[Dict[str, View]] = None, foreach: Optional[bool] = None,
+          optimizer: str = "adamw") -> Trace:
+    """Trace the first optimizer step of `cand` on rank 0 (the second is derived); call inside `fake_world`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise.strategies.ddp import DDPStrategy
+    from shardwise.strategies.fsdp import build_device_mesh
+
+    traced = _strategy_kind(cand)
+    strategy = traced.build_strategy(spec.block_classes, None)
+    strategy.connect("cpu", _trace_precision(precision), num_nodes=num_nodes, devices=world_size // num_nodes)
+    strategy.env = _rank0_env(world_size, num_nodes) if traced.kind == "fsdp" else _rank0_env(1, 1)
+    if traced.kind == "fsdp":
+        strategy.mesh = build_device_mesh(traced.sharding, world_size, num_nodes, "cpu")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def materialize(module: nn.Module) -> None:
+        # Instead of allocating and initialising: fake tensors of the same shapes (and shards).
+        with fake if not _fake_active(fake) else contextlib.nullcontext():
+            module.to_empty(device=torch.device("cpu"))
+
+    strategy.materialize = materialize  # the one step of set-up that would allocate
+    module = _fresh_module(spec, depth, foreach, optimizer)
+    with strategy.module_init_context():
+        module.configure_model()
+    if traced.kind == "ddp" and traced.activation_checkpointing:
+        # DeepSpeed checkpoints the same blocks with its own wrapper (same saved tensors).
+        from shardwise.strategies.fsdp import apply_activation_checkpointing
+
+        apply_activation_checkpointing(module, set(spec.block_classes))
+    result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
+    tracker = _PlanTracker(views or {"identity": DDP_VIEW if traced.kind == "ddp" else IDENTITY}, scales)
+    try:
+        with fake if isinstance(strategy, DDPStrategy) else contextlib.nullcontext():
+            # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
+            module.to = lambda *a, **k: module  # type: ignore[method-assign]  # fake tensors cannot be swapped
+            try:
+                model = strategy.setup_module(module)
+            finally:
+                del module.to
+        with fake:
+            opt_config = module.configure_optimizers()
+            optimizers = opt_config if isinstance(opt_config, (list, tuple)) else [
+                opt_config["optimizer"] if isinstance(opt_config, dict) else opt_config]
+            optimizers = [strategy.setup_optimizer(o) for o in optimizers]
+            batches = [spec_batch(spec, micro_batch, seq_len) for _ in range(accumulation)]
+            tracker.register(strategy.unwrap(model), optimizers)
+            with tracker:
+                result.params = tracker.current_breakdown["parameters"]
+                result.buffers = tracker.current_breakdown["buffers"]
+                _train_step(strategy, model, module, batches, tracker, optimizers, result)
+                tracker.phase = None
+            tracker.synthesize_second_step(result.grads, result.optimizer)
+    except (PlanError, TraceFailed):
+        raise
+    except Exception as exc:  # data-dependent shapes, ops without fake kernels, ...
+        raise TraceFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    result.envelope = tracker.envelope
+    result.units = list(getattr(strategy, "units", []))
+    return result
+
+
+def _fake_active(fake: Any) -> bool:
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is fake
+
+
+def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any], tracker: _PlanTracker,
+                optimizers: List[Any], result: Trace) -> None:
+    """The Trainer's _train_batch / _optimizer_step sequence for the first optimizer step."""
+    window = len(batches)
+    for i, batch in enumerate(batches):
+        last = i == window - 1
+        with strategy.no_backward_sync(model, enabled=not last):
+            tracker.phase = f"fwd1.{i}"
+            with strategy.autocast():
+                out = strategy.call(model, "training_step", batch)
+            loss = out["loss"] if isinstance(out, dict) else out
+            tracker.phase = f"bwd1.{i}"
+            strategy.backward(loss / window, model)
+        module._drain_logs()
+    result.grads = tracker.current_breakdown["gradients"]
+    tracker.phase = "opt"
+    for opt in optimizers:
+        strategy.optimizer_step(opt)
+        opt.zero_grad(set_to_none=True)
+    result.optimizer = tracker.current_breakdown["optimizer"]
+    tracker.phase = None
+
+
+def extrapolate(a: Trace, b: Trace, depth: int) -> Trace:
+    """Linear in depth: each phase's envelope (and its breakdown) at `depth` from traces at two depths."""
+    if a.depth == b.depth:
+        raise ValueError("need two different depths")
+    t = (depth - a.depth) / (b.depth - a.depth)
+
+    def lin(x: float, y: float) -> float:
+        return x + (y - x) * t
+
+    env = {}
+    for key, (va, parts_a) in a.envelope.items():
+        vb, parts_b = b.envelope.get(key, (va, parts_a))
+        env[key] = (lin(va, vb), tuple(lin(x, y) for x, y in zip(parts_a, parts_b)))
+    return Trace(depth=depth, micro_batch=a.micro_batch, accumulation=a.accumulation, envelope=env,
+                 params=int(lin(a.params, b.params)), grads=int(lin(a.grads, b.grads)),
+                 optimizer=int(lin(a.optimizer, b.optimizer)), buffers=int(lin(a.buffers, b.buffers)),
+                 units=b.units)
+
+
+def peak(tr: Trace, view: str = "identity", r: float = 1.0) -> Tuple[float, str, Tuple[float, ...]]:
+    """(bytes, phase, (P, G, O, B, A)) at the largest phase envelope for one view and scale."""
+    best = (0.0, "", (0.0,) * 5)
+    for (phase, name, scale), (value, parts) in tr.envelope.items():
+        if name == view and scale == r and value > best[0]:
+            best = (value, phase, parts)
+    return best

@@ -1,0 +1,483 @@
+"""`shardwise finetune`: full fine-tuning of a local Hugging Face causal LM, one process to many nodes.
+
+The recipe of the Llama-2-70B FSDP write-up, as one config: a
+`FinetuneConfig` dataclass is both the Python API (`finetune(config)`) and
+the CLI schema (`shardwise finetune --config run.yaml --learning_rate 1e-5`,
+parsed by jsonargparse from the dataclass). Everything that can be checked
+without a GPU or a second process -- the model folder, the dataset field,
+the sequence length against the model's positions, flash attention / paged
+AdamW without CUDA -- is checked first, in the process the user started,
+before any worker or weight exists. The run itself is an ordinary
+TrainModule under the Trainer: the model is built on the meta device,
+sharded by the FSDP strategy with the model's own `_no_split_modules` as
+the wrap (and activation-checkpointing) units, and its `init_weights` hook
+streams the pretrained weights from rank 0 into the shards
+(hf_model.py). Intermediate checkpoints are the checkpoint layer's sharded
+ones (`save_steps`); the final model is exported as a consolidated Hugging
+Face folder in `output_dir`, one tensor at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+LR_SCHEDULERS = ("cosine", "linear", "constant")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
+RECIPE_STRATEGIES = ("fsdp", "ddp", "single", "auto")
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+@dataclass
+class FinetuneConfig:
+    """Options of `shardwise finetune` (the seed recipe's names where it had one)."""
+
+    # What to train on
+    model_path: str = ""  # local Hugging Face folder: config.json, *.safetensors, tokenizer files
+    dataset: str = ""  # .jsonl / .json / .parquet file, or a datasets save_to_disk folder
+    tokenizer_path: Optional[str] = None  # default: model_path
+    dataset_text_field: Optional[str] = None  # default: first of messages, conversations, text, content
+    chat_template_format: str = "auto"  # auto | tags | tokenizer | none
+    max_seq_len: int = 2048
+    packing: bool = True
+    packing_mode: str = "attention"  # attention: no attention across documents; loss: boundary labels only
+    add_special_tokens: bool = False
+    append_concat_token: bool = True  # end every document with EOS
+    eval_split_ratio: float = 0.05  # used when the dataset has no test / validation split
+    cache_dir: Optional[str] = None  # tokenised-data cache; default <output_dir>/tokenized
+    # How long, how often
+    max_steps: int = -1
+    num_train_epochs: int = 1  # used when max_steps is -1
+    logging_steps: int = 10
+    eval_steps: Optional[int] = None
+    save_steps: Optional[int] = None  # sharded checkpoint every n optimizer steps (resumable)
+    save_total_limit: int = 1  # how many step checkpoints to keep (besides `last`)
+    # Optimisation
+    precision: str = "bf16-mixed"
+    learning_rate: float = 5e-5
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0
+    per_device_train_batch_size: int = 1
+    per_device_eval_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False  # non-reentrant, on the decoder layers
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (CUDA + flash-attn)
+    optim: str = "adamw"  # adamw (fused on CUDA) | adamw_torch | adamw_torch_fused | paged_adamw_32bit
+    seed: int = 42
+    output_dir: str = "finetune-output"
+    resume_from_checkpoint: Optional[str] = None  # a checkpoint path, or "last"
+    export_dtype: Optional[str] = None  # dtype of the exported weights; default: as trained
+    max_shard_size: str = "5GB"
+    # Trainer and strategy
+    accelerator: str = "auto"
+    devices: Union[int, str] = "auto"
+    num_nodes: int = 1
+    strategy: str = "fsdp"
+    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
+    auto_wrap_policy: Optional[List[str]] = None  # class names; default: the model's _no_split_modules
+    cpu_offload: bool = False
+    state_dict_type: str = "sharded"
+    dataloader_num_workers: int = 0
+    enable_progress_bar: bool = False
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class FinetuneResult:
+    output_dir: str
+    losses: List[Dict[str, float]] = field(default_factory=list)  # per optimizer step, global mean
+    eval_losses: List[Dict[str, float]] = field(default_factory=list)
+    load: Dict[str, Any] = field(default_factory=dict)  # rank-0 loading report of this rank
+    data: Dict[str, Any] = field(default_factory=dict)
+    extra: Any = None  # what finetune(after_fit=...) returned on this rank
+
+
+# ------------------------------------------------------------------ checks
+def _has_cuda(cfg: FinetuneConfig) -> bool:
+    import torch
+
+    return cfg.accelerator in ("auto", "cuda") and torch.cuda.is_available()
+
+
+def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
+    """Every check that needs no worker; raises ValueError (or a subclass) with the fix."""
+    from shardwise.precision import build_precision
+    from shardwise.recipes.data import CHAT_FORMATS, PACKING_MODES, dataset_columns, resolve_text_field
+    from shardwise.recipes.hf_model import inspect_model_folder
+
+    if not cfg.model_path:
+        raise ValueError("model_path is required: a local Hugging Face model folder.")
+    if not cfg.dataset:
+        raise ValueError("dataset is required: a .jsonl / .parquet file or a datasets save_to_disk folder.")
+    folder = inspect_model_folder(cfg.model_path)
+    tok_dir = cfg.tokenizer_path or cfg.model_path
+    if cfg.tokenizer_path is None and not folder.has_tokenizer:
+        raise ValueError(f"{cfg.model_path!r} has no tokenizer files (tokenizer.json / tokenizer.model); "
+                         "save the tokenizer there or set tokenizer_path.")
+    if cfg.max_seq_len < 2:
+        raise ValueError(f"max_seq_len={cfg.max_seq_len}: use at least 2.")
+    if folder.max_positions is not None and cfg.max_seq_len > folder.max_positions:
+        raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's maximum of {folder.max_positions} "
+                         f"positions (max_position_embeddings in {cfg.model_path}/config.json). Lower max_seq_len.")
+    columns = dataset_columns(cfg.dataset)
+    text_field = resolve_text_field(columns, cfg.dataset_text_field, cfg.dataset)
+    if cfg.chat_template_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_template_format={cfg.chat_template_format!r}: use one of {CHAT_FORMATS}.")
+    if cfg.packing_mode not in PACKING_MODES:
+        raise ValueError(f"packing_mode={cfg.packing_mode!r}: use one of {PACKING_MODES}.")
+    if cfg.lr_scheduler_type not in LR_SCHEDULERS:
+        raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type!r}: use one of {LR_SCHEDULERS}.")
+    if not 0.0 <= cfg.warmup_ratio < 1.0:
+        raise ValueError(f"warmup_ratio={cfg.warmup_ratio}: use a fraction in [0, 1).")
+    if cfg.max_steps == 0 or cfg.max_steps < -1:
+        raise ValueError(f"max_steps={cfg.max_steps}: use a positive number, or -1 for num_train_epochs.")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "logging_steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)}: use 1 or more.")
+    if cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={cfg.attn_implementation!r}: use one of {ATTN_IMPLEMENTATIONS}.")
+    if cfg.attn_implementation == "flash_attention_2":
+        if not _has_cuda(cfg):
+            raise ValueError("attn_implementation='flash_attention_2' needs a CUDA GPU (its kernels are CUDA-only) "
+                             "and none is available here. Use attn_implementation='sdpa', which runs everywhere "
+                             "and dispatches to flash kernels on GPUs that support them.")
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError as exc:
+            raise ValueError("attn_implementation='flash_attention_2' needs the flash-attn package "
+                             "(pip install flash-attn --no-build-isolation), or use 'sdpa'.") from exc
+    if cfg.optim not in OPTIMIZERS:
+        raise ValueError(f"optim={cfg.optim!r}: use one of {OPTIMIZERS}.")
+    if cfg.optim == "paged_adamw_32bit":
+        if not _has_cuda(cfg):
+            raise ValueError("optim='paged_adamw_32bit' pages optimizer state between GPU and host memory, so it "
+                             "needs a CUDA GPU, and none is available here. Use optim='adamw' (on CPU the "
+                             "optimizer state already lives in host memory).")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise ValueError("optim='paged_adamw_32bit' needs the bitsandbytes package (pip install "
+                             "bitsandbytes), or use optim='adamw'.") from exc
+    if cfg.optim == "adamw_torch_fused" and not _has_cuda(cfg):
+        raise ValueError("optim='adamw_torch_fused' is the CUDA fused kernel; use optim='adamw' here.")
+    if cfg.export_dtype is not None and cfg.export_dtype not in _DTYPES:
+        raise ValueError(f"export_dtype={cfg.export_dtype!r}: use one of {sorted(set(_DTYPES.values()))}.")
+    if cfg.strategy.lower() not in RECIPE_STRATEGIES:
+        raise ValueError(f"strategy={cfg.strategy!r}: the fine-tuning recipe loads weights into FSDP shards or "
+                         f"DDP replicas; use one of {RECIPE_STRATEGIES}.")
+    build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
+    return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
+
+
+# --------------------------------------------------------------- schedule
+def lr_lambda(total_steps: int, warmup_steps: int, kind: str):
+    """Multiplier of the peak learning rate at optimizer step `s` (linear warm-up, then `kind`)."""
+    def fn(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+# --------------------------------------------------------------- the module
+def build_module(cfg: FinetuneConfig, folder: Any, total_steps: int) -> Any:
+    """The recipe's TrainModule (the class is defined on first use, so the CLI imports no torch)."""
+    return _module_class()(cfg, folder, total_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_class():
+    import torch
+
+    from shardwise.distributed import ops
+    from shardwise.module import TrainModule
+    from shardwise.recipes import hf_model
+
+    class CausalLMModule(TrainModule):
+        """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
+
+        def __init__(self, cfg: FinetuneConfig, folder: Any, total_steps: int) -> None:
+            super().__init__()
+            self.cfg, self.folder, self.total_steps = cfg, folder, total_steps
+            self.model = None
+            self.history: List[Dict[str, float]] = []
+            self.eval_history: List[Dict[str, float]] = []
+            self.load_report: Any = None
+            self._window: List[torch.Tensor] = []
+            self._eval_sum = torch.zeros(2)
+            self._lr = cfg.learning_rate
+            self._t0 = time.time()
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
+                self.model.config.use_cache = False  # training: no KV cache, and packed masks need none
+
+        def init_weights(self) -> None:
+            # Called by the strategy after the shards are allocated (materialize.py):
+            # rank 0 reads, every rank receives its slices; then the computed buffers.
+            self.load_report = hf_model.load_rank0_and_distribute(self.model, self.folder.path,
+                                                                  self.folder.weight_files)
+            hf_model.recompute_buffers(self.model)
+
+        def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.model(**batch, use_cache=False).loss
+
+        def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = self._loss(batch)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+            loss = self._loss(batch)
+            self._eval_sum += torch.stack([loss.detach().float().cpu(), torch.ones(())])
+            self.log("val_loss", loss, sync_dist=True)
+
+        def on_validation_epoch_start(self) -> None:
+            self._eval_sum = torch.zeros(2)
+
+        def on_validation_epoch_end(self) -> None:
+            total = ops.reduce(self._eval_sum.clone(), "sum")
+            if total[1] > 0:
+                entry = {"step": self.trainer.global_step, "eval_loss": float(total[0] / total[1])}
+                self.eval_history.append(entry)
+                if self.trainer.is_global_zero:
+                    print(f"[finetune] step {entry['step']}: eval_loss {entry['eval_loss']:.4f}", flush=True)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if not self._window:
+                self._lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self._window.append(loss.detach().float().cpu())
+            if not self.trainer.is_last_microbatch:
+                return
+            # Mean over the accumulation window and over all ranks: the loss of
+            # the whole global batch, comparable across world sizes and layouts.
+            local = torch.stack(self._window).mean()
+            self._window = []
+            step_loss = float(ops.reduce(local, "mean"))
+            step = self.trainer.global_step
+            self.history.append({"step": step, "loss": step_loss, "lr": self._lr})
+            if self.trainer.is_global_zero and (step % self.cfg.logging_steps == 0 or step == 1):
+                rate = step / max(1e-9, time.time() - self._t0)
+                print(f"[finetune] step {step}: loss {step_loss:.4f} lr {self._lr:.3g} ({rate:.2f} steps/s)",
+                      flush=True)
+
+        def configure_optimizers(self) -> Any:
+            cfg = self.cfg
+            decay, no_decay = [], []
+            for p in self.parameters():
+                if p.requires_grad:
+                    # Biases and norm weights (1-D) are not decayed, as in the seed recipe's trainer.
+                    (decay if p.ndim >= 2 else no_decay).append(p)
+            groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}]
+            kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+            on_cuda = self.device.type == "cuda"
+            if cfg.optim == "paged_adamw_32bit":
+                import bitsandbytes as bnb
+
+                optimizer = bnb.optim.PagedAdamW32bit(groups, **kwargs)
+            else:
+                fused = on_cuda and cfg.optim in ("adamw", "adamw_torch_fused")
+                optimizer = torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+            warmup = math.ceil(self.total_steps * cfg.warmup_ratio)
+            schedule = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lr_lambda(self.total_steps, warmup, cfg.lr_scheduler_type))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    return CausalLMModule
+
+
+# ------------------------------------------------------------------ running
+def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
+    from shardwise.recipes.hf_model import model_block_names
+    from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    blocks = model_block_names(folder.config)
+    name = cfg.strategy.lower()
+    if name == "fsdp":
+        wrap = cfg.auto_wrap_policy or blocks
+        if not wrap:
+            raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
+                             "transformer block to shard by; set auto_wrap_policy to the block class name(s).")
+        return FSDPStrategy(auto_wrap_policy=list(wrap),
+                            activation_checkpointing_policy=list(wrap) if cfg.gradient_checkpointing else None,
+                            sharding_strategy=cfg.sharding_strategy, cpu_offload=cfg.cpu_offload,
+                            state_dict_type=cfg.state_dict_type, timeout_s=cfg.timeout_s)
+    if cfg.gradient_checkpointing:
+        raise ValueError("gradient_checkpointing is applied by the FSDP strategy here; use strategy='fsdp'.")
+    if name == "ddp":
+        return DDPStrategy(timeout_s=cfg.timeout_s)
+    return "auto" if name == "auto" else SingleDeviceStrategy()
+
+
+def _callbacks(cfg: FinetuneConfig) -> List[Any]:
+    if not cfg.save_steps:
+        return []
+    try:
+        from shardwise.callbacks import ModelCheckpoint
+    except ImportError as exc:  # the checkpoint layer ships separately
+        raise RuntimeError("save_steps needs shardwise.callbacks.ModelCheckpoint, which this installation "
+                           "lacks; drop save_steps or update shardwise.") from exc
+    return [ModelCheckpoint(dirpath=os.path.join(cfg.output_dir, "checkpoints"),
+                            every_n_train_steps=cfg.save_steps, save_top_k=cfg.save_total_limit)]
+
+
+def _steps_per_epoch(n_examples: int, world: int, cfg: FinetuneConfig) -> int:
+    per_rank = math.ceil(n_examples / world)  # DistributedSampler pads to equal shares
+    batches = math.ceil(per_rank / cfg.per_device_train_batch_size)
+    return max(1, math.ceil(batches / cfg.gradient_accumulation_steps))
+
+
+def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) -> FinetuneResult:
+    """One worker's whole run (every rank executes it)."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+
+    from shardwise.recipes.data import DataSpec, prepare_data
+    from shardwise.recipes.hf_model import export_hf_folder
+    from shardwise.seed import seed_everything
+    from shardwise.memory import parse_bytes
+    from shardwise.strategies.base import Strategy
+    from shardwise.trainer import Trainer
+
+    checked = validate_config(cfg)
+    folder = checked["folder"]
+    seed_everything(cfg.seed)
+    callbacks = _callbacks(cfg)
+    trainer = Trainer(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      strategy=_build_strategy(cfg, folder), precision=cfg.precision,
+                      max_steps=cfg.max_steps, max_epochs=None if cfg.max_steps > 0 else cfg.num_train_epochs,
+                      accumulate_grad_batches=cfg.gradient_accumulation_steps,
+                      gradient_clip_val=cfg.max_grad_norm, log_every_n_steps=cfg.logging_steps,
+                      val_check_interval=(cfg.eval_steps * cfg.gradient_accumulation_steps
+                                          if cfg.eval_steps else None),
+                      callbacks=callbacks, enable_checkpointing=bool(callbacks),
+                      enable_progress_bar=cfg.enable_progress_bar, default_root_dir=cfg.output_dir)
+    # Join the process group now (the base contract's part only; the strategy
+    # builds its mesh later in fit) so the tokenised-data cache can be built by
+    # rank 0 while the other ranks wait at a barrier.
+    Strategy.setup_environment(trainer.strategy)
+    tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
+    spec = DataSpec(path=os.path.abspath(cfg.dataset), text_field=checked["text_field"],
+                    chat_template_format=cfg.chat_template_format, max_seq_len=cfg.max_seq_len,
+                    packing=cfg.packing, packing_mode=cfg.packing_mode, add_special_tokens=cfg.add_special_tokens,
+                    append_eos=cfg.append_concat_token, eval_split_ratio=cfg.eval_split_ratio, seed=cfg.seed)
+    data = prepare_data(spec, tokenizer, cfg.cache_dir or os.path.join(cfg.output_dir, "tokenized"))
+    train_loader = DataLoader(data.train, batch_size=cfg.per_device_train_batch_size, shuffle=True,
+                              collate_fn=data.collate, num_workers=cfg.dataloader_num_workers)
+    eval_loader = (DataLoader(data.eval, batch_size=cfg.per_device_eval_batch_size, shuffle=False,
+                              collate_fn=data.collate, num_workers=cfg.dataloader_num_workers)
+                   if data.eval is not None and cfg.eval_steps else None)
+    world = trainer.devices * trainer.num_nodes
+    total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_train_epochs * _steps_per_epoch(len(data.train), world, cfg)
+    module = build_module(cfg, folder, total)
+    ckpt = cfg.resume_from_checkpoint
+    trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
+    # The consolidated Hugging Face folder, gathered one tensor at a time.
+    export_dtype = getattr(torch, _DTYPES[cfg.export_dtype]) if cfg.export_dtype else None
+    export_hf_folder(module.model, cfg.output_dir, config=folder.config, tokenizer=tokenizer,
+                     source_dir=cfg.model_path, max_shard_size=parse_bytes(cfg.max_shard_size), dtype=export_dtype)
+    result = FinetuneResult(output_dir=os.path.abspath(cfg.output_dir), losses=module.history,
+                            eval_losses=module.eval_history,
+                            load=dataclasses.asdict(module.load_report) if module.load_report else {},
+                            data=data.summary, extra=after_fit(module) if after_fit is not None else None)
+    if trainer.is_global_zero:
+        with open(os.path.join(cfg.output_dir, "finetune_history.json"), "w") as fh:
+            json.dump({k: v for k, v in dataclasses.asdict(result).items() if k != "extra"}, fh, indent=2)
+    trainer.strategy.teardown()
+    return result
+
+
+def finetune(config: Union[FinetuneConfig, Dict[str, Any], str],
+             after_fit: Optional[Callable[[Any], Any]] = None) -> FinetuneResult:
+    """Fine-tune and export; returns global rank 0's result (losses per step, eval losses, load report).
+
+    `config`: a FinetuneConfig, a dict of its fields, or a YAML file path.
+    Called in a plain process with devices > 1 it starts the workers itself
+    (one node); under `shardwise launch`, torchrun or srun it is one rank.
+    `after_fit(module)` runs on every rank after the export, with the trained
+    TrainModule (its `.model` is the sharded HF model); its return value is
+    `result.extra`. It must be a module-level function for multi-process runs.
+    """
+    from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
+    from shardwise.distributed.launch import launch
+
+    cfg = coerce_config(config)
+    validate_config(cfg)  # before any worker starts
+    if detect_env() is None:
+        devices = resolve_devices(cfg.devices, resolve_accelerator(cfg.accelerator))
+        if cfg.num_nodes > 1:
+            raise RuntimeError(f"num_nodes={cfg.num_nodes}: start one launcher per node, e.g. `shardwise launch "
+                               f"--nnodes {cfg.num_nodes} --node-rank <i> --nproc-per-node {devices} "
+                               "--master-addr <node 0> shardwise finetune --config ...` (examples/slurm/).")
+        if devices > 1:
+            return launch(_run, cfg, after_fit, devices=devices)[0]
+    return _run(cfg, after_fit)
+
+
+def coerce_config(config: Union[FinetuneConfig, Dict[str, Any], str]) -> FinetuneConfig:
+    if isinstance(config, FinetuneConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        import yaml
+
+        with open(config) as fh:
+            config = yaml.safe_load(fh) or {}
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    unknown = sorted(set(config) - names)
+    if unknown:
+        raise ValueError(f"unknown finetune option(s) {unknown}; valid: {sorted(names)}")
+    return FinetuneConfig(**config)
+
+
+def build_parser() -> Any:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="shardwise finetune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+    parser.add_class_arguments(FinetuneConfig, fail_untyped=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    values = {k: v for k, v in ns.as_dict().items() if k != "config"}
+    try:
+        result = finetune(FinetuneConfig(**values))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"shardwise finetune: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None and result.losses and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] done: {len(result.losses)} steps, final loss {result.losses[-1]['loss']:.4f}; "
+              f"Hugging Face folder in {result.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""Hugging Face causal LMs in and out of a sharded model, without a RAM explosion.
+
+Loading a 70B checkpoint the naive way costs (ranks per node) x (model size)
+of host RAM, because every process reads the whole file. Here every rank
+builds the model on the meta device (free), the strategy shards it and
+allocates only the local shards, and then only global rank 0 opens the
+safetensors files: tensor by tensor it reads one full tensor, cuts it into
+the slices each rank owns (the DTensor placements say which rows) and sends
+each rank exactly its slice. A receiving rank therefore never holds more
+than its own shards plus one slice in flight -- not a full tensor, as a
+broadcast would need (torch's `set_model_state_dict(broadcast_from_rank0=True)`
+sends every full tensor to every rank; for a 128k-vocabulary embedding that
+is GBs on each rank). Rank 0 holds at most one tensor beyond its shards plus
+the pages of the file it is reading. Non-persistent buffers (RoPE's
+`inv_freq`), which no checkpoint contains, are recomputed by the model's own
+initialiser, so the strategy's uninitialised-tensor check passes honestly.
+Export is the mirror image: one tensor is gathered at a time, rank 0 appends
+it to the current safetensors shard and writes the shard once it reaches
+`max_shard_size`, so no process ever holds the whole model; the folder gets
+the config, an index when there is more than one shard, and tokenizer files,
+and `AutoModelForCausalLM.from_pretrained` loads it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.strategies.materialize import canonical_name
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment]
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class ModelFolderError(ValueError):
+    """The model folder cannot be loaded (missing config or weights, unsupported format)."""
+
+
+@dataclass
+class ModelFolder:
+    path: str
+    config: Any
+    weight_files: List[str]
+    has_tokenizer: bool
+    max_positions: Optional[int]
+    no_split_modules: List[str] = field(default_factory=list)
+
+
+def _max_positions(config: Any) -> Optional[int]:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def inspect_model_folder(path: str) -> ModelFolder:
+    """Check a local HF folder has a config and safetensors weights; raise ModelFolderError otherwise."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ModelFolderError(f"model path {path!r} is not a folder. Give a local Hugging Face model folder "
+                               "(config.json + *.safetensors + tokenizer files); shardwise does not download.")
+    present = sorted(os.listdir(path))
+    if "config.json" not in present:
+        raise ModelFolderError(f"{path!r} has no config.json, so the architecture is unknown. Files there: "
+                               f"{present or 'none'}. Save the model with save_pretrained().")
+    if SAFE_INDEX in present:
+        with open(os.path.join(path, SAFE_INDEX)) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+        missing = [f for f in files if f not in present]
+        if missing:
+            raise ModelFolderError(f"{path!r}: {SAFE_INDEX} lists {missing} but those files are missing.")
+    elif SAFE_SINGLE in present:
+        files = [SAFE_SINGLE]
+    else:
+        other = [f for f in present if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack"))]
+        hint = (f" It has {other}: convert them to safetensors first (load once with from_pretrained and "
+                "save_pretrained(safe_serialization=True))." if other else "")
+        raise ModelFolderError(f"{path!r} has a config.json but no weights ({SAFE_SINGLE} or {SAFE_INDEX})."
+                               f"{hint} Files there: {present}.")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    has_tok = any(f in present for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    return ModelFolder(path, config, files, has_tok, _max_positions(config))
+
+
+def build_meta_model(folder: ModelFolder, attn_implementation: str = "sdpa",
+                     dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The architecture on the current device context (the strategy's meta device); no weights read."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(folder.config, attn_implementation=attn_implementation,
+                                             dtype=dtype or torch.get_default_dtype())
+    folder.no_split_modules = no_split_module_names(model)
+    return model
+
+
+def model_block_names(config: Any) -> List[str]:
+    """`_no_split_modules` of the causal-LM class for `config`, read from the class (no model built).
+
+    The strategy needs the block names as its wrap policy before
+    `configure_model` runs, so they come from the class attribute.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError as exc:
+        raise ModelFolderError(f"{type(config).__name__} has no causal-LM class in transformers "
+                               f"(model_type={getattr(config, 'model_type', None)!r}).") from exc
+    return sorted(getattr(cls, "_no_split_modules", None) or [])
+
+
+def no_split_module_names(model: nn.Module) -> List[str]:
+    """The model's transformer-block class names (`_no_split_modules`): FSDP's natural units."""
+    names = getattr(model, "_no_split_modules", None) or []
+    return sorted(names)
+
+
+# ------------------------------------------------------------------ buffers
+def _non_persistent_buffer_owners(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    return [(name, mod) for name, mod in model.named_modules() if mod._non_persistent_buffers_set]
+
+
+@torch.no_grad()
+def recompute_buffers(model: nn.Module) -> List[str]:
+    """Recompute buffers that no checkpoint holds (RoPE inv_freq ...) after to_empty().
+
+    HF models know how to compute them: `PreTrainedModel._init_weights(module)`
+    fills e.g. the rotary embedding's inv_freq from the config. We call it only
+    on modules that own non-persistent buffers and no parameters, so it never
+    touches a (sharded) weight. Returns the names it could not handle; the
+    strategy's uninitialised-tensor check then names them.
+    """
+    init = getattr(model, "_init_weights", None)
+    left = []
+    for name, mod in _non_persistent_buffer_owners(model):
+        if any(True for _ in mod.parameters(recurse=False)) or not callable(init):
+            left.append(name)
+            continue
+        init(mod)
+    return left
+
+
+# ------------------------------------------------------------------ slicing
+def _mesh_coordinate(mesh: Any, rank: int) -> Optional[List[int]]:
+    hits = (mesh.mesh == rank).nonzero()
+    return hits[0].tolist() if len(hits) else None
+
+
+def shard_slices(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                 placements: Sequence[Any]) -> Tuple[slice, ...]:
+    """The slice of the full tensor that mesh coordinate `coord` holds (Shard / Replicate placements).
+
+    Shard(d) splits like torch.chunk: ceil(n / k) rows per rank, the last ones
+    shorter or empty -- what DTensor and FSDP2 do.
+    """
+    bounds = [[0, n] for n in global_shape]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:  # _StridedShard (FSDP + TP) and Partial are not plain slices
+            raise NotImplementedError(f"rank-0 loading supports Shard/Replicate placements, got {placement}")
+        start, stop = bounds[placement.dim]
+        length = stop - start
+        chunk = -(-length // mesh_shape[mesh_dim]) if length else 0
+        lo = min(start + coord[mesh_dim] * chunk, stop)
+        bounds[placement.dim] = [lo, min(lo + chunk, stop)]
+    return tuple(slice(a, b) for a, b in bounds)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _broadcast_object(obj: Any) -> Any:
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _comm_device(t: torch.Tensor) -> torch.device:
+    # NCCL moves CUDA tensors, gloo CPU ones: the local tensor's device is the right one.
+    return t.device
+
+
+# ------------------------------------------------------------------ reading
+def read_safetensors_plan(path: str, files: Sequence[str]) -> List[Tuple[str, str, List[int], str]]:
+    """(file, key, shape, dtype) of every tensor, in file order: only headers are read."""
+    plan = []
+    for fname in files:
+        with open(os.path.join(path, fname), "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            plan.append((fname, key, list(info["shape"]), info["dtype"]))
+    return plan
+
+
+def _targets(model: nn.Module) -> Dict[int, Tuple[List[str], torch.Tensor]]:
+    """Every parameter and persistent buffer, keyed by identity, with all its (canonical) names."""
+    found: Dict[int, Tuple[List[str], torch.Tensor]] = {}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, kind).items():
+                if t is None or (kind == "_buffers" and name in mod._non_persistent_buffers_set):
+                    continue
+                fqn = canonical_name(f"{prefix}.{name}" if prefix else name)
+                names, _ = found.setdefault(id(t), ([], t))
+                if fqn not in names:
+                    names.append(fqn)
+    return found
+
+
+@dataclass
+class LoadReport:
+    tensors: int = 0
+    bytes_read: int = 0
+    rss_before: int = 0  # RSS when loading started (the shards are already allocated)
+    peak_before: int = 0  # the RSS high-water mark before loading (since the last reset)
+    peak_growth: int = 0  # peak RSS during loading minus rss_before
+    end_growth: int = 0
+    unexpected: List[str] = field(default_factory=list)
+
+
+@torch.no_grad()
+def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str]) -> LoadReport:
+    """Fill `model`'s (possibly sharded) tensors from safetensors read by global rank 0 only.
+
+    Every rank must call it (it communicates). The work is split so that an
+    error in the checkpoint (missing key, wrong shape) is found on all ranks
+    from the broadcast header plan, before any tensor moves: no rank is left
+    waiting in a send that never comes.
+    """
+    rank = _rank()
+    report = LoadReport(rss_before=current_rss_bytes(), peak_before=peak_rss_bytes())
+    reset_peak_rss()  # VmHWM from here on is the loading phase's own peak
+    plan = _broadcast_object(read_safetensors_plan(path, files) if rank == 0 else None)
+    by_key = {key: (fname, shape, dtype) for fname, key, shape, dtype in plan}
+    targets = _targets(model)
+    order: List[Tuple[str, str, torch.Tensor]] = []  # (file, key, tensor)
+    missing, mismatched, used = [], [], set()
+    for names, tensor in targets.values():
+        key = next((n for n in names if n in by_key), None)
+        if key is None:
+            missing.append(names[0])
+            continue
+        used.add(key)
+        shape = by_key[key][1]
+        if list(tensor.shape) != shape:
+            mismatched.append(f"{key}: checkpoint {shape} vs model {list(tensor.shape)}")
+        order.append((by_key[key][0], key, tensor))
+    if missing or mismatched:
+        raise ModelFolderError(
+            f"{path!r} does not match the architecture in its config.json: "
+            + (f"missing {len(missing)} tensor(s) {missing[:8]}; " if missing else "")
+            + (f"shape mismatch {mismatched[:8]}" if mismatched else ""))
+    report.unexpected = sorted(set(by_key) - used)
+    position = {key: i for i, (_, key, _, _) in enumerate(plan)}
+    order.sort(key=lambda item: position[item[1]])  # file by file, in file order: sequential reads
+
+    current_file, handle, stack, scratch = None, None, contextlib.ExitStack(), _Scratch()
+    with stack:
+        for fname, key, tensor in order:
+            full = None
+            if rank == 0:
+                if fname != current_file:
+                    # Close the previous file: its mapped pages leave this process's RSS.
+                    stack.close()
+                    from safetensors import safe_open
+
+                    handle = stack.enter_context(safe_open(os.path.join(path, fname), framework="pt"))
+                    current_file = fname
+                full = handle.get_tensor(key)
+                report.bytes_read += full.numel() * full.element_size()
+            _place(tensor, full, rank, scratch)
+            del full
+            report.tensors += 1
+    report.peak_growth = peak_rss_bytes() - report.rss_before
+    report.end_growth = current_rss_bytes() - report.rss_before
+    if report.unexpected and rank == 0:
+        warnings.warn(f"{len(report.unexpected)} checkpoint tensor(s) not used by the model: "
+                      f"{report.unexpected[:8]}", stacklevel=2)
+    return report
+
+
+# A slice travels in pieces of at most this many bytes, so a receiving rank's
+# scratch space is bounded however large one tensor (a 128k-token embedding) is.
+CHUNK_BYTES = 16 * 2**20
+
+
+def _row_chunks(shape: Sequence[int], element_size: int) -> List[slice]:
+    rows = shape[0] if shape else 1
+    row_bytes = max(1, element_size * (int(torch.Size(shape[1:]).numel()) if len(shape) > 1 else 1))
+    step = max(1, CHUNK_BYTES // row_bytes)
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+class _Scratch:
+    """One reusable receive buffer per (dtype, device): fresh buffers per piece would
+    pile up in the allocator's heap and show as RSS growth."""
+
+    def __init__(self) -> None:
+        self.buffers: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = int(torch.Size(shape).numel())
+        buf = self.buffers.get((dtype, device))
+        if buf is None or buf.numel() < n:
+            elements = max(n, CHUNK_BYTES // torch.empty((), dtype=dtype).element_size())
+            buf = self.buffers[(dtype, device)] = torch.empty(elements, dtype=dtype, device=device)
+        return buf[:n].view(list(shape))
+
+
+def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratch: _Scratch) -> None:
+    """Rank 0 holds `full`; every rank ends with its own part of it in `tensor`.
+
+    For a DTensor, rank 0 sends slices only to the first replica (mesh
+    coordinate 0 on every Replicate dimension); each slice then spreads over
+    its replicate group by broadcast. Under HYBRID_SHARD on N nodes, rank 0
+    sends the model once instead of N times, and the cross-node copies travel
+    from every rank of node 0 in parallel.
+    """
+    if isinstance(tensor, DTensor):
+        local = tensor._local_tensor
+        mesh, placements = tensor.device_mesh, tensor.placements
+        replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+        coord = _mesh_coordinate(mesh, rank)
+        shape = [s.stop - s.start for s in shard_slices(tensor.shape, mesh.shape, coord, placements)]
+        if rank == 0:
+            full = full.to(dtype=local.dtype)
+            for dst in mesh.mesh.flatten().tolist():
+                dst_coord = _mesh_coordinate(mesh, dst)
+                if any(dst_coord[d] != 0 for d in replicated):
+                    continue
+                part = full[shard_slices(tensor.shape, mesh.shape, dst_coord, placements)]
+                if part.numel() == 0:
+                    continue
+                if dst == 0:
+                    local.copy_(part.reshape(local.shape))
+                    continue
+                for rows in _row_chunks(part.shape, part.element_size()):
+                    dist.send(part[rows].contiguous().to(_comm_device(local)), dst=dst)
+        if 0 in shape:
+            return
+        view = local.view(shape)
+        if rank != 0 and all(coord[d] == 0 for d in replicated):
+            for rows in _row_chunks(shape, local.element_size()):
+                # Received into a small scratch piece, then copied: copy_ also marks
+                # the tensor as written for the strategy's initialisation check.
+                piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device(local))
+                dist.recv(piece, src=0)
+                view[rows].copy_(piece)
+        for d in replicated:
+            # After the broadcasts along earlier replicated dims, the member
+            # with coordinate 0 on this one holds the right values.
+            src_coord = list(coord)
+            src_coord[d] = 0
+            src = int(mesh.mesh[tuple(src_coord)])
+            group = mesh.get_group(d)
+            for rows in _row_chunks(shape, local.element_size()):
+                if rank == src:
+                    dist.broadcast(view[rows], src=src, group=group)
+                else:
+                    piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device(local))
+                    dist.broadcast(piece, src=src, group=group)
+                    view[rows].copy_(piece)
+        return
+    # A plain tensor is replicated (DDP, single device, buffers under FSDP).
+    if rank == 0:
+        tensor.copy_(full.to(dtype=tensor.dtype))
+    if _world() > 1:
+        buf = tensor.contiguous() if rank == 0 else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        dist.broadcast(buf, src=0)
+        if rank != 0:
+            tensor.copy_(buf)
+
+
+# ------------------------------------------------------------------ export
+def _export_items(model: nn.Module, config: Any) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs to save, one name per tensor, tied copies left out as save_pretrained does."""
+    tied = set()
+    if getattr(config, "tie_word_embeddings", False):
+        tied_keys = getattr(model, "_tied_weights_keys", None) or {}
+        tied = set(tied_keys.keys() if isinstance(tied_keys, dict) else tied_keys)
+    items = []
+    for names, tensor in _targets(model).values():
+        keep = [n for n in names if n not in tied] or names
+        items.append((keep[0], tensor))
+    return items
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def export_hf_folder(model: nn.Module, out_dir: str, *, config: Any, tokenizer: Any = None,
+                     source_dir: Optional[str] = None, max_shard_size: int = 5 * 2**30,
+                     dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Write a Hugging Face folder from a (sharded) model; every rank calls it, rank 0 writes.
+
+    One tensor is all-gathered at a time; rank 0 keeps the current shard
+    (at most `max_shard_size` bytes) and writes it before starting the next.
+    Returns out_dir on rank 0, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    rank = _rank()
+    items = _export_items(model, config)
+    shards: List[Tuple[str, List[str], int]] = []  # (temp file, keys, bytes)
+    current: Dict[str, torch.Tensor] = {}
+    current_bytes = 0
+    total = 0
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        for stale in os.listdir(out_dir):  # a previous export's shards must not mix with these
+            if stale.startswith("model") and (stale.endswith(".safetensors") or stale == SAFE_INDEX):
+                os.remove(os.path.join(out_dir, stale))
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if not current:
+            return
+        tmp = f".export-{len(shards):05d}.safetensors"
+        save_file(current, os.path.join(out_dir, tmp), metadata={"format": "pt"})
+        shards.append((tmp, list(current), current_bytes))
+        current, current_bytes = {}, 0
+
+    for name, tensor in items:
+        full = _full(tensor)  # a collective: every rank, same order
+        if rank == 0:
+            value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
+            if value.data_ptr() == full.data_ptr() and not isinstance(tensor, DTensor):
+                value = value.clone()  # never alias a live parameter in the written dict
+            size = value.numel() * value.element_size()
+            if current and current_bytes + size > max_shard_size:
+                flush()
+            current[name] = value
+            current_bytes += size
+            total += size
+        del full
+    if rank != 0:
+        _barrier()
+        return None
+    flush()
+    weight_map = {}
+    for i, (tmp, keys, _) in enumerate(shards):
+        final = SAFE_SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
+        weight_map.update({k: final for k in keys})
+    if len(shards) > 1:
+        with open(os.path.join(out_dir, SAFE_INDEX), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+    config = _copy_config(config)
+    if dtype is not None or items:
+        config.dtype = dtype or items[0][1].dtype
+    config.save_pretrained(out_dir)
+    if source_dir and os.path.exists(os.path.join(source_dir, "generation_config.json")):
+        shutil.copy2(os.path.join(source_dir, "generation_config.json"), out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    elif source_dir:
+        for fname in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(source_dir, fname)):
+                shutil.copy2(os.path.join(source_dir, fname), out_dir)
+    _barrier()
+    return out_dir
+
+
+def _copy_config(config: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(config)
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def iter_files(out_dir: str) -> Iterator[str]:
+    """The weight files of an exported folder (tests and tools)."""
+    index = os.path.join(out_dir, SAFE_INDEX)
+    if os.path.exists(index):
+        with open(index) as fh:
+            yield from sorted(set(json.load(fh)["weight_map"].values()))
+    else:
+        yield SAFE_SINGLE

@@ -1,0 +1,508 @@
+"""DeepSpeed ZeRO (stages 0-3, CPU offload, activation partitioning) behind the strategy contract.
+
+DeepSpeed's engine owns more of the loop than PyTorch's wrappers do: it
+accumulates, clips, scales fp16 losses and steps, all driven by one JSON
+config. The user's arguments, an optional config (dict or JSON path) and
+the Trainer's settings become that config (deepspeed_config.py): the
+explicit config wins, our settings fill what it leaves open, and a
+contradiction is an error naming both values, raised in the user's process
+before any worker starts. The engine is then driven through the ordinary contract:
+`no_backward_sync` marks the accumulation boundary, `backward` / `optimizer_step`
+call the engine, `clip_gradients` defers to the engine's clipping, so the
+Trainer loop stays strategy-agnostic. Weights start equal to DDP's: stages 0-2
+build on the meta device and materialise with materialize.py's per-module
+seeds; stage 3 builds under `deepspeed.zero.Init` (no rank ever holds the
+whole model) and re-runs each module's init on its gathered parameters under
+the same per-module seeds. On CPU, DeepSpeed runs with DS_ACCELERATOR=cpu over
+the gloo group our base class created. Checkpoints go through the engine
+(its sharded layout) and are converted with zero_to_fp32, checked against a
+manifest of every parameter (see deepspeed_checkpoint.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.strategies.base import Strategy, _destroy_process_group, global_seed
+from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, _unset, build_config,
+                                                   cpu_adam_problem, load_config)
+from shardwise.strategies.fsdp import build_policy_fn, describe_modules
+from shardwise.strategies.materialize import _reset_fn, module_seed
+
+# The names strategies/__init__.py maps to `DeepSpeedStrategy.from_name`.
+NAMED = {
+    "deepspeed": dict(stage=2),
+    "deepspeed_stage_1": dict(stage=1),
+    "deepspeed_stage_2": dict(stage=2),
+    "deepspeed_stage_2_offload": dict(stage=2, offload_optimizer=True),
+    "deepspeed_stage_3": dict(stage=3),
+    "deepspeed_stage_3_offload": dict(stage=3, offload_optimizer=True, offload_parameters=True),
+}
+
+# ------------------------------------------------------------------- import
+def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
+    """Point DeepSpeed at the CPU before it is imported (it picks its accelerator once, at import).
+
+    Without CUDA, or when the user asked for accelerator='cpu', DeepSpeed must
+    use its CPU accelerator; an already-imported DeepSpeed on another
+    accelerator is switched, since its choice is a process-wide singleton.
+    """
+    want_cpu = accelerator == "cpu" or (accelerator is None and not torch.cuda.is_available())
+    if not want_cpu:
+        return
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if os.environ["DS_ACCELERATOR"] != "cpu":
+            raise DeepSpeedConfigError(f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']!r} but training runs on "
+                                       "the CPU; unset it or set DS_ACCELERATOR=cpu.")
+        return
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
+def import_deepspeed(accelerator: Optional[str] = None, log_level: int = logging.WARNING):
+    ensure_accelerator_env(accelerator)
+    try:
+        import deepspeed
+    except ImportError as exc:  # pragma: no cover - the extra is missing
+        raise ImportError("strategy='deepspeed' needs DeepSpeed: pip install 'shardwise[deepspeed]'.") from exc
+    from deepspeed.utils import logger
+
+    logger.setLevel(log_level)  # its INFO lines would bury the progress bar
+    return deepspeed
+
+
+class DeepSpeedStrategy(Strategy):
+    """ZeRO data parallelism through DeepSpeed's engine. See docs/deepspeed.md for every knob.
+
+    Arguments left as None take the config's value, else the default (stage 2,
+    no offload, no activation partitioning); arguments that are set must agree
+    with the config.
+    """
+
+    name = "deepspeed"
+    init_on_meta = True  # stages 0-2; stage 3 builds under zero.Init (module_init_context)
+
+    def __init__(self, stage: Optional[int] = None, offload_optimizer: Optional[bool] = None,
+                 offload_parameters: Optional[bool] = None, partition_activations: Optional[bool] = None,
+                 cpu_checkpointing: Optional[bool] = None, contiguous_memory_optimization: Optional[bool] = None,
+                 activation_checkpointing_policy: Any = None, config: Union[None, str, Dict[str, Any]] = None,
+                 cpu_offload: Optional[bool] = None, logging_level: int = logging.WARNING,
+                 precision: Any = None, timeout_s: float = 1800.0) -> None:
+        super().__init__(precision=precision, timeout_s=timeout_s)
+        self.user_config = load_config(config)
+        for key in ("optimizer", "scheduler"):
+            if key in self.user_config:
+                raise DeepSpeedConfigError(
+                    f"The DeepSpeed config has a {key!r} section, but shardwise takes the optimizer and LR "
+                    f"scheduler from configure_optimizers(). Remove the section and return the optimizer "
+                    "there (DeepSpeedCPUAdam for offloaded training, or torch Adam/AdamW).")
+        if cpu_offload is not None:  # the seed's DeepSpeedPlugin(cpu_offload=True)
+            offload_optimizer = cpu_offload if offload_optimizer is None else offload_optimizer
+            if (stage if stage is not None else self.user_config.get("zero_optimization", {}).get("stage")) == 3:
+                offload_parameters = cpu_offload if offload_parameters is None else offload_parameters
+        self.args = dict(stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
+                         partition_activations=partition_activations, cpu_checkpointing=cpu_checkpointing,
+                         contiguous_memory_optimization=contiguous_memory_optimization)
+        build_policy_fn(activation_checkpointing_policy, "activation_checkpointing_policy")
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.logging_level = logging_level
+        self.loop: Dict[str, Any] = {}
+        self.world_hint: Optional[int] = None
+        self.config = self._build_config()  # validates now, in the user's process
+        self.engine: Any = None
+        self.num_checkpointed = 0
+        if self.offload_optimizer:
+            import_deepspeed(None, logging_level)
+            problem = cpu_adam_problem()
+            if problem is not None:
+                raise DeepSpeedConfigError(
+                    f"offload_optimizer=True steps the optimizer on the host with DeepSpeedCPUAdam, which is "
+                    f"required here but unavailable: {problem}. Install it, or set offload_optimizer=False.")
+
+    @classmethod
+    def from_name(cls, name: str) -> "DeepSpeedStrategy":
+        if name not in NAMED:
+            raise ValueError(f"Unknown DeepSpeed strategy {name!r}. Valid: {', '.join(NAMED)}.")
+        return cls(**NAMED[name])
+
+    # ------------------------------------------------------------- config
+    def _build_config(self) -> Dict[str, Any]:
+        return build_config(self.user_config, self.args, self.precision.name if self.precision else None,
+                            self.loop, self.world_hint)
+
+    @property
+    def stage(self) -> int:
+        return int(self.config["zero_optimization"]["stage"])
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return bool(_offload_device(self.config["zero_optimization"], "offload_optimizer"))
+
+    @property
+    def offload_parameters(self) -> bool:
+        return bool(_offload_device(self.config["zero_optimization"], "offload_param"))
+
+    def connect(self, accelerator: str = "auto", precision: Any = None, num_nodes: int = 1, devices: int = 1) -> None:
+        super().connect(accelerator, precision, num_nodes=num_nodes, devices=devices)
+        ensure_accelerator_env(self.accelerator)
+        self.world_hint = max(1, num_nodes * devices)
+        self.config = self._build_config()
+
+    def configure_training(self, accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
+                           gradient_clip_algorithm: str = "norm", micro_batch_size: Optional[int] = None) -> None:
+        if gradient_clip_val is not None and gradient_clip_algorithm != "norm":
+            raise DeepSpeedConfigError("DeepSpeed clips gradients by global norm only; "
+                                       f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not available.")
+        self.loop = dict(accumulate_grad_batches=accumulate_grad_batches,
+                         gradient_clip_val=float(gradient_clip_val) if gradient_clip_val is not None else None,
+                         micro_batch_size=micro_batch_size)
+        self.config = self._build_config()
+
+    # ------------------------------------------------------------- set-up
+    def setup_environment(self) -> None:
+        if self.precision is None:
+            self.connect()
+        ensure_accelerator_env(self.accelerator)
+        super().setup_environment()
+        if not dist.is_initialized():
+            # One process still needs a group: DeepSpeed's collectives assume one.
+            from shardwise.distributed.env import find_free_port
+
+            dist.init_process_group("gloo" if self.root_device.type == "cpu" else "nccl", rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{find_free_port()}")
+            self._owns_process_group = True
+            import atexit
+
+            atexit.register(_destroy_process_group)
+        # DeepSpeed reads these even when the group exists (device choice, logging).
+        for key, value in (("RANK", self.global_rank), ("LOCAL_RANK", self.local_rank),
+                           ("WORLD_SIZE", self.world_size), ("LOCAL_WORLD_SIZE", self.env.local_world_size)):
+            os.environ.setdefault(key, str(value))
+        deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        # DeepSpeed's comm layer compiles a shared-memory all-reduce op on first use
+        # (minutes on a fresh machine); it serves only inference_all_reduce, which
+        # training never calls, so skip building it.
+        import importlib
+
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # the attribute is shadowed by torch
+        if getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None) is None and \
+                hasattr(ds_torch_comm, "build_shm_op"):
+            ds_torch_comm.build_shm_op = lambda: None
+        # Adopt our process group instead of letting DeepSpeed create (or MPI-discover) one.
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+        if deepspeed.comm.get_world_size() != dist.get_world_size():
+            raise RuntimeError(f"deepspeed.comm sees world size {deepspeed.comm.get_world_size()} but the process "
+                               f"group has {dist.get_world_size()}.")
+        self.world_hint = dist.get_world_size()
+        self.config = self._build_config()
+        self.grad_scaler = None  # DeepSpeed scales fp16 losses itself
+
+    @contextlib.contextmanager
+    def module_init_context(self) -> Iterator[None]:
+        """Stages 0-2: the meta device (materialised later, as DDP). Stage 3: zero.Init shards as it builds."""
+        if self.stage < 3:
+            with torch.device("meta"):
+                yield
+            return
+        deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        remote = "cpu" if self.offload_parameters else None
+        # fork_rng: construction-time init is thrown away (setup_module re-initialises),
+        # so it must not advance the global RNG that DDP's meta build leaves untouched.
+        with torch.random.fork_rng(devices=[]), deepspeed.zero.Init(
+                config_dict_or_path=copy.deepcopy(self.config), remote_device=remote,
+                dtype=self._param_dtype()):
+            yield
+
+    def _param_dtype(self) -> torch.dtype:
+        if self.config.get("bf16", {}).get("enabled"):
+            return torch.bfloat16
+        if self.config.get("fp16", {}).get("enabled"):
+            return torch.float16
+        return torch.float32
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.stage == 3:
+            self._materialize_leftovers(module)
+            init_zero3_module(module, global_seed())
+        else:
+            self.materialize(module)
+            module = module.to(self.root_device)
+        if self.activation_checkpointing_policy is not None:
+            self.num_checkpointed = apply_deepspeed_checkpointing(module, self.activation_checkpointing_policy)
+        elif self.config.get("activation_checkpointing", {}).get("partition_activations") or \
+                self.config.get("activation_checkpointing", {}).get("cpu_checkpointing"):
+            warnings.warn("partition_activations / cpu_checkpointing act only on layers run through "
+                          "deepspeed.checkpointing.checkpoint; pass activation_checkpointing_policy={YourBlock} "
+                          "to have shardwise wrap them.", stacklevel=2)
+        self._configure_activation_checkpointing()
+        self.module = module
+        return module
+
+    def _materialize_leftovers(self, module: nn.Module) -> None:
+        # Layers a TrainModule builds in __init__ are real; anything on meta outside
+        # zero.Init would reach DeepSpeed unallocated, so materialise it as DDP would.
+        if any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers()):
+            self.materialize(module)
+
+    def _configure_activation_checkpointing(self) -> None:
+        ac = self.config.get("activation_checkpointing")
+        if not ac and not self.num_checkpointed:
+            return
+        ac = ac or {}
+        deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        number = ac.get("number_checkpoints") or self.num_checkpointed or None
+        if ac.get("contiguous_memory_optimization") and not number:
+            raise DeepSpeedConfigError("contiguous_memory_optimization=True needs the number of checkpointed "
+                                       "layers: pass activation_checkpointing_policy={YourBlock} or set "
+                                       "activation_checkpointing.number_checkpoints in the config.")
+        deepspeed.checkpointing.configure(
+            None, partition_activations=bool(ac.get("partition_activations")),
+            contiguous_checkpointing=bool(ac.get("contiguous_memory_optimization")), num_checkpoints=number,
+            checkpoint_in_cpu=bool(ac.get("cpu_checkpointing")),
+            synchronize=bool(ac.get("synchronize_checkpoint_boundary")), profile=False)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Build the engine around the model and this optimizer (DeepSpeed drives exactly one)."""
+        if self.engine is not None:
+            raise RuntimeError("DeepSpeed drives exactly one optimizer per model, but configure_optimizers() "
+                               "returned more than one. Merge them into param groups of one optimizer.")
+        if self.module is None:
+            raise RuntimeError("Call setup_module(model) before setup_optimizer(optimizer).")
+        deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        optimizer = self._maybe_cpu_optimizer(optimizer)
+        self._fill_bucket_sizes()
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
+                                                          config=copy.deepcopy(self.config),
+                                                          dist_init_required=False)
+        self.engine = engine
+        self.optimizers.append(ds_optimizer)
+        return ds_optimizer
+
+    def _fill_bucket_sizes(self) -> None:
+        # DeepSpeed's communication buckets default to 5e8 elements and are allocated
+        # whole (2 GB in fp32 at stage 3) even for a model a hundred times smaller. A
+        # bucket larger than the model holds nothing more, so cap them at the model's
+        # size: the same single-bucket schedule for small models, unchanged for big ones.
+        numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters())
+        user = self.user_config.get("zero_optimization") or {}
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            if _unset(user.get(key)):
+                self.config["zero_optimization"][key] = int(min(5e8, max(numel, 1)))
+
+    def _maybe_cpu_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """With the optimizer offloaded, the step runs on the host: DeepSpeed's CPU Adam is required.
+
+        torch Adam / AdamW are swapped for DeepSpeedCPUAdam with the same
+        hyperparameters. The param-group dicts are shared, so an LR scheduler
+        built on the original optimizer still drives the new one.
+        """
+        if not self.offload_optimizer:
+            return optimizer
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)):
+            return optimizer
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise TypeError(
+                f"offload_optimizer=True needs DeepSpeedCPUAdam (or DeepSpeedCPUAdagrad / DeepSpeedCPULion): the "
+                f"offloaded step runs on the host. configure_optimizers() returned {type(optimizer).__name__}; "
+                "return deepspeed.ops.adam.DeepSpeedCPUAdam(...) or torch.optim.AdamW (swapped automatically).")
+        groups = optimizer.param_groups
+        if any(g.get("amsgrad") for g in groups):
+            raise TypeError("DeepSpeedCPUAdam has no amsgrad; use amsgrad=False with offload_optimizer=True.")
+        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(groups[0].get("decoupled_weight_decay"))
+        first = groups[0]
+        return DeepSpeedCPUAdam(groups, lr=float(first["lr"]), betas=tuple(first["betas"]), eps=first["eps"],
+                                weight_decay=first["weight_decay"], adamw_mode=adamw)
+
+    # ------------------------------------------------------------- steps
+    def _engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("The DeepSpeed engine is built by setup_optimizer(); call it before training.")
+        return self.engine
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # DeepSpeed casts the module itself (bf16 / fp16 sections); autocast on top
+        # would mix two precision schemes.
+        return contextlib.nullcontext()
+
+    def call(self, model: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Route through the engine's forward (its hooks gather ZeRO-3 parameters and count steps)."""
+        if self.engine is not None and (model is self.module or model is self.engine):
+            model = self.engine
+        return super().call(model, method, *args, **kwargs)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if self.engine is not None and model is self.engine else model
+
+    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
+        # The Trainer already divided by the accumulation window; the engine must not again.
+        self._engine().backward(loss, scale_wrt_gas=False)
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        """Tell the engine whether this micro-batch ends the accumulation window.
+
+        The engine reduces gradients (and, at the boundary, lets step() update)
+        according to this flag, so it must be set before the backward. It is left
+        set after the block because optimizer_step() follows the final one.
+        """
+        self._engine().set_gradient_accumulation_boundary(not enabled)
+        yield
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       max_norm: Optional[float] = None, max_value: Optional[float] = None) -> Optional[torch.Tensor]:
+        """The engine clips inside step() at config['gradient_clipping']; this only checks they agree.
+
+        Returns None: the norm exists only once the engine has stepped
+        (`strategy.engine.get_global_grad_norm()`).
+        """
+        if max_value is not None:
+            raise DeepSpeedConfigError("DeepSpeed clips by global norm only; clipping by value is not available.")
+        configured = self.config.get("gradient_clipping") or 0.0
+        if max_norm is not None and float(max_norm) != float(configured):
+            raise DeepSpeedConfigError(
+                f"clip_gradients(max_norm={max_norm}) but the engine clips at gradient_clipping={configured} "
+                "inside its step. Pass the value before the engine is built: Trainer(gradient_clip_val=...) "
+                "or strategy.configure_training(gradient_clip_val=...).")
+        return None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        engine = self._engine()
+        if not engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("optimizer_step() after a non-final micro-batch: run the last micro-batch of each "
+                               "window under strategy.no_backward_sync(model, enabled=False).")
+        engine.step()
+        return bool(engine.was_step_applied())  # False when fp16 loss scaling skipped an overflow
+
+    # ------------------------------------------------------------- state
+    def model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The full, unsharded state dict on every rank (gathers ZeRO-3 shards one module at a time)."""
+        module = self.unwrap(model)
+        if self.stage < 3:
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        out: Dict[str, torch.Tensor] = {}
+        for prefix, mod in module.named_modules():
+            own = list(mod.parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(own, modifier_rank=None):
+                for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                    if t is not None and (name in mod._parameters or name not in mod._non_persistent_buffers_set):
+                        out[f"{prefix}.{name}" if prefix else name] = t.detach().clone()
+        return out
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "deepspeed"
+
+    def save_checkpoint(self, path: str, state: Dict[str, Any]) -> None:
+        """The engine's sharded files + trainer state + parameter list (see deepspeed_checkpoint.py)."""
+        from shardwise.strategies.deepspeed_checkpoint import save_engine_checkpoint
+
+        save_engine_checkpoint(self, path, state)
+
+    def load_checkpoint(self, path: str, checkpoint_format: str = "deepspeed") -> Dict[str, Any]:
+        """Load through the engine; another world size goes through DeepSpeed's universal checkpoint."""
+        from shardwise.strategies.deepspeed_checkpoint import load_engine_checkpoint
+
+        return load_engine_checkpoint(self, path, checkpoint_format)
+
+    def teardown(self) -> None:
+        self.engine = None
+        super().teardown()
+
+
+# ----------------------------------------------------------------- helpers
+@torch.no_grad()
+def init_zero3_module(root: nn.Module, seed: int) -> int:
+    """Re-initialise parameters built under zero.Init exactly as materialize.py would for DDP.
+
+    Each module with a reset_parameters() gets its parameters gathered, reset
+    under torch.manual_seed(module_seed(seed, name)) -- the same draws DDP's
+    meta-device materialisation makes on full-size tensors -- and re-sharded.
+    Children first, as in eager construction. Parameters created outside
+    zero.Init (no `ds_id`) keep their values, as DDP keeps real tensors.
+    A TrainModule.init_weights hook replaces the pass, on all parameters gathered.
+    Returns the number of modules initialised.
+    """
+    import deepspeed
+
+    def zero_params(mod: nn.Module, recurse: bool) -> List[nn.Parameter]:
+        return [p for p in mod.parameters(recurse=recurse) if hasattr(p, "ds_id")]
+
+    hook = getattr(root, "init_weights", None)
+    if callable(hook):
+        with deepspeed.zero.GatheredParameters(zero_params(root, True), modifier_rank=0):
+            hook()
+        return 1
+    count = 0
+    for fqn, mod in reversed(list(root.named_modules())):
+        fn = _reset_fn(mod)
+        params = zero_params(mod, True) if fn is not None else []
+        if not params:
+            continue
+        # A parent's init may touch its children's parameters (MultiheadAttention), so gather recursively.
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(seed, fqn))
+                fn()
+        count += 1
+    return count
+
+
+def apply_deepspeed_checkpointing(root: nn.Module, policy: Any) -> int:
+    """Run each module the policy selects through deepspeed.checkpointing.checkpoint.
+
+    DeepSpeed's checkpointing is what partition_activations / cpu_checkpointing /
+    contiguous_memory_optimization act on. Only tensor arguments are handed to
+    it: keyword and non-tensor positional arguments (None, a tuple of rotary
+    tables) are bound into the function, because DeepSpeed's partitioned path
+    mis-counts non-tensor arguments when it rebuilds them for the backward.
+    """
+    fn = build_policy_fn(policy, "activation_checkpointing_policy")
+    count = 0
+    for module in root.modules():
+        if module is root or getattr(module, "_shardwise_ds_checkpointed", False) or not fn(module, 0):
+            continue
+        original = module.forward
+
+        def forward(*args: Any, _original=original, **kwargs: Any) -> Any:
+            from deepspeed import checkpointing
+
+            if not torch.is_grad_enabled():  # validation: nothing to save for a backward
+                return _original(*args, **kwargs)
+            positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+            if kwargs or len(positions) < len(args):
+                def run(*tensors: torch.Tensor) -> Any:
+                    full = list(args)
+                    for i, t in zip(positions, tensors):
+                        full[i] = t
+                    return _original(*full, **kwargs)
+
+                return checkpointing.checkpoint(run, *(args[i] for i in positions))
+            return checkpointing.checkpoint(_original, *args)
+
+        module.forward = forward
+        module._shardwise_ds_checkpointed = True
+        count += 1
+    if count == 0:
+        raise ValueError(f"activation_checkpointing_policy={policy!r} matched no module of "
+                         f"{type(root).__name__}. The model contains: {describe_modules(root)}.")
+    return count

@@ -1,0 +1,218 @@
+"""DeepSpeed checkpoints inside shardwise's checkpoint layout, and their conversion to one state dict.
+
+A "deepspeed" checkpoint is a directory: the engine's own files under
+`engine/` (every rank writes its ZeRO shard), `trainer_state.pt` and the
+manifest `shardwise.json` (written by checkpoint/layout.py, so it is listed,
+inspected and resumed like any other), and `deepspeed.json`: the stage, the
+world size and every parameter and persistent buffer of the model with its
+shape and, for a parameter registered under two names, the name it aliases.
+That list is what makes conversion trustworthy: zero_to_fp32 rebuilds
+weights from the optimizer's flat partitions, which hold each shared
+parameter once, so aliases (tied heads) come back missing -- the way a
+peer's stage-2 conversion drops parameters. `consolidate` restores aliases
+from their owner and fails, naming them, if any listed tensor is still absent
+or mis-shaped. Resuming at another world size goes through DeepSpeed's
+universal checkpoint (converted once, into `universal/` beside `engine/`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from shardwise.checkpoint.errors import CheckpointFormatError, CheckpointMismatchError, CorruptCheckpointError
+from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, register_reader
+
+FORMAT = "deepspeed"
+ENGINE_TAG = "engine"
+UNIVERSAL_TAG = "universal"
+PARAMS_NAME = "deepspeed.json"
+
+
+def describe_model(module: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """Every parameter (aliases included) and persistent buffer: shape, dtype, and the name it aliases."""
+    owners: Dict[int, str] = {}
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 parameters are empty locally
+        entry = {"shape": list(shape), "dtype": str(p.dtype).replace("torch.", ""), "kind": "parameter",
+                 "requires_grad": bool(p.requires_grad)}
+        if id(p) in owners:
+            entry["alias_of"] = owners[id(p)]
+        else:
+            owners[id(p)] = name
+        out[name] = entry
+    for prefix, mod in module.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                full = f"{prefix}.{name}" if prefix else name
+                out[full] = {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""), "kind": "buffer"}
+    return out
+
+
+def read_params(path: str) -> Dict[str, Any]:
+    file = os.path.join(path, PARAMS_NAME)
+    if not os.path.exists(file):
+        raise CorruptCheckpointError(f"{path} has no {PARAMS_NAME}: it is not a complete shardwise DeepSpeed "
+                                     "checkpoint (or it was written by another tool).")
+    with open(file) as fh:
+        return json.load(fh)
+
+
+# --------------------------------------------------------------- save / load
+def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> None:
+    """Every rank writes its ZeRO shard through the engine; rank 0 adds trainer state and the parameter list."""
+    from shardwise.checkpoint.layout import write_trainer_state
+
+    engine = strategy._engine()
+    if strategy.is_global_zero:
+        os.makedirs(path, exist_ok=True)
+    strategy.barrier("deepspeed-save-start")
+    # The engine saves only what it owns; the trainer's state travels in trainer_state.pt.
+    engine.save_checkpoint(path, tag=ENGINE_TAG, client_state={}, save_latest=True)
+    if strategy.is_global_zero:
+        write_trainer_state(path, state)
+        info = {"stage": strategy.stage, "world_size": strategy.world_size,
+                "precision": strategy.precision.name if strategy.precision else None,
+                "tensors": describe_model(strategy.module)}
+        with open(os.path.join(path, PARAMS_NAME), "w") as fh:
+            json.dump(info, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+    strategy.barrier("deepspeed-save-end")
+
+
+def load_engine_checkpoint(strategy: Any, path: str, checkpoint_format: str = FORMAT,
+                           load_optimizer_states: bool = True) -> Dict[str, Any]:
+    from shardwise.checkpoint.layout import read_trainer_state
+
+    if checkpoint_format != FORMAT:
+        raise CheckpointFormatError(
+            f"{path} is a {checkpoint_format!r} checkpoint, which the DeepSpeed engine cannot load. Convert it to "
+            f"weights (`shardwise convert {path} weights.safetensors`), load them into the model in "
+            "configure_model, and start a new run (the optimizer state does not carry over).")
+    info = read_params(path)
+    engine = strategy._engine()
+    tag = ENGINE_TAG
+    if info["world_size"] != strategy.world_size:
+        tag = _universal_for(strategy, path, info)
+    engine._config.load_universal_checkpoint = tag == UNIVERSAL_TAG  # read by load_checkpoint only
+    try:
+        loaded, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=False, load_module_strict=True)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if loaded is None:
+        raise CorruptCheckpointError(f"DeepSpeed found no loadable engine state in {os.path.join(path, tag)}.")
+    return read_trainer_state(path)
+
+
+def _universal_for(strategy: Any, path: str, info: Dict[str, Any]) -> str:
+    """Convert the engine files to DeepSpeed's world-size-independent layout once (rank 0), then use it."""
+    target = os.path.join(path, UNIVERSAL_TAG)
+    error: Optional[str] = None
+    if strategy.is_global_zero and not os.path.isdir(target):
+        tmp = target + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            to_universal(os.path.join(path, ENGINE_TAG), tmp)
+            os.replace(tmp, target)
+        except Exception as exc:  # report on every rank, not only the one that failed
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"{type(exc).__name__}: {exc}"
+    error = strategy.broadcast(error)
+    if error is not None:
+        raise CheckpointMismatchError(
+            f"{path} was saved by {info['world_size']} ranks and this run has {strategy.world_size}. Converting it "
+            f"to DeepSpeed's universal checkpoint failed ({error}). Resume with devices x num_nodes = "
+            f"{info['world_size']}, or start a new run from its weights: `shardwise convert {path} "
+            "weights.safetensors` and load them in configure_model.")
+    return UNIVERSAL_TAG
+
+
+def to_universal(engine_dir: str, output_dir: str) -> None:
+    """DeepSpeed's ds_to_universal on one checkpoint tag, in this process (no worker pools)."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=engine_dir, output_folder=output_dir, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    ds_to_universal.main(args)
+    # ds_to_universal writes <output>/zero/... and a `latest_universal` beside the output folder; the engine
+    # only needs the folder itself, loaded by tag.
+
+
+# ---------------------------------------------------------------- conversion
+def consolidate(path: str, names: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+    """The full fp32 state dict of a shardwise DeepSpeed checkpoint, checked against its parameter list."""
+    info = read_params(path)
+    expected: Dict[str, Dict[str, Any]] = info["tensors"]
+    if info["stage"] == 0:
+        state = _stage0_state(path)
+    else:
+        from shardwise.strategies.deepspeed import ensure_accelerator_env
+
+        ensure_accelerator_env(None)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(path, tag=ENGINE_TAG)
+    # Shared parameters are stored once: give each alias its owner's tensor back.
+    for name, entry in expected.items():
+        owner = entry.get("alias_of")
+        if name not in state and owner is not None and owner in state:
+            state[name] = state[owner]
+    missing = [n for n in expected if n not in state]
+    wrong = [f"{n}: {tuple(state[n].shape)} instead of {tuple(expected[n]['shape'])}"
+             for n in expected if n in state and tuple(state[n].shape) != tuple(expected[n]["shape"])]
+    if missing or wrong:
+        lines = [f"  - missing {n}" for n in missing[:20]] + [f"  - {w}" for w in wrong[:20]]
+        raise CorruptCheckpointError(
+            f"Consolidating {path} lost {len(missing)} tensor(s) and mis-shaped {len(wrong)} of the "
+            f"{len(expected)} the model had:\n" + "\n".join(lines))
+    wanted = list(expected) if names is None else list(names)
+    return {n: state[n].detach().contiguous() for n in wanted}
+
+
+def _stage0_state(path: str) -> Dict[str, torch.Tensor]:
+    file = os.path.join(path, ENGINE_TAG, "mp_rank_00_model_states.pt")
+    if not os.path.exists(file):
+        raise CorruptCheckpointError(f"{file} is missing: the checkpoint is incomplete.")
+    payload = torch.load(file, map_location="cpu", weights_only=False)
+    return {k: v.float() if v.is_floating_point() else v for k, v in payload["module"].items()}
+
+
+class DeepSpeedReader(CheckpointReader):
+    """Lets `shardwise convert` / `inspect` read DeepSpeed checkpoints (consolidating once, on first read)."""
+
+    def __init__(self, path: str, manifest: Dict[str, Any]) -> None:
+        super().__init__(path, manifest)
+        self.info = read_params(path)
+        self._state: Optional[Dict[str, torch.Tensor]] = None
+
+    def tensors(self) -> List[TensorInfo]:
+        # Master weights are fp32, whatever precision the model trained in.
+        out = []
+        for name, entry in self.info["tensors"].items():
+            dtype = getattr(torch, entry["dtype"])
+            if entry["kind"] == "parameter" and dtype.is_floating_point:
+                dtype = torch.float32
+            out.append(TensorInfo(name, tuple(entry["shape"]), dtype))
+        return out
+
+    def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        if self._state is None:
+            self._state = consolidate(self.path)
+        return {n: self._state[n] for n in names}
+
+    def trainer_state(self) -> Dict[str, Any]:
+        from shardwise.checkpoint.layout import read_trainer_state
+
+        return read_trainer_state(self.path)
+
+
+register_reader(FORMAT, DeepSpeedReader)

@@ -1,0 +1,188 @@
+"""The DeepSpeed config a run uses: the user's config, filled (never overridden) by shardwise's settings.
+
+DeepSpeed reads one JSON config; shardwise has its own arguments for the same
+things (ZeRO stage, offload, precision, accumulation, clipping, the
+DataLoader's batch size). `build_config` merges them by one rule: a value the
+user's config sets wins, a value it leaves out (or writes as "auto", as
+Hugging Face's configs do) is filled from shardwise, and when both are set
+and disagree the error names both. It is a pure function, called from the
+strategy's constructor and again as the Trainer's settings arrive, so every
+contradiction surfaces in the user's process before a worker starts.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+STAGES = (0, 1, 2, 3)
+
+
+class DeepSpeedConfigError(ValueError):
+    """The DeepSpeed configuration is invalid or contradicts the Trainer's settings."""
+
+
+def load_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+    """A private deep copy of a config dict, or the parsed JSON file at `config`."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} does not exist.")
+        with open(path) as fh:
+            try:
+                return json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise DeepSpeedConfigError(f"DeepSpeed config {path!r} is not valid JSON: {exc}") from exc
+    raise TypeError(f"config must be a dict or a path to a DeepSpeed JSON file, got {type(config).__name__}.")
+
+
+def _unset(value: Any) -> bool:
+    # Hugging Face's DeepSpeed configs write "auto" for "let the trainer decide".
+    return value is None or value == "auto"
+
+
+def _section(cfg: Dict[str, Any], key: str) -> Dict[str, Any]:
+    value = cfg.get(key)
+    if value is None:
+        value = cfg[key] = {}
+    if not isinstance(value, dict):
+        raise DeepSpeedConfigError(f"DeepSpeed config {key!r} must be an object, got {value!r}.")
+    return value
+
+
+def reconcile(section: Dict[str, Any], key: str, ours: Any, path: str, ours_name: str) -> Any:
+    """The config's value for `key` if it has one, else ours; a disagreement is an error naming both."""
+    theirs = section.get(key)
+    if _unset(theirs):
+        if ours is None:
+            section.pop(key, None)
+            return None
+        section[key] = ours
+        return ours
+    if ours is not None and theirs != ours:
+        raise DeepSpeedConfigError(
+            f"The DeepSpeed config sets {path}={theirs!r} but {ours_name}={ours!r}. "
+            "Set it in one place (the config wins only where shardwise has no value of its own).")
+    return theirs
+
+
+def _offload_device(section: Dict[str, Any], key: str) -> Optional[bool]:
+    entry = section.get(key)
+    if entry is None:
+        return None
+    device = entry.get("device", "none") if isinstance(entry, dict) else entry
+    return str(device).lower() not in ("none", "")
+
+
+def cpu_adam_problem() -> Optional[str]:
+    """Why DeepSpeedCPUAdam cannot run here, or None when its C++ op is built or buildable."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builder = CPUAdamBuilder()
+    try:
+        import importlib
+
+        importlib.import_module(builder.absolute_name())
+        return None  # installed prebuilt (DS_BUILD_CPU_ADAM=1)
+    except ImportError:
+        pass
+    if not builder.is_compatible(verbose=False):
+        return "DeepSpeed reports its cpu_adam op as incompatible with this machine"
+    try:
+        from torch.utils.cpp_extension import verify_ninja_availability
+
+        verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja), so the op cannot be compiled"
+    import shutil
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ / $CXX) is on PATH, so the op cannot be compiled"
+    return None
+
+
+def build_config(user_config: Dict[str, Any], args: Dict[str, Any], precision: Optional[str] = None,
+                 loop: Optional[Dict[str, Any]] = None, world_size: Optional[int] = None) -> Dict[str, Any]:
+    """User config + strategy arguments + precision + loop settings -> DeepSpeed's config (or an error).
+
+    `precision` (a shardwise precision name), `loop` (accumulate_grad_batches,
+    gradient_clip_val, micro_batch_size) and `world_size` are checked only once known.
+    """
+    cfg = copy.deepcopy(user_config)
+    zero = _section(cfg, "zero_optimization")
+    stage = reconcile(zero, "stage", args["stage"], "zero_optimization.stage", "stage")
+    stage = 2 if stage is None else stage
+    if stage not in STAGES:
+        raise DeepSpeedConfigError(
+            f"ZeRO stage={stage!r} does not exist. Stages: 0 (plain data parallel), 1 (shard optimizer "
+            "state), 2 (+ gradients), 3 (+ parameters).")
+    zero["stage"] = stage
+    pin = torch.cuda.is_available()  # pinned host memory only helps device copies
+    for arg, key, ok in (("offload_optimizer", "offload_optimizer", stage >= 1),
+                         ("offload_parameters", "offload_param", stage == 3)):
+        theirs, ours = _offload_device(zero, key), args[arg]
+        if theirs is not None and ours is not None and theirs != ours:
+            raise DeepSpeedConfigError(f"The DeepSpeed config sets zero_optimization.{key}.device="
+                                       f"{zero[key].get('device')!r} but {arg}={ours!r}; set it in one place.")
+        if ours and theirs is None:
+            zero[key] = {"device": "cpu", "pin_memory": pin}
+        if (theirs or ours) and not ok:
+            need = "stage 3 (only stage 3 shards parameters)" if key == "offload_param" else "stage 1, 2 or 3"
+            raise DeepSpeedConfigError(f"{arg}=True needs ZeRO {need}, but stage={stage}.")
+    ac = cfg.get("activation_checkpointing") or {}
+    for arg in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        reconcile(ac, arg, args[arg], f"activation_checkpointing.{arg}", arg)
+    if ac.get("contiguous_memory_optimization") and not ac.get("partition_activations"):
+        raise DeepSpeedConfigError("contiguous_memory_optimization=True works only together with "
+                                   "partition_activations=True (DeepSpeed packs the partitioned activations).")
+    if ac:
+        cfg["activation_checkpointing"] = ac
+    _reconcile_precision(cfg, precision)
+    _reconcile_loop(cfg, loop or {}, world_size)
+    # Fill the rest quietly: allow any torch optimizer, and keep DeepSpeed's
+    # periodic stdout reports and timers out of the user's progress bar.
+    for key, value in (("zero_allow_untested_optimizer", True), ("steps_per_print", 2**31 - 1),
+                       ("wall_clock_breakdown", False)):
+        cfg.setdefault(key, value)
+    return cfg
+
+def _reconcile_precision(cfg: Dict[str, Any], name: Optional[str]) -> None:
+    if name is None:
+        return
+    if name == "64-true":
+        raise DeepSpeedConfigError("precision='64-true' is not supported by DeepSpeed; use '32-true' or bf16.")
+    want = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16"}[name]
+    for section in ("bf16", "fp16"):
+        enabled = (cfg.get(section) or {}).get("enabled")
+        enabled = None if _unset(enabled) else bool(enabled)
+        if enabled is not None and enabled != (section == want):
+            raise DeepSpeedConfigError(f"The DeepSpeed config sets {section}.enabled={enabled} but the "
+                                       f"Trainer's precision={name!r}; set precision in one place.")
+        if section == want:
+            _section(cfg, section)["enabled"] = True  # fp16: DeepSpeed's dynamic loss scaling by default
+
+def _reconcile_loop(cfg: Dict[str, Any], loop: Dict[str, Any], world_size: Optional[int]) -> None:
+    reconcile(cfg, "gradient_accumulation_steps", loop.get("accumulate_grad_batches"),
+              "gradient_accumulation_steps", "Trainer(accumulate_grad_batches)")
+    reconcile(cfg, "gradient_clipping", loop.get("gradient_clip_val"),
+              "gradient_clipping", "Trainer(gradient_clip_val)")
+    micro = reconcile(cfg, "train_micro_batch_size_per_gpu", loop.get("micro_batch_size"),
+                      "train_micro_batch_size_per_gpu", "the DataLoader's batch_size")
+    if micro is None:  # a hand-written loop that never said: DeepSpeed only uses it for reporting
+        micro = cfg["train_micro_batch_size_per_gpu"] = 1
+    gas = cfg.setdefault("gradient_accumulation_steps", 1)
+    total = cfg.get("train_batch_size")
+    expected = micro * gas * (world_size or 1)
+    if _unset(total):
+        cfg.pop("train_batch_size", None)
+    elif world_size is not None and total != expected:  # the world size is known from connect() on
+        raise DeepSpeedConfigError(
+            f"The DeepSpeed config sets train_batch_size={total} but micro-batch {micro} x accumulation "
+            f"{gas} x world size {world_size} = {expected}. Remove train_batch_size or make them agree.")

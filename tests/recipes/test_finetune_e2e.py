@@ -1,0 +1,134 @@
+# End to end: a tiny Llama (random weights, saved by the test) and a locally
+# built tokenizer are fine-tuned on chat data with FSDP on 2 processes; the
+# loss falls, the exported Hugging Face folder loads with from_pretrained,
+# holds exactly the trained weights, and generates. Also, in one process:
+# rank-0 loading reproduces from_pretrained's model bit for bit (tied
+# embeddings, activation-checkpoint wrappers), and a sharded export with an
+# index round-trips.
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from shardwise.recipes.finetune import FinetuneConfig, finetune
+
+
+def gather_trained_weights(module):
+    """after_fit hook (runs on every rank): the trained model's full tensors, on rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from shardwise.strategies.materialize import canonical_name
+
+    out = {}
+    for name, p in module.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        out[canonical_name(name)] = full.detach().cpu().clone()
+    return out if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    records = chat_records(240)
+    model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
+    out = str(tmp_path / "out")
+    cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=64, packing=True, max_steps=30,
+                         learning_rate=3e-3, lr_scheduler_type="cosine", warmup_ratio=0.1, weight_decay=0.01,
+                         logging_steps=10, eval_steps=10, precision="32-true", per_device_train_batch_size=2,
+                         gradient_checkpointing=True, devices=2, strategy="fsdp", eval_split_ratio=0.1,
+                         output_dir=out, seed=7)
+    result = finetune(cfg, after_fit=gather_trained_weights)
+
+    losses = [s["loss"] for s in result.losses]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3, losses
+    assert result.eval_losses and result.eval_losses[-1]["eval_loss"] < result.eval_losses[0]["eval_loss"]
+    assert result.load["tensors"] > 0 and result.load["bytes_read"] > 0  # rank 0 read the file
+    history = json.load(open(os.path.join(out, "finetune_history.json")))
+    assert [s["loss"] for s in history["losses"]] == losses
+
+    trained = result.extra
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    state = exported.state_dict()
+    assert set(trained) <= set(state)
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name
+    original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert not torch.equal(original["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = "<|system|> you are a helpful assistant <|endoftext|> <|prompter|> what colour is the sky ? " \
+             "<|endoftext|> <|assistant|>"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    generated = exported.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape == (1, ids.shape[1] + 6) or generated.shape[1] > ids.shape[1]
+    assert "sky" in tokenizer.decode(generated[0, ids.shape[1]:])  # it learned the answer's shape
+
+
+def _one_process_load(model_dir, export_dir):
+    from shardwise import FSDPStrategy
+    from shardwise.recipes import hf_model
+    from shardwise.recipes.finetune import build_module
+
+    strategy = FSDPStrategy(auto_wrap_policy=["LlamaDecoderLayer"],
+                            activation_checkpointing_policy=["LlamaDecoderLayer"])
+    strategy.connect("cpu", "32-true")
+    strategy.setup_environment()
+    folder = hf_model.inspect_model_folder(model_dir)
+    module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+    with strategy.module_init_context():
+        module.configure_model()
+    module = strategy.setup_module(module)  # the uninitialised-tensor check runs here
+    hf_model.export_hf_folder(module.model, export_dir, config=folder.config, source_dir=model_dir,
+                              max_shard_size=20_000)
+    strategy.teardown()
+    return module
+
+
+def test_rank0_load_matches_from_pretrained_and_sharded_export_round_trips(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.recipes.hf_model import SAFE_INDEX, iter_files
+
+    model_dir = build_model_folder(str(tmp_path / "tied"), chat_records(20), tie=True)
+    export_dir = str(tmp_path / "export")
+    _one_process_load(model_dir, export_dir)
+    files = list(iter_files(export_dir))
+    assert len(files) > 1 and os.path.exists(os.path.join(export_dir, SAFE_INDEX))  # small shards -> index
+    assert os.path.exists(os.path.join(export_dir, "tokenizer.json"))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    again = AutoModelForCausalLM.from_pretrained(export_dir)
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # still tied
+    ref_state, state = reference.state_dict(), again.state_dict()
+    for name in ref_state:
+        assert torch.equal(ref_state[name], state[name]), name
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.slow
+def test_save_steps_checkpoints_resume_exactly(tmp_path):
+    # Sharded intermediate checkpoints come from the checkpoint layer
+    # (ModelCheckpoint(every_n_train_steps=save_steps)); resuming with
+    # resume_from_checkpoint="last" continues the same loss curve.
+    records = chat_records(120)
+    model_dir = build_model_folder(str(tmp_path / "m"), records)
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
+    common = dict(model_path=model_dir, dataset=data, max_seq_len=64, learning_rate=3e-3, lr_scheduler_type="constant",
+                  precision="32-true", eval_split_ratio=0.0, devices=1, save_steps=3, logging_steps=100,
+                  cache_dir=str(tmp_path / "cache"))
+    straight = finetune(FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "a"), **common))
+    finetune(FinetuneConfig(max_steps=3, output_dir=str(tmp_path / "b"), **common))
+    assert os.path.exists(tmp_path / "b" / "checkpoints" / "last.ckpt")
+    resumed = finetune(FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "b"), resume_from_checkpoint="last",
+                                      **common))
+    assert [s["step"] for s in resumed.losses] == [4, 5, 6]
+    assert [s["loss"] for s in resumed.losses] == pytest.approx([s["loss"] for s in straight.losses[3:]], rel=1e-6)

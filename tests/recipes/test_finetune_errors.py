@@ -1,0 +1,100 @@
+# Every configuration mistake the fine-tuning recipe can see up front fails in
+# the calling process, before any worker starts or any weight is read, with a
+# message that says what to do instead.
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from shardwise.recipes.data import DatasetFieldError
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, lr_lambda, main, validate_config
+from shardwise.recipes.hf_model import ModelFolderError
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft-errors")
+    records = chat_records(20)
+    model = build_model_folder(str(root / "model"), records, max_positions=64)
+    return {"root": root, "model": model, "data": write_jsonl(str(root / "chat.jsonl"), records)}
+
+
+def _cfg(assets, **changes):
+    base = dict(model_path=assets["model"], dataset=assets["data"], max_seq_len=32, max_steps=2,
+                output_dir=str(assets["root"] / "out"))
+    base.update(changes)
+    return FinetuneConfig(**base)
+
+
+def test_valid_config_passes(assets):
+    checked = validate_config(_cfg(assets))
+    assert checked["text_field"] == "messages" and checked["folder"].max_positions == 64
+
+
+def test_model_folder_without_weights(assets, tmp_path):
+    folder = tmp_path / "no-weights"
+    shutil.copytree(assets["model"], folder)
+    os.remove(folder / "model.safetensors")
+    torch.save({}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelFolderError, match=r"no weights .*pytorch_model.bin.*convert them to safetensors"):
+        finetune(_cfg(assets, model_path=str(folder)))
+
+
+def test_model_folder_without_config(assets, tmp_path):
+    folder = tmp_path / "no-config"
+    shutil.copytree(assets["model"], folder)
+    os.remove(folder / "config.json")
+    with pytest.raises(ModelFolderError, match="has no config.json"):
+        finetune(_cfg(assets, model_path=str(folder)))
+    with pytest.raises(ModelFolderError, match="is not a folder"):
+        finetune(_cfg(assets, model_path=str(tmp_path / "nowhere")))
+
+
+def test_dataset_field_that_does_not_exist_lists_the_fields(assets):
+    with pytest.raises(DatasetFieldError, match=r"dataset_text_field='content'.*\['messages', 'id'\]"):
+        finetune(_cfg(assets, dataset_text_field="content"))
+
+
+def test_sequence_length_above_the_model_maximum(assets):
+    with pytest.raises(ValueError, match=r"max_seq_len=128 exceeds the model's maximum of 64 positions"):
+        finetune(_cfg(assets, max_seq_len=128))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_flash_attention_without_cuda(assets):
+    with pytest.raises(ValueError, match=r"flash_attention_2' needs a CUDA GPU.*attn_implementation='sdpa'"):
+        finetune(_cfg(assets, attn_implementation="flash_attention_2"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_paged_adamw_without_cuda(assets):
+    with pytest.raises(ValueError, match=r"paged_adamw_32bit' .*needs a CUDA GPU.*optim='adamw'"):
+        finetune(_cfg(assets, optim="paged_adamw_32bit"))
+
+
+def test_other_option_errors(assets):
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        validate_config(_cfg(assets, lr_scheduler_type="exponential"))
+    with pytest.raises(ValueError, match="strategy='deepspeed'"):
+        validate_config(_cfg(assets, strategy="deepspeed"))
+    with pytest.raises(ValueError, match="unknown finetune option"):
+        coerce_config({"model_path": "x", "use_flash_atn": True})
+    with pytest.raises(RuntimeError, match="shardwise launch --nnodes 2"):
+        finetune(_cfg(assets, num_nodes=2, devices=1))
+
+
+def test_cli_reports_the_error_and_exits_2(assets, capsys, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_path: {assets['model']}\ndataset: {assets['data']}\nmax_seq_len: 32\n")
+    assert main(["--config", str(config), "--dataset_text_field", "prompt"]) == 2
+    assert "fields are ['messages', 'id']" in capsys.readouterr().err
+
+
+def test_lr_schedules():
+    cosine = lr_lambda(10, 2, "cosine")
+    assert [cosine(s) for s in (0, 1, 2)] == [0.0, 0.5, 1.0] and abs(cosine(10)) < 1e-9
+    assert lr_lambda(10, 0, "linear")(5) == 0.5 and lr_lambda(10, 0, "constant")(9) == 1.0
