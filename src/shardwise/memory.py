@@ -29,8 +29,10 @@
 # it. DDP's reducer buckets are allocated in C++ at wrap time; with
 # gradient_as_bucket_view=True the .grads are views of them, and in both modes the
 # reducer copies gradients into them and all-reduces them, so they are counted (as
-# gradients) from the first backward on. Sizes are storage nbytes, not allocator
-# blocks. start/stop must nest properly with other dispatch modes, on one thread.
+# gradients) from the first backward on. gloo's CPU reduce-scatter copies its input
+# into a buffer allocated below the dispatcher: it is counted (as other) from its
+# first dispatched use until freed. Sizes are storage nbytes, not allocator blocks.
+# start/stop must nest properly with other dispatch modes, on one thread.
 from __future__ import annotations
 
 import collections

@@ -68,7 +68,7 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
              "<|endoftext|> <|assistant|>"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     generated = exported.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert generated.shape == (1, ids.shape[1] + 6) or generated.shape[1] > ids.shape[1]
+    assert ids.shape[1] < generated.shape[1] <= ids.shape[1] + 6
     assert "sky" in tokenizer.decode(generated[0, ids.shape[1]:])  # it learned the answer's shape
 
 
@@ -132,3 +132,42 @@ def test_save_steps_checkpoints_resume_exactly(tmp_path):
                                       **common))
     assert [s["step"] for s in resumed.losses] == [4, 5, 6]
     assert [s["loss"] for s in resumed.losses] == pytest.approx([s["loss"] for s in straight.losses[3:]], rel=1e-6)
+
+
+def _load_and_score(model_dir, sharding, num_nodes):
+    from shardwise import FSDPStrategy
+    from shardwise.recipes import hf_model
+    from shardwise.recipes.finetune import build_module
+
+    strategy = FSDPStrategy(auto_wrap_policy=["LlamaDecoderLayer"], sharding_strategy=sharding)
+    strategy.connect("cpu", "32-true", num_nodes=num_nodes)
+    strategy.setup_environment()
+    folder = hf_model.inspect_model_folder(model_dir)
+    module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+    with strategy.module_init_context():
+        module.configure_model()
+    module = strategy.setup_module(module)
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    with torch.no_grad():
+        loss = strategy.call(module, "_loss", {"input_ids": ids, "labels": ids}).detach()
+    return loss, dict(module.load_report.__dict__)
+
+
+@pytest.mark.slow
+def test_rank0_loading_into_a_replicated_mesh(tmp_path):
+    # Rank 0 sends to the first replica only; the others get their shards by
+    # broadcast inside their replicate group. The loaded model must compute
+    # exactly what from_pretrained's does, on every rank. (NO_SHARD is the
+    # (2 replicas x 1 shard) mesh; HYBRID_SHARD is covered across two
+    # launchers by tests/distributed/test_multinode_finetune.py.)
+    from transformers import AutoModelForCausalLM
+
+    from shardwise import launch
+
+    model_dir = build_model_folder(str(tmp_path / "m"), chat_records(20))
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    expected = AutoModelForCausalLM.from_pretrained(model_dir)(input_ids=ids, labels=ids).loss.detach()
+    results = launch(_load_and_score, model_dir, "NO_SHARD", 1, devices=2)
+    for loss, report in results:
+        torch.testing.assert_close(loss, expected)
+    assert results[0][1]["bytes_read"] > 0 and all(r["bytes_read"] == 0 for _, r in results[1:])

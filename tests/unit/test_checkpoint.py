@@ -259,6 +259,15 @@ def test_inspect_lists_format_progress_and_tensors(saved, capsys):
     assert summary["manifest"]["checkpoint_format"] == "full" and summary["model_params"] == 227
 
 
+def test_cli_reports_missing_checkpoint(tmp_path, saved, capsys):
+    directory = os.path.dirname(saved["full"][0])
+    assert convert_mod.main([os.path.join(directory, "missing.ckpt"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and os.path.basename(saved["full"][0]) in err
+    assert inspect_mod.main([directory]) == 0  # a checkpoint directory means its last.ckpt
+    assert "global step 6" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------- layout
 def test_commit_last_pointer_and_leftovers(tmp_path):
     def make(name, text):

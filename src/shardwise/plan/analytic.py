@@ -71,7 +71,7 @@ class ParamStats:
     """Parameter counts of one (meta) model build."""
 
     total: int
-    small: int  # in tensors under ZeRO-3's persistence threshold (kept gathered everywhere)
+    small: int  # in tensors under ZeRO-3's persistence threshold (kept gathered on every rank)
     largest_leaf: int  # the largest module's own parameters (ZeRO-3 gathers module by module)
 
     def scaled(self, other: "ParamStats", t: float) -> "ParamStats":
@@ -137,7 +137,7 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
                          bucket=settings["reduce_bucket_size"] * (4 if stage == 1 else pb), gathered=0.0,
                          step_grads=4 * part + (pb * part if stage == 2 and pb != 4 else 0.0),
                          step_temps=ADAM_TEMP_BYTES * part)
-    persistent = stats.small * (1 - 1 / w)
+    persistent = stats.small  # kept whole on every rank, in addition to their partition
     live = min(settings["stage3_max_live_parameters"], max(0, n - stats.small),
                max(settings["stage3_max_reuse_distance"], stats.largest_leaf + settings["stage3_prefetch_bucket_size"]))
     terms = ZeroTerms(weights=pb * (part + persistent), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
@@ -152,19 +152,49 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
     return terms
 
 
-def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float) -> View:
-    """The forward/backward-phase view of a DDP trace that gives this ZeRO stage's bytes.
+@dataclass(frozen=True)
+class ZeroView(View):
+    """A ZeRO stage's bytes at one moment of a plain data-parallel trace (forward / backward).
 
-    Activations (and the activation-sized gradient temporaries of backward)
-    come from the trace; the model states are replaced by ZeRO's. ZeRO-1 keeps
-    full fp32 gradients while the backward runs, as DDP does (scaled from the
-    traced gradient dtype to fp32).
+    Activations (and the activation-sized temporaries of backward) come from
+    the trace; model states are replaced by ZeRO's. Gradient buffers appear as
+    DeepSpeed allocates them: the reduction bucket with the first gradient of
+    a backward, ZeRO-2's gradient partition at the first bucket flush (after
+    `reduce_bucket_size` elements of gradients), ZeRO-1's fp32 accumulators as
+    the gradients are produced. Both are freed at the end of the backward
+    (ZeRO-3's partition and bucket stay, and are part of `const`).
     """
-    # The bucket and the gathered parameters are not linear in depth (they are capped), so they
-    # are added at the full depth by the planner, not carried through the extrapolated trace.
-    const = terms.weights + terms.master + terms.optimizer + terms.grad_partition
-    grads = 4.0 / trace_grad_bytes if stage == 1 else 0.0
-    return (0.0, grads, 0.0, 1.0, const, False)
+
+    stage: int = 1
+    grad_elem_bytes: float = 4.0  # bytes per gradient element in the trace
+    bucket_bytes: float = 0.0
+    partition_bytes: float = 0.0
+    first_flush: float = 0.0  # elements produced before the first bucket flush
+
+    def __call__(self, p: float, g: float, o: float, b: float, a: float, r: float) -> float:
+        produced = g / self.grad_elem_bytes
+        value = self.const + b + r * a
+        if produced > 0:
+            value += self.bucket_bytes
+            if self.stage == 1:
+                value += 4.0 * produced
+            elif self.stage == 2 and produced >= self.first_flush:
+                value += self.partition_bytes
+        return value
+
+
+def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float, settings: Dict[str, int]) -> ZeroView:
+    """The view of a data-parallel trace that gives this ZeRO stage's forward/backward bytes.
+
+    ZeRO-3's bucket and gathered parameters are not linear in depth (they are
+    capped), so the planner adds them at the full depth, not through the
+    extrapolated trace.
+    """
+    const = terms.weights + terms.master + terms.optimizer + (terms.grad_partition if stage == 3 else 0.0)
+    return ZeroView(cp=0.0, cg=0.0, co=0.0, ca=1.0, const=const, stage=stage, grad_elem_bytes=trace_grad_bytes,
+                    bucket_bytes=terms.bucket if stage < 3 else 0.0,
+                    partition_bytes=terms.grad_partition if stage == 2 else 0.0,
+                    first_flush=float(settings["reduce_bucket_size"]))
 
 
 def zero_step_bytes(stage: int, terms: ZeroTerms) -> float:

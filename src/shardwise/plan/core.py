@@ -253,7 +253,7 @@ class _Planner:
         for c in self.cands:
             if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
                 terms = analytic.zero_terms(c.stage, c.offload, self.stats[depth], self.world, self.precision, self.zero)
-                views.append((_zero_key(c), analytic.zero_view(c.stage, terms, grad_bytes)))
+                views.append((_zero_key(c), analytic.zero_view(c.stage, terms, grad_bytes, self.zero)))
         return tuple(views)
 
     def _jobs(self, traced: Candidate, precision: str, micro: int, accumulation: int,
@@ -365,7 +365,8 @@ class _Planner:
             if view == _zero_key(cand) and scale == r and phase != "opt" and value > best[0]:
                 best = (value, phase, parts)
         value, phase, (p, g, o, b, a) = best
-        value += terms.bucket + terms.gathered
+        if cand.stage == 3:
+            value += terms.bucket + terms.gathered
         traced_grad_bytes = 2.0 if self._traced(cand)[1] in ("bf16-true", "16-true") else 4.0
         grads = terms.grad_partition + (g * 4.0 / traced_grad_bytes if cand.stage == 1 else 0.0)
         breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer,

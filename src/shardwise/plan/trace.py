@@ -43,12 +43,35 @@ from shardwise.memory import MemoryTracker
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec, PlanError, spec_batch
 
-# A view is (cP, cG, cO, cA, const, buckets): bytes = cP*params + cG*grads + cO*optimizer + buffers +
-# r*cA*acts + const, where with `buckets` the gradients never drop below their full size once a
-# backward has run (DDP's gradient buckets outlive zero_grad; .grad are views into them).
-View = Tuple[float, float, float, float, float, bool]
-IDENTITY: View = (1.0, 1.0, 1.0, 1.0, 0.0, False)
-DDP_VIEW: View = (1.0, 1.0, 1.0, 1.0, 0.0, True)
+
+
+@dataclass(frozen=True)
+class View:
+    """bytes = cp*params + cg*grads + co*optimizer + buffers + r*ca*activations + const, at one moment.
+
+    `buckets`: from the second step on the gradients never drop below their
+    full size (DDP's gradient buckets outlive zero_grad; .grad are views into
+    them). Subclasses (analytic.ZeroView) may compute anything from the same
+    five category totals; cg / co / buckets tell `synthesize_second_step` how
+    step 1's leftovers enter the view.
+    """
+
+    cp: float = 1.0
+    cg: float = 1.0
+    co: float = 1.0
+    ca: float = 1.0
+    const: float = 0.0
+    buckets: bool = False
+
+    def __call__(self, p: float, g: float, o: float, b: float, a: float, r: float) -> float:
+        return self.cp * p + self.cg * g + self.co * o + b + self.const + self.ca * r * a
+
+    def without_grads(self) -> "View":
+        return View(self.cp, 0.0, self.co, self.ca, self.const, False)
+
+
+IDENTITY = View()
+DDP_VIEW = View(buckets=True)
 _STATE = threading.local()
 _NO_GRAD = "~nograd"
 
@@ -78,9 +101,9 @@ class _PlanTracker(MemoryTracker):
     def __init__(self, views: Dict[str, View], scales: Sequence[float]) -> None:
         super().__init__(count_fake=True)
         self.views = dict(views)
-        for name, (cp, cg, co, ca, const, buckets) in views.items():
-            if buckets:
-                self.views[name + _NO_GRAD] = (cp, 0.0, co, ca, const, False)
+        for name, view in views.items():
+            if view.buckets:
+                self.views[name + _NO_GRAD] = view.without_grads()
         self.scales = tuple(scales)
         self.phase: Optional[str] = None
         self.envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
@@ -115,10 +138,9 @@ class _PlanTracker(MemoryTracker):
         p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"], cur["buffers"]
         a = cur["activations"] + cur["other"]
         env, phase = self.envelope, self.phase
-        for name, (cp, cg, co, ca, const, buckets) in self.views.items():
-            base = cp * p + cg * g + co * o + b + const
+        for name, view in self.views.items():
             for r in self.scales:
-                value = base + ca * r * a
+                value = view(p, g, o, b, a, r)
                 key = (phase, name, r)
                 best = env.get(key)
                 if best is None or value > best[0]:
@@ -134,12 +156,12 @@ class _PlanTracker(MemoryTracker):
         for (phase, name, r), (value, (p, g, o, b, a)) in list(self.envelope.items()):
             if not phase.startswith(("fwd1.", "bwd1.")) or name.endswith(_NO_GRAD):
                 continue
-            cp, cg, co, ca, const, buckets = self.views[name]
-            if buckets:  # the envelope without gradients, plus the full buckets
+            view = self.views[name]
+            if view.buckets:  # the envelope without gradients, plus the full buckets
                 value, (p, g, o, b, a) = self.envelope[(phase, name + _NO_GRAD, r)]
-                value, g = value + cg * grads, grads
+                value, g = value + view.cg * grads, grads
             second = phase[:3] + "2" + phase[4:]  # "bwd1.0" -> "bwd2.0"
-            self.envelope[(second, name, r)] = (value + co * optimizer, (p, g, o + optimizer, b, a))
+            self.envelope[(second, name, r)] = (value + view.co * optimizer, (p, g, o + optimizer, b, a))
         for key in [k for k in self.envelope if k[1].endswith(_NO_GRAD)]:
             del self.envelope[key]
 

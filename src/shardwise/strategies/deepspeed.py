@@ -295,14 +295,15 @@ class DeepSpeedStrategy(Strategy):
 
     def _fill_bucket_sizes(self) -> None:
         # DeepSpeed's communication buckets default to 5e8 elements and are allocated
-        # whole (2 GB in fp32 at stage 3) even for a model a hundred times smaller. A
-        # bucket larger than the model holds nothing more, so cap them at the model's
-        # size: the same single-bucket schedule for small models, unchanged for big ones.
-        numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters())
+        # whole: 2 GB per rank in fp32 at stage 3, even for a model a hundred times
+        # smaller. Unless the config sizes them, cap them at the largest parameter
+        # (at least 2**20 elements), which is about one layer, as DDP's 25 MB buckets:
+        # the default stays in force for models with half-billion-element tensors.
+        largest = max((int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters()), default=1)
         user = self.user_config.get("zero_optimization") or {}
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if _unset(user.get(key)):
-                self.config["zero_optimization"][key] = int(min(5e8, max(numel, 1)))
+                self.config["zero_optimization"][key] = int(min(5e8, max(largest, 2**20)))
 
     def _maybe_cpu_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With the optimizer offloaded, the step runs on the host: DeepSpeed's CPU Adam is required.
