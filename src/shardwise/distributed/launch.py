@@ -29,6 +29,7 @@ from shardwise.distributed.env import find_free_port
 
 # How long a failed run may take to bring the others down before SIGKILL.
 _TERMINATE_GRACE_S = 5.0
+_PORT_RETRIES = 3
 
 
 def worker_env(rank: int, world_size: int, port: int, *, node_rank: int = 0, nproc: Optional[int] = None,
@@ -174,17 +175,27 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int = 2, num_nodes: int 
     import torch.multiprocessing as mp
 
     world = devices * num_nodes
-    port = master_port or find_free_port()
-    envs = [
-        worker_env(node_rank * devices + i, world, port, node_rank=node_rank, nproc=devices,
-                   master_addr=master_addr)
-        for i in range(devices)
-    ]
-    with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as out_dir:
-        mp.start_processes(_spawn_entry, args=(fn, args, envs, out_dir), nprocs=devices,
-                           join=True, start_method="spawn")
-        results = []
-        for i in range(devices):
-            with open(os.path.join(out_dir, f"rank{i}.pkl"), "rb") as fh:
-                results.append(pickle.load(fh))
-    return results
+    # A free port found here can be taken by another program before rank 0
+    # binds it; with a port of our choosing, retry that race a few times.
+    for attempt in range(1 if master_port else _PORT_RETRIES):
+        port = master_port or find_free_port()
+        envs = [
+            worker_env(node_rank * devices + i, world, port, node_rank=node_rank, nproc=devices,
+                       master_addr=master_addr)
+            for i in range(devices)
+        ]
+        with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as out_dir:
+            try:
+                mp.start_processes(_spawn_entry, args=(fn, args, envs, out_dir), nprocs=devices,
+                                   join=True, start_method="spawn")
+            except mp.ProcessRaisedException as exc:
+                if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                    if attempt + 1 < _PORT_RETRIES and not master_port:
+                        continue
+                raise
+            results = []
+            for i in range(devices):
+                with open(os.path.join(out_dir, f"rank{i}.pkl"), "rb") as fh:
+                    results.append(pickle.load(fh))
+        return results
+    raise RuntimeError("unreachable")  # pragma: no cover
