@@ -275,6 +275,10 @@ class Trainer:
             strategy.setup_optimizer(opt)
         strategy.lr_schedulers = schedulers
         for logger in self.loggers:
+            # Rank 0 picks the next free version_<n>; the others adopt it so
+            # log_dir names the same folder on every rank.
+            if hasattr(logger, "_version"):
+                logger._version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
             if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
                 logger.log_hyperparams(dict(module.hparams))
         self._set_up = True

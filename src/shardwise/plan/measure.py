@@ -89,3 +89,46 @@ def measure(spec: ModelSpec, candidates: Sequence[Candidate], devices: int, prec
         worst = max(runs, key=lambda r: r["peak"])
         out.append(dict(worst, ranks=[r["peak"] for r in runs]))
     return out
+
+
+# ------------------------------------------------------------------ predicted vs measured
+# Small enough for CPU, deep enough (6 repeated units) that the planner extrapolates from
+# its 3- and 4-block traces, with parameters on both sides of ZeRO-3's persistence threshold.
+def accuracy_models() -> Dict[str, Any]:
+    from shardwise.models import GPTConfig
+    from shardwise.plan.presets import gpt_spec, transformer_spec
+
+    return {
+        "gpt": (gpt_spec("gpt-6x256", GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=4, n_embd=256,
+                                                tie_embeddings=False)), 64),
+        "transformer": (transformer_spec("transformer-6x128", dict(nlayers=6, nhid=512, ninp=128, nhead=4),
+                                         vocab_size=2000, seq_len=32), 32),
+    }
+
+
+# DeepSpeed's default reduce bucket is 5e8 elements (2 GB in fp32), allocated whole whatever the
+# model size: it would make every ZeRO row "2 GB + noise". Small buckets make the comparison
+# test the rest of the accounting; benchmarks/plan_accuracy.py also shows the default.
+SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 200_000, "allgather_bucket_size": 200_000,
+                                       "stage3_prefetch_bucket_size": 200_000}}
+
+
+def compare(spec: ModelSpec, seq_len: int, devices: int, candidates: Sequence[str], batch_size: int = 4,
+            precision: str = "32-true", deepspeed_config: Optional[Dict[str, Any]] = SMALL_BUCKETS,
+            steps: int = 2) -> List[Dict[str, Any]]:
+    """Predicted (plan) and measured (real CPU runs) peak tracked bytes per rank for each candidate."""
+    from shardwise.plan.core import plan
+
+    p = plan(spec, batch_size=batch_size, seq_len=seq_len, devices=devices, precision=precision,
+             accelerator="cpu", candidates=list(candidates), deepspeed_config=deepspeed_config, workers=1)
+    rows = {e.candidate.config_key: e for e in p.estimates}
+    cands = [e.candidate for e in p.estimates]
+    measured = measure(spec, cands, devices, precision=precision, seq_len=seq_len, steps=steps,
+                       deepspeed_config=deepspeed_config)
+    out = []
+    for cand, m in zip(cands, measured):
+        e = rows[cand.config_key]
+        out.append(dict(model=spec.name, devices=devices, config=cand.config_label, predicted=e.allocated,
+                        measured=m["peak"], error=e.allocated / m["peak"] - 1, method=e.method,
+                        ranks=m["ranks"]))
+    return out

@@ -231,7 +231,6 @@ def _module_class():
         def configure_model(self) -> None:
             if self.model is None:
                 self.model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
-                self.model.config.use_cache = False  # training: no KV cache, and packed masks need none
 
         def init_weights(self) -> None:
             # Called by the strategy after the shards are allocated (materialize.py):
@@ -241,7 +240,12 @@ def _module_class():
             hf_model.recompute_buffers(self.model)
 
         def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+            # No KV cache in training; without one, position ids that restart
+            # per document become a block-diagonal mask (data.py).
             return self.model(**batch, use_cache=False).loss
+
+        def on_train_start(self) -> None:
+            self._t0 = time.time()
 
         def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             loss = self._loss(batch)
