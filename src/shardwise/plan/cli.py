@@ -1,0 +1,115 @@
+"""`shardwise plan`: the memory planner from the command line.
+
+    shardwise plan --model llama-2-70b --devices 8 --num-nodes 2 --device-memory 80GiB \\
+        --precision bf16-mixed --batch-size 1 --seq-len 2048 [--cpu-memory 1TiB] [--json] [--plot plan.png]
+
+The function signature below is the option schema (jsonargparse reads it and
+its docstring); options are accepted with dashes or underscores, and the
+boolean flags without a value. Errors the user can fix -- an unknown preset,
+a config.json that is not a causal LM, an unparsable memory size, a layout
+the sharding cannot split -- print one message and exit with status 2.
+"""
+from __future__ import annotations
+
+import json as _json
+import sys
+from typing import List, Optional
+
+_FLAGS = ("--json", "--all", "--all_micro_batches")
+
+
+def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory: Optional[str] = None,
+                 precision: str = "bf16-mixed", batch_size: int = 1, seq_len: Optional[int] = None,
+                 cpu_memory: Optional[str] = None, only: Optional[str] = None, accelerator: str = "cuda",
+                 gpu: str = "a100", interconnect: str = "nvlink", network: str = "infiniband",
+                 reserved_factor: Optional[float] = None, deepspeed_config: Optional[str] = None,
+                 all_micro_batches: bool = False, all: bool = False, json: bool = False, plot: Optional[str] = None,
+                 workers: Optional[int] = None) -> int:
+    """Predict per-device memory for each training configuration and pick the fastest that fits.
+
+    Args:
+        model: a preset (see --help for the list), a path to a Hugging Face config.json or model
+            directory (no weights are read), or python:module.Class (a TrainModule with
+            example_batch(batch_size, seq_len), or a GPTConfig).
+        devices: devices per node.
+        num_nodes: number of nodes.
+        device_memory: memory per device, e.g. 80GiB, 40GB, 24576MiB.
+        precision: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true.
+        batch_size: sequences per device per optimizer step (split into micro-batches with
+            gradient accumulation when the whole batch does not fit).
+        seq_len: tokens per sequence (default: the model's context length).
+        cpu_memory: host memory per node, e.g. 1TiB (checked against offload and loading needs).
+        only: comma-separated configurations to plan, e.g. ddp,fsdp_full_shard_ac,zero3_offload.
+        accelerator: cuda (plan for GPUs) or cpu.
+        gpu: a100, h100, h200, a10g, l4, v100 (step-time model only).
+        interconnect: nvlink, nvlink4, pcie4, pcie5 (inside a node).
+        network: infiniband, ib-ndr, efa, ethernet (across nodes).
+        reserved_factor: reserved / allocated memory (default 1.25 on cuda; 1 on cpu).
+        deepspeed_config: a DeepSpeed JSON config whose zero_optimization buckets to use.
+        all_micro_batches: evaluate every micro-batch split, not only when the whole batch does not fit.
+        all: show every evaluated row in the table.
+        json: print the plan as JSON instead of a table.
+        plot: write a PNG bar chart of the breakdown per configuration to this path.
+        workers: processes tracing in parallel (default: 2 on machines with 2+ cores).
+    """
+    from shardwise.plan.core import plan
+    from shardwise.plan.presets import PlanError
+    from shardwise.plan.report import plot as plot_png
+    from shardwise.plan.report import print_table, to_json
+
+    ds_config = None
+    if deepspeed_config is not None:
+        try:
+            with open(deepspeed_config) as fh:
+                ds_config = _json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"--deepspeed-config {deepspeed_config}: {exc}") from exc
+    result = plan(model, batch_size=batch_size, seq_len=seq_len, devices=devices, num_nodes=num_nodes,
+                  device_memory=device_memory, precision=precision, cpu_memory=cpu_memory,
+                  candidates=[c for c in only.split(",") if c.strip()] if only else None, accelerator=accelerator,
+                  gpu=gpu, interconnect=interconnect, network=network, reserved_factor=reserved_factor,
+                  deepspeed_config=ds_config, all_micro_batches=all_micro_batches, workers=workers)
+    if json:
+        print(to_json(result))
+    else:
+        print_table(result, show_all=all)
+    if plot:
+        plot_png(result, plot, show_all=all)
+        if not json:
+            print(f"wrote {plot}")
+    return 0
+
+
+def _normalise(argv: List[str]) -> List[str]:
+    """--device-memory -> --device_memory; a bare boolean flag -> flag true."""
+    out: List[str] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = "--" + name[2:].replace("-", "_") + eq + value
+            out.append(arg)
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if arg in _FLAGS and (nxt is None or nxt.lower() not in ("true", "false")):
+                out.append("true")
+        else:
+            out.append(arg)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from jsonargparse import CLI
+
+    from shardwise.plan.presets import PlanError, preset_names
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print("Presets: " + ", ".join(preset_names()) + "\n")
+    try:
+        return int(CLI(plan_command, args=_normalise(argv), as_positional=False) or 0)
+    except PlanError as exc:
+        print(f"shardwise plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
