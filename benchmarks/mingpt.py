@@ -8,10 +8,10 @@ shardwise.models.GPT on random token sequences with the Trainer, and prints the
 same two lines per rank. On CPU the peak is tracked tensor memory
 (shardwise.memory), measured in the first epoch; the epoch time is averaged
 over the later, untracked epochs, because tracking slows every op.
-With --compare_deepspeed (DeepSpeed strategies), the same workers then train
+With --compare_deepspeed (DeepSpeed strategies), the same workers also train
 the same model with DeepSpeed driven by hand (deepspeed.initialize,
-engine.backward, engine.step, the config our strategy built) and print the
-ratio of our median step time to it. --table runs DDP, ZeRO-2, ZeRO-3 and
+engine.backward, engine.step, the config our strategy built), one epoch after
+each of ours, and print the ratio of our median step time to it. --table runs DDP, ZeRO-2, ZeRO-3 and
 ZeRO-3 + offload one after another and prints the markdown rows for
 BENCHMARKS.md.
 
@@ -110,43 +110,57 @@ def token_data(n: int, block_size: int, vocab_size: int) -> TensorDataset:
     return TensorDataset(torch.randint(0, vocab_size, (n, block_size + 1), generator=g))
 
 
-def hand_driven_deepspeed(strategy: Any, config: GPTConfig, loader: DataLoader, lr: float) -> List[float]:
-    """What a user writes with DeepSpeed alone: zero.Init, initialize, forward / backward / step."""
-    import copy
+class HandDrivenDeepSpeed:
+    """Callback: after each of our epochs, one epoch of DeepSpeed driven by hand on its own engine.
 
-    import deepspeed
+    What a user writes with DeepSpeed alone: zero.Init, initialize, forward /
+    backward / step, with the config our strategy built. Alternating epoch by
+    epoch (ours, by hand, ours, ...) exposes both to the same machine load,
+    which on a shared machine moves more than either loop does.
+    """
 
-    ds_config = copy.deepcopy(strategy.config)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=ds_config["zero_optimization"]["stage"] == 3,
-                             remote_device="cpu" if strategy.offload_parameters else None):
-        model = GPT(config)
-    if strategy.offload_optimizer:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    def __init__(self, config: GPTConfig, lr: float = 3e-4) -> None:
+        self.config, self.lr = config, lr
+        self.engine = None
+        self.step_times: List[float] = []
 
-        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, adamw_mode=True)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    times = []
-    for epoch in range(2):
-        for (tokens,) in loader:
+    def _build(self, strategy: Any) -> None:
+        import copy
+
+        import deepspeed
+
+        ds_config = copy.deepcopy(strategy.config)
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=strategy.stage == 3,
+                                 remote_device="cpu" if strategy.offload_parameters else None):
+            model = GPT(self.config)
+        if strategy.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=self.lr, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    def on_train_epoch_end(self, trainer, module):
+        if self.engine is None:  # built after epoch 0, once memory tracking has stopped
+            self._build(trainer.strategy)
+        for (tokens,) in trainer.train_dataloader:
             start = time.perf_counter()
-            logits = engine(tokens[:, :-1])
+            logits = self.engine(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-            engine.backward(loss)
-            engine.step()
-            if epoch > 0:
-                times.append(time.perf_counter() - start)
-    return times
+            self.engine.backward(loss)
+            self.engine.step()
+            if trainer.current_epoch > 0:  # its first epoch warms up, as ours does
+                self.step_times.append(time.perf_counter() - start)
 
 
-def fit_once(args: argparse.Namespace, config: GPTConfig):
+def fit_once(args: argparse.Namespace, config: GPTConfig, extra: tuple = ()):
     shardwise.seed_everything(1234)
     stats = EpochStats()
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=build_strategy(args.strategy, args.cpu_offload),
                       precision=args.precision, max_epochs=args.max_epochs,
-                      limit_train_batches=args.limit_train_batches, callbacks=[stats], enable_progress_bar=False,
-                      logger=False, enable_checkpointing=False)
+                      limit_train_batches=args.limit_train_batches, callbacks=[stats, *extra],
+                      enable_progress_bar=False, logger=False, enable_checkpointing=False)
     trainer.fit(MinGPT(config), loader_for(args))
     return trainer, stats
 
@@ -159,7 +173,9 @@ def loader_for(args: argparse.Namespace) -> DataLoader:
 def run(args: argparse.Namespace) -> None:
     config = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, tie_embeddings=False)
-    trainer, stats = fit_once(args, config)
+    compare = args.compare_deepspeed and args.strategy.startswith("deepspeed")
+    hand = HandDrivenDeepSpeed(config) if compare else None
+    trainer, stats = fit_once(args, config, (hand,) if compare else ())
     # From here on only the workers run (the supervisor process exited inside fit).
     rank = trainer.global_rank
     epoch_time = statistics.mean(stats.epoch_times) if stats.epoch_times else float("nan")
@@ -170,17 +186,14 @@ def run(args: argparse.Namespace) -> None:
     print(f"[rank {rank}] Average Peak memory {peak:.2f}MiB", flush=True)
     parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in getattr(stats, "breakdown", {}).items() if v)
     print(f"[rank {rank}] peak by role (MiB): {parts}", flush=True)
-    if args.compare_deepspeed and args.strategy.startswith("deepspeed"):
-        # Each new engine in a process runs a little slower than the one before, so
-        # the order is ours, by hand, by hand, ours (ABBA): drift hits both alike.
-        strategy = trainer.strategy
-        hand_loader = strategy.setup_dataloader(loader_for(args), shuffle=False)
-        hand = hand_driven_deepspeed(strategy, config, hand_loader, 3e-4)
-        hand += hand_driven_deepspeed(strategy, config, hand_loader, 3e-4)
-        ours = stats.step_times + fit_once(args, config)[1].step_times
+    if compare:
+        ours, hand = stats.step_times, hand.step_times
+        if os.environ.get("MINGPT_DEBUG"):
+            print(rank, [round(t, 2) for t in ours], [round(t, 2) for t in hand], flush=True)
+        # Medians: on a shared machine single steps swing by 30% either way.
         ratio = statistics.median(ours) / statistics.median(hand)
-        print(f"[rank {rank}] Median step time: shardwise {statistics.median(ours) * 1e3:.1f} ms, DeepSpeed by "
-              f"hand {statistics.median(hand) * 1e3:.1f} ms, ratio {ratio:.3f}", flush=True)
+        print(f"[rank {rank}] Median step time over {len(ours)} steps: shardwise {statistics.median(ours) * 1e3:.0f} ms, "
+              f"DeepSpeed by hand {statistics.median(hand) * 1e3:.0f} ms, ratio {ratio:.3f}", flush=True)
 
 
 # ----------------------------------------------------------------- the table
@@ -207,7 +220,9 @@ def table(args: argparse.Namespace) -> None:
         rows.append((label, times, peaks, ratio))
     params = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, tie_embeddings=False).num_params()
-    print(f"\n{params / 1e6:.1f}M parameters, {args.devices} CPU processes\n")
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n{params / 1e6:.1f}M parameters, {args.devices} CPU processes, {os.cpu_count()} cores, "
+          f"load average at the end (1/5/15 min): {load}\n")
     print("| strategy | epoch time per rank (s) | tracked peak per rank (MiB) | seed, 8xA100 (largest model, peak) |")
     print("|---|---|---|---|")
     for label, times, peaks, _ in rows:
@@ -215,7 +230,7 @@ def table(args: argparse.Namespace) -> None:
               f"| {SEED[label]} |")
     ratios = [r for row in rows for r in row[3]]
     if ratios:
-        print(f"\nZeRO-3 step time, shardwise / DeepSpeed by hand, per rank: {' / '.join(ratios)}")
+        print(f"\nZeRO-3 step time, shardwise / DeepSpeed by hand (median step), per rank: {' / '.join(ratios)}")
 
 
 def main() -> None:

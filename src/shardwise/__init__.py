@@ -2,6 +2,7 @@
 from shardwise.distributed.launch import launch
 from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
 from shardwise.module import TrainModule
+from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise.precision import PRECISIONS
 from shardwise.seed import seed_everything
 from shardwise.strategies import (STRATEGY_NAMES, DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy,
@@ -23,5 +24,5 @@ def __getattr__(name: str):
 __all__ = [
     "Trainer", "TrainModule", "seed_everything", "launch", "wrap",
     "Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
-    "STRATEGY_NAMES", "PRECISIONS", "max_memory_allocated", "reset_peak_memory_stats", "track_memory",
+    "STRATEGY_NAMES", "PRECISIONS", "max_memory_allocated", "reset_peak_memory_stats", "track_memory", "plan",
 ]

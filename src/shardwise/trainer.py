@@ -78,7 +78,7 @@ class Trainer:
                  gradient_clip_algorithm: str = "norm", log_every_n_steps: int = 50,
                  callbacks: Optional[List[Any]] = None, logger: Any = True, enable_progress_bar: bool = True,
                  enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, device_memory: Union[None, str, int] = None) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
         self.accelerator = resolve_accelerator(accelerator)
@@ -91,6 +91,9 @@ class Trainer:
         self.num_nodes = num_nodes
         self.strategy = build_strategy(strategy, world_size=self.devices * num_nodes)
         self.strategy.connect(self.accelerator, precision, num_nodes=num_nodes, devices=self.devices)
+        # Known device memory ("80GiB", or "auto" on CUDA) lets fit() consult the memory planner:
+        # strategy="auto" becomes its choice, and a run predicted not to fit warns first.
+        self.device_memory = device_memory
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches}: use 1 or more.")
         if gradient_clip_algorithm not in ("norm", "value"):
@@ -316,6 +319,10 @@ class Trainer:
     # ------------------------------------------------------------------- fit
     def fit(self, module: TrainModule, train_dataloaders: Iterable, val_dataloaders: Optional[Iterable] = None,
             ckpt_path: Optional[str] = None) -> None:
+        if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
+            from shardwise.plan.advice import check_before_fit
+
+            check_before_fit(self, module, train_dataloaders)
         # Before any worker starts: a strategy whose engine owns accumulation,
         # clipping and the micro-batch size (DeepSpeed) checks them against its
         # own configuration now, so a contradiction fails in the user's process.

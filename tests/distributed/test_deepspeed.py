@@ -144,9 +144,17 @@ def checkpoint_runs(names: List[str], root: str) -> Dict[str, Any]:
         resumed = fit(name, steps=10, root=root, ckpt_path=path, freeze_positions=True)
         out[name] = {"first": first["losses"], "resumed": resumed["losses"]}
         if int(os.environ["RANK"]) == 0:
-            converted, live = consolidate(path), saver.live
-            out[name].update(keys=(sorted(live), sorted(converted)),
-                             unequal=sorted(k for k in live if k in converted and not torch.equal(converted[k], live[k])))
+            from safetensors.torch import load_file
+
+            from shardwise.checkpoint.convert import convert
+
+            live = saver.live
+            converted = consolidate(path)
+            convert(path, os.path.join(root, name + ".safetensors"), quiet=True)  # `shardwise convert`
+            exported = load_file(os.path.join(root, name + ".safetensors"))
+            same = lambda a, b: a is not None and torch.equal(a, b)  # noqa: E731
+            out[name].update(keys=(sorted(live), sorted(converted), sorted(exported)), unequal=sorted(
+                k for k in live if not (same(converted.get(k), live[k]) and same(exported.get(k), live[k]))))
     return out
 
 
@@ -194,8 +202,8 @@ def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(tmp_path
         r = results[name]
         # The resumed run continues exactly where the saved one was.
         assert r["resumed"] == r["first"][6:], (name, r)
-        live_keys, converted_keys = r["keys"]
-        assert live_keys == converted_keys, name  # nothing dropped (the frozen wpe included)
+        live_keys, converted_keys, exported_keys = r["keys"]
+        assert live_keys == converted_keys == exported_keys, name  # nothing dropped (the frozen wpe included)
         assert r["unequal"] == [], name  # fp32 master weights equal the live weights bit for bit
         manifest = json.loads((tmp_path / f"{name}.ckpt" / "shardwise.json").read_text())
         assert manifest["checkpoint_format"] == "deepspeed" and manifest["world_size"] == 2

@@ -29,16 +29,27 @@ def _launch(args, log):
                             stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait(procs, logs):
-    for proc, log in zip(procs, logs):
+def _stop(procs):
+    # SIGTERM reaches the elastic agent, which stops its workers (they run in
+    # their own sessions, so killing the agent alone would orphan them).
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
         try:
-            code = proc.wait(timeout=420)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        log.flush()
-        assert code == 0, open(log.name).read()[-4000:]
+            proc.kill()
+
+
+def _wait(procs, logs):
+    try:
+        for proc, log in zip(procs, logs):
+            code = proc.wait(timeout=420)
+            log.flush()
+            assert code == 0, open(log.name).read()[-4000:]
+    finally:
+        _stop(procs)
 
 
 def _losses(out):

@@ -81,14 +81,16 @@ def _one_process_load(model_dir, export_dir):
                             activation_checkpointing_policy=["LlamaDecoderLayer"])
     strategy.connect("cpu", "32-true")
     strategy.setup_environment()
-    folder = hf_model.inspect_model_folder(model_dir)
-    module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
-    with strategy.module_init_context():
-        module.configure_model()
-    module = strategy.setup_module(module)  # the uninitialised-tensor check runs here
-    hf_model.export_hf_folder(module.model, export_dir, config=folder.config, source_dir=model_dir,
-                              max_shard_size=20_000)
-    strategy.teardown()
+    try:
+        folder = hf_model.inspect_model_folder(model_dir)
+        module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+        with strategy.module_init_context():
+            module.configure_model()
+        module = strategy.setup_module(module)  # the uninitialised-tensor check runs here
+        hf_model.export_hf_folder(module.model, export_dir, config=folder.config, source_dir=model_dir,
+                                  max_shard_size=20_000)
+    finally:
+        strategy.teardown()  # leave no process group behind for the next test
     return module
 
 
@@ -171,3 +173,34 @@ def test_rank0_loading_into_a_replicated_mesh(tmp_path):
     for loss, report in results:
         torch.testing.assert_close(loss, expected)
     assert results[0][1]["bytes_read"] > 0 and all(r["bytes_read"] == 0 for _, r in results[1:])
+
+
+@pytest.mark.slow
+def test_unpacked_padded_batches_train_and_export_bf16(tmp_path):
+    # packing=False: one padded record per example (attention_mask + -100 labels
+    # on padding), gradient accumulation, and an export in another dtype.
+    from transformers import AutoConfig
+
+    records = chat_records(60)
+    model_dir = build_model_folder(str(tmp_path / "m"), records)
+    cfg = FinetuneConfig(model_path=model_dir, dataset=write_jsonl(str(tmp_path / "c.jsonl"), records), packing=False,
+                         max_seq_len=48, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         learning_rate=3e-3, precision="32-true", devices=1, eval_split_ratio=0.0,
+                         export_dtype="bfloat16", output_dir=str(tmp_path / "out"))
+    result = finetune(cfg)
+    losses = [s["loss"] for s in result.losses]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    exported = AutoConfig.from_pretrained(str(tmp_path / "out"))
+    assert exported.dtype == torch.bfloat16 and exported.use_cache is True
+
+
+def test_rope_buffers_are_recomputed_not_silenced(tmp_path, monkeypatch):
+    # No checkpoint holds RoPE's inv_freq; without the recomputation the
+    # strategy's uninitialised-tensor check must name it.
+    from shardwise.recipes import hf_model
+    from shardwise.strategies.materialize import UninitializedParameterError
+
+    model_dir = build_model_folder(str(tmp_path / "m"), chat_records(10))
+    monkeypatch.setattr(hf_model, "recompute_buffers", lambda model: [])
+    with pytest.raises(UninitializedParameterError, match="rotary_emb.inv_freq"):
+        _one_process_load(model_dir, str(tmp_path / "never"))

@@ -97,7 +97,7 @@ def param_stats(model: nn.Module, threshold: int) -> ParamStats:
 def spec_param_stats(spec: ModelSpec, depth: Optional[int], threshold: int) -> ParamStats:
     """ParamStats of the spec's model at `depth`, from a meta build (nothing allocated)."""
     if spec.kind == "module":
-        return param_stats(spec.module, threshold)
+        return param_stats(spec.__dict__.get("probe", spec.module), threshold)
     with torch.device("meta"):
         return param_stats(spec.build(depth), threshold)
 
@@ -137,17 +137,22 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
                          bucket=settings["reduce_bucket_size"] * (4 if stage == 1 else pb), gathered=0.0,
                          step_grads=4 * part + (pb * part if stage == 2 and pb != 4 else 0.0),
                          step_temps=ADAM_TEMP_BYTES * part)
-    persistent = stats.small  # kept whole on every rank, in addition to their partition
-    live = min(settings["stage3_max_live_parameters"], max(0, n - stats.small),
+    # Parameters under the persistence threshold stay whole on every rank besides their partition
+    # (measured; on one rank the partition is the whole parameter, so nothing is extra).
+    small = stats.small if w > 1 else 0
+    live = min(settings["stage3_max_live_parameters"], max(0, n - small),
                max(settings["stage3_max_reuse_distance"], stats.largest_leaf + settings["stage3_prefetch_bucket_size"]))
-    terms = ZeroTerms(weights=pb * (part + persistent), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
+    # Step temporaries: measured, they scale with the partition of the *partitioned* parameters
+    # only (persistent ones add none), on top of one more partition-sized gradient copy.
+    terms = ZeroTerms(weights=pb * (part + small), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
                       grad_partition=4 * part, bucket=min(settings["reduce_bucket_size"], max(n, 1)) * pb,
-                      gathered=pb * live, step_grads=4 * part + pb * part, step_temps=ADAM_TEMP_BYTES * part)
+                      gathered=pb * live, step_grads=4 * part + pb * part,
+                      step_temps=ADAM_TEMP_BYTES * max(0, n - small) / w)
     if offload:
         # Partitions, master weights, optimizer state and gradients live on the host; the device
         # keeps persistent small parameters, what is gathered, and the reduction bucket.
         terms.host = pb * part + terms.master + terms.optimizer + terms.grad_partition
-        terms.weights = pb * persistent
+        terms.weights = pb * small
         terms.master = terms.optimizer = terms.grad_partition = terms.step_grads = terms.step_temps = 0.0
     return terms
 

@@ -47,6 +47,13 @@ class Candidate:
         return base
 
     @property
+    def name(self) -> str:
+        """The short name parse_candidate() reads back: ddp, fsdp_full_shard_ac, zero3_offload, ..."""
+        base = "ddp" if self.kind == "ddp" else (f"fsdp_{self.sharding.lower()}" if self.kind == "fsdp"
+                                                 else f"zero{self.stage}")
+        return base + ("_offload" if self.offload else "") + ("_ac" if self.activation_checkpointing else "")
+
+    @property
     def label(self) -> str:
         return f"{self.config_label}, mb {self.micro_batch}x{self.accumulation}"
 

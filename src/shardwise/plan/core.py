@@ -60,7 +60,7 @@ class Estimate:
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
-        d["candidate"] = dict(asdict(self.candidate), label=self.candidate.label,
+        d["candidate"] = dict(asdict(self.candidate), name=self.candidate.name, label=self.candidate.label,
                               config=self.candidate.config_label)
         return d
 
@@ -84,6 +84,7 @@ class Plan:
     reason: str
     notes: List[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    block_classes: Tuple[Any, ...] = ()  # what the FSDP / checkpointing candidates wrapped
 
     @property
     def fits_uses(self) -> str:
@@ -95,7 +96,8 @@ class Plan:
         return (fitting or rows or [None])[0]
 
     def to_dict(self) -> Dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k not in ("estimates", "recommended")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("estimates", "recommended", "block_classes")}
+        d["block_classes"] = [getattr(b, "__name__", str(b)) for b in self.block_classes]
         d["fits_uses"] = self.fits_uses
         d["estimates"] = [e.to_dict() for e in self.estimates]
         d["recommended"] = self.recommended.to_dict() if self.recommended else None
@@ -143,7 +145,7 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
                 cpu_memory=cpu_mem, reserved_factor=factor,
                 hardware=dict(gpu=hw.gpu, interconnect=hw.interconnect, network=hw.network, accelerator=accelerator),
                 estimates=estimates, recommended=best, reason=reason, notes=planner.notes,
-                elapsed_s=time.perf_counter() - start)
+                elapsed_s=time.perf_counter() - start, block_classes=tuple(spec.block_classes))
 
 
 # ------------------------------------------------------------------ validation
@@ -248,7 +250,8 @@ class _Planner:
         return cand.config_key, self.precision
 
     def _views(self, traced: Candidate, precision: str, depth: Optional[int]) -> Tuple[Tuple[str, Any], ...]:
-        views = [("identity", DDP_VIEW if traced.kind == "ddp" else IDENTITY)]
+        # One process: DDPStrategy does not wrap, so there are no buckets to outlive zero_grad.
+        views = [("identity", DDP_VIEW if traced.kind == "ddp" and self.world > 1 else IDENTITY)]
         grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
         for c in self.cands:
             if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
@@ -371,10 +374,10 @@ class _Planner:
         grads = terms.grad_partition + (g * 4.0 / traced_grad_bytes if cand.stage == 1 else 0.0)
         breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer,
                            acts=r * a)
-        step = analytic.zero_step_bytes(cand.stage, terms)
+        step = analytic.zero_step_bytes(cand.stage, terms) + tr.buffers
         if step > value:
             value, phase = step, "opt"
-            breakdown = _split(step, params=terms.weights + terms.master, grads=terms.step_grads,
+            breakdown = _split(step, params=terms.weights + terms.master + tr.buffers, grads=terms.step_grads,
                                opt=terms.optimizer, acts=0.0)
         return value, phase, breakdown, terms.host, "ZeRO accounting + traced activations"
 
@@ -429,8 +432,8 @@ def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple
     best = min(fitting, key=lambda e: e.step_seconds)
     why = (f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
            f"{format_bytes(device_memory)}, est. {best.step_seconds:.3g} s/step)")
-    if fastest is not best and not fastest.fits:
-        gain = best.step_seconds / fastest.step_seconds - 1
+    gain = best.step_seconds / max(fastest.step_seconds, 1e-12) - 1
+    if fastest is not best and not fastest.fits and gain >= 0.01:
         why += f"; {fastest.label} would be {gain:.0%} faster but needs {format_bytes(fastest.reserved)}"
     return best, why + "."
 

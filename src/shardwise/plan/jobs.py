@@ -70,10 +70,15 @@ def default_workers(n_jobs: int) -> int:
 def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
              workers: Optional[int] = None) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
     """Every job's Trace (or the TraceFailed it raised), in worker processes when it pays off."""
+    import torch.distributed as dist
+
     jobs = list(dict.fromkeys(jobs))
     workers = default_workers(len(jobs)) if workers is None else workers
-    spec_bytes = _picklable(spec) if workers > 1 else None
-    if spec_bytes is None or workers <= 1:
+    # A process group already exists here (e.g. a one-process FSDP fit before): the fake one
+    # cannot be created next to it, so even a single worker must be another process.
+    busy = dist.is_available() and dist.is_initialized()
+    spec_bytes = _picklable(spec) if workers > 1 or busy else None
+    if spec_bytes is None or (workers <= 1 and not busy):
         with fake_world(setting.world_size):
             return {job: _run(spec, setting, job) for job in jobs}
     # Longest first (checkpointed, sharded, deep): keeps both workers busy to the end.
@@ -86,7 +91,7 @@ def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
     errors: list = []
     header = pickle.dumps((spec_bytes, setting))
     threads = [threading.Thread(target=_drive, args=(header, pending, results, errors), daemon=True)
-               for _ in range(min(workers, len(order)))]
+               for _ in range(max(1, min(workers, len(order))))]
     for t in threads:
         t.start()
     for t in threads:

@@ -15,9 +15,9 @@ because the tracer builds 2- and 3-block versions and extrapolates.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -130,8 +130,9 @@ class ModelSpec:
             return dict(total=total, per_block=per, outside=zero, largest_layer=self.vocab_size * self.hidden)
         if self.kind == "hf":
             return _hf_param_counts(self)
-        total = sum(p.numel() for p in self.module.parameters())
-        return dict(total=total, per_block=0, outside=total, largest_layer=_largest_layer(self.module))
+        probe = self.__dict__.get("probe", self.module)
+        total = sum(p.numel() for p in probe.parameters())
+        return dict(total=total, per_block=0, outside=total, largest_layer=_largest_layer(probe))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), with causal attention."""
@@ -145,13 +146,28 @@ class ModelSpec:
 
 
 def _slice_batch(batch: Any, n: int) -> Any:
+    """The batch with n rows: sliced, or repeated when it has fewer (values only need to be valid)."""
     if isinstance(batch, torch.Tensor):
-        return batch[:n]
+        if batch.dim() == 0:
+            return batch
+        if batch.size(0) >= n:
+            return batch[:n]
+        return torch.cat([batch] * ceil_div(n, batch.size(0)))[:n]
     if isinstance(batch, (list, tuple)):
         return type(batch)(_slice_batch(b, n) for b in batch)
     if isinstance(batch, dict):
         return {k: _slice_batch(v, n) for k, v in batch.items()}
     return batch
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers are on the meta device (a 70B module costs nothing)."""
+    memo: Dict[int, Any] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
 
 
 def _largest_layer(module: nn.Module) -> int:
@@ -209,8 +225,7 @@ def resolve_model(model: Any, example_batch: Any = None) -> ModelSpec:
         if example_batch is None:
             raise PlanError(f"plan({type(model).__name__}(...)) needs example_batch=: the planner runs its "
                             "training_step and cannot guess what it takes.")
-        return ModelSpec(name=type(model).__name__, kind="module", module=model, example_batch=example_batch,
-                         block_classes=_guess_blocks(model))
+        return _module_spec(type(model).__name__, model, example_batch=example_batch)
     from shardwise.models import GPTConfig
 
     if isinstance(model, GPTConfig):
@@ -254,6 +269,29 @@ def transformer_spec(name: str, sizes: Dict[str, int], vocab_size: int = TRANSFO
                      block_classes=(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer), vocab_size=vocab_size,
                      hidden=sizes["ninp"], ffn=sizes["nhid"], heads=sizes["nhead"], kv_heads=sizes["nhead"],
                      default_seq_len=seq_len)
+
+
+def _module_spec(name: str, module: TrainModule, example_batch: Any = None) -> ModelSpec:
+    """A user's TrainModule, traced as is; its shape facts come from a configured meta copy."""
+    probe = meta_copy(module)
+    with torch.device("meta"):
+        probe.configure_model()
+    seq = 1
+    first = next((t for t in _leaves(example_batch) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if first is not None:
+        seq = int(first.size(1))
+    spec = ModelSpec(name=name, kind="module", module=module, example_batch=example_batch,
+                     block_classes=_guess_blocks(probe), default_seq_len=seq)
+    spec.__dict__["probe"] = probe
+    return spec
+
+
+def _leaves(batch: Any) -> List[Any]:
+    if isinstance(batch, (list, tuple)):
+        return [x for b in batch for x in _leaves(b)]
+    if isinstance(batch, dict):
+        return [x for b in batch.values() for x in _leaves(b)]
+    return [batch]
 
 
 def _guess_blocks(module: nn.Module) -> Tuple[Any, ...]:
@@ -369,7 +407,7 @@ def _python_spec(target: str) -> ModelSpec:
         if not callable(batch_fn):
             raise PlanError(f"python:{target} is a TrainModule; give it a method example_batch(batch_size, seq_len) "
                             "returning one training batch, so the planner can run its training_step.")
-        spec = ModelSpec(name=attr, kind="module", module=instance, block_classes=_guess_blocks(instance))
+        spec = _module_spec(attr, instance)
         spec.__dict__["batch_fn"] = batch_fn
         return spec
     from shardwise.models import GPTConfig

@@ -11,6 +11,7 @@ judged on.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Dict, List, Optional
 
 from shardwise.memory import format_bytes
@@ -38,6 +39,15 @@ def rows_to_show(p: Plan, show_all: bool = False) -> List[Estimate]:
     return out
 
 
+def short_bytes(n: float) -> str:
+    """Compact binary units for table cells: 171.6G, 886M, 12K."""
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{int(n)}B"
+
+
 def _fits(e: Estimate) -> str:
     return "-" if e.fits is None else ("[green]yes[/green]" if e.fits else "[red]no[/red]")
 
@@ -46,13 +56,15 @@ def print_table(p: Plan, console: Any = None, show_all: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        # Piped output would be cut to 80 columns; the table needs about 130.
+        console = Console() if sys.stdout.isatty() else Console(width=160)
     dev = format_bytes(p.device_memory) if p.device_memory else "unknown"
     title = (f"{p.model}: {p.num_nodes} node(s) x {p.devices} device(s), {p.precision}, batch {p.batch_size} x "
              f"{p.seq_len} tokens per device, device memory {dev}")
     table = Table(title=title, caption=f"fits = {p.fits_uses} <= device memory (and host memory per node, if given)")
-    columns = ["configuration", "micro x acc", "allocated", "reserved", *(_SHORT[c] for c in CATEGORIES),
-               "host/node", "step", "vs best", "fits"]
+    columns = ["configuration", "mb x acc", "allocated", "reserved", *(_SHORT[c] for c in CATEGORIES),
+               "host/node", "step", "rel.", "fits"]
     for col in columns:
         table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col != "configuration")
     best = p.recommended.step_seconds if p.recommended else None
@@ -61,9 +73,9 @@ def print_table(p: Plan, console: Any = None, show_all: bool = False) -> None:
         rel = f"{e.step_seconds / best:.2f}x" if best else "-"
         table.add_row(e.candidate.config_label + (" *" if "fallback" in e.method else ""),
                       f"{e.candidate.micro_batch}x{e.candidate.accumulation}",
-                      format_bytes(e.allocated), format_bytes(e.reserved),
-                      *(format_bytes(e.breakdown.get(c, 0.0)) for c in CATEGORIES),
-                      format_bytes(e.cpu_per_node), f"{e.step_seconds:.3g}s", rel, _fits(e), style=style)
+                      short_bytes(e.allocated), short_bytes(e.reserved),
+                      *(short_bytes(e.breakdown.get(c, 0.0)) for c in CATEGORIES),
+                      short_bytes(e.cpu_per_node), f"{e.step_seconds:.3g}s", rel, _fits(e), style=style)
     console.print(table)
     verdict = "Recommended: " if p.recommended else ""
     console.print(f"[bold]{verdict}{p.reason}[/bold]")

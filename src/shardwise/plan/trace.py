@@ -29,7 +29,6 @@ Two corrections make fake-mode numbers mean what real ones do:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import threading
 from dataclasses import dataclass, field
@@ -133,6 +132,19 @@ class _PlanTracker(MemoryTracker):
 
         self._grad_hooked[p] = p.register_post_accumulate_grad_hook(hook)
 
+    def relabel_leftovers(self) -> None:
+        """After a non-final micro-batch's backward, what is still alive is carried gradient state.
+
+        FSDP2 keeps the unsharded gradients of a no-sync micro-batch on its own
+        unsharded parameters, which no hook labels; born in the backward they
+        would count as activations and be scaled with the micro-batch.
+        """
+        with self._lock:
+            self._drain()
+            for e in list(self._entries.values()):
+                if e.cat in ("activations", "other"):
+                    self._recat(e, "gradients")
+
     def _sample(self) -> None:
         cur = self._cur
         p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"], cur["buffers"]
@@ -223,11 +235,10 @@ def _rank0_env(world_size: int, num_nodes: int):
 def _fresh_module(spec: ModelSpec, depth: Optional[int], foreach: Optional[bool], optimizer: str) -> Any:
     if spec.kind != "module":
         return spec.training_module(depth=depth, foreach=foreach, optimizer=optimizer)
-    # Never touch the user's object: trace a copy whose tensors are turned into meta ones.
-    module = copy.deepcopy(spec.module)
-    with torch.no_grad():
-        module.to_empty(device="meta")
-    return module
+    # Never touch the user's object: trace a copy whose tensors are meta ones.
+    from shardwise.plan.presets import meta_copy
+
+    return meta_copy(spec.module)
 
 
 def _strategy_kind(cand: Candidate) -> Candidate:
@@ -277,7 +288,8 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
 
         apply_activation_checkpointing(module, set(spec.block_classes))
     result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
-    tracker = _PlanTracker(views or {"identity": DDP_VIEW if traced.kind == "ddp" else IDENTITY}, scales)
+    buckets = traced.kind == "ddp" and world_size > 1
+    tracker = _PlanTracker(views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales)
     try:
         with fake if isinstance(strategy, DDPStrategy) else contextlib.nullcontext():
             # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
@@ -327,7 +339,10 @@ def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any]
             loss = out["loss"] if isinstance(out, dict) else out
             tracker.phase = f"bwd1.{i}"
             strategy.backward(loss / window, model)
+            del out, loss
         module._drain_logs()
+        if not last:
+            tracker.relabel_leftovers()
     result.grads = tracker.current_breakdown["gradients"]
     tracker.phase = "opt"
     for opt in optimizers:

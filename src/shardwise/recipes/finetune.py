@@ -38,28 +38,83 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 @dataclass
 class FinetuneConfig:
-    """Options of `shardwise finetune` (the seed recipe's names where it had one)."""
+    """Options of `shardwise finetune` (the seed recipe's names where it had one).
+
+    Args:
+        model_path: local Hugging Face folder: config.json, *.safetensors, tokenizer files
+        dataset: .jsonl / .json / .parquet file, or a folder written by datasets' save_to_disk
+        tokenizer_path: tokenizer folder (default: model_path)
+        dataset_text_field: record field with text or chat messages
+            (default: first of messages, conversations, text, content)
+        chat_template_format: auto (the tokenizer's template, else tags) | tags
+            (<|system|>/<|prompter|>/<|assistant|>) | tokenizer | none (text used as is)
+        max_seq_len: tokens per example / packed block
+        packing: concatenate documents into max_seq_len blocks
+        packing_mode: attention (no attention across documents) | loss (only boundary labels masked)
+        add_special_tokens: let the tokenizer add its BOS/EOS
+        append_concat_token: end every document with EOS
+        eval_split_ratio: held-out fraction when the dataset has no test / validation split
+        cache_dir: tokenised-data cache (default <output_dir>/tokenized)
+        max_steps: optimizer steps (-1: num_train_epochs)
+        num_train_epochs: epochs when max_steps is -1
+        logging_steps: print / log the loss every n optimizer steps
+        eval_steps: evaluate every n optimizer steps
+        save_steps: sharded, resumable checkpoint every n optimizer steps
+        save_total_limit: step checkpoints kept (besides last)
+        precision: 32-true | bf16-mixed | bf16-true | 16-mixed (CUDA) ...
+        learning_rate: peak learning rate
+        lr_scheduler_type: cosine | linear | constant (after linear warm-up)
+        warmup_ratio: fraction of the steps spent warming up
+        weight_decay: AdamW weight decay (not applied to biases and norms)
+        adam_beta1: AdamW beta1
+        adam_beta2: AdamW beta2
+        adam_epsilon: AdamW epsilon
+        max_grad_norm: clip gradients to this global norm (null: no clipping)
+        per_device_train_batch_size: examples per process per micro-batch
+        per_device_eval_batch_size: examples per process per eval batch
+        gradient_accumulation_steps: micro-batches per optimizer step
+        gradient_checkpointing: non-reentrant activation checkpointing on the decoder layers
+        attn_implementation: sdpa | eager | flash_attention_2 (CUDA + flash-attn)
+        optim: adamw (fused on CUDA) | adamw_torch | adamw_torch_fused |
+            paged_adamw_32bit (CUDA + bitsandbytes)
+        seed: random seed (data order, eval split, dropout)
+        output_dir: where the Hugging Face folder, checkpoints and logs go
+        resume_from_checkpoint: checkpoint path, or last
+        export_dtype: dtype of the exported weights (default: as trained)
+        max_shard_size: largest exported safetensors file, e.g. 5GB
+        accelerator: auto | cpu | cuda
+        devices: processes per node (auto: what the launcher started, else one per GPU, else 1)
+        num_nodes: nodes (one shardwise launch / srun task each)
+        strategy: fsdp | ddp | single | auto
+        sharding_strategy: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
+        auto_wrap_policy: FSDP unit class names (default: the model's _no_split_modules)
+        cpu_offload: offload parameters, gradients and optimizer state to host memory (CUDA)
+        state_dict_type: sharded | full intermediate checkpoints
+        dataloader_num_workers: DataLoader worker processes
+        enable_progress_bar: show the progress bar
+        timeout_s: collective timeout in seconds
+    """
 
     # What to train on
-    model_path: str = ""  # local Hugging Face folder: config.json, *.safetensors, tokenizer files
-    dataset: str = ""  # .jsonl / .json / .parquet file, or a datasets save_to_disk folder
-    tokenizer_path: Optional[str] = None  # default: model_path
-    dataset_text_field: Optional[str] = None  # default: first of messages, conversations, text, content
-    chat_template_format: str = "auto"  # auto | tags | tokenizer | none
+    model_path: str = ""
+    dataset: str = ""
+    tokenizer_path: Optional[str] = None
+    dataset_text_field: Optional[str] = None
+    chat_template_format: str = "auto"
     max_seq_len: int = 2048
     packing: bool = True
-    packing_mode: str = "attention"  # attention: no attention across documents; loss: boundary labels only
+    packing_mode: str = "attention"
     add_special_tokens: bool = False
-    append_concat_token: bool = True  # end every document with EOS
-    eval_split_ratio: float = 0.05  # used when the dataset has no test / validation split
-    cache_dir: Optional[str] = None  # tokenised-data cache; default <output_dir>/tokenized
+    append_concat_token: bool = True
+    eval_split_ratio: float = 0.05
+    cache_dir: Optional[str] = None
     # How long, how often
     max_steps: int = -1
-    num_train_epochs: int = 1  # used when max_steps is -1
+    num_train_epochs: int = 1
     logging_steps: int = 10
     eval_steps: Optional[int] = None
-    save_steps: Optional[int] = None  # sharded checkpoint every n optimizer steps (resumable)
-    save_total_limit: int = 1  # how many step checkpoints to keep (besides `last`)
+    save_steps: Optional[int] = None
+    save_total_limit: int = 1
     # Optimisation
     precision: str = "bf16-mixed"
     learning_rate: float = 5e-5
@@ -73,21 +128,21 @@ class FinetuneConfig:
     per_device_train_batch_size: int = 1
     per_device_eval_batch_size: int = 1
     gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False  # non-reentrant, on the decoder layers
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (CUDA + flash-attn)
-    optim: str = "adamw"  # adamw (fused on CUDA) | adamw_torch | adamw_torch_fused | paged_adamw_32bit
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    optim: str = "adamw"
     seed: int = 42
     output_dir: str = "finetune-output"
-    resume_from_checkpoint: Optional[str] = None  # a checkpoint path, or "last"
-    export_dtype: Optional[str] = None  # dtype of the exported weights; default: as trained
+    resume_from_checkpoint: Optional[str] = None
+    export_dtype: Optional[str] = None
     max_shard_size: str = "5GB"
     # Trainer and strategy
     accelerator: str = "auto"
     devices: Union[int, str] = "auto"
     num_nodes: int = 1
     strategy: str = "fsdp"
-    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
-    auto_wrap_policy: Optional[List[str]] = None  # class names; default: the model's _no_split_modules
+    sharding_strategy: str = "FULL_SHARD"
+    auto_wrap_policy: Optional[List[str]] = None
     cpu_offload: bool = False
     state_dict_type: str = "sharded"
     dataloader_num_workers: int = 0

@@ -49,7 +49,9 @@ def build_strategy(strategy: Union[str, Strategy], world_size: int = 1) -> Strat
     key = strategy.lower().strip()
     key = _ALIASES.get(key, key)
     if key == "auto":
-        return SingleDeviceStrategy() if world_size <= 1 else DDPStrategy()
+        chosen = SingleDeviceStrategy() if world_size <= 1 else DDPStrategy()
+        chosen.is_auto = True  # Trainer(device_memory=...) may replace it with the memory planner's choice
+        return chosen
     if key not in _REGISTRY:
         raise ValueError(f"Unknown strategy {strategy!r}. Valid names: {', '.join(STRATEGY_NAMES)}; "
                          "or pass a strategy object such as FSDPStrategy(...).")

@@ -285,7 +285,7 @@ class DeepSpeedStrategy(Strategy):
             raise RuntimeError("Call setup_module(model) before setup_optimizer(optimizer).")
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
         optimizer = self._maybe_cpu_optimizer(optimizer)
-        self._fill_bucket_sizes()
+        self._fill_size_limits()
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
                                                           config=copy.deepcopy(self.config),
                                                           dist_init_required=False)
@@ -293,17 +293,23 @@ class DeepSpeedStrategy(Strategy):
         self.optimizers.append(ds_optimizer)
         return ds_optimizer
 
-    def _fill_bucket_sizes(self) -> None:
-        # DeepSpeed's communication buckets default to 5e8 elements and are allocated
-        # whole: 2 GB per rank in fp32 at stage 3, even for a model a hundred times
-        # smaller. Unless the config sizes them, cap them at the largest parameter
-        # (at least 2**20 elements), which is about one layer, as DDP's 25 MB buckets:
-        # the default stays in force for models with half-billion-element tensors.
-        largest = max((int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters()), default=1)
+    # DeepSpeed's size limits (elements) are absolute numbers chosen for ~10B-parameter
+    # models; buckets are allocated whole, and ZeRO-3 keeps up to max_live_parameters
+    # gathered. For a small model they mean "allocate 2 GB of buckets" and "never
+    # re-shard", which hides what ZeRO saves. Unless the config sets them, each is
+    # capped at 1/8 of the model (never below its largest parameter or 2**20), so a
+    # small model keeps the proportions a large one gets; models past ~8e9
+    # parameters keep DeepSpeed's defaults unchanged.
+    _SIZE_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
+                      "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+
+    def _fill_size_limits(self) -> None:
+        sizes = [int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters()] or [1]
+        cap = max(max(sizes), sum(sizes) // 8, 2**20)
         user = self.user_config.get("zero_optimization") or {}
-        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        for key, default in self._SIZE_DEFAULTS.items():
             if _unset(user.get(key)):
-                self.config["zero_optimization"][key] = int(min(5e8, max(largest, 2**20)))
+                self.config["zero_optimization"][key] = int(min(default, cap))
 
     def _maybe_cpu_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With the optimizer offloaded, the step runs on the host: DeepSpeed's CPU Adam is required.

@@ -1,0 +1,144 @@
+"""The planner inside `Trainer.fit`: choose for strategy="auto", warn when a configuration will not fit.
+
+Both need the device memory, which the Trainer only knows when told
+(`Trainer(device_memory="80GiB")`, or "auto" for the current CUDA device's
+total), so nothing here runs -- and fit() is not slowed down -- unless the
+user asked for it. It runs in the process that called fit(), before any
+worker starts (the planner needs its own fake process group); workers the
+launcher starts read the choice from SHARDWISE_PLAN_CHOICE instead of
+planning again. The model is planned from the user's TrainModule (copied
+onto the meta device) and the first batch of the training DataLoader; the
+Trainer's strategy is mapped back to the planner's candidate for it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional, Tuple
+
+from shardwise.memory import format_bytes, parse_bytes
+from shardwise.plan.candidates import Candidate, parse_candidate
+from shardwise.plan.presets import PlanError
+
+CHOICE_ENV = "SHARDWISE_PLAN_CHOICE"
+
+
+def resolve_device_memory(value: Any, accelerator: str) -> Optional[int]:
+    """None | "auto" (the current CUDA device's total memory; unknown on CPU) | "80GiB" | bytes -> bytes."""
+    if value is None:
+        return None
+    if value == "auto":
+        if accelerator != "cuda":
+            return None
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        return parse_bytes(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"Trainer(device_memory={value!r}) is not a memory size: {exc}") from exc
+
+
+def candidate_for(strategy: Any) -> Optional[Candidate]:
+    """The planner's candidate for a strategy object (None for strategies it does not model)."""
+    from shardwise.strategies.ddp import DDPStrategy
+    from shardwise.strategies.fsdp import FSDPStrategy
+    from shardwise.strategies.single import SingleDeviceStrategy
+
+    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+        return Candidate("ddp")
+    if isinstance(strategy, FSDPStrategy):
+        return Candidate("fsdp", sharding=strategy.sharding_strategy, offload=strategy.cpu_offload,
+                         activation_checkpointing=strategy.activation_checkpointing_policy is not None)
+    if type(strategy).__name__ == "DeepSpeedStrategy":
+        return Candidate("deepspeed", stage=strategy.stage, offload=strategy.offload_optimizer,
+                         activation_checkpointing=strategy.activation_checkpointing_policy is not None)
+    return None
+
+
+def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
+    """Called by Trainer.fit before anything starts: choose (strategy="auto"), warn, or do nothing."""
+    device_memory = resolve_device_memory(getattr(trainer, "device_memory", None), trainer.accelerator)
+    if device_memory is None:
+        return
+    auto = bool(getattr(trainer.strategy, "is_auto", False))
+    if auto and os.environ.get(CHOICE_ENV):  # a launched worker: the launching process has planned
+        name, _, blocks = os.environ[CHOICE_ENV].partition(":")
+        _install(trainer, parse_candidate(name), blocks=tuple(b for b in blocks.split(",") if b), reason="")
+        return
+    if not (hasattr(train_dataloaders, "dataset") and hasattr(train_dataloaders, "batch_size")):
+        return  # only a DataLoader can give a first batch without consuming the user's data
+    batch = next(iter(train_dataloaders), None)
+    if batch is None:
+        return
+    micro = train_dataloaders.batch_size or 1
+    window = trainer.accumulate_grad_batches
+    current = candidate_for(trainer.strategy)
+    try:
+        if auto:
+            result = _plan(trainer, module, batch, micro * window, device_memory, candidates=None)
+            best = result.recommended
+            if best is None:
+                warnings.warn(f"strategy='auto' kept {type(trainer.strategy).__name__}: {result.reason}", stacklevel=3)
+                return
+            names = ",".join(getattr(b, "__name__", str(b)) for b in result.block_classes)
+            os.environ[CHOICE_ENV] = f"{best.candidate.name}:{names}"  # FSDP policies accept class names
+            _install(trainer, best.candidate, blocks=result.block_classes, reason=result.reason)
+            return
+        if current is None:
+            return
+        result = _plan(trainer, module, batch, micro * window, device_memory, candidates=[current])
+    except PlanError as exc:
+        warnings.warn(f"The memory planner could not plan this run: {exc}", stacklevel=3)
+        return
+    mine = next((e for e in result.estimates if e.candidate.micro_batch == micro), None)
+    if mine is None or mine.fits:
+        return  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
+    change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
+    warnings.warn(
+        f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
+        f"needs {format_bytes(mine.reserved)} per device (allocated {format_bytes(mine.allocated)} x "
+        f"{result.reserved_factor:g}), the device has {format_bytes(device_memory)}. {change}", stacklevel=3)
+
+
+def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:
+    from shardwise.plan.core import plan
+
+    # The whole process plans in-line (no worker processes): this is the user's training process.
+    return plan(module, example_batch=batch, batch_size=batch_size, devices=trainer.devices,
+                num_nodes=trainer.num_nodes, device_memory=device_memory, precision=trainer.strategy.precision.name,
+                accelerator=trainer.accelerator, workers=1, **kwargs)
+
+
+def _smallest_change(trainer: Any, module: Any, batch: Any, micro: int, window: int, device_memory: int,
+                     current: Candidate) -> str:
+    """Plan every candidate and micro-batch split; name the fitting one closest to the current run."""
+    result = _plan(trainer, module, batch, micro * window, device_memory, candidates=None, all_micro_batches=True)
+    fitting = [e for e in result.estimates if e.fits]
+    if not fitting:
+        return result.reason
+
+    def distance(e: Any) -> Tuple[int, int, int, float]:
+        c = e.candidate
+        same = (c.kind, c.sharding, c.stage) == (current.kind, current.sharding, current.stage)
+        knobs = int(c.activation_checkpointing != current.activation_checkpointing) + int(c.offload != current.offload)
+        return (0 if same else 1, knobs, int(c.micro_batch != micro), e.step_seconds)
+
+    best = min(fitting, key=distance).candidate
+    blocks = "|".join(sorted(getattr(b, "__name__", str(b)) for b in result.block_classes)) or "Block"
+    split = "" if best.micro_batch == micro else (
+        f", DataLoader(batch_size={best.micro_batch}) and accumulate_grad_batches={best.accumulation}")
+    return f"Smallest change that fits: strategy={best.trainer_strategy_code(blocks)}{split}."
+
+
+def _install(trainer: Any, cand: Candidate, blocks: Any, reason: str) -> None:
+    """Replace the Trainer's automatic strategy with the planner's choice and say why."""
+    if cand.kind != "ddp":
+        old = trainer.strategy
+        strategy = cand.build_strategy(blocks or (), precision=None)
+        strategy.connect(trainer.accelerator, old.precision.name, num_nodes=trainer.num_nodes,
+                         devices=trainer.devices)
+        strategy.is_auto = True
+        trainer.strategy = strategy
+    if reason and int(os.environ.get("RANK", "0")) == 0:
+        print(f"shardwise: strategy='auto' chose {cand.config_label}: {reason}")

@@ -1,0 +1,114 @@
+"""`shardwise plan` from the command line, and the planner inside Trainer.fit.
+
+The CLI tests run `shardwise.cli.main` in-process on the tiny presets with
+`--workers 1`; the Trainer tests fit a tiny model for one step on CPU with a
+device memory that is (or is not) enough.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from shardwise import FSDPStrategy, TrainModule, Trainer
+from shardwise.cli import main as shardwise_main
+from shardwise.models import GPT, Block, gpt_config
+
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code = shardwise_main(["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "2GiB",
+                           "--batch-size", "2", "--seq-len", "32", "--only", "ddp,fsdp_full_shard_ac,zero3",
+                           "--workers", "1", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "FSDP FULL_SHARD + AC" in out and "ZeRO-3" in out and "Recommended" in out
+    assert "reserved = allocated x 1.25" in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+    assert shardwise_main(["plan", "--model", "gpt-tiny", "--devices", "2", "--device_memory=2GiB", "--json",
+                           "--only", "ddp", "--workers", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    row = data["estimates"][0]
+    assert data["fits_uses"].startswith("reserved") and row["fits"] is True
+    assert set(row["breakdown"]) == {"parameters", "gradients", "optimizer", "activations", "temporary"}
+    assert data["recommended"]["candidate"]["name"] == "ddp"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-9"], "Unknown model preset 'llama-9'. Presets: "),
+    (["--model", "gpt-tiny", "--device-memory", "lots"], "is not a memory size"),
+    (["--model", "gpt-tiny", "--devices", "8", "--only", "fsdp_hybrid_shard"], "HYBRID_SHARD"),
+    (["--model", "gpt-tiny", "--only", "fsdp_quarter_shard"], "Unknown FSDP sharding"),
+])
+def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
+    assert shardwise_main(["plan", *argv, "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_rejects_a_config_json_that_is_not_a_causal_lm(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    assert shardwise_main(["plan", "--model", str(cfg)]) == 2
+    assert "not a causal language model" in capsys.readouterr().err
+
+
+class TinyLM(TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.model = None
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = GPT(gpt_config("gpt-tiny"))
+
+    def training_step(self, batch):
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _loader():
+    return DataLoader(TensorDataset(torch.randint(0, 256, (16, 33))), batch_size=4)
+
+
+def _fit(**kwargs):
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, **kwargs)
+    trainer.fit(TinyLM(), _loader())
+    return trainer
+
+
+def test_trainer_warns_before_the_first_step_with_the_smallest_change_that_fits():
+    with pytest.warns(UserWarning, match="will not fit") as record:
+        trainer = _fit(strategy=FSDPStrategy(auto_wrap_policy={Block}), device_memory="2MiB")
+    message = str(record[0].message)
+    assert "Smallest change that fits" in message or "Nothing fits" in message
+    assert trainer.global_step == 1  # a warning, not an error: the user may know better
+
+
+def test_trainer_is_silent_when_the_run_fits_or_memory_is_unknown():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _fit(strategy=FSDPStrategy(auto_wrap_policy={Block}), device_memory="4GiB")
+        _fit(strategy=FSDPStrategy(auto_wrap_policy={Block}))
+
+
+def test_auto_strategy_consults_the_planner_and_says_why(capsys):
+    trainer = _fit(strategy="auto", device_memory="4GiB")
+    out = capsys.readouterr().out
+    assert "strategy='auto' chose" in out and "fastest that fits" in out
+    assert trainer.global_step == 1
+
+
+def test_trainer_rejects_an_unparsable_device_memory():
+    with pytest.raises(ValueError, match="device_memory='eighty'"):
+        _fit(strategy="auto", device_memory="eighty")
