@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import shardwise
-from shardwise import FSDPStrategy, TrainModule, Trainer
-from shardwise.demos import PythonDocsText, Transformer
+from shardwise import FSDPStrategy, Trainer
+from shardwise.demos import LanguageModel, PythonDocsText, Transformer
 
 LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 SIZE = dict(nlayers=4, nhid=1024, ninp=256, nhead=4)
@@ -74,26 +74,6 @@ def hand_loop(steps: int) -> float:
     return (steps - WARMUP) / (time.perf_counter() - start)
 
 
-class LanguageModel(TrainModule):
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.model = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = Transformer(vocab_size=self.vocab_size, **SIZE)
-
-    def training_step(self, batch):
-        inp, target = batch
-        loss = F.nll_loss(self.model(inp, target), target.view(-1))
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-
 class _Clock:
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == WARMUP:
@@ -110,7 +90,7 @@ def trainer_loop(steps: int) -> float:
     with tempfile.TemporaryDirectory() as root:
         trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=set(LAYERS)),
                           max_steps=steps, callbacks=[clock], enable_checkpointing=False, default_root_dir=root)
-        trainer.fit(LanguageModel(data.vocab_size), DataLoader(data, batch_size=8, shuffle=True))
+        trainer.fit(LanguageModel(data.vocab_size, **SIZE), DataLoader(data, batch_size=8, shuffle=True))
     return clock.rate
 
 

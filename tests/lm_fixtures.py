@@ -1,4 +1,4 @@
-"""Shared test fixtures: the seed's language model on the bundled text, and a per-step loss recorder.
+"""Shared test fixtures: the seed's language model runs on the bundled text, and a per-step loss recorder.
 
 Module-level so spawned worker processes can import them.
 """
@@ -12,39 +12,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-from shardwise import FSDPStrategy, TrainModule, Trainer
-from shardwise.demos import PythonDocsText, Transformer
+from shardwise import FSDPStrategy, Trainer
+from shardwise.demos import LanguageModel, PythonDocsText
 
 LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
 SMALL = dict(nlayers=2, nhid=64, ninp=32, nhead=2)
-
-
-class LanguageModel(TrainModule):
-    """The seed's LanguageModel, with the model built in configure_model (meta device under FSDP)."""
-
-    def __init__(self, vocab_size: int, lr: float = 1e-3, **sizes: Any) -> None:
-        super().__init__()
-        self.vocab_size, self.lr, self.sizes = vocab_size, lr, sizes or SMALL
-        self.model = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = Transformer(vocab_size=self.vocab_size, **self.sizes)
-
-    def training_step(self, batch):
-        input, target = batch
-        output = self.model(input, target)
-        loss = F.nll_loss(output, target.view(-1))
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        input, target = batch
-        loss = F.nll_loss(self.model(input, target), target.view(-1))
-        self.log("val_loss", loss, sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
 class StepLosses:
@@ -84,7 +56,7 @@ def train_losses(name: str, devices: int, batch_size: int, steps: int = 20, prec
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy_for(name), precision=precision,
                       max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                       callbacks=[recorder], enable_progress_bar=False, logger=False, enable_checkpointing=False)
-    trainer.fit(LanguageModel(data.vocab_size, lr=lr), DataLoader(data, batch_size=batch_size))
+    trainer.fit(LanguageModel(data.vocab_size, lr=lr, **SMALL), DataLoader(data, batch_size=batch_size))
     return recorder.losses
 
 

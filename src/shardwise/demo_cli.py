@@ -76,33 +76,10 @@ def _strategy(name: str):
 
 
 def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
-    import torch
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
     import shardwise
-    from shardwise.demos import Transformer, load_text_dataset
-
-    class LanguageModel(shardwise.TrainModule):
-        def __init__(self, vocab_size: int) -> None:
-            super().__init__()
-            self.vocab_size = vocab_size
-            self.model = None
-
-        def configure_model(self) -> None:
-            if self.model is None:  # idempotent, built on the meta device under FSDP
-                self.model = Transformer(vocab_size=self.vocab_size, nlayers=cfg["nlayers"], nhid=cfg["nhid"],
-                                         ninp=cfg["ninp"], nhead=cfg["nhead"])
-
-        def training_step(self, batch):
-            input, target = batch
-            output = self.model(input, target)
-            loss = F.nll_loss(output, target.view(-1))
-            self.log("train_loss", loss, prog_bar=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=cfg["lr"])
+    from shardwise.demos import LanguageModel, load_text_dataset
 
     dataset = load_text_dataset(cfg["data_dir"], block_size=cfg["block_size"])
     rows = []
@@ -120,7 +97,8 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
                           f"{cfg['nhid']}) on {type(dataset).__name__} ({len(dataset)} blocks of "
                           f"{cfg['block_size']} tokens, vocab {dataset.vocab_size}) with {LABELS[name]} on "
                           f"{cfg['devices']} processes...")
-        model = LanguageModel(dataset.vocab_size)
+        model = LanguageModel(dataset.vocab_size, nlayers=cfg["nlayers"], nhid=cfg["nhid"], ninp=cfg["ninp"],
+                              nhead=cfg["nhead"], lr=cfg["lr"])
         trainer.fit(model, DataLoader(dataset, batch_size=cfg["batch_size"], shuffle=True))
         n_params = sum(p.numel() for p in model.parameters())  # local shard under FSDP
         n_params = int(trainer.strategy.reduce(float(n_params), "sum")) if name.startswith("fsdp") else n_params

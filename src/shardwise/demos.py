@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from shardwise.models.transformer import Transformer
+from shardwise.module import TrainModule
 
-__all__ = ["Transformer", "Dictionary", "TokenBlocks", "WikiText2", "PythonDocsText", "load_text_dataset"]
+__all__ = ["Transformer", "LanguageModel", "Dictionary", "TokenBlocks", "WikiText2", "PythonDocsText", "load_text_dataset"]
 
 Split = Literal["train", "val"]
 
@@ -178,3 +180,39 @@ def load_text_dataset(data_dir: str | Path | None = None, block_size: int = 64, 
     if data_dir is not None:
         return WikiText2(data_dir, block_size=block_size, split=split)
     return PythonDocsText(block_size=block_size, split=split)
+
+
+class LanguageModel(TrainModule):
+    """The seed's LightningModule for the demo Transformer, as a TrainModule.
+
+    The model is built in `configure_model`, so under FSDP it is created on
+    the meta device and sharded before any weight exists. Used by
+    `shardwise demo`, the benchmarks and the tests; the examples spell the
+    same class out, since it is the code a user writes.
+    """
+
+    def __init__(self, vocab_size: int, nlayers: int = 2, nhid: int = 256, ninp: int = 64, nhead: int = 4,
+                 lr: float = 1e-3, foreach: bool | None = None) -> None:
+        super().__init__()
+        self.vocab_size, self.lr, self.foreach = vocab_size, lr, foreach
+        self.sizes = dict(nlayers=nlayers, nhid=nhid, ninp=ninp, nhead=nhead)
+        self.model: Transformer | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # idempotent
+            self.model = Transformer(vocab_size=self.vocab_size, **self.sizes)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        input, target = batch
+        return F.nll_loss(self.model(input, target), target.view(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=self.foreach)

@@ -16,11 +16,12 @@ benchmarks/plan_accuracy.py):
 - ZeRO-1 accumulates full fp32 gradients through the backward, ZeRO-2/3
   reduce them bucket by bucket into this rank's partition;
 - stage 3 keeps parameters under `stage3_param_persistence_threshold`
-  elements gathered on every rank, and from the second step on keeps
-  gathered what it will reuse within `stage3_max_reuse_distance`, up to
-  `stage3_max_live_parameters` (1e9 by default: a whole sub-1B model);
+  elements whole on every rank (besides their partition), and gathers the
+  others module by module, one module plus `stage3_prefetch_bucket_size`
+  elements ahead (capped by `stage3_max_live_parameters`);
 - the optimizer step on one flat fp32 partition makes two partition-sized
-  temporaries (Adam's sqrt and division).
+  temporaries (Adam's sqrt and division); at stage 3 only for the partitioned
+  (non-persistent) parameters, plus one more gradient-partition copy.
 Activations are not modelled here: they come from the DDP trace of the same
 model (same activation checkpointing), through the linear "views" trace.py
 evaluates at every recorded moment.
@@ -140,8 +141,11 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
     # Parameters under the persistence threshold stay whole on every rank besides their partition
     # (measured; on one rank the partition is the whole parameter, so nothing is extra).
     small = stats.small if w > 1 else 0
+    # Gathered at once: the module running plus the prefetch bucket. DeepSpeed may keep more (up to
+    # stage3_max_live_parameters, when it replays a recorded trace and reuse is near), but measured
+    # Trainer runs release parameters module by module.
     live = min(settings["stage3_max_live_parameters"], max(0, n - small),
-               max(settings["stage3_max_reuse_distance"], stats.largest_leaf + settings["stage3_prefetch_bucket_size"]))
+               stats.largest_leaf + settings["stage3_prefetch_bucket_size"])
     # Step temporaries: measured, they scale with the partition of the *partitioned* parameters
     # only (persistent ones add none), on top of one more partition-sized gradient copy.
     terms = ZeroTerms(weights=pb * (part + small), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
