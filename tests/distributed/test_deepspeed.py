@@ -1,12 +1,14 @@
-"""DeepSpeed ZeRO on CPU (gloo, 2 processes): parity with DDP, offload, checkpoints, early config errors.
+"""DeepSpeed ZeRO on CPU (gloo, 2 processes): parity with DDP, offload, bf16, checkpoints, config errors.
 
-The model is the shipped GPT (tiny, untied head, 2 blocks) on random token
-sequences. Every run starts from the same seed, so DDP and ZeRO stages 1-3
-begin from identical weights (stage 3 re-initialises under zero.Init with the
-same per-module seeds) and must follow the same loss curve. Several runs share
-one set of worker processes, because process and DeepSpeed start-up dominate
-these tests. DeepSpeedCPUAdam compiles a C++ op on first use (about 3 minutes
-on 2 cores, cached in ~/.cache/torch_extensions); the offload test pays it once.
+The model is the shipped GPT (tiny, untied head, 2 blocks) on token sequences
+that count upwards. Every run starts from the same seed, so DDP and ZeRO
+stages 1-3 begin from identical weights (stage 3 re-initialises under
+zero.Init with the same per-module seeds) and must follow the same loss curve.
+Several runs share one set of worker processes, because process and DeepSpeed
+start-up dominate these tests. DeepSpeedCPUAdam compiles a C++ op on first use
+(about 3 minutes on 2 cores, cached in ~/.cache/torch_extensions); the offload
+test pays it once per machine. The configuration tests at the end run in the
+pytest process, which is the point: those errors come before any worker.
 """
 from __future__ import annotations
 
@@ -31,13 +33,12 @@ CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, tie
 
 
 class TinyGPT(TrainModule):
-    def __init__(self, lr: float = 1e-3, optimizer: str = "adamw", freeze_positions: bool = False,
-                 **changes: Any) -> None:
+    def __init__(self, lr: float = 1e-3, freeze_positions: bool = False) -> None:
         super().__init__()
         # A frozen parameter is the case zero_to_fp32 stores apart from the optimizer's partitions.
         self.freeze_positions = freeze_positions
-        self.cfg = gpt_config("gpt-tiny", **{**CONFIG, **changes})
-        self.lr, self.optimizer_name = lr, optimizer
+        self.cfg = gpt_config("gpt-tiny", **CONFIG)
+        self.lr = lr
         self.model: Optional[GPT] = None
 
     def configure_model(self) -> None:
@@ -52,12 +53,8 @@ class TinyGPT(TrainModule):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 
     def configure_optimizers(self):
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.trainable(), lr=self.lr)
-        return torch.optim.AdamW(self.trainable(), lr=self.lr, weight_decay=0.0)
-
-    def trainable(self):
-        return [p for p in self.parameters() if p.requires_grad]
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0)
 
 
 def token_data(n: int = 512, seq: int = 17, vocab: int = 128) -> TensorDataset:
@@ -96,11 +93,13 @@ def build_strategy(name: str):
 
 def fit(name: str, steps: int = STEPS, accumulate: int = 2, clip: Optional[float] = 1.0, lr: float = 1e-3,
         root: Optional[str] = None, ckpt_path: Optional[str] = None, batch_size: int = 4,
-        extra_callbacks: tuple = (), freeze_positions: bool = False, devices: int = 2) -> Dict[str, Any]:
+        extra_callbacks: tuple = (), freeze_positions: bool = False, devices: int = 2,
+        precision: str = "32-true") -> Dict[str, Any]:
     shardwise.seed_everything(1234)
     recorder = StepLosses()
     module = TinyGPT(lr=lr, freeze_positions=freeze_positions)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=build_strategy(name), max_steps=steps,
+                      precision=precision,
                       accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                       callbacks=[recorder, *extra_callbacks], enable_progress_bar=False, logger=False,
                       enable_checkpointing=False, default_root_dir=root)
@@ -110,6 +109,14 @@ def fit(name: str, steps: int = STEPS, accumulate: int = 2, clip: Optional[float
 
 def run_many(names: List[str]) -> Dict[str, List[float]]:
     return {name: fit(name)["losses"] for name in names}
+
+
+def bf16_runs(names: List[str]) -> Dict[str, Any]:
+    out = {}
+    for name in names:
+        result = fit(name, steps=10, lr=3e-3, precision="bf16-mixed")
+        out[name] = (result["losses"], str(next(result["trainer"].model.parameters()).dtype))
+    return out
 
 
 def offload_run() -> Dict[str, Any]:
@@ -192,6 +199,16 @@ def test_zero3_with_optimizer_and_parameter_offload_trains():
     assert result["checkpointed"] == CONFIG["n_layer"]  # both blocks run through deepspeed.checkpointing
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+
+
+@pytest.mark.slow
+def test_bf16_maps_to_deepspeed_bf16_and_follows_ddp():
+    results = shardwise.launch(bf16_runs, ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"], devices=2)[0]
+    ddp, _ = results.pop("ddp")  # autocast over fp32 weights
+    for name, (losses, dtype) in results.items():
+        assert dtype == "torch.bfloat16", name  # DeepSpeed's bf16 section: bf16 weights, fp32 master copy
+        assert losses[-1] < 0.8 * losses[0], (name, losses)
+        assert _rel(losses, ddp) < 2e-2, (name, losses, ddp)  # two bf16 schemes: close, not equal
 
 
 @pytest.mark.slow
@@ -306,3 +323,14 @@ def test_config_file_wins_and_trainer_fills_the_rest(tmp_path):
     assert "fp16" not in cfg and "train_batch_size" not in cfg
     with pytest.raises(ValueError, match="clips gradients by global norm only"):
         strategy.configure_training(gradient_clip_val=1.0, gradient_clip_algorithm="value")
+
+
+def test_size_limits_follow_the_model_unless_the_config_sets_them():
+    from shardwise.strategies.deepspeed_config import SIZE_DEFAULTS, size_limits
+
+    small = size_limits([4_000_000, 1_000_000] * 4)  # 20M parameters, largest 4M
+    assert set(small) == set(SIZE_DEFAULTS) and all(v == 4_000_000 for v in small.values())
+    assert size_limits([10**9] * 16) == {k: int(v) for k, v in SIZE_DEFAULTS.items()}  # 16B: DeepSpeed's own
+    kept = size_limits([10] * 3, {"reduce_bucket_size": 123, "prefetch_bucket_size": 7})
+    assert "reduce_bucket_size" not in kept and "stage3_prefetch_bucket_size" not in kept
+    assert kept["allgather_bucket_size"] == 2**20

@@ -229,21 +229,23 @@ def deepspeed_estimator(stage: int, offload: bool, stats: ParamStats, gpus_per_n
 
 # ------------------------------------------------------------------ per-block fallback
 def block_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int,
-                           checkpointed: bool) -> float:
-    """Saved activations of one transformer block (no flash-attention score matrix assumed saved).
+                           checkpointed: bool, mixed: bool = False) -> float:
+    """Saved activations of one transformer block (no attention score matrix: fused attention).
 
-    Counted tensors (each b x s x width): norm inputs/outputs, q/k/v, attention
-    output and its projection input, the MLP's up (and gate) projections and
-    activation. With checkpointing only the block input is kept.
+    Counted per token: the attention input and output projections' inputs,
+    q / k / v, the attention output, the MLP input, its up (and gate)
+    projections and activation; under mixed precision the residual stream and
+    the norms' inputs are float32 (autocast promotes the residual adds). With
+    checkpointing only the block input is kept.
     """
     tokens = micro_batch * seq_len
     h, f = spec.hidden, spec.ffn
     kv = h * spec.kv_heads / max(1, spec.heads)
     if checkpointed:
-        return tokens * h * act_bytes
+        return tokens * h * (4 if mixed else act_bytes)
     mlp = 3 * f if spec.kind == "gpt" and getattr(spec.config, "mlp", "gelu") == "swiglu" else 2 * f
-    per_token = 6 * h + 2 * kv + mlp
-    return tokens * per_token * act_bytes
+    per_token = (4 * h + 2 * kv + mlp) * act_bytes + 2 * h * (4 if mixed else act_bytes)
+    return tokens * per_token
 
 
 def fallback_estimate(spec: ModelSpec, cand: Candidate, stats: ParamStats, world: int, num_nodes: int,
@@ -251,12 +253,15 @@ def fallback_estimate(spec: ModelSpec, cand: Candidate, stats: ParamStats, world
     """(peak bytes, breakdown) without a trace: model states per strategy + per-block activations + logits."""
     n, w = stats.total, max(1, world)
     half = precision not in ("32-true", "64-true")
+    mixed = precision in ("bf16-mixed", "16-mixed")
     act_bytes = 2 if half else 4
     store = 2 if precision in ("bf16-true", "16-true") else (8 if precision == "64-true" else 4)
     depth = spec.depth or 1
-    acts = depth * block_activation_bytes(spec, micro_batch, seq_len, act_bytes, cand.activation_checkpointing)
+    acts = depth * block_activation_bytes(spec, micro_batch, seq_len, act_bytes, cand.activation_checkpointing, mixed)
     if cand.activation_checkpointing:  # one block is recomputed at a time
-        acts += block_activation_bytes(spec, micro_batch, seq_len, act_bytes, False)
+        acts += block_activation_bytes(spec, micro_batch, seq_len, act_bytes, False, mixed)
+    if cand.kind == "ddp" and mixed:  # autocast's bf16 weight copies are saved for the backward
+        acts += 2 * n
     logits = 10.0 * micro_batch * seq_len * spec.vocab_size  # bf16 logits + fp32 copy + fp32 gradient
     block_params = (n - stats.small) / depth if depth else n
     if cand.kind == "deepspeed":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan import analytic
@@ -51,8 +51,7 @@ class Estimate:
     comm_bytes: float
     method: str
     fits: Optional[bool] = None
-    phase: str = ""
-    deepspeed_estimate: Optional[int] = None
+    phase: str = ""  # where the peak is: fwd2.0 / bwd2.0 (forward / backward of micro-batch 0, step 2), opt
 
     @property
     def label(self) -> str:
@@ -323,12 +322,9 @@ class _Planner:
         fits = None
         if self.device_memory is not None:
             fits = reserved <= self.device_memory and (self.cpu_memory is None or cpu <= self.cpu_memory)
-        ds = None
-        if cand.kind == "deepspeed":
-            ds = analytic.deepspeed_estimator(cand.stage, cand.offload, self.full_stats, self.per_node, self.num_nodes)
         return Estimate(candidate=cand, allocated=allocated, reserved=reserved, breakdown=breakdown,
                         cpu_per_node=cpu, step_seconds=cost.seconds, comm_bytes=cost.comm_bytes, method=method,
-                        fits=fits, phase=phase, deepspeed_estimate=ds)
+                        fits=fits, phase=phase)
 
     def _traced_estimate(self, cand: Candidate, tr: Trace, r: float):
         value, phase, parts = _peak(tr, "identity", r)
@@ -423,7 +419,7 @@ def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple
     fastest = min(estimates, key=lambda e: e.step_seconds)
     if device_memory is None:
         return fastest, (f"{fastest.label} has the shortest estimated step ({fastest.step_seconds:.3g} s); give "
-                         "--device-memory to check what fits.")
+                         "a device memory to check what fits.")
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         smallest = min(estimates, key=lambda e: e.reserved)
@@ -431,7 +427,7 @@ def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple
                       f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten sequences.")
     best = min(fitting, key=lambda e: e.step_seconds)
     why = (f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
-           f"{format_bytes(device_memory)}, est. {best.step_seconds:.3g} s/step)")
+           f"{format_bytes(device_memory)}, est. {best.step_seconds:.3g} s per step)")
     gain = best.step_seconds / max(fastest.step_seconds, 1e-12) - 1
     if fastest is not best and not fastest.fits and gain >= 0.01:
         why += f"; {fastest.label} would be {gain:.0%} faster but needs {format_bytes(fastest.reserved)}"

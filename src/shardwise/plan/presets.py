@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -426,9 +426,10 @@ def spec_batch(spec: ModelSpec, batch_size: int, seq_len: int) -> Any:
 
 
 def describe(spec: ModelSpec) -> str:
-    counts = spec.param_counts()
+    total = spec.param_counts()["total"]
+    size = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.1f}M"
     depth = f", {spec.depth} blocks" if spec.depth else ""
-    return f"{spec.name} ({counts['total'] / 1e9:.2f}B parameters{depth})"
+    return f"{spec.name} ({size} parameters{depth})"
 
 
 def divisors(n: int) -> List[int]:

@@ -48,6 +48,14 @@ def short_bytes(n: float) -> str:
     return f"{int(n)}B"
 
 
+def seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
 def _fits(e: Estimate) -> str:
     return "-" if e.fits is None else ("[green]yes[/green]" if e.fits else "[red]no[/red]")
 
@@ -75,7 +83,7 @@ def print_table(p: Plan, console: Any = None, show_all: bool = False) -> None:
                       f"{e.candidate.micro_batch}x{e.candidate.accumulation}",
                       short_bytes(e.allocated), short_bytes(e.reserved),
                       *(short_bytes(e.breakdown.get(c, 0.0)) for c in CATEGORIES),
-                      short_bytes(e.cpu_per_node), f"{e.step_seconds:.3g}s", rel, _fits(e), style=style)
+                      short_bytes(e.cpu_per_node), seconds(e.step_seconds), rel, _fits(e), style=style)
     console.print(table)
     verdict = "Recommended: " if p.recommended else ""
     console.print(f"[bold]{verdict}{p.reason}[/bold]")

@@ -5,26 +5,31 @@ fake process group (torch's "fake" backend: collectives return at once),
 FakeTensorMode (tensors carry shape, dtype and device, no data), and the
 strategy object the Trainer would run -- `FSDPStrategy.setup_module` applies
 activation checkpointing, `select_units` and `fully_shard` exactly as in
-training, `DDPStrategy` wraps in DistributedDataParallel -- followed by the
-Trainer's own sequence: micro-batches under `no_backward_sync`, forward
-through `strategy.call`, `strategy.backward`, `optimizer_step`, `zero_grad`,
-and a second step so the optimizer state exists during a forward. Memory is
-counted by shardwise.memory's tracker (the one the accuracy test measures
-real runs with), in count-fake mode.
+training (only materialisation is replaced: fake tensors instead of
+allocate-and-initialise) -- followed by the Trainer's own sequence for one
+optimizer step: micro-batches under `no_backward_sync`, forward through
+`strategy.call`, `strategy.backward`, `optimizer_step`, `zero_grad`. Memory
+is counted by shardwise.memory's tracker (the one the accuracy test measures
+real runs with), in count-fake mode. DDP is traced unwrapped; see
+`_strategy_kind` for why and how its buckets are accounted.
 
-Two corrections make fake-mode numbers mean what real ones do:
+Corrections that make fake-mode numbers mean what real ones do:
 - DTensor derives each new op's output metadata by running it on global-shape
   tensors under whatever fake mode is active -- ours -- so the tracker would
   count full-size temporaries that never exist (this is the "optimizer state
   over-count in fake mode" seen with FSDPMemTracker and foreach optimizers).
   Allocations made while the sharding propagator runs are ignored.
-- Only the phases are recorded, not one global peak: for every phase
-  (forward / backward of each micro-batch, optimizer step) we keep the upper
-  envelope of a few linear "views" of the category totals, evaluated at
-  several activation scales. Scale r = m/b predicts micro-batch m from a trace
-  at b (activations are proportional to the batch, model states are not);
-  views let one DDP trace also answer for ZeRO stages, whose model states
-  differ from DDP's by known amounts at every moment (see analytic.py).
+- Gradients of fake parameters are labelled as they land (the base tracker
+  hooks only plain Parameters), and what survives a non-final micro-batch is
+  labelled carried gradient state, so activations can be told apart.
+- Only phases are recorded, not one global peak: for every phase (forward /
+  backward of each micro-batch, optimizer step) we keep the upper envelope
+  of a few "views" of the category totals, evaluated at several activation
+  scales. Scale r = m/b predicts micro-batch m from a trace at b (activations
+  are proportional to the batch, model states are not); views let one
+  data-parallel trace also answer for ZeRO stages (analytic.ZeroView).
+- The second step is derived, not traced: it is the first plus what the
+  first left behind (optimizer state; DDP's gradient buckets).
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.strategies.base import Strategy, _destroy_process_group, global_seed
-from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, _unset, build_config,
-                                                   cpu_adam_problem, load_config)
+from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, build_config,
+                                                   cpu_adam_problem, load_config, size_limits)
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
 from shardwise.strategies.materialize import _reset_fn, module_seed
 
@@ -83,6 +83,10 @@ def import_deepspeed(accelerator: Optional[str] = None, log_level: int = logging
     from deepspeed.utils import logger
 
     logger.setLevel(log_level)  # its INFO lines would bury the progress bar
+    # DeepSpeed calls torch collectives that torch has deprecated; the warning
+    # repeats every step and names nothing the user can change.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     return deepspeed
 
 
@@ -95,7 +99,6 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
-    init_on_meta = True  # stages 0-2; stage 3 builds under zero.Init (module_init_context)
 
     def __init__(self, stage: Optional[int] = None, offload_optimizer: Optional[bool] = None,
                  offload_parameters: Optional[bool] = None, partition_activations: Optional[bool] = None,
@@ -148,6 +151,10 @@ class DeepSpeedStrategy(Strategy):
     @property
     def stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
+
+    @property
+    def init_on_meta(self) -> bool:  # type: ignore[override]
+        return self.stage < 3  # stage 3 builds real, already-sharded tensors under zero.Init
 
     @property
     def offload_optimizer(self) -> bool:
@@ -293,23 +300,9 @@ class DeepSpeedStrategy(Strategy):
         self.optimizers.append(ds_optimizer)
         return ds_optimizer
 
-    # DeepSpeed's size limits (elements) are absolute numbers chosen for ~10B-parameter
-    # models; buckets are allocated whole, and ZeRO-3 keeps up to max_live_parameters
-    # gathered. For a small model they mean "allocate 2 GB of buckets" and "never
-    # re-shard", which hides what ZeRO saves. Unless the config sets them, each is
-    # capped at 1/8 of the model (never below its largest parameter or 2**20), so a
-    # small model keeps the proportions a large one gets; models past ~8e9
-    # parameters keep DeepSpeed's defaults unchanged.
-    _SIZE_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                      "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
-
     def _fill_size_limits(self) -> None:
-        sizes = [int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters()] or [1]
-        cap = max(max(sizes), sum(sizes) // 8, 2**20)
-        user = self.user_config.get("zero_optimization") or {}
-        for key, default in self._SIZE_DEFAULTS.items():
-            if _unset(user.get(key)):
-                self.config["zero_optimization"][key] = int(min(default, cap))
+        numels = [int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters()]
+        self.config["zero_optimization"].update(size_limits(numels, self.user_config.get("zero_optimization")))
 
     def _maybe_cpu_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With the optimizer offloaded, the step runs on the host: DeepSpeed's CPU Adam is required.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -186,3 +186,27 @@ def _reconcile_loop(cfg: Dict[str, Any], loop: Dict[str, Any], world_size: Optio
         raise DeepSpeedConfigError(
             f"The DeepSpeed config sets train_batch_size={total} but micro-batch {micro} x accumulation "
             f"{gas} x world size {world_size} = {expected}. Remove train_batch_size or make them agree.")
+
+
+# DeepSpeed's size limits (in elements) are absolute numbers chosen for ~10B-parameter
+# models: buckets are allocated whole (2 GB per rank in fp32 at stage 3) and ZeRO-3
+# keeps up to max_live_parameters gathered, so for a small model they mean "allocate
+# gigabytes of buffers" and "never re-shard", hiding what ZeRO saves.
+SIZE_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
+                 "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+
+
+def size_limits(numels: List[int], user_zero: Optional[Dict[str, Any]] = None) -> Dict[str, int]:
+    """The size limits shardwise fills in for a model whose parameters have `numels` elements.
+
+    Each of SIZE_DEFAULTS the user's zero_optimization section leaves unset is
+    capped at 1/8 of the model, never below its largest parameter or 2**20: a
+    small model keeps the proportions a large one gets, and models past ~8e9
+    parameters keep DeepSpeed's defaults. (The memory planner uses this too.)
+    """
+    numels = list(numels) or [1]
+    cap = max(max(numels), sum(numels) // 8, 2**20)
+    user_zero = user_zero or {}
+    # DeepSpeed accepts the stage-3 keys with or without their "stage3_" prefix.
+    return {key: int(min(default, cap)) for key, default in SIZE_DEFAULTS.items()
+            if _unset(user_zero.get(key)) and _unset(user_zero.get(key.replace("stage3_", "")))}

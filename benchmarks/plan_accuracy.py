@@ -1,0 +1,157 @@
+"""The memory planner's numbers for BENCHMARKS.md: accuracy against real runs, and planning cost.
+
+    python benchmarks/plan_accuracy.py                 # print the section
+    python benchmarks/plan_accuracy.py --write BENCHMARKS.md   # and replace it in the file
+
+1. Accuracy: for the demo Transformer and GPT (6 blocks, so predictions are
+   extrapolated from 3- and 4-block traces) on CPU with 1 and 2 processes,
+   every DDP / FSDP / ZeRO configuration is planned with shardwise.plan and
+   then trained for real with the Trainer for two optimizer steps; the table
+   gives predicted and measured peak tracked tensor memory per rank (the
+   worst rank) and the error. DeepSpeed runs use small buckets
+   (measure.SMALL_BUCKETS); a second table shows DeepSpeed's default 5e8-
+   element reduce bucket, which dominates at this size.
+2. Cost: wall time, CPU time and peak resident memory (all planner
+   processes together, sampled from /proc) of `shardwise plan` for
+   Llama-2-70B across all candidate configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+SECTION = "## Memory planner (issue 6)"
+MODELS = ("gpt", "transformer")
+FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard", "fsdp_no_shard_ac",
+        "fsdp_shard_grad_op_ac", "fsdp_full_shard_ac", "zero1", "zero2", "zero3", "zero3_ac"]
+PLAN_70B = ["--model", "llama-2-70b", "--devices", "8", "--num-nodes", "2", "--device-memory", "80GiB",
+            "--precision", "bf16-mixed", "--batch-size", "1", "--seq-len", "4096"]
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def accuracy(quick: bool) -> Tuple[List[str], float]:
+    from shardwise.plan.measure import accuracy_models, compare
+
+    lines = ["| model | procs | configuration | predicted MiB | measured MiB | error |",
+             "|---|---|---|---:|---:|---:|"]
+    worst = 0.0
+    for name in MODELS:
+        spec, seq = accuracy_models()[name]
+        for devices in (1, 2):
+            cands = FULL if not quick else ["ddp", "fsdp_full_shard_ac", "zero2", "zero3"]
+            for r in compare(spec, seq, devices, cands):
+                worst = max(worst, abs(r["error"]))
+                lines.append(f"| {r['model']} | {devices} | {r['config']} | {mib(r['predicted'])} | "
+                             f"{mib(r['measured'])} | {r['error']:+.1%} |")
+    return lines, worst
+
+
+def default_buckets() -> List[str]:
+    from shardwise.plan.measure import accuracy_models, compare
+
+    spec, seq = accuracy_models()["gpt"]
+    lines = ["| configuration (DeepSpeed default buckets) | predicted MiB | measured MiB | error |",
+             "|---|---:|---:|---:|"]
+    for r in compare(spec, seq, 2, ["zero1", "zero2", "zero3"], deepspeed_config=None):
+        lines.append(f"| {r['config']} | {mib(r['predicted'])} | {mib(r['measured'])} | {r['error']:+.1%} |")
+    return lines
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (Linux /proc)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                total += next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    stack.extend(int(c) for c in fh.read().split())
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total
+
+
+def planning_cost(args: List[str]) -> Dict[str, float]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "plan", *args, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.1)
+    out = proc.stdout.read().decode()
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    import json
+
+    recommended = json.loads(out).get("recommended") if proc.returncode == 0 else None
+    with open("/proc/loadavg") as fh:
+        load = float(fh.read().split()[0])
+    return dict(wall=wall, cpu=cpu, rss=peak, code=proc.returncode, load=load,
+                recommended=(recommended or {}).get("candidate", {}).get("label", "none"))
+
+
+def section(quick: bool) -> str:
+    acc, worst = accuracy(quick)
+    from shardwise.plan.candidates import default_candidates
+
+    cost = planning_cost(PLAN_70B)
+    n_candidates = len(default_candidates(16, 2))
+    today = datetime.date.today().isoformat()
+    lines = [
+        SECTION, "",
+        f"Measured {today} with `python benchmarks/plan_accuracy.py` (2-core CPU, torch 2.13, DeepSpeed 0.19).", "",
+        "**Accuracy.** Predicted (`shardwise.plan`, fake tensors, nothing allocated) vs measured (the same "
+        "TrainModule trained for two optimizer steps with the Trainer on CPU, fp32, peak tracked tensor "
+        "memory of the worst rank via `shardwise.memory`). GPT: 6 blocks, width 256, vocab 2048, 4 x 64 "
+        "tokens; demo Transformer: 6+6 layers, width 128, vocab 2000, 4 x 32 tokens. Both are deeper than the "
+        "planner's 3- and 4-block traces, so every prediction is extrapolated. ZeRO runs use 2e5-element "
+        f"buckets. Largest error: {worst:.1%}.", "", *acc, "",
+        "With DeepSpeed's default buckets the 5e8-element reduce bucket (2 GB in fp32), allocated whole at the "
+        "first backward whatever the model size, is most of a small model's ZeRO footprint:", "",
+        *default_buckets(), "",
+        f"**Planning cost.** `shardwise plan {' '.join(PLAN_70B)}` (all {n_candidates} candidate "
+        "configurations of the seed's list, each FSDP/DDP configuration traced at 3 and 4 blocks in two "
+        "worker processes): "
+        f"{cost['wall']:.1f} s wall, {cost['cpu']:.1f} s CPU, peak resident memory of all planner processes "
+        f"together {cost['rss'] / 2**30:.2f} GiB (machine load average {cost['load']:.1f} while measuring). "
+        f"Recommendation: {cost['recommended']}.", "",
+    ]
+    return "\n".join(lines)
+
+
+def write(path: str, text: str) -> None:
+    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(text + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
+    with open(path, "w") as fh:
+        fh.write(new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", help="replace the memory planner section of this markdown file")
+    parser.add_argument("--quick", action="store_true", help="fewer configurations (a smoke run)")
+    args = parser.parse_args()
+    text = section(args.quick)
+    print(text)
+    if args.write:
+        write(args.write, text)
+
+
+if __name__ == "__main__":
+    main()
