@@ -16,9 +16,11 @@ benchmarks/plan_accuracy.py):
 - ZeRO-1 accumulates full fp32 gradients through the backward, ZeRO-2/3
   reduce them bucket by bucket into this rank's partition;
 - stage 3 keeps parameters under `stage3_param_persistence_threshold`
-  elements whole on every rank (besides their partition), and gathers the
-  others module by module, one module plus `stage3_prefetch_bucket_size`
-  elements ahead (capped by `stage3_max_live_parameters`);
+  elements whole on every rank (besides their partition), and keeps up to
+  `stage3_max_live_parameters` of the others gathered;
+- these size limits are DeepSpeed's defaults capped for the model's size by
+  shardwise's DeepSpeedStrategy (strategies/deepspeed_config.size_limits),
+  then the user's config -- the values the engine will actually get;
 - the optimizer step on one flat fp32 partition makes two partition-sized
   temporaries (Adam's sqrt and division); at stage 3 only for the partitioned
   (non-persistent) parameters, plus one more gradient-partition copy.
@@ -57,9 +59,17 @@ ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 ADAM_TEMP_BYTES = 8  # two fp32 partition-sized temporaries in the step
 
 
-def zero_settings(deepspeed_config: Optional[Dict[str, Any]]) -> Dict[str, int]:
+def zero_settings(deepspeed_config: Optional[Dict[str, Any]], stats: Optional["ParamStats"] = None) -> Dict[str, int]:
+    """The size limits DeepSpeed will run with: its defaults, capped by shardwise's DeepSpeedStrategy
+    for the model's size (deepspeed_config.size_limits), overridden by the user's config."""
     zero = dict(ZERO_DEFAULTS)
     section = (deepspeed_config or {}).get("zero_optimization") or {}
+    if stats is not None:
+        from shardwise.strategies.deepspeed_config import size_limits
+
+        # size_limits reads the largest tensor and the total; two numbers stand for the model.
+        numels = [stats.largest_param, max(0, stats.total - stats.largest_param)]
+        zero.update({k: int(v) for k, v in size_limits(numels, section).items() if k in zero})
     for key in ZERO_DEFAULTS:
         value = section.get(key, section.get(key.replace("stage3_", "")))
         if value is not None and value != "auto":
@@ -74,25 +84,28 @@ class ParamStats:
     total: int
     small: int  # in tensors under ZeRO-3's persistence threshold (kept gathered on every rank)
     largest_leaf: int  # the largest module's own parameters (ZeRO-3 gathers module by module)
+    largest_param: int = 0  # the largest single parameter tensor
 
     def scaled(self, other: "ParamStats", t: float) -> "ParamStats":
         """Linear inter/extrapolation between two depths (t = 0 -> self, 1 -> other)."""
         return ParamStats(total=int(round(self.total + (other.total - self.total) * t)),
                           small=int(round(self.small + (other.small - self.small) * t)),
-                          largest_leaf=max(self.largest_leaf, other.largest_leaf))
+                          largest_leaf=max(self.largest_leaf, other.largest_leaf),
+                          largest_param=max(self.largest_param, other.largest_param))
 
 
 def param_stats(model: nn.Module, threshold: int) -> ParamStats:
     seen = set()
-    total = small = 0
+    total = small = largest = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         total += p.numel()
         small += p.numel() if p.numel() < threshold else 0
+        largest = max(largest, p.numel())
     leaf = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return ParamStats(total=total, small=small, largest_leaf=leaf)
+    return ParamStats(total=total, small=small, largest_leaf=leaf, largest_param=largest)
 
 
 def spec_param_stats(spec: ModelSpec, depth: Optional[int], threshold: int) -> ParamStats:
@@ -141,11 +154,9 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
     # Parameters under the persistence threshold stay whole on every rank besides their partition
     # (measured; on one rank the partition is the whole parameter, so nothing is extra).
     small = stats.small if w > 1 else 0
-    # Gathered at once: the module running plus the prefetch bucket. DeepSpeed may keep more (up to
-    # stage3_max_live_parameters, when it replays a recorded trace and reuse is near), but measured
-    # Trainer runs release parameters module by module.
-    live = min(settings["stage3_max_live_parameters"], max(0, n - small),
-               stats.largest_leaf + settings["stage3_prefetch_bucket_size"])
+    # Gathered at once: DeepSpeed replays its recorded module order and keeps what it will reuse soon,
+    # up to stage3_max_live_parameters (never less than the module running).
+    live = min(max(0, n - small), max(settings["stage3_max_live_parameters"], stats.largest_leaf))
     # Step temporaries: measured, they scale with the partition of the *partitioned* parameters
     # only (persistent ones add none), on top of one more partition-sized gradient copy.
     terms = ZeroTerms(weights=pb * (part + small), master=4 * part, optimizer=ADAM_STATE_BYTES * part,

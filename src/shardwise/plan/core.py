@@ -207,7 +207,7 @@ class _Planner:
         self.spec, self.cands, self.world, self.num_nodes = spec, cands, world, num_nodes
         self.precision, self.seq_len, self.batch_size = precision, seq_len, batch_size
         self.device_memory, self.cpu_memory, self.factor, self.hw = device_memory, cpu_memory, factor, hw
-        self.zero = analytic.zero_settings(deepspeed_config)
+        self.deepspeed_config = deepspeed_config
         self.all_micro, self.workers = all_micro, workers
         self.setting = Setting(world_size=world, num_nodes=num_nodes, seq_len=seq_len, foreach=foreach,
                                optimizer=optimizer)
@@ -218,10 +218,11 @@ class _Planner:
         self.depths: Tuple[Optional[int], ...] = (3, 4) if spec.kind != "module" and full and full > 4 else (full,)
         if len(self.depths) == 2:
             self.notes.append(f"Traced at 3 and 4 blocks and extrapolated linearly to {full}.")
-        threshold = self.zero["stage3_param_persistence_threshold"]
+        threshold = analytic.zero_settings(deepspeed_config)["stage3_param_persistence_threshold"]
         self.stats = {d: analytic.spec_param_stats(spec, d, threshold) for d in self.depths}
         self.full_stats = self._at_full(lambda d: self.stats[d])
         self.params = self.full_stats.total
+        self.zero = analytic.zero_settings(deepspeed_config, self.full_stats)
         self.traces: Dict[Tuple[Candidate, str, int, int], Trace] = {}
         self.failed: Optional[str] = None
 

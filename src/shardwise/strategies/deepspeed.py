@@ -47,6 +47,7 @@ NAMED = {
     "deepspeed_stage_3_offload": dict(stage=3, offload_optimizer=True, offload_parameters=True),
 }
 
+
 # ------------------------------------------------------------------- import
 def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
     """Point DeepSpeed at the CPU before it is imported (it picks its accelerator once, at import).

@@ -121,6 +121,9 @@ def _universal_for(strategy: Any, path: str, info: Dict[str, Any]) -> str:
         try:
             to_universal(os.path.join(path, ENGINE_TAG), tmp)
             os.replace(tmp, target)
+            # The converter names its output folder in `latest_universal`; that was the temporary name.
+            with open(os.path.join(path, "latest_universal"), "w") as fh:
+                fh.write(UNIVERSAL_TAG)
         except Exception as exc:  # report on every rank, not only the one that failed
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"{type(exc).__name__}: {exc}"
@@ -143,8 +146,6 @@ def to_universal(engine_dir: str, output_dir: str) -> None:
     args = argparse.Namespace(input_folder=engine_dir, output_folder=output_dir, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     ds_to_universal.main(args)
-    # ds_to_universal writes <output>/zero/... and a `latest_universal` beside the output folder; the engine
-    # only needs the folder itself, loaded by tag.
 
 
 # ---------------------------------------------------------------- conversion
