@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -24,6 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise
 from shardwise import TrainModule, Trainer
 from shardwise.models import GPT, Block, gpt_config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lm_fixtures import StepLosses  # noqa: E402
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.deepspeed
@@ -62,21 +66,6 @@ def token_data(n: int = 512, seq: int = 17, vocab: int = 128) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     start = torch.randint(0, vocab, (n, 1), generator=g)
     return TensorDataset((start + torch.arange(seq)) % vocab)
-
-
-class StepLosses:
-    """Loss per optimizer step, averaged over micro-batches and ranks."""
-
-    def __init__(self) -> None:
-        self.losses: List[float] = []
-        self._window: List[torch.Tensor] = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self._window.append(outputs.detach().float())
-        if trainer.is_last_microbatch:
-            mean = torch.stack(self._window).mean()
-            self.losses.append(float(trainer.strategy.reduce(mean, "mean")))
-            self._window = []
 
 
 def build_strategy(name: str):
