@@ -100,8 +100,7 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         model = LanguageModel(dataset.vocab_size, nlayers=cfg["nlayers"], nhid=cfg["nhid"], ninp=cfg["ninp"],
                               nhead=cfg["nhead"], lr=cfg["lr"])
         trainer.fit(model, DataLoader(dataset, batch_size=cfg["batch_size"], shuffle=True))
-        n_params = sum(p.numel() for p in model.parameters())  # local shard under FSDP
-        n_params = int(trainer.strategy.reduce(float(n_params), "sum")) if name.startswith("fsdp") else n_params
+        n_params = sum(p.numel() for p in model.parameters())  # FSDP2's DTensors report their global size
         if main_run:
             trainer.print(f"done: {trainer.global_step} steps, final loss {probe.last_loss:.3f}, "
                           f"{n_params / 1e6:.1f}M parameters. Comparing strategies ({cfg['compare_steps']} steps each)...")

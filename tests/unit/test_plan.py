@@ -203,6 +203,12 @@ def test_zero_settings_follow_deepspeed_defaults_and_user_config():
     assert ours["stage3_max_live_parameters"] == defaults.max_live_parameters
     assert ours["stage3_prefetch_bucket_size"] == defaults.prefetch_bucket_size
     assert analytic.zero_settings({"zero_optimization": {"reduce_bucket_size": 1000}})["reduce_bucket_size"] == 1000
+    # shardwise's DeepSpeedStrategy caps the limits for small models; the planner sees the same values
+    from shardwise.strategies.deepspeed_config import size_limits
+
+    stats = analytic.ParamStats(total=6_000_000, small=0, largest_leaf=600_000, largest_param=600_000)
+    capped = analytic.zero_settings(None, stats)
+    assert capped["reduce_bucket_size"] == size_limits([600_000] * 10)["reduce_bucket_size"] == 2**20
     del ds
 
 

@@ -16,6 +16,7 @@ import os
 import warnings
 from typing import Any, Optional, Tuple
 
+from shardwise.distributed.env import detect_env
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, parse_candidate
 from shardwise.plan.presets import PlanError
@@ -62,7 +63,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
     if device_memory is None:
         return
     auto = bool(getattr(trainer.strategy, "is_auto", False))
-    if auto and os.environ.get(CHOICE_ENV):  # a launched worker: the launching process has planned
+    if auto and os.environ.get(CHOICE_ENV) and detect_env() is not None:
+        # A worker the launcher started: the launching process has planned (same model, same answer).
         name, _, blocks = os.environ[CHOICE_ENV].partition(":")
         _install(trainer, parse_candidate(name), blocks=tuple(b for b in blocks.split(",") if b), reason="")
         return

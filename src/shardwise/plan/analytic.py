@@ -67,8 +67,9 @@ def zero_settings(deepspeed_config: Optional[Dict[str, Any]], stats: Optional["P
     if stats is not None:
         from shardwise.strategies.deepspeed_config import size_limits
 
-        # size_limits reads the largest tensor and the total; two numbers stand for the model.
-        numels = [stats.largest_param, max(0, stats.total - stats.largest_param)]
+        # size_limits reads only the largest tensor and the total: stand-in tensors of the largest size.
+        big = max(1, stats.largest_param)
+        numels = [big] * (stats.total // big) + [stats.total % big]
         zero.update({k: int(v) for k, v in size_limits(numels, section).items() if k in zero})
     for key in ZERO_DEFAULTS:
         value = section.get(key, section.get(key.replace("stage3_", "")))

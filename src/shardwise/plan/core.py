@@ -386,7 +386,7 @@ class _Planner:
             value, breakdown = analytic.fallback_estimate(self.spec, cand, self.full_stats, self.world,
                                                           self.num_nodes, self.precision, m, self.seq_len, self.zero)
             host = 0.0
-            if cand.offload:
+            if cand.offload:  # per rank on the host: fp32 params, grads, Adam (+ bf16 partition for ZeRO)
                 n = self.full_stats.total / self.world
                 host = 16 * n if cand.kind == "fsdp" else 18 * n
             breakdown = {k2: breakdown.get(k2, 0.0) for k2 in CATEGORIES}
@@ -435,14 +435,4 @@ def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple
     return best, why + "."
 
 
-def smallest_fitting_change(p: Plan, current: Candidate) -> Optional[Estimate]:
-    """The fitting estimate closest to `current` (same kind first, then fastest) -- for Trainer warnings."""
-    fitting = [e for e in p.estimates if e.fits]
-    if not fitting:
-        return None
-    same = [e for e in fitting if e.candidate.kind == current.kind and e.candidate.sharding == current.sharding
-            and e.candidate.stage == current.stage]
-    return min(same or fitting, key=lambda e: e.step_seconds)
-
-
-__all__ = ["plan", "Plan", "Estimate", "RESERVED_FACTOR", "smallest_fitting_change"]
+__all__ = ["plan", "Plan", "Estimate", "RESERVED_FACTOR"]

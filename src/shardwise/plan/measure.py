@@ -106,15 +106,17 @@ def accuracy_models() -> Dict[str, Any]:
     }
 
 
-# DeepSpeed's default reduce bucket is 5e8 elements (2 GB in fp32), allocated whole whatever the
-# model size: it would make every ZeRO row "2 GB + noise". Small buckets make the comparison
-# test the rest of the accounting; benchmarks/plan_accuracy.py also shows the default.
-SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 200_000, "allgather_bucket_size": 200_000,
-                                       "stage3_prefetch_bucket_size": 200_000}}
+# DeepSpeed's own size limits, which shardwise's DeepSpeedStrategy caps for small models
+# (strategies/deepspeed_config.size_limits). Given explicitly, the engine uses them as they are:
+# a 5e8-element reduce bucket allocated whole (2 GB in fp32), and up to 1e9 parameters kept
+# gathered at stage 3. benchmarks/plan_accuracy.py shows the planner follows a user's config too.
+DEEPSPEED_RAW_DEFAULTS = {"zero_optimization": {
+    "reduce_bucket_size": int(5e8), "allgather_bucket_size": int(5e8), "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)}}
 
 
 def compare(spec: ModelSpec, seq_len: int, devices: int, candidates: Sequence[str], batch_size: int = 4,
-            precision: str = "32-true", deepspeed_config: Optional[Dict[str, Any]] = SMALL_BUCKETS,
+            precision: str = "32-true", deepspeed_config: Optional[Dict[str, Any]] = None,
             steps: int = 2) -> List[Dict[str, Any]]:
     """Predicted (plan) and measured (real CPU runs) peak tracked bytes per rank for each candidate."""
     from shardwise.plan.core import plan

@@ -374,12 +374,3 @@ def extrapolate(a: Trace, b: Trace, depth: int) -> Trace:
                  params=int(lin(a.params, b.params)), grads=int(lin(a.grads, b.grads)),
                  optimizer=int(lin(a.optimizer, b.optimizer)), buffers=int(lin(a.buffers, b.buffers)),
                  units=b.units)
-
-
-def peak(tr: Trace, view: str = "identity", r: float = 1.0) -> Tuple[float, str, Tuple[float, ...]]:
-    """(bytes, phase, (P, G, O, B, A)) at the largest phase envelope for one view and scale."""
-    best = (0.0, "", (0.0,) * 5)
-    for (phase, name, scale), (value, parts) in tr.envelope.items():
-        if name == view and scale == r and value > best[0]:
-            best = (value, phase, parts)
-    return best
