@@ -22,11 +22,7 @@ import argparse
 import datetime
 import os
 import re
-import resource
-import subprocess
-import sys
-import time
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 SECTION = "## Memory planner (issue 6)"
 MODELS = ("gpt", "transformer")
@@ -68,47 +64,10 @@ def raw_deepspeed_limits() -> List[str]:
     return lines
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (Linux /proc)."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as fh:
-                total += next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as fh:
-                    stack.extend(int(c) for c in fh.read().split())
-        except (OSError, StopIteration, ValueError):
-            continue
-    return total
-
-
-def planning_cost(args: List[str]) -> Dict[str, float]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "plan", *args, "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
-        time.sleep(0.1)
-    out = proc.stdout.read().decode()
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    import json
-
-    recommended = json.loads(out).get("recommended") if proc.returncode == 0 else None
-    with open("/proc/loadavg") as fh:
-        load = float(fh.read().split()[0])
-    return dict(wall=wall, cpu=cpu, rss=peak, code=proc.returncode, load=load,
-                recommended=(recommended or {}).get("candidate", {}).get("label", "none"))
-
-
 def section(quick: bool) -> str:
     acc, worst = accuracy(quick)
     from shardwise.plan.candidates import default_candidates
+    from shardwise.plan.measure import planning_cost
 
     cost = planning_cost(PLAN_70B)
     n_candidates = len(default_candidates(16, 2))

@@ -127,7 +127,7 @@ def _smallest_change(trainer: Any, module: Any, batch: Any, micro: int, window: 
         return (0 if same else 1, knobs, int(c.micro_batch != micro), e.step_seconds)
 
     best = min(fitting, key=distance).candidate
-    blocks = "|".join(sorted(getattr(b, "__name__", str(b)) for b in result.block_classes)) or "Block"
+    blocks = ", ".join(sorted(getattr(b, "__name__", str(b)) for b in result.block_classes)) or "Block"
     split = "" if best.micro_batch == micro else (
         f", DataLoader(batch_size={best.micro_batch}) and accumulate_grad_batches={best.accumulation}")
     return f"Smallest change that fits: strategy={best.trainer_strategy_code(blocks)}{split}."

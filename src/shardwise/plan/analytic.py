@@ -161,7 +161,7 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
     # Step temporaries: measured, they scale with the partition of the *partitioned* parameters
     # only (persistent ones add none), on top of one more partition-sized gradient copy.
     terms = ZeroTerms(weights=pb * (part + small), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
-                      grad_partition=4 * part, bucket=min(settings["reduce_bucket_size"], max(n, 1)) * pb,
+                      grad_partition=4 * part, bucket=settings["reduce_bucket_size"] * pb,
                       gathered=pb * live, step_grads=4 * part + pb * part,
                       step_temps=ADAM_TEMP_BYTES * max(0, n - small) / w)
     if offload:
@@ -207,9 +207,9 @@ class ZeroView(View):
 def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float, settings: Dict[str, int]) -> ZeroView:
     """The view of a data-parallel trace that gives this ZeRO stage's forward/backward bytes.
 
-    ZeRO-3's bucket and gathered parameters are not linear in depth (they are
-    capped), so the planner adds them at the full depth, not through the
-    extrapolated trace.
+    ZeRO-3's gathered parameters are capped, so not linear in depth: the
+    planner adds them (and ZeRO-3's bucket) at the full depth, not through
+    the extrapolated trace.
     """
     const = terms.weights + terms.master + terms.optimizer + (terms.grad_partition if stage == 3 else 0.0)
     return ZeroView(cp=0.0, cg=0.0, co=0.0, ca=1.0, const=const, stage=stage, grad_elem_bytes=trace_grad_bytes,
@@ -224,7 +224,8 @@ def zero_step_bytes(stage: int, terms: ZeroTerms) -> float:
     return terms.weights + terms.master + terms.optimizer + terms.step_grads + terms.step_temps + bucket
 
 
-def deepspeed_estimator(stage: int, offload: bool, stats: ParamStats, gpus_per_node: int, num_nodes: int) -> Optional[int]:
+def deepspeed_estimator(stage: int, offload: bool, stats: ParamStats, gpus_per_node: int,
+                        num_nodes: int) -> Optional[int]:
     """DeepSpeed's own per-GPU model-states estimate (its 'all_cold' functions), for comparison; None if absent."""
     try:
         if stage == 3:
@@ -261,7 +262,8 @@ def block_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_
 
 
 def fallback_estimate(spec: ModelSpec, cand: Candidate, stats: ParamStats, world: int, num_nodes: int,
-                      precision: str, micro_batch: int, seq_len: int, settings: Dict[str, int]) -> Tuple[float, Dict[str, float]]:
+                      precision: str, micro_batch: int, seq_len: int,
+                      settings: Dict[str, int]) -> Tuple[float, Dict[str, float]]:
     """(peak bytes, breakdown) without a trace: model states per strategy + per-block activations + logits."""
     n, w = stats.total, max(1, world)
     half = precision not in ("32-true", "64-true")

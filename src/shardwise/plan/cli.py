@@ -105,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print("Presets: " + ", ".join(preset_names()) + "\n")
     try:
-        return int(CLI(plan_command, args=_normalise(argv), as_positional=False) or 0)
+        return int(CLI(plan_command, args=_normalise(argv), as_positional=False, prog="shardwise plan") or 0)
     except PlanError as exc:
         print(f"shardwise plan: error: {exc}", file=sys.stderr)
         return 2

@@ -189,7 +189,8 @@ def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int
     for c in out:
         if c.kind == "fsdp" and c.sharding == "HYBRID_SHARD" and (num_nodes < 2 or world % num_nodes):
             raise PlanError(f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
-                            f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on one node.")
+                            f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on "
+                            "one node.")
         if c.activation_checkpointing and c.kind == "ddp":
             raise PlanError("DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
                             "(the same replication) or ZeRO with AC.")
@@ -255,7 +256,8 @@ class _Planner:
         grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
         for c in self.cands:
             if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
-                terms = analytic.zero_terms(c.stage, c.offload, self.stats[depth], self.world, self.precision, self.zero)
+                terms = analytic.zero_terms(c.stage, c.offload, self.stats[depth], self.world, self.precision,
+                                            self.zero)
                 views.append((_zero_key(c), analytic.zero_view(c.stage, terms, grad_bytes, self.zero)))
         return tuple(views)
 
@@ -414,24 +416,34 @@ def _split(total: float, *, params: float, grads: float, opt: float, acts: float
 
 
 # ------------------------------------------------------------------ recommendation
+def format_seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
 def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple[Optional[Estimate], str]:
     if not estimates:
         return None, "no configurations were evaluated"
     fastest = min(estimates, key=lambda e: e.step_seconds)
     if device_memory is None:
-        return fastest, (f"{fastest.label} has the shortest estimated step ({fastest.step_seconds:.3g} s); give "
-                         "a device memory to check what fits.")
+        return fastest, (f"{fastest.label} has the shortest estimated step ({format_seconds(fastest.step_seconds)}); "
+                         "give a device memory to check what fits.")
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         smallest = min(estimates, key=lambda e: e.reserved)
         return None, (f"Nothing fits in {format_bytes(device_memory)}: the smallest is {smallest.label} at "
-                      f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten sequences.")
+                      f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten "
+                      "sequences.")
     best = min(fitting, key=lambda e: e.step_seconds)
     why = (f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
-           f"{format_bytes(device_memory)}, est. {best.step_seconds:.3g} s per step)")
-    gain = best.step_seconds / max(fastest.step_seconds, 1e-12) - 1
-    if fastest is not best and not fastest.fits and gain >= 0.01:
-        why += f"; {fastest.label} would be {gain:.0%} faster but needs {format_bytes(fastest.reserved)}"
+           f"{format_bytes(device_memory)}, est. {format_seconds(best.step_seconds)} per step)")
+    ratio = best.step_seconds / max(fastest.step_seconds, 1e-12)
+    if fastest is not best and not fastest.fits and ratio >= 1.01:
+        speed = f"{ratio:.1f}x as fast" if ratio >= 1.5 else f"{ratio - 1:.0%} faster"
+        why += f"; {fastest.label} would be {speed} but needs {format_bytes(fastest.reserved)}"
     return best, why + "."
 
 

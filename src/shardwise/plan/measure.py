@@ -6,11 +6,19 @@ starts `devices` CPU processes with shardwise.launch, trains the planner's own
 candidate's strategy for a few optimizer steps, and reads shardwise.memory's
 tracker, started once the model and optimizer exist (as the planner's trace
 is). Several candidates share one set of worker processes because process and
-DeepSpeed start-up dominate at these sizes. Nothing here is used by `plan()`
-itself.
+DeepSpeed start-up dominate at these sizes. `planning_cost()` times the
+`shardwise plan` command itself (wall, CPU, memory of all its processes).
+Nothing here is used by `plan()` itself.
 """
 from __future__ import annotations
 
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -60,7 +68,8 @@ def _run_one(spec: ModelSpec, cand: Candidate, devices: int, precision: str, seq
     shardwise.seed_everything(0)
     module = spec.training_module(optimizer=optimizer)
     probe = _Probe()
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=cand.build_strategy(spec.block_classes, deepspeed_config=deepspeed_config),
+    strategy = cand.build_strategy(spec.block_classes, deepspeed_config=deepspeed_config)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy,
                       precision=precision, max_steps=steps, accumulate_grad_batches=cand.accumulation,
                       callbacks=[probe], enable_progress_bar=False, logger=False, enable_checkpointing=False)
     n = cand.micro_batch * cand.accumulation * steps * devices
@@ -134,3 +143,44 @@ def compare(spec: ModelSpec, seq_len: int, devices: int, candidates: Sequence[st
                         measured=m["peak"], error=e.allocated / m["peak"] - 1, method=e.method,
                         ranks=m["ranks"]))
     return out
+
+
+# ------------------------------------------------------------------ planning cost
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (Linux /proc)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                total += next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    stack.extend(int(c) for c in fh.read().split())
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total
+
+
+def planning_cost(args: Sequence[str]) -> Dict[str, Any]:
+    """Run `shardwise plan <args> --json`: wall and CPU seconds, peak RSS of all planner processes together."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "plan", *args, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    peak = 0
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.1)
+    reader.join()
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result = json.loads(b"".join(chunks).decode()) if proc.returncode == 0 else {}
+    with open("/proc/loadavg") as fh:
+        load = float(fh.read().split()[0])
+    recommended = (result.get("recommended") or {}).get("candidate", {}).get("label", "none")
+    return dict(wall=wall, cpu=cpu, rss=peak, code=proc.returncode, load=load, recommended=recommended)

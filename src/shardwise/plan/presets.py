@@ -216,7 +216,7 @@ class LMModule(TrainModule):
 
 # ------------------------------------------------------------------ resolving --model
 def resolve_model(model: Any, example_batch: Any = None) -> ModelSpec:
-    """Preset name | path to config.json / HF model dir | "python:module.Class" | GPTConfig | TrainModule | ModelSpec."""
+    """A preset name, a config.json / HF model dir, "python:module.Class", a GPTConfig, a TrainModule or a spec."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, LMModule):
@@ -330,7 +330,8 @@ def hf_spec(path: str) -> ModelSpec:
     """A Hugging Face causal LM from its config.json (a file or a model directory); no weights are read."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise PlanError(f"{path!r} is neither a preset nor an existing config.json. Presets: {', '.join(preset_names())}.")
+        raise PlanError(f"{path!r} is neither a preset nor an existing config.json. "
+                        f"Presets: {', '.join(preset_names())}.")
     try:
         with open(file) as fh:
             raw = json.load(fh)
@@ -347,7 +348,8 @@ def hf_spec(path: str) -> ModelSpec:
         not architectures or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures))
     if not causal:
         raise PlanError(
-            f"{file} describes a {model_type or 'model of unknown type'} ({', '.join(architectures) or 'no architectures'}), "
+            f"{file} describes a {model_type or 'model of unknown type'} "
+            f"({', '.join(architectures) or 'no architectures'}), "
             "not a causal language model: the planner builds it with AutoModelForCausalLM. Use a *ForCausalLM config.")
     try:
         cfg = AutoConfig.for_model(**raw)

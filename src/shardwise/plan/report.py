@@ -15,7 +15,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from shardwise.memory import format_bytes
-from shardwise.plan.core import CATEGORIES, Estimate, Plan
+from shardwise.plan.core import CATEGORIES, Estimate, Plan, format_seconds
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "activations": "activ",
           "temporary": "temp"}
@@ -48,14 +48,6 @@ def short_bytes(n: float) -> str:
     return f"{int(n)}B"
 
 
-def seconds(t: float) -> str:
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
-
-
 def _fits(e: Estimate) -> str:
     return "-" if e.fits is None else ("[green]yes[/green]" if e.fits else "[red]no[/red]")
 
@@ -72,7 +64,7 @@ def print_table(p: Plan, console: Any = None, show_all: bool = False) -> None:
              f"{p.seq_len} tokens per device, device memory {dev}")
     table = Table(title=title, caption=f"fits = {p.fits_uses} <= device memory (and host memory per node, if given)")
     columns = ["configuration", "mb x acc", "allocated", "reserved", *(_SHORT[c] for c in CATEGORIES),
-               "host/node", "step", "rel.", "fits"]
+               "host/node", "step", "t/rec.", "fits"]
     for col in columns:
         table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col != "configuration")
     best = p.recommended.step_seconds if p.recommended else None
@@ -83,12 +75,13 @@ def print_table(p: Plan, console: Any = None, show_all: bool = False) -> None:
                       f"{e.candidate.micro_batch}x{e.candidate.accumulation}",
                       short_bytes(e.allocated), short_bytes(e.reserved),
                       *(short_bytes(e.breakdown.get(c, 0.0)) for c in CATEGORIES),
-                      short_bytes(e.cpu_per_node), seconds(e.step_seconds), rel, _fits(e), style=style)
+                      short_bytes(e.cpu_per_node), format_seconds(e.step_seconds), rel, _fits(e), style=style)
     console.print(table)
     verdict = "Recommended: " if p.recommended else ""
     console.print(f"[bold]{verdict}{p.reason}[/bold]")
     if p.recommended:
-        console.print(f"  Trainer(strategy={p.recommended.candidate.trainer_strategy_code()}, "
+        blocks = ", ".join(sorted(getattr(b, "__name__", str(b)) for b in p.block_classes)) or "Block"
+        console.print(f"  Trainer(strategy={p.recommended.candidate.trainer_strategy_code(blocks)}, "
                       f"accumulate_grad_batches={p.recommended.candidate.accumulation}) with DataLoader(batch_size="
                       f"{p.recommended.candidate.micro_batch})")
     for note in p.notes:
