@@ -104,23 +104,16 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-class CSVLogger:
-    """Log metrics to ``<save_dir>/<name>/version_<n>/metrics.csv``.
+class VersionedLogDir:
+    """`<save_dir>/<name>/version_<n>`: the folder layout both loggers share.
 
-    ``version=None`` picks the next free number; a string version is used as the
-    directory name as is. Call pattern (from the Trainer): log_hyperparams(dict),
-    log_metrics(dict, step), save(), finalize(status).
+    The version is resolved lazily so constructing a logger touches nothing;
+    in multi-process runs the Trainer gives every rank rank 0's choice.
     """
 
-    def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
-                 flush_every_n_steps: int = 100):
-        self._save_dir = os.fspath(save_dir)
-        self._name = name or ""
-        self._version = version
-        self._flush_every = max(1, flush_every_n_steps)
-        self._columns: list[str] = []  # the header currently on disk
-        self._pending: list[dict[str, Any]] = []
-        self._hparams: dict[str, Any] = {}
+    _save_dir: str
+    _name: str
+    _version: int | str | None
 
     @property
     def name(self) -> str:
@@ -146,6 +139,26 @@ class CSVLogger:
     def log_dir(self) -> str:
         version = self.version
         return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
+
+
+class CSVLogger(VersionedLogDir):
+    """Log metrics to ``<save_dir>/<name>/version_<n>/metrics.csv``.
+
+    ``version=None`` picks the next free number; a string version is used as the
+    directory name as is. Call pattern (from the Trainer): log_hyperparams(dict),
+    log_metrics(dict, step), save(), finalize(status).
+    """
+
+    def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
+                 flush_every_n_steps: int = 100):
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._flush_every = max(1, flush_every_n_steps)
+        self._columns: list[str] = []  # the header currently on disk
+        self._pending: list[dict[str, Any]] = []
+        self._hparams: dict[str, Any] = {}
+
 
     @property
     def metrics_file(self) -> str:

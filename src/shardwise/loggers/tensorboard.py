@@ -9,7 +9,7 @@ import os
 from typing import Any, Mapping
 
 from shardwise.loggers.csv import (
-    HPARAMS_FILE, flatten_dict, hparams_to_dict, next_version, rank_zero, to_scalar, write_hparams,
+    HPARAMS_FILE, VersionedLogDir, flatten_dict, hparams_to_dict, rank_zero, to_scalar, write_hparams,
 )
 
 __all__ = ["TensorBoardLogger"]
@@ -26,7 +26,7 @@ def _summary_writer_class():
     return SummaryWriter
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(VersionedLogDir):
     """Log scalars to TensorBoard: ``tensorboard --logdir <save_dir>/<name>``."""
 
     def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
@@ -39,29 +39,6 @@ class TensorBoardLogger:
         self._hparams: dict[str, Any] = {}
         if rank_zero():
             _summary_writer_class()  # fail at construction, not at the first logged step
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def root_dir(self) -> str:
-        return os.path.join(self._save_dir, self._name)
-
-    @property
-    def version(self) -> int | str:
-        if self._version is None:
-            self._version = next_version(self.root_dir)
-        return self._version
-
-    @property
-    def log_dir(self) -> str:
-        version = self.version
-        return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
 
     @property
     def experiment(self):
