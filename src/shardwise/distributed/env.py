@@ -168,3 +168,30 @@ def set_cpu_threads(local_world_size: int) -> None:
         return
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+
+
+# glibc returns large freed blocks to the kernel (mmap/munmap, heap trimming), so
+# a training step that frees and re-allocates its big activations every
+# iteration page-faults them back in each time: measured 10-30% of a CPU step.
+# Keeping freed memory in the process (as jemalloc/tcmalloc setups do) removes
+# that cost; tracked tensor memory is unaffected, RSS stays at its high-water
+# mark. SHARDWISE_CPU_MALLOC=0 leaves glibc's defaults alone.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOC_TUNED = False
+
+
+def tune_cpu_allocator(threshold_bytes: int = 1 << 30) -> bool:
+    """Stop glibc from handing large freed blocks back to the kernel; True if applied."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED or os.environ.get("SHARDWISE_CPU_MALLOC", "1") == "0":
+        return _MALLOC_TUNED
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
+        ok = libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes) == 1 and ok
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
+        return False
+    _MALLOC_TUNED = ok
+    return ok

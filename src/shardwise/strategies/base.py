@@ -37,7 +37,7 @@ from torch import nn
 
 from shardwise.distributed import ops
 from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
-                                       set_cpu_threads, single_process_env)
+                                       set_cpu_threads, single_process_env, tune_cpu_allocator)
 from shardwise.precision import Precision, build_precision
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
 
@@ -125,6 +125,7 @@ class Strategy:
             torch.cuda.set_device(self.root_device)
         else:
             set_cpu_threads(self.env.local_world_size)
+            tune_cpu_allocator()
         if self.env.is_distributed and not dist.is_initialized():
             dist.init_process_group(
                 backend=backend_for(self.root_device.type), rank=self.env.global_rank,
