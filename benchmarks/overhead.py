@@ -99,6 +99,11 @@ def trainer_loop(steps: int, size: dict) -> float:
 
 
 def alternate(steps: int, repeats: int, size: dict):
+    # The Trainer's strategy tunes glibc's allocator on CPU (see distributed/env.py);
+    # give the hand-written loop the same process settings so only the loops differ.
+    from shardwise.distributed.env import tune_cpu_allocator
+
+    tune_cpu_allocator()
     rows = []
     for _ in range(repeats):
         hand = hand_loop(steps, size)
