@@ -496,12 +496,14 @@ class Trainer:
 
     def _val_due(self, batches_done: int) -> bool:
         interval = self.val_check_interval
-        if interval is None or not self.is_last_microbatch and isinstance(interval, int) is False:
+        if interval is None:
             return False
+        if not isinstance(interval, int) and not self.is_last_microbatch:
+            return False  # a float interval validates only between optimizer steps, never mid-window
         if isinstance(interval, float) and interval <= 1.0:
             every = max(1, int(self.num_training_batches * interval))
         else:
-            every = int(interval)
+            every = int(interval)  # every N training batches, as in Lightning
         return batches_done % every == 0
 
     # -------------------------------------------------------------- validation

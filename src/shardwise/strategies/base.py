@@ -173,11 +173,11 @@ class Strategy:
     def _manual_wrap(self, module: nn.Module) -> nn.Module:
         return module
 
-    def materialize(self, module: nn.Module) -> None:
-        """Allocate and initialise meta tensors (the same weights under every strategy)."""
+    def materialize(self, module: nn.Module, device: Optional[torch.device] = None) -> None:
+        """Allocate and initialise meta tensors on `device` (default: this rank's), the same weights under every strategy."""
         if has_meta_tensors(module):
             init_weights = getattr(module, "init_weights", None)
-            materialize_module(module, self.root_device, global_seed(),
+            materialize_module(module, device or self.root_device, global_seed(),
                                init_weights if callable(init_weights) else None)
 
     def _prepare(self, module: nn.Module) -> nn.Module:

@@ -30,9 +30,7 @@ class DDPStrategy(Strategy):
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self._prepare(module)
-        self.materialize(module)
-        module = module.to(self.root_device)
+        module = super().setup_module(module)
         if self.world_size > 1:
             device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
             module = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)

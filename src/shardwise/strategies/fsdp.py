@@ -250,17 +250,10 @@ class FSDPStrategy(Strategy):
         # The root unit also owns what no policy selected (embeddings, head).
         fully_shard(module, **kwargs)
         init_device = torch.device("cpu") if "offload_policy" in kwargs else self.root_device
-        self.materialize_on(module, init_device)
+        self.materialize(module, init_device)
         self.module = module
         self.units = [name for name, _ in units] + [f"<manual {type(m).__name__}>" for m in self._manual_units]
         return module
-
-    def materialize_on(self, module: nn.Module, device: torch.device) -> None:
-        saved, self.root_device = self.root_device, device
-        try:
-            self.materialize(module)
-        finally:
-            self.root_device = saved
 
     @property
     def checkpoint_format(self) -> str:
