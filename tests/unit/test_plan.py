@@ -150,26 +150,9 @@ def test_untraceable_model_falls_back_to_the_per_block_estimate_and_says_so():
 
 
 def test_user_train_module_is_planned_without_touching_it():
-    class LM(TrainModule):
-        def __init__(self):
-            super().__init__()
-            self.model = None
+    from test_plan_cli import TinyLM  # the same tiny GPT TrainModule the CLI tests plan
 
-        def configure_model(self):
-            if self.model is None:
-                from shardwise.models import GPT
-
-                self.model = GPT(gpt_config("gpt-tiny"))
-
-        def training_step(self, batch):
-            (tokens,) = batch
-            logits = self.model(tokens[:, :-1])
-            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters())
-
-    module = LM()
+    module = TinyLM()
     p = plan(module, example_batch=(torch.randint(0, 256, (2, 33)),), batch_size=2, devices=2, accelerator="cpu",
              precision="32-true", candidates=["ddp", "fsdp_full_shard_ac"], workers=1)
     assert module.model is None  # configure_model ran on a meta copy only
