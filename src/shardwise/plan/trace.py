@@ -278,7 +278,7 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
         strategy.mesh = build_device_mesh(traced.sharding, world_size, num_nodes, "cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
 
-    def materialize(module: nn.Module) -> None:
+    def materialize(module: nn.Module, device: object = None) -> None:
         # Instead of allocating and initialising: fake tensors of the same shapes (and shards).
         with fake if not _fake_active(fake) else contextlib.nullcontext():
             module.to_empty(device=torch.device("cpu"))
