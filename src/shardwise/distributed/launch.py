@@ -154,13 +154,22 @@ def _spawn_entry(index: int, fn: Callable, args: tuple, env: List[Dict[str, str]
     with open(os.path.join(out_dir, f"rank{index}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
     _shutdown_process_group()
+    # The result is on disk and the group is gone: leave without running the
+    # interpreter's and C++ runtime's exit-time destructors. Those tear down
+    # communication objects (store server, transport threads) in no defined
+    # order, and on a loaded machine that has aborted a finished worker
+    # ("terminate called without an active exception") after its work was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _shutdown_process_group() -> None:
-    """Tear the process group down before exit; a live gloo group aborts the interpreter on exit."""
+    """Tear the process group down together: no rank closes its sockets while another still uses them."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
