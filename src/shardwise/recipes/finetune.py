@@ -12,9 +12,14 @@ TrainModule under the Trainer: the model is built on the meta device,
 sharded by the FSDP strategy with the model's own `_no_split_modules` as
 the wrap (and activation-checkpointing) units, and its `init_weights` hook
 streams the pretrained weights from rank 0 into the shards
-(hf_model.py). Intermediate checkpoints are the checkpoint layer's sharded
-ones (`save_steps`); the final model is exported as a consolidated Hugging
-Face folder in `output_dir`, one tensor at a time.
+(hf_model.py). The DeepSpeed strategies work the same way: ZeRO-1/2
+materialise like DDP; at ZeRO-3 the model is built under zero.Init and the
+loader gathers one parameter at a time (the module declares
+`init_weights_partitioned`, so the strategy does not gather the whole model
+for the hook). `strategy_options` are further arguments of the strategy's
+class, checked against its signature up front. Intermediate checkpoints are
+the strategy's own (`save_steps`); the final model is exported as a
+consolidated Hugging Face folder in `output_dir`, one tensor at a time.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
-RECIPE_STRATEGIES = ("fsdp", "ddp", "single", "auto")
+# The DeepSpeed names are the strategy registry's own (strategies/deepspeed.py NAMED).
+BASE_STRATEGIES = ("fsdp", "ddp", "single", "auto")
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 
@@ -85,7 +91,10 @@ class FinetuneConfig:
         accelerator: auto | cpu | cuda
         devices: processes per node (auto: what the launcher started, else one per GPU, else 1)
         num_nodes: nodes (one shardwise launch / srun task each)
-        strategy: fsdp | ddp | single | auto
+        strategy: fsdp | ddp | single | auto | deepspeed | deepspeed_stage_1 | deepspeed_stage_2 |
+            deepspeed_stage_2_offload | deepspeed_stage_3 | deepspeed_stage_3_offload
+        strategy_options: more keyword arguments of the chosen strategy's class (FSDPStrategy,
+            DeepSpeedStrategy, DDPStrategy), e.g. {limit_all_gathers: true} or {offload_optimizer: true}
         sharding_strategy: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
         auto_wrap_policy: FSDP unit class names (default: the model's _no_split_modules)
         cpu_offload: offload parameters, gradients and optimizer state to host memory (CUDA)
@@ -141,6 +150,7 @@ class FinetuneConfig:
     devices: Union[int, str] = "auto"
     num_nodes: int = 1
     strategy: str = "fsdp"
+    strategy_options: Optional[Dict[str, Any]] = None
     sharding_strategy: str = "FULL_SHARD"
     auto_wrap_policy: Optional[List[str]] = None
     cpu_offload: bool = False
@@ -231,10 +241,8 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
         raise ValueError("optim='adamw_torch_fused' is the CUDA fused kernel; use optim='adamw' here.")
     if cfg.export_dtype is not None and cfg.export_dtype not in _DTYPES:
         raise ValueError(f"export_dtype={cfg.export_dtype!r}: use one of {sorted(set(_DTYPES.values()))}.")
-    if cfg.strategy.lower() not in RECIPE_STRATEGIES:
-        raise ValueError(f"strategy={cfg.strategy!r}: the fine-tuning recipe loads weights into FSDP shards or "
-                         f"DDP replicas; use one of {RECIPE_STRATEGIES}.")
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
+    _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
     return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
 
 
@@ -270,6 +278,10 @@ def _module_class():
 
     class CausalLMModule(TrainModule):
         """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
+
+        # Under ZeRO-3 the loader gathers one parameter at a time itself
+        # (hf_model._place); the strategy must not gather the whole model for it.
+        init_weights_partitioned = True
 
         def __init__(self, cfg: FinetuneConfig, folder: Any, total_steps: int) -> None:
             super().__init__()
@@ -350,9 +362,12 @@ def _module_class():
             for p in self.parameters():
                 if p.requires_grad:
                     # Biases and norm weights (1-D) are not decayed, as in the seed recipe's trainer.
-                    (decay if p.ndim >= 2 else no_decay).append(p)
-            groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                      {"params": no_decay, "weight_decay": 0.0}]
+                    # A ZeRO-3 partition is flat; its full shape is ds_shape.
+                    (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+            # No empty group: DeepSpeed drops those, and the LR scheduler would then
+            # have more learning rates than the engine's optimizer has groups.
+            groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
             kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
             on_cuda = self.device.type == "cuda"
             if cfg.optim == "paged_adamw_32bit":
@@ -371,25 +386,94 @@ def _module_class():
 
 
 # ------------------------------------------------------------------ running
+def recipe_strategies() -> tuple:
+    """Every `strategy` name the recipe takes: FSDP, DDP, one device, auto, and the registry's DeepSpeed names."""
+    from shardwise.strategies.deepspeed import NAMED
+
+    return BASE_STRATEGIES + tuple(NAMED)
+
+
+def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixed: Dict[str, Any]) -> Dict[str, Any]:
+    """Check `cfg.strategy_options` against `cls`'s constructor; return them as keyword arguments.
+
+    `owned`: constructor arguments the recipe sets from its own fields (key ->
+    field), which are refused here so that one value has one place. `fixed`:
+    what the strategy name already implies (deepspeed_stage_3 -> stage=3);
+    an option may repeat it but not contradict it.
+    """
+    import inspect
+
+    if not isinstance(cfg.strategy_options or {}, dict):
+        raise ValueError(f"strategy_options must be a mapping of {cls.__name__} arguments, "
+                         f"got {type(cfg.strategy_options).__name__}.")
+    options = dict(cfg.strategy_options or {})
+    valid = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    for key, value in options.items():
+        if key in owned:
+            raise ValueError(f"strategy_options[{key!r}]: the recipe sets {cls.__name__}'s {key} from its own "
+                             f"option {owned[key]!r}; set {owned[key]}: {value!r} instead of putting it in "
+                             "strategy_options.")
+        if key not in valid:
+            allowed = [n for n in valid if n not in owned]
+            raise ValueError(f"strategy_options[{key!r}] is not an argument of {cls.__name__} "
+                             f"(strategy={cfg.strategy!r}). Valid: {', '.join(allowed)}.")
+        if key in fixed and fixed[key] != value:
+            raise ValueError(f"strategy_options[{key!r}]={value!r} contradicts strategy={cfg.strategy!r}, which "
+                             f"means {key}={fixed[key]!r}. Use strategy='deepspeed' with the options, or drop it.")
+    return options
+
+
 def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
+    """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front)."""
     from shardwise.recipes.hf_model import model_block_names
     from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
+    names = recipe_strategies()
+    name = cfg.strategy.lower().strip()
+    if name not in names:
+        raise ValueError(f"strategy={cfg.strategy!r} is not a fine-tuning strategy. Valid: {', '.join(names)}.")
     blocks = model_block_names(folder.config)
-    name = cfg.strategy.lower()
+    owned = {"precision": "precision", "timeout_s": "timeout_s"}
+    checkpointing = {}
+    if cfg.gradient_checkpointing:
+        owned["activation_checkpointing_policy"] = "gradient_checkpointing"
+        checkpointing["activation_checkpointing_policy"] = list(cfg.auto_wrap_policy or blocks)
+        if not checkpointing["activation_checkpointing_policy"]:
+            raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
+                             "decoder layer to checkpoint; set auto_wrap_policy to the block class name(s).")
     if name == "fsdp":
         wrap = cfg.auto_wrap_policy or blocks
         if not wrap:
             raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
                              "transformer block to shard by; set auto_wrap_policy to the block class name(s).")
-        return FSDPStrategy(auto_wrap_policy=list(wrap),
-                            activation_checkpointing_policy=list(wrap) if cfg.gradient_checkpointing else None,
-                            sharding_strategy=cfg.sharding_strategy, cpu_offload=cfg.cpu_offload,
-                            state_dict_type=cfg.state_dict_type, timeout_s=cfg.timeout_s)
+        owned.update({k: k for k in ("auto_wrap_policy", "sharding_strategy", "cpu_offload", "state_dict_type")})
+        options = _strategy_options(cfg, FSDPStrategy, owned, {})
+        return FSDPStrategy(auto_wrap_policy=list(wrap), sharding_strategy=cfg.sharding_strategy,
+                            cpu_offload=cfg.cpu_offload, state_dict_type=cfg.state_dict_type,
+                            timeout_s=cfg.timeout_s, **checkpointing, **options)
+    if name.startswith("deepspeed"):
+        from shardwise.strategies.deepspeed import NAMED, DeepSpeedStrategy
+
+        fsdp_only = [f for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
+                     if getattr(cfg, f) != default]
+        if fsdp_only:
+            raise ValueError(f"{', '.join(fsdp_only)} configure FSDP; strategy={cfg.strategy!r} does not use "
+                             "them. Remove them (DeepSpeed's ZeRO stage comes from the strategy name).")
+        owned["cpu_offload"] = "cpu_offload"
+        # 'deepspeed' alone leaves the stage to strategy_options / the DeepSpeed config (default 2).
+        fixed = {} if name == "deepspeed" else dict(NAMED[name])
+        options = _strategy_options(cfg, DeepSpeedStrategy, owned, fixed)
+        return DeepSpeedStrategy(**{**fixed, **options}, cpu_offload=True if cfg.cpu_offload else None,
+                                 timeout_s=cfg.timeout_s, **checkpointing)
     if cfg.gradient_checkpointing:
-        raise ValueError("gradient_checkpointing is applied by the FSDP strategy here; use strategy='fsdp'.")
+        raise ValueError("gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
+                         "use strategy='fsdp' or a deepspeed one.")
     if name == "ddp":
-        return DDPStrategy(timeout_s=cfg.timeout_s)
+        return DDPStrategy(timeout_s=cfg.timeout_s, **_strategy_options(cfg, DDPStrategy, owned, {}))
+    if cfg.strategy_options:
+        raise ValueError(f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
+                         "choose fsdp, ddp or a deepspeed strategy to pass them.")
     return "auto" if name == "auto" else SingleDeviceStrategy()
 
 

@@ -14,6 +14,9 @@ is GBs on each rank). Rank 0 holds at most one tensor beyond its shards plus
 the pages of the file it is reading. Non-persistent buffers (RoPE's
 `inv_freq`), which no checkpoint contains, are recomputed by the model's own
 initialiser, so the strategy's uninitialised-tensor check passes honestly.
+DeepSpeed ZeRO-3 parameters (partitioned by zero.Init, not DTensors) are
+filled one at a time inside `GatheredParameters([p], modifier_rank=0)`:
+rank 0 copies the tensor in, DeepSpeed broadcasts and re-partitions it.
 Export is the mirror image: one tensor is gathered at a time, rank 0 appends
 it to the current safetensors shard and writes the shard once it reaches
 `max_shard_size`, so no process ever holds the whole model; the folder gets
@@ -107,13 +110,37 @@ def inspect_model_folder(path: str) -> ModelFolder:
 
 def build_meta_model(folder: ModelFolder, attn_implementation: str = "sdpa",
                      dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """The architecture on the current device context (the strategy's meta device); no weights read."""
+    """The architecture in the strategy's init context; no weights read.
+
+    That context is the meta device (FSDP, DDP, ZeRO 0-2) or
+    deepspeed.zero.Init (ZeRO-3), which partitions each parameter as it is
+    created. Transformers' own weight init cannot run on those partitions
+    (it indexes rows), and the weights are loaded afterwards anyway, so under
+    zero.Init it is skipped, as `from_pretrained` does under ZeRO-3; the
+    embeddings are still tied.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(folder.config, attn_implementation=attn_implementation,
-                                             dtype=dtype or torch.get_default_dtype())
+    zero_init = _zero_init_active()
+    if zero_init:
+        from transformers.initialization import no_init_weights
+    with no_init_weights() if zero_init else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(folder.config, attn_implementation=attn_implementation,
+                                                 dtype=dtype or torch.get_default_dtype())
+    if zero_init:
+        model.tie_weights()  # part of the init no_init_weights skipped
     folder.no_split_modules = no_split_module_names(model)
     return model
+
+
+def _zero_init_active() -> bool:
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return False
+    from deepspeed.runtime.zero import partition_parameters
+
+    return partition_parameters.zero_init_context > 0
 
 
 def model_block_names(config: Any) -> List[str]:
@@ -211,6 +238,16 @@ def _comm_device(t: torch.Tensor) -> torch.device:
     return t.device
 
 
+def is_zero3_param(t: torch.Tensor) -> bool:
+    """A parameter partitioned by DeepSpeed ZeRO-3 (built under deepspeed.zero.Init)."""
+    return hasattr(t, "ds_id")
+
+
+def full_shape(t: torch.Tensor) -> torch.Size:
+    """The unsharded shape: a DTensor's global shape, a ZeRO-3 parameter's ds_shape."""
+    return t.ds_shape if is_zero3_param(t) else t.shape
+
+
 # ------------------------------------------------------------------ reading
 def read_safetensors_plan(path: str, files: Sequence[str]) -> List[Tuple[str, str, List[int], str]]:
     """(file, key, shape, dtype) of every tensor, in file order: only headers are read."""
@@ -276,8 +313,8 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
             continue
         used.add(key)
         shape = by_key[key][1]
-        if list(tensor.shape) != shape:
-            mismatched.append(f"{key}: checkpoint {shape} vs model {list(tensor.shape)}")
+        if list(full_shape(tensor)) != shape:
+            mismatched.append(f"{key}: checkpoint {shape} vs model {list(full_shape(tensor))}")
         order.append((by_key[key][0], key, tensor))
     if missing or mismatched:
         raise ModelFolderError(
@@ -349,7 +386,19 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
     its replicate group by broadcast. Under HYBRID_SHARD on N nodes, rank 0
     sends the model once instead of N times, and the cross-node copies travel
     from every rank of node 0 in parallel.
+
+    A ZeRO-3 parameter (partitioned by deepspeed.zero.Init) is gathered on its
+    own, rank 0 copies the checkpoint tensor into it, and DeepSpeed broadcasts
+    it from rank 0 and re-partitions it on leaving the block: every rank holds
+    at most this one full parameter beyond its partitions.
     """
+    if is_zero3_param(tensor):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+            if rank == 0:
+                tensor.data.copy_(full.to(dtype=tensor.dtype).view(tensor.data.shape))
+        return
     if isinstance(tensor, DTensor):
         local = tensor._local_tensor
         mesh, placements = tensor.device_mesh, tensor.placements
@@ -419,8 +468,23 @@ def _export_items(model: nn.Module, config: Any) -> List[Tuple[str, torch.Tensor
     return items
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+@contextlib.contextmanager
+def gathered(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The full tensor while the block runs (a collective for sharded tensors: every rank, same order).
+
+    A DTensor is all-gathered into a new tensor; a ZeRO-3 parameter is
+    gathered in place by DeepSpeed and re-partitioned when the block ends, so
+    the value must be copied before then; a plain tensor is itself.
+    """
+    if isinstance(tensor, DTensor):
+        yield tensor.full_tensor()
+    elif is_zero3_param(tensor):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+            yield tensor.data
+    else:
+        yield tensor
 
 
 @torch.no_grad()
@@ -457,18 +521,18 @@ def export_hf_folder(model: nn.Module, out_dir: str, *, config: Any, tokenizer: 
         current, current_bytes = {}, 0
 
     for name, tensor in items:
-        full = _full(tensor)  # a collective: every rank, same order
-        if rank == 0:
-            value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
-            if value.data_ptr() == full.data_ptr() and not isinstance(tensor, DTensor):
-                value = value.clone()  # never alias a live parameter in the written dict
-            size = value.numel() * value.element_size()
-            if current and current_bytes + size > max_shard_size:
-                flush()
-            current[name] = value
-            current_bytes += size
-            total += size
-        del full
+        with gathered(tensor) as full:  # a collective: every rank, same order
+            if rank == 0:
+                value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
+                if value.data_ptr() == full.data_ptr() and not isinstance(tensor, DTensor):
+                    value = value.clone()  # never alias a live (or soon re-partitioned) tensor
+                size = value.numel() * value.element_size()
+                if current and current_bytes + size > max_shard_size:
+                    flush()
+                current[name] = value
+                current_bytes += size
+                total += size
+            del full
     if rank != 0:
         _barrier()
         return None

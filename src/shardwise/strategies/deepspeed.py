@@ -440,7 +440,12 @@ def init_zero3_module(root: nn.Module, seed: int) -> int:
     meta-device materialisation makes on full-size tensors -- and re-sharded.
     Children first, as in eager construction. Parameters created outside
     zero.Init (no `ds_id`) keep their values, as DDP keeps real tensors.
-    A TrainModule.init_weights hook replaces the pass, on all parameters gathered.
+    A TrainModule.init_weights hook replaces the pass. It runs with every
+    parameter gathered (the whole model on each rank), unless the module sets
+    `init_weights_partitioned = True`: then it runs on the partitions and
+    gathers what it writes itself, e.g. one parameter at a time with
+    `deepspeed.zero.GatheredParameters([p], modifier_rank=0)`, so memory stays
+    at one full parameter (the fine-tuning recipe's loader does this).
     Returns the number of modules initialised.
     """
     import deepspeed
@@ -450,8 +455,11 @@ def init_zero3_module(root: nn.Module, seed: int) -> int:
 
     hook = getattr(root, "init_weights", None)
     if callable(hook):
-        with deepspeed.zero.GatheredParameters(zero_params(root, True), modifier_rank=0):
+        if getattr(root, "init_weights_partitioned", False):
             hook()
+        else:
+            with deepspeed.zero.GatheredParameters(zero_params(root, True), modifier_rank=0):
+                hook()
         return 1
     count = 0
     for fqn, mod in reversed(list(root.named_modules())):

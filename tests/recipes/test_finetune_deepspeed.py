@@ -1,0 +1,193 @@
+# The fine-tuning recipe under DeepSpeed ZeRO, on 2 processes (CPU, gloo).
+# ZeRO-3: parameters are partitioned as the model is built (zero.Init); the
+# recipe's loader fills them from safetensors read by rank 0 only, one
+# parameter gathered at a time, so before any training step the gathered
+# weights are exactly the checkpoint's. ZeRO-3 and ZeRO-2 then fine-tune a
+# few steps (the loss falls), checkpoint through the engine (save_steps) and
+# export a Hugging Face folder whose weights are the live trained ones.
+# Plus the configuration errors for strategy names and strategy_options,
+# raised before any worker starts.
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+
+
+def live_weights(module):
+    """after_fit hook (every rank): the trained weights, gathered by the strategy's own state-dict path."""
+    import torch.distributed as dist
+
+    from shardwise.strategies.materialize import canonical_name
+
+    strategy = module.trainer.strategy
+    state = strategy.model_state_dict(module)  # ZeRO-3: gathers one module at a time
+    out = {canonical_name(k[len("model."):]): v for k, v in state.items() if k.startswith("model.")}
+    return out if dist.get_rank() == 0 else None
+
+
+def _zero3_load(model_dir):
+    """Build and load the recipe's module under ZeRO-3 by hand; compare with the checkpoint before training."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from safetensors.torch import load_file
+
+    from shardwise.recipes import hf_model
+    from shardwise.recipes.finetune import build_module
+    from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(stage=3)
+    strategy.connect("cpu", "32-true", devices=2)
+    strategy.configure_training(micro_batch_size=1)
+    strategy.setup_environment()
+    folder = hf_model.inspect_model_folder(model_dir)
+    module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+    with strategy.module_init_context():
+        module.configure_model()
+    params = list(module.parameters())
+    partitioned = all(hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel for p in params)
+    hook, seen = module.init_weights, []
+
+    def spy() -> None:  # how many parameters are gathered when the strategy hands over to the loader
+        seen.append(sum(p.ds_status == ZeroParamStatus.AVAILABLE for p in params))
+        hook()
+
+    module.init_weights = spy
+    module = strategy.setup_module(module)
+    state = strategy.model_state_dict(module)
+    report = module.load_report
+    mismatched = None
+    if dist.get_rank() == 0:
+        reference = load_file(os.path.join(model_dir, "model.safetensors"))
+        mismatched = sorted(k for k in reference if not torch.equal(reference[k], state["model." + k]))
+        mismatched += sorted(set("model." + k for k in reference) ^ set(k for k in state if "rotary" not in k))
+    inv_freq = dict(module.named_buffers())["model.model.rotary_emb.inv_freq"].clone()
+    # No teardown: the process group stays for the fine-tuning runs that follow in this process.
+    return dict(partitioned=partitioned, gathered_at_hook=seen, mismatched=mismatched,
+                bytes_read=report.bytes_read, tensors=report.tensors, inv_freq=inv_freq)
+
+
+def _runs(model_dir, data, root):
+    out = {"load": _zero3_load(model_dir)}
+    for stage in (3, 2):
+        cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=64, max_steps=8, learning_rate=3e-3,
+                             lr_scheduler_type="constant", precision="32-true", per_device_train_batch_size=2,
+                             devices=2, strategy=f"deepspeed_stage_{stage}", eval_split_ratio=0.0,
+                             save_steps=4 if stage == 2 else None, save_total_limit=2, gradient_checkpointing=stage == 2,
+                             output_dir=os.path.join(root, f"zero{stage}"), cache_dir=os.path.join(root, "cache"),
+                             logging_steps=100, seed=3)
+        out[stage] = finetune(cfg, after_fit=live_weights)
+    # Resume the ZeRO-2 run from its step-4 engine checkpoint: steps 5-8 again.
+    ckpts = os.path.join(root, "zero2", "checkpoints")
+    step4 = next(os.path.join(ckpts, f) for f in sorted(os.listdir(ckpts)) if "step=4" in f)
+    cfg = dataclasses.replace(cfg, output_dir=os.path.join(root, "resumed"), resume_from_checkpoint=step4)
+    out["resumed"] = finetune(cfg)
+    return out
+
+
+@pytest.mark.slow
+def test_zero3_and_zero2_load_from_rank0_finetune_and_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import shardwise
+
+    records = chat_records(120)
+    model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
+    ranks = shardwise.launch(_runs, model_dir, data, str(tmp_path), devices=2)
+    results = ranks[0]
+
+    # ZeRO-3 loading, before any step: partitioned from the start, the loader
+    # got the parameters still partitioned (it gathers one at a time itself),
+    # only rank 0 read the file, and every weight is the checkpoint's.
+    load = results["load"]
+    assert load["partitioned"] and load["gathered_at_hook"] == [0]
+    assert load["mismatched"] == []
+    assert load["bytes_read"] > 0 and ranks[1]["load"]["bytes_read"] == 0
+    assert ranks[1]["load"]["tensors"] == load["tensors"] > 0
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.testing.assert_close(load["inv_freq"], reference.model.rotary_emb.inv_freq)  # recomputed buffer
+
+    original = reference.state_dict()
+    for stage in (3, 2):
+        result = results[stage]
+        losses = [s["loss"] for s in result.losses]
+        assert len(losses) == 8
+        assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, (stage, losses)
+        assert result.load["bytes_read"] > 0 and ranks[1][stage].load["bytes_read"] == 0
+        trained = result.extra
+        exported = AutoModelForCausalLM.from_pretrained(result.output_dir).state_dict()
+        assert set(trained) == set(original) and set(exported) == set(original)
+        for name, value in trained.items():
+            assert torch.equal(exported[name], value), (stage, name)
+        assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"],
+                               original["model.layers.0.mlp.up_proj.weight"])
+    # save_steps went through the engine's own checkpoint format, and resuming
+    # from step 4 continues the same loss curve.
+    ckpt = os.path.join(results[2].output_dir, "checkpoints", "last.ckpt")
+    assert os.path.isdir(os.path.join(ckpt, "engine")), os.listdir(os.path.dirname(ckpt))
+    resumed = results["resumed"].losses
+    assert [s["step"] for s in resumed] == [5, 6, 7, 8]
+    assert [s["loss"] for s in resumed] == pytest.approx([s["loss"] for s in results[2].losses[4:]], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft-ds-errors")
+    records = chat_records(10)
+    return {"model": build_model_folder(str(root / "model"), records),
+            "data": write_jsonl(str(root / "chat.jsonl"), records), "out": str(root / "out")}
+
+
+def _cfg(assets, **changes):
+    return FinetuneConfig(model_path=assets["model"], dataset=assets["data"], max_seq_len=32, max_steps=2,
+                          output_dir=assets["out"], **changes)
+
+
+def test_deepspeed_names_and_options_are_accepted(assets):
+    from shardwise.recipes.finetune import _build_strategy
+    from shardwise.strategies.deepspeed import NAMED, DeepSpeedStrategy
+
+    folder = validate_config(_cfg(assets))["folder"]
+    for name in NAMED:
+        if "offload" in name:  # the constructor would need DeepSpeed's CPU Adam op built
+            continue
+        strategy = _build_strategy(_cfg(assets, strategy=name), folder)
+        assert isinstance(strategy, DeepSpeedStrategy) and strategy.stage == NAMED[name]["stage"]
+    strategy = _build_strategy(_cfg(assets, strategy="deepspeed", strategy_options={
+        "stage": 3, "config": {"zero_optimization": {"stage3_max_live_parameters": 1000}}}), folder)
+    assert strategy.stage == 3 and strategy.config["zero_optimization"]["stage3_max_live_parameters"] == 1000
+    fsdp = _build_strategy(_cfg(assets, strategy_options={"limit_all_gathers": True,
+                                                          "reshard_after_forward": False}), folder)
+    assert fsdp.limit_all_gathers is True and fsdp.reshard_after_forward is False
+
+
+def test_unknown_strategy_lists_the_valid_names(assets):
+    with pytest.raises(ValueError, match=r"strategy='zero3' is not a fine-tuning strategy\. Valid: fsdp, ddp, "
+                                         r"single, auto, deepspeed, deepspeed_stage_1, .*deepspeed_stage_3_offload"):
+        finetune(_cfg(assets, strategy="zero3", devices=2))
+
+
+def test_strategy_options_are_checked_before_any_worker_starts(assets):
+    with pytest.raises(ValueError, match=r"strategy_options\['offload_optimiser'\] is not an argument of "
+                                         r"DeepSpeedStrategy .*Valid: stage, offload_optimizer, offload_parameters"):
+        finetune(_cfg(assets, strategy="deepspeed_stage_3", devices=2,
+                      strategy_options={"offload_optimiser": True}))
+    with pytest.raises(ValueError, match=r"strategy_options\['limit_allgathers'\] is not an argument of "
+                                         r"FSDPStrategy .*limit_all_gathers"):
+        finetune(_cfg(assets, devices=2, strategy_options={"limit_allgathers": True}))
+    with pytest.raises(ValueError, match=r"strategy_options\['sharding_strategy'\]: the recipe sets .*own option "
+                                         r"'sharding_strategy'; set sharding_strategy: 'NO_SHARD'"):
+        finetune(_cfg(assets, devices=2, strategy_options={"sharding_strategy": "NO_SHARD"}))
+    with pytest.raises(ValueError, match=r"strategy_options\['stage'\]=2 contradicts "
+                                         r"strategy='deepspeed_stage_3'"):
+        validate_config(_cfg(assets, strategy="deepspeed_stage_3", strategy_options={"stage": 2}))
+    with pytest.raises(ValueError, match=r"sharding_strategy configure FSDP; strategy='deepspeed_stage_2'"):
+        validate_config(_cfg(assets, strategy="deepspeed_stage_2", sharding_strategy="HYBRID_SHARD"))
+    with pytest.raises(ValueError, match=r"strategy='single' takes no options"):
+        validate_config(_cfg(assets, strategy="single", strategy_options={"timeout_s": 5}))
