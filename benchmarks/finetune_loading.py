@@ -20,6 +20,7 @@ counts the shards themselves, which on a CPU-only machine are host RAM
 
     python benchmarks/finetune_loading.py                  # ~670 MB model, 2 ranks
     python benchmarks/finetune_loading.py --hidden 2048 --layers 8 --nproc 4
+    DS_ACCELERATOR=cpu python benchmarks/finetune_loading.py --strategy deepspeed_stage_3 --skip-naive
 """
 from __future__ import annotations
 
@@ -49,15 +50,17 @@ def save_model(path: str, hidden: int, layers: int, vocab: int, intermediate: in
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def shardwise_worker(path: str) -> dict:
+def shardwise_worker(path: str, strategy_name: str = "fsdp") -> dict:
     from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from shardwise.recipes.finetune import FinetuneConfig, _build_strategy, build_module
     from shardwise.recipes.hf_model import inspect_model_folder
 
-    cfg = FinetuneConfig(model_path=path, dataset="(unused)", precision="32-true")
+    cfg = FinetuneConfig(model_path=path, dataset="(unused)", precision="32-true", strategy=strategy_name)
     folder = inspect_model_folder(path)
     strategy = _build_strategy(cfg, folder)
-    strategy.connect("cpu", "32-true")
+    strategy.connect("cpu", "32-true", devices=int(os.environ["WORLD_SIZE"]))
+    if hasattr(strategy, "configure_training"):
+        strategy.configure_training(micro_batch_size=1)  # DeepSpeed's config needs a batch size
     strategy.setup_environment()
     import torch.distributed as dist
 
@@ -70,7 +73,10 @@ def shardwise_worker(path: str) -> dict:
     strategy.setup_module(module)  # shards allocated, then init_weights: rank-0 load + send
     report = module.load_report
     setup_peak = max(report.peak_before, report.rss_before + report.peak_growth) - start
-    local = sum(p._local_tensor.numel() * p._local_tensor.element_size() for p in module.parameters())
+    # This rank's own partition: a DTensor's local shard (FSDP) or a ZeRO-3 partition.
+    local = sum(t.numel() * t.element_size() for t in
+                (getattr(p, "_local_tensor", None) if hasattr(p, "_local_tensor") else getattr(p, "ds_tensor", p)
+                 for p in module.parameters()))
     dist.barrier()
     return {"rank": dist.get_rank(), "loading_peak": report.peak_growth, "setup_peak": setup_peak,
             "shards": local, "bytes_read": report.bytes_read, "end_rss": peak_rss_bytes()}
@@ -107,6 +113,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardwise-bench-loading"))
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--strategy", default="fsdp",
+                        help="the recipe's strategy: fsdp (default) or deepspeed_stage_3, whose loader gathers "
+                             "one partitioned parameter at a time")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
     args = parser.parse_args()
 
@@ -115,11 +124,12 @@ def main() -> None:
 
     path = os.path.join(args.workdir, f"llama-h{args.hidden}-l{args.layers}-v{args.vocab}")
     size = save_model(path, args.hidden, args.layers, args.vocab, args.intermediate)
-    ours = sorted(launch(shardwise_worker, path, devices=args.nproc), key=lambda r: r["rank"])
+    ours = sorted(launch(shardwise_worker, path, args.strategy, devices=args.nproc), key=lambda r: r["rank"])
     naive = [] if args.skip_naive else sorted(launch(naive_worker, path, devices=args.nproc), key=lambda r: r["rank"])
 
     print(f"model: Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "
-          f"safetensors {format_bytes(size)}; {args.nproc} processes; {datetime.date.today().isoformat()}")
+          f"safetensors {format_bytes(size)}; {args.nproc} processes; strategy {args.strategy}; "
+          f"{datetime.date.today().isoformat()}")
     print()
     print("| rank | shardwise: loading peak growth | shardwise: set-up peak growth (incl. own shards) "
           "| own shards | naive from_pretrained per rank |")

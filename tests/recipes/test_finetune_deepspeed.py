@@ -1,7 +1,7 @@
 # The fine-tuning recipe under DeepSpeed ZeRO, on 2 processes (CPU, gloo).
 # ZeRO-3: parameters are partitioned as the model is built (zero.Init); the
-# recipe's loader fills them from safetensors read by rank 0 only, one
-# parameter gathered at a time, so before any training step the gathered
+# recipe's loader fills the partitions from safetensors read by rank 0 only,
+# without gathering any parameter, so before any training step the gathered
 # weights are exactly the checkpoint's. ZeRO-3 and ZeRO-2 then fine-tune a
 # few steps (the loss falls), checkpoint through the engine (save_steps) and
 # export a Hugging Face folder whose weights are the live trained ones.

@@ -15,8 +15,8 @@ the pages of the file it is reading. Non-persistent buffers (RoPE's
 `inv_freq`), which no checkpoint contains, are recomputed by the model's own
 initialiser, so the strategy's uninitialised-tensor check passes honestly.
 DeepSpeed ZeRO-3 parameters (partitioned by zero.Init, not DTensors) are
-filled one at a time inside `GatheredParameters([p], modifier_rank=0)`:
-rank 0 copies the tensor in, DeepSpeed broadcasts and re-partitions it.
+filled in place: each rank's partition is a fixed range of the flattened
+parameter, and rank 0 sends each rank its range; nothing is gathered.
 Export is the mirror image: one tensor is gathered at a time, rank 0 appends
 it to the current safetensors shard and writes the shard once it reaches
 `max_shard_size`, so no process ever holds the whole model; the folder gets
@@ -387,17 +387,17 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
     sends the model once instead of N times, and the cross-node copies travel
     from every rank of node 0 in parallel.
 
-    A ZeRO-3 parameter (partitioned by deepspeed.zero.Init) is gathered on its
-    own, rank 0 copies the checkpoint tensor into it, and DeepSpeed broadcasts
-    it from rank 0 and re-partitions it on leaving the block: every rank holds
-    at most this one full parameter beyond its partitions.
+    A ZeRO-3 parameter (partitioned by deepspeed.zero.Init) is filled the
+    same way, without gathering it: its partition on the i-th rank of its
+    group is elements [i * n, (i + 1) * n) of the flattened tensor (n =
+    `ds_tensor.numel()`, the last partition zero-padded), so rank 0 sends each
+    rank exactly its range, in pieces of at most CHUNK_BYTES. Gathering
+    instead (`GatheredParameters(modifier_rank=0)`) would put the whole
+    parameter on every rank (twice over with gloo's all-gather), which for a
+    large vocabulary is the biggest tensor in the model.
     """
     if is_zero3_param(tensor):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
-            if rank == 0:
-                tensor.data.copy_(full.to(dtype=tensor.dtype).view(tensor.data.shape))
+        _place_zero3(tensor, full, scratch)
         return
     if isinstance(tensor, DTensor):
         local = tensor._local_tensor
@@ -452,6 +452,42 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
         dist.broadcast(buf, src=0)
         if rank != 0:
             tensor.copy_(buf)
+
+
+def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Scratch) -> None:
+    """Write this rank's ZeRO-3 partition of `full` (held by global rank 0) into `param.ds_tensor`."""
+    part = param.ds_tensor.data.view(-1)
+    n, numel = part.numel(), int(param.ds_numel)
+    group = getattr(param, "ds_process_group", None)
+    members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))] if _world() > 1 else [0]
+    step = max(1, CHUNK_BYTES // part.element_size())
+    rank = _rank()
+    if len(members) != _world():
+        # Partitioned over a subgroup (MiCS, hierarchical partitioning): every
+        # group needs its own copy, so let DeepSpeed gather and re-partition.
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if rank == 0:
+                param.data.copy_(full.to(dtype=param.dtype).view(param.data.shape))
+        return
+    if rank == 0:
+        flat = full.to(dtype=part.dtype).reshape(-1)
+        for index, dst in enumerate(members):
+            lo, hi = index * n, min((index + 1) * n, numel)
+            if dst == 0:
+                part[: max(0, hi - lo)].copy_(flat[lo:hi])
+                continue
+            for start in range(lo, hi, step):
+                dist.send(flat[start:min(start + step, hi)].contiguous().to(_comm_device(part)), dst=dst)
+        return
+    index = members.index(rank)
+    lo, hi = index * n, min((index + 1) * n, numel)
+    for start in range(lo, hi, step):
+        stop = min(start + step, hi)
+        piece = scratch.get([stop - start], part.dtype, _comm_device(part))
+        dist.recv(piece, src=0)
+        part[start - lo:stop - lo].copy_(piece)
 
 
 # ------------------------------------------------------------------ export
