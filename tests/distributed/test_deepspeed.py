@@ -160,11 +160,27 @@ def resume_on_one_process(name: str, root: str) -> List[float]:
     return fit(name, steps=10, root=root, ckpt_path=path, freeze_positions=True, devices=1, batch_size=8)["losses"]
 
 
+def fit_twice_with_teardown() -> List[List[float]]:
+    runs = []
+    for _ in range(2):
+        result = fit("deepspeed_stage_3", steps=3, devices=1)
+        result["trainer"].strategy.teardown()  # destroys the group the strategy created
+        runs.append(result["losses"])
+    return runs
+
+
 def _rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 # ------------------------------------------------------------ multi-process
+def test_a_second_run_in_the_same_process_after_teardown():
+    # A sweep or a notebook: the first run's teardown destroyed its process group,
+    # and DeepSpeed's cached groups derived from it must not reach the second run.
+    first, second = shardwise.launch(fit_twice_with_teardown, devices=1)[0]
+    assert len(first) == 3 and second == first
+
+
 @pytest.mark.slow
 def test_zero_stages_follow_ddp_loss_curve():
     names = ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]

@@ -428,6 +428,16 @@ class DeepSpeedStrategy(Strategy):
     def teardown(self) -> None:
         self.engine = None
         super().teardown()
+        if not dist.is_initialized():
+            # DeepSpeed caches the groups it derived from the one just destroyed
+            # (data-parallel, world); a later run in this process would reach
+            # them and fail with "Group ... is not registered". Drop them, as
+            # deepspeed.comm.destroy_process_group does.
+            from deepspeed.utils import groups
+
+            release = getattr(groups, "_release_process_group_references", None)
+            if release is not None:
+                release(group=None)
 
 
 # ----------------------------------------------------------------- helpers
