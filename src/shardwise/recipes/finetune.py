@@ -14,7 +14,7 @@ the wrap (and activation-checkpointing) units, and its `init_weights` hook
 streams the pretrained weights from rank 0 into the shards
 (hf_model.py). The DeepSpeed strategies work the same way: ZeRO-1/2
 materialise like DDP; at ZeRO-3 the model is built under zero.Init and the
-loader gathers one parameter at a time (the module declares
+loader writes each rank's partitions directly (the module declares
 `init_weights_partitioned`, so the strategy does not gather the whole model
 for the hook). `strategy_options` are further arguments of the strategy's
 class, checked against its signature up front. Intermediate checkpoints are
@@ -279,8 +279,8 @@ def _module_class():
     class CausalLMModule(TrainModule):
         """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
 
-        # Under ZeRO-3 the loader gathers one parameter at a time itself
-        # (hf_model._place); the strategy must not gather the whole model for it.
+        # Under ZeRO-3 the loader writes the partitions itself (hf_model._place);
+        # the strategy must not gather the whole model for it.
         init_weights_partitioned = True
 
         def __init__(self, cfg: FinetuneConfig, folder: Any, total_steps: int) -> None:

@@ -453,9 +453,9 @@ def init_zero3_module(root: nn.Module, seed: int) -> int:
     A TrainModule.init_weights hook replaces the pass. It runs with every
     parameter gathered (the whole model on each rank), unless the module sets
     `init_weights_partitioned = True`: then it runs on the partitions and
-    gathers what it writes itself, e.g. one parameter at a time with
-    `deepspeed.zero.GatheredParameters([p], modifier_rank=0)`, so memory stays
-    at one full parameter (the fine-tuning recipe's loader does this).
+    writes them itself, into each parameter's `ds_tensor` (the fine-tuning
+    recipe's loader does this) or one parameter at a time inside
+    `deepspeed.zero.GatheredParameters([p], modifier_rank=0)`.
     Returns the number of modules initialised.
     """
     import deepspeed
