@@ -159,7 +159,6 @@ class CSVLogger(VersionedLogDir):
         self._pending: list[dict[str, Any]] = []
         self._hparams: dict[str, Any] = {}
 
-
     @property
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, METRICS_FILE)

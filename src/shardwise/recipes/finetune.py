@@ -362,8 +362,8 @@ def _module_class():
             for p in self.parameters():
                 if p.requires_grad:
                     # Biases and norm weights (1-D) are not decayed, as in the seed recipe's trainer.
-                    # A ZeRO-3 partition is flat; its full shape is ds_shape.
-                    (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+                    # A ZeRO-3 partition is flat: judge by the parameter's full shape.
+                    (decay if len(hf_model.full_shape(p)) >= 2 else no_decay).append(p)
             # No empty group: DeepSpeed drops those, and the LR scheduler would then
             # have more learning rates than the engine's optimizer has groups.
             groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},

@@ -471,18 +471,20 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
             if rank == 0:
                 param.data.copy_(full.to(dtype=param.dtype).view(param.data.shape))
         return
+    def bounds(index: int) -> Tuple[int, int]:  # the flat range the index-th member holds (unpadded)
+        return index * n, min((index + 1) * n, numel)
+
     if rank == 0:
         flat = full.to(dtype=part.dtype).reshape(-1)
         for index, dst in enumerate(members):
-            lo, hi = index * n, min((index + 1) * n, numel)
+            lo, hi = bounds(index)
             if dst == 0:
                 part[: max(0, hi - lo)].copy_(flat[lo:hi])
                 continue
             for start in range(lo, hi, step):
                 dist.send(flat[start:min(start + step, hi)].contiguous().to(_comm_device(part)), dst=dst)
         return
-    index = members.index(rank)
-    lo, hi = index * n, min((index + 1) * n, numel)
+    lo, hi = bounds(members.index(rank))
     for start in range(lo, hi, step):
         stop = min(start + step, hi)
         piece = scratch.get([stop - start], part.dtype, _comm_device(part))
