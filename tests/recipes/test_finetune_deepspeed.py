@@ -58,7 +58,20 @@ def _zero3_load(model_dir):
         hook()
 
     module.init_weights = spy
-    module = strategy.setup_module(module)
+    # Count DeepSpeed gathers during set-up: loading must write partitions, never gather a parameter.
+    import deepspeed
+
+    real_gather, gathers = deepspeed.zero.GatheredParameters, []
+
+    def counting_gather(params, *args, **kwargs):
+        gathers.append(len(params) if isinstance(params, (list, tuple)) else 1)
+        return real_gather(params, *args, **kwargs)
+
+    deepspeed.zero.GatheredParameters = counting_gather
+    try:
+        module = strategy.setup_module(module)
+    finally:
+        deepspeed.zero.GatheredParameters = real_gather
     state = strategy.model_state_dict(module)
     report = module.load_report
     mismatched = None
@@ -68,7 +81,7 @@ def _zero3_load(model_dir):
         mismatched += sorted(set("model." + k for k in reference) ^ set(k for k in state if "rotary" not in k))
     inv_freq = dict(module.named_buffers())["model.model.rotary_emb.inv_freq"].clone()
     # No teardown: the process group stays for the fine-tuning runs that follow in this process.
-    return dict(partitioned=partitioned, gathered_at_hook=seen, mismatched=mismatched,
+    return dict(partitioned=partitioned, gathered_at_hook=seen, gathers=gathers, mismatched=mismatched,
                 bytes_read=report.bytes_read, tensors=report.tensors, inv_freq=inv_freq)
 
 
@@ -103,10 +116,12 @@ def test_zero3_and_zero2_load_from_rank0_finetune_and_export(tmp_path):
     results = ranks[0]
 
     # ZeRO-3 loading, before any step: partitioned from the start, the loader
-    # got the parameters still partitioned (it gathers one at a time itself),
-    # only rank 0 read the file, and every weight is the checkpoint's.
+    # got the parameters still partitioned and wrote the partitions without
+    # gathering any parameter, only rank 0 read the file, and every weight is
+    # the checkpoint's.
     load = results["load"]
     assert load["partitioned"] and load["gathered_at_hook"] == [0]
+    assert load["gathers"] == [] and ranks[1]["load"]["gathers"] == []
     assert load["mismatched"] == []
     assert load["bytes_read"] > 0 and ranks[1]["load"]["bytes_read"] == 0
     assert ranks[1]["load"]["tensors"] == load["tensors"] > 0
