@@ -95,6 +95,22 @@ def test_trainer_warns_before_the_first_step_with_the_smallest_change_that_fits(
     assert trainer.global_step == 1  # a warning, not an error: the user may know better
 
 
+def _count_fit_warnings_on_two_ranks() -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}),
+                          device_memory="2MiB", max_steps=1, enable_progress_bar=False, logger=False,
+                          enable_checkpointing=False)
+        trainer.fit(TinyLM(), _loader())
+    return sum("will not fit" in str(w.message) for w in caught)
+
+
+def test_the_fit_warning_is_planned_and_said_once_across_ranks():
+    import shardwise
+
+    assert shardwise.launch(_count_fit_warnings_on_two_ranks, devices=2) == [1, 0]
+
+
 def test_trainer_is_silent_when_the_run_fits_or_memory_is_unknown():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

@@ -6,7 +6,8 @@ total), so nothing here runs -- and fit() is not slowed down -- unless the
 user asked for it. It runs in the process that called fit(), before any
 worker starts (the planner needs its own fake process group); workers the
 launcher starts read the choice from SHARDWISE_PLAN_CHOICE instead of
-planning again. The model is planned from the user's TrainModule (copied
+planning again. The does-it-fit warning for a strategy the user chose is
+planned and said once, by global rank 0 of the workers. The model is planned from the user's TrainModule (copied
 onto the meta device) and the first batch of the training DataLoader; the
 Trainer's strategy is mapped back to the planner's candidate for it.
 """
@@ -68,6 +69,10 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
         name, _, blocks = os.environ[CHOICE_ENV].partition(":")
         _install(trainer, parse_candidate(name), blocks=tuple(b for b in blocks.split(",") if b), reason="")
         return
+    env = detect_env()
+    launching = env is None and trainer.devices * trainer.num_nodes > 1
+    if not auto and (launching or (env is not None and not env.is_global_zero)):
+        return  # the fit warning is planned and said once, by global rank 0 of the workers
     if not (hasattr(train_dataloaders, "dataset") and hasattr(train_dataloaders, "batch_size")):
         return  # only a DataLoader can give a first batch without consuming the user's data
     batch = next(iter(train_dataloaders), None)
