@@ -37,8 +37,9 @@ CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, tie
 
 
 class TinyGPT(TrainModule):
-    def __init__(self, lr: float = 1e-3, freeze_positions: bool = False) -> None:
+    def __init__(self, lr: float = 1e-3, freeze_positions: bool = False, optimizer: str = "adamw") -> None:
         super().__init__()
+        self.optimizer = optimizer
         # A frozen parameter is the case zero_to_fp32 stores apart from the optimizer's partitions.
         self.freeze_positions = freeze_positions
         self.cfg = gpt_config("gpt-tiny", **CONFIG)
@@ -58,6 +59,8 @@ class TinyGPT(TrainModule):
 
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "sgd":  # no per-element normalisation: fp32 noise stays fp32 noise
+            return torch.optim.SGD(trainable, lr=self.lr)
         return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0)
 
 
@@ -83,10 +86,10 @@ def build_strategy(name: str):
 def fit(name: str, steps: int = STEPS, accumulate: int = 2, clip: Optional[float] = 1.0, lr: float = 1e-3,
         root: Optional[str] = None, ckpt_path: Optional[str] = None, batch_size: int = 4,
         extra_callbacks: tuple = (), freeze_positions: bool = False, devices: int = 2,
-        precision: str = "32-true") -> Dict[str, Any]:
+        precision: str = "32-true", optimizer: str = "adamw") -> Dict[str, Any]:
     shardwise.seed_everything(1234)
     recorder = StepLosses()
-    module = TinyGPT(lr=lr, freeze_positions=freeze_positions)
+    module = TinyGPT(lr=lr, freeze_positions=freeze_positions, optimizer=optimizer)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=build_strategy(name), max_steps=steps,
                       precision=precision,
                       accumulate_grad_batches=accumulate, gradient_clip_val=clip,
@@ -169,6 +172,46 @@ def fit_twice_with_teardown() -> List[List[float]]:
     return runs
 
 
+def pretend_no_fp16_accelerator() -> None:
+    """Make DeepSpeed's accelerator report no fp16 support, as its CPU accelerator does on CPUs without
+    AVX512-FP16 (AMD EPYC). DeepSpeed 0.19 then ignored an explicit zero.Init dtype and built bf16
+    partitions for an fp32 run, so the guard below must hold on every machine, not only where it ran."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: False
+
+
+def zero3_against_ddp(root: str, steps: int = 4) -> Dict[str, Any]:
+    """DDP and ZeRO-3 from the same weights for a few steps; ZeRO-3's live, converted and exported weights."""
+    from safetensors.torch import load_file
+
+    from shardwise.checkpoint.convert import convert
+    from shardwise.strategies.deepspeed_checkpoint import consolidate
+
+    pretend_no_fp16_accelerator()
+    world = int(os.environ["WORLD_SIZE"])
+    # SGD: Adam turns a 1e-7 gradient difference on a near-zero gradient into a whole lr-sized step.
+    ddp = fit("ddp", steps=steps, devices=world, clip=None, optimizer="sgd", lr=0.1)
+    reference = ddp["trainer"].strategy.model_state_dict(ddp["trainer"].model)
+    zero3 = fit("deepspeed_stage_3", steps=steps, devices=world, clip=None, optimizer="sgd", lr=0.1)
+    trainer = zero3["trainer"]
+    live = trainer.strategy.model_state_dict(trainer.model)
+    path = os.path.join(root, f"zero3-{world}.ckpt")
+    trainer.save_checkpoint(path)
+    if int(os.environ["RANK"]) != 0:
+        return {}
+    out = os.path.join(root, f"zero3-{world}.safetensors")
+    convert(path, out, quiet=True)
+    weights = {"live": live, "converted": consolidate(path), "exported": load_file(out)}
+
+    def worst(state: Dict[str, torch.Tensor]) -> float:
+        return max((state[k].double() - v.double()).abs().max().item() for k, v in reference.items())
+
+    return {"losses": (ddp["losses"], zero3["losses"]), "keys": {k: sorted(v) for k, v in weights.items()},
+            "reference_keys": sorted(reference), "max_abs": {k: worst(v) for k, v in weights.items()},
+            "dtypes": {k: sorted({str(t.dtype) for t in v.values()}) for k, v in weights.items()}}
+
+
 def _rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -233,6 +276,20 @@ def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(tmp_path
     one = shardwise.launch(resume_on_one_process, "deepspeed_stage_3", str(tmp_path), devices=1)[0]
     assert _rel(one, results["deepspeed_stage_3"]["first"][6:]) < 1e-5, one
     assert (tmp_path / "deepspeed_stage_3.ckpt" / "universal").is_dir()
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports(tmp_path, devices):
+    # The fresh-machine failure: on an accelerator without fp16, ZeRO-3 trained an fp32
+    # run in bf16 and exported weights 2e-4 away from DDP's. Three ranks partition
+    # unevenly (padding), one rank not at all: two layouts beside the 2-rank tests.
+    result = shardwise.launch(zero3_against_ddp, str(tmp_path), devices=devices)[0]
+    ddp, zero3 = result["losses"]
+    assert _rel(zero3, ddp) < 1e-5, (ddp, zero3)
+    for kind in ("live", "converted", "exported"):
+        assert result["keys"][kind] == result["reference_keys"], kind
+        assert result["dtypes"][kind] == ["torch.float32"], (kind, result["dtypes"])
+        assert result["max_abs"][kind] < 1e-5, (kind, result["max_abs"])
 
 
 # ------------------------------------------------- configuration, in-process
@@ -328,6 +385,16 @@ def test_config_file_wins_and_trainer_fills_the_rest(tmp_path):
     assert "fp16" not in cfg and "train_batch_size" not in cfg
     with pytest.raises(ValueError, match="clips gradients by global norm only"):
         strategy.configure_training(gradient_clip_val=1.0, gradient_clip_algorithm="value")
+
+
+def test_no_clipping_asked_means_no_clipping():
+    # DeepSpeed clips at norm 1.0 when gradient_clipping is absent; Trainer(gradient_clip_val=None) must not.
+    strategy = _strategy(stage=2)
+    strategy.configure_training(gradient_clip_val=None, micro_batch_size=2)
+    assert strategy.config["gradient_clipping"] == 0.0
+    kept = _strategy(config={"gradient_clipping": 0.5})  # the user's own config still decides
+    kept.configure_training(gradient_clip_val=None, micro_batch_size=2)
+    assert kept.config["gradient_clipping"] == 0.5
 
 
 def test_size_limits_follow_the_model_unless_the_config_sets_them():

@@ -42,7 +42,7 @@ def _zero3_load(model_dir):
     from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(stage=3)
-    strategy.connect("cpu", "32-true", devices=2)
+    strategy.connect("cpu", "32-true", devices=int(os.environ["WORLD_SIZE"]))
     strategy.configure_training(micro_batch_size=1)
     strategy.setup_environment()
     folder = hf_model.inspect_model_folder(model_dir)
@@ -149,6 +149,27 @@ def test_zero3_and_zero2_load_from_rank0_finetune_and_export(tmp_path):
     resumed = results["resumed"].losses
     assert [s["step"] for s in resumed] == [5, 6, 7, 8]
     assert [s["loss"] for s in resumed] == pytest.approx([s["loss"] for s in results[2].losses[4:]], rel=1e-5)
+
+
+def _zero3_load_without_fp16(model_dir):
+    # As DeepSpeed's CPU accelerator says on CPUs without AVX512-FP16 (AMD EPYC): the case in which
+    # DeepSpeed 0.19 built bf16 partitions for an fp32 run, whatever dtype zero.Init was given.
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: False
+    return _zero3_load(model_dir)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_zero3_load_equals_the_file_in_other_layouts(tmp_path, devices):
+    import shardwise
+
+    records = chat_records(8)
+    model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
+    ranks = shardwise.launch(_zero3_load_without_fp16, model_dir, devices=devices)
+    assert ranks[0]["mismatched"] == []  # every weight bit-equal to the file, in the file's dtype
+    assert all(r["gathers"] == [] for r in ranks)
+    assert [r["bytes_read"] > 0 for r in ranks] == [True] + [False] * (devices - 1)
 
 
 @pytest.fixture(scope="module")

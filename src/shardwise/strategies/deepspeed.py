@@ -229,11 +229,15 @@ class DeepSpeedStrategy(Strategy):
             return
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
         remote = "cpu" if self.offload_parameters else None
+        # dtype=None on purpose: zero.Init then takes the dtype from the config's
+        # bf16 / fp16 sections. An explicit dtype is ignored by DeepSpeed (0.19.x,
+        # `_set_dtype` operator precedence) on any accelerator without fp16
+        # support, which silently built bf16 weights for an fp32 run on CPUs
+        # without AVX512-FP16 (AMD EPYC). check_zero3_dtypes() guards the result.
         # fork_rng: construction-time init is thrown away (setup_module re-initialises),
         # so it must not advance the global RNG that DDP's meta build leaves untouched.
         with torch.random.fork_rng(devices=[]), deepspeed.zero.Init(
-                config_dict_or_path=copy.deepcopy(self.config), remote_device=remote,
-                dtype=self._param_dtype()):
+                config_dict_or_path=copy.deepcopy(self.config), remote_device=remote, dtype=None):
             yield
 
     def _param_dtype(self) -> torch.dtype:
@@ -245,6 +249,7 @@ class DeepSpeedStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.stage == 3:
+            check_zero3_dtypes(module, self._param_dtype())
             self._materialize_leftovers(module)
             init_zero3_module(module, global_seed())
         else:
@@ -441,6 +446,27 @@ class DeepSpeedStrategy(Strategy):
 
 
 # ----------------------------------------------------------------- helpers
+def check_zero3_dtypes(root: nn.Module, expected: torch.dtype) -> None:
+    """Refuse ZeRO-3 partitions whose dtype is not the one the precision asked for.
+
+    A wrong dtype here is silent: training runs, losses look plausible, and the
+    weights a user exports have lost precision. Parameters built outside
+    zero.Init (no `ds_tensor`) are the module's own and are not checked.
+    """
+    wrong = [(name, p.ds_tensor.dtype) for name, p in root.named_parameters()
+             if getattr(p, "ds_tensor", None) is not None and p.ds_tensor.is_floating_point()
+             and p.ds_tensor.dtype != expected]
+    if wrong:
+        import deepspeed
+
+        name, dtype = wrong[0]
+        raise RuntimeError(
+            f"DeepSpeed ZeRO-3 built {len(wrong)} parameter partitions in {dtype} (first: {name!r}) but the "
+            f"precision asks for {expected}. DeepSpeed {deepspeed.__version__} chose the dtype itself; set the "
+            "precision through Trainer(precision=...) only (not zero.Init or a config's dtype), or report "
+            "this with your DeepSpeed version.")
+
+
 @torch.no_grad()
 def init_zero3_module(root: nn.Module, seed: int) -> int:
     """Re-initialise parameters built under zero.Init exactly as materialize.py would for DDP.

@@ -173,6 +173,10 @@ def _reconcile_loop(cfg: Dict[str, Any], loop: Dict[str, Any], world_size: Optio
               "gradient_accumulation_steps", "Trainer(accumulate_grad_batches)")
     reconcile(cfg, "gradient_clipping", loop.get("gradient_clip_val"),
               "gradient_clipping", "Trainer(gradient_clip_val)")
+    if "gradient_clip_val" in loop and _unset(cfg.get("gradient_clipping")):
+        # No clipping was asked for, and DeepSpeed clips at norm 1.0 when the key is
+        # absent: an unclipped run would take smaller steps than under DDP or FSDP.
+        cfg["gradient_clipping"] = 0.0
     micro = reconcile(cfg, "train_micro_batch_size_per_gpu", loop.get("micro_batch_size"),
                       "train_micro_batch_size_per_gpu", "the DataLoader's batch_size")
     if micro is None:  # a hand-written loop that never said: DeepSpeed only uses it for reporting
