@@ -6,7 +6,9 @@ disjoint per rank) plus a start position, so that a run resumed in the middle
 of an epoch skips the batches it already consumed by index -- without
 loading them -- and sees exactly the samples the uninterrupted run would
 have seen next. It is used at world size 1 too, so one device and N devices
-draw from the same permutation.
+draw from the same permutation. The position itself is not the sampler's
+state: the Trainer's TrainState.batch_idx is, and the Trainer sets the start
+from it at every epoch start, so a stale start can never outlive a resume.
 """
 from __future__ import annotations
 
@@ -40,15 +42,17 @@ class ResumableSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), self.start_index, None)
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.start_index)
+        # The whole epoch's share, also after a mid-epoch start: len(loader) is
+        # the epoch length the loop counts batch_idx against. (Shrinking it by
+        # the skipped part ended a second resume's epoch early.)
+        return self.num_samples
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "start_index": self.start_index, "seed": self.seed, "shuffle": self.shuffle,
-                "num_replicas": self.num_replicas}
+        return {"epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle, "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.epoch = state["epoch"]
-        self.start_index = state["start_index"]
+        self.start_index = 0  # set from TrainState.batch_idx by the loop, never from a saved sampler
         # The permutation is a function of (seed, epoch): without the saved seed a
         # resumed run that did not call seed_everything would shuffle differently.
         self.seed = state.get("seed", self.seed)

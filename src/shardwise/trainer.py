@@ -390,8 +390,9 @@ class Trainer:
             sampler = getattr(loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(state.epoch)
-            if hasattr(sampler, "set_start_index") and state.batch_idx:
-                # Mid-epoch resume: skip consumed batches by index, without loading them.
+            if hasattr(sampler, "set_start_index"):
+                # Mid-epoch resume: skip consumed batches by index, without loading them
+                # (0 at a fresh epoch: the position is TrainState's, never the sampler's).
                 sampler.set_start_index(state.batch_idx * (loader.batch_size or 1))
             self._call("on_train_epoch_start")
             self._call_module("on_train_epoch_start")

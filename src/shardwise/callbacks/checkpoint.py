@@ -12,7 +12,11 @@ deleting checkpoints that fell out of the top k happens only after the new
 one is committed, so a run killed at any moment leaves a complete,
 resumable `last.ckpt` (layout.py explains the atomic writes). All decisions
 are taken on rank 0 and broadcast, because a monitored value logged without
-sync_dist can differ between ranks. With FSDPStrategy(async_save=True) the
+sync_dist can differ between ranks. The run owns its resolved directory
+while it trains (a lock, see lock.py): it only ever deletes checkpoints it
+or the run it resumed wrote inside that directory, and a run that ends for
+any reason but a crash (max_steps, max_epochs, a stop request) saves its
+final step, as Lightning does. With FSDPStrategy(async_save=True) the
 write continues in the background and is committed (then `last` moved,
 old ones pruned) at the next save or at the end of training.
 """
@@ -25,6 +29,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from shardwise.checkpoint import layout
+from shardwise.checkpoint.lock import CheckpointDirectoryBusyError, DirectoryLock
 from shardwise.checkpoint.training import save_training_checkpoint
 
 _FIELD = re.compile(r"\{([^{}:!]+)([^{}]*)\}")
@@ -78,6 +83,8 @@ class ModelCheckpoint:
         self._pending: Optional[Any] = None
         self._after_commit: Optional[Callable[[], None]] = None
         self._warned_missing = False
+        self._directory: Optional[str] = None  # resolved at setup; the only place this run deletes in
+        self._lock: Optional[DirectoryLock] = None
 
     @property
     def state_key(self) -> str:
@@ -85,14 +92,33 @@ class ModelCheckpoint:
                 f"{self.every_n_train_steps},every_n_epochs={self.every_n_epochs}]")
 
     def resolve_dirpath(self, trainer: Any) -> str:
-        return os.path.abspath(self.dirpath or os.path.join(trainer.default_root_dir, "checkpoints"))
+        return os.path.realpath(self.dirpath or os.path.join(trainer.default_root_dir, "checkpoints"))
 
     # ------------------------------------------------------------------ hooks
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
-        # A run killed mid-save leaves a hidden temporary entry; nothing else
-        # writes here now, so clear it.
+    def setup(self, trainer: Any, module: Any, stage: str = "fit") -> None:
+        """Before any checkpoint is restored: take the directory, then clear what a killed run left."""
+        if stage != "fit" or self._lock is not None:
+            return
+        self._directory = self.resolve_dirpath(trainer)
+        error = None
         if trainer.is_global_zero:
-            layout.remove_leftovers(self.resolve_dirpath(trainer))
+            lock = DirectoryLock(self._directory)
+            try:
+                lock.acquire()
+                self._lock = lock
+                # Hidden temporaries of a killed run: with the lock held, no live
+                # run can own them any more.
+                layout.remove_leftovers(self._directory)
+            except (CheckpointDirectoryBusyError, OSError) as exc:
+                error = str(exc)
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise CheckpointDirectoryBusyError(error)
+
+    def teardown(self, trainer: Any, module: Any, stage: str = "fit") -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         n = self.every_n_train_steps
@@ -105,6 +131,10 @@ class ModelCheckpoint:
             self._save(trainer)
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
+        # The run ended without a crash (max_steps mid-epoch, max_epochs, a stop
+        # request): its last step must be resumable, whatever the interval.
+        if trainer.global_step > 0 and trainer.global_step != self._last_global_step_saved:
+            self._save(trainer)
         self._finish_pending()
 
     def on_exception(self, trainer: Any, module: Any, exc: BaseException) -> None:
@@ -198,7 +228,8 @@ class ModelCheckpoint:
             if self.save_last:
                 layout.point_last(directory, path)
             for old in obsolete:
-                layout.remove_checkpoint(old)
+                if self._owns(old):
+                    layout.remove_checkpoint(old)
             if self.verbose:
                 print(f"[shardwise] saved {path}" + (f" ({self.monitor}={decision['score']:.6g})"
                                                        if decision["score"] is not None else ""))
@@ -249,23 +280,33 @@ class ModelCheckpoint:
         if after is not None:
             after()
 
+    def _owns(self, path: str) -> bool:
+        """Only checkpoints directly inside this run's resolved directory are ever deleted."""
+        return self._directory is not None and \
+            os.path.dirname(os.path.realpath(os.path.abspath(path))) == self._directory and \
+            os.path.basename(path) != layout.LAST_NAME
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         return {
-            "dirpath": self.dirpath, "monitor": self.monitor, "mode": self.mode,
+            "dirpath": self.dirpath, "directory": self._directory, "monitor": self.monitor, "mode": self.mode,
             "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
             "saved": list(self._saved), "last_global_step_saved": self._last_global_step_saved,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        same_place = state.get("dirpath") == self.dirpath and state.get("monitor") == self.monitor
+        # Compared by the resolved directory: two runs with the default dirpath
+        # (None) in different root directories are different places, and
+        # adopting the other's ranking would prune the other run's checkpoints.
+        same_place = self._directory is not None and state.get("directory") == self._directory and \
+            state.get("monitor") == self.monitor
         self._last_global_step_saved = state.get("last_global_step_saved", -1)
         if not same_place:
             return  # another directory or metric: start a fresh ranking
         exists = os.path.exists
-        self.best_k_models = {p: s for p, s in state.get("best_k_models", {}).items() if exists(p)}
-        self._saved = [p for p in state.get("saved", []) if exists(p)]
+        self.best_k_models = {p: s for p, s in state.get("best_k_models", {}).items() if exists(p) and self._owns(p)}
+        self._saved = [p for p in state.get("saved", []) if exists(p) and self._owns(p)]
         self.best_model_path = state.get("best_model_path", "")
         self.best_model_score = state.get("best_model_score")
         self.last_model_path = state.get("last_model_path", "")
