@@ -20,6 +20,23 @@ import torch
 
 ACCELERATORS = ("auto", "cpu", "cuda")
 
+# A worker that was asked to stop (SIGTERM / SIGINT / SLURM's --signal USR1),
+# finished its step and saved a checkpoint exits with this code (EX_TEMPFAIL:
+# "preempted, saved, resubmit me"); the launchers exit with it too.
+PREEMPTED_EXIT_CODE = 75
+# How long a launcher that forwarded a preemption signal waits for its workers
+# to save and leave before it kills them.
+PREEMPT_GRACE_ENV = "SHARDWISE_PREEMPT_GRACE_S"
+PREEMPT_GRACE_DEFAULT_S = 120.0
+
+
+def preempt_grace_s() -> float:
+    value = os.environ.get(PREEMPT_GRACE_ENV, "")
+    try:
+        return float(value) if value else PREEMPT_GRACE_DEFAULT_S
+    except ValueError:
+        raise ValueError(f"{PREEMPT_GRACE_ENV}={value!r}: use a number of seconds.") from None
+
 
 @dataclass(frozen=True)
 class DistEnv:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.distributed import ops
+from shardwise.distributed import faults, ops
 from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
                                        set_cpu_threads, single_process_env, tune_cpu_allocator)
 from shardwise.precision import Precision, build_precision
@@ -93,9 +93,14 @@ class Strategy:
 
     # ------------------------------------------------------------------ set-up
     def connect(self, accelerator: str = "auto", precision: Union[str, Precision, None] = None,
-                num_nodes: int = 1, devices: int = 1) -> None:
-        """Receive the Trainer's settings (accelerator, precision, layout) before setup."""
+                num_nodes: int = 1, devices: int = 1, timeout_s: Optional[float] = None) -> None:
+        """Receive the Trainer's settings (accelerator, precision, layout, collective timeout) before setup."""
         self.accelerator = resolve_accelerator(accelerator)
+        if timeout_s is not None:  # Trainer(timeout_s=...) wins over the strategy's default
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+                raise ValueError(f"timeout_s={timeout_s!r}: use a positive number of seconds (how long a "
+                                 "collective waits for a rank that stopped responding before the run fails).")
+            self.timeout_s = float(timeout_s)
         if precision is not None and self._precision_arg is not None:
             mine = build_precision(self._precision_arg, self.accelerator).name
             theirs = build_precision(precision, self.accelerator).name
@@ -126,7 +131,13 @@ class Strategy:
         else:
             set_cpu_threads(self.env.local_world_size)
             tune_cpu_allocator()
+        if self.env.is_distributed:
+            # Every rank keeps a progress record and records its own uncaught
+            # exception, so a launcher can name the rank that failed first or
+            # stopped responding (distributed/faults.py).
+            faults.install_worker(collective_timeout_s=self.timeout_s)
         if self.env.is_distributed and not dist.is_initialized():
+            faults.maybe_check_collectives()
             dist.init_process_group(
                 backend=backend_for(self.root_device.type), rank=self.env.global_rank,
                 world_size=self.env.world_size, timeout=datetime.timedelta(seconds=self.timeout_s),

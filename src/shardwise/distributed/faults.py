@@ -1,0 +1,303 @@
+"""Why a multi-rank run died: each worker's own record, and the launcher's verdict.
+
+Worker side (`install_worker`, called when a strategy joins the process
+group, and by `shardwise.launch`'s worker entry): an uncaught exception is
+written, with a sub-second timestamp, to `error.<rank>.json` in the run
+directory and to TORCHELASTIC_ERROR_FILE when torch's elastic agent (torchrun,
+`shardwise launch`) asked for one -- the same JSON torch's `@record` writes,
+so the agent's "Root Cause" shows the traceback -- and a rank's Python stacks
+can be dumped on request (faulthandler on SIGUSR2, into `stack.<rank>.txt`).
+
+Launcher side (`diagnose`): when ranks fail, the root cause is the earliest
+failure that is not a consequence of another: a peer's "Connection closed by
+peer" or a collective timeout comes after the failure that caused it, and
+int-second timestamps (torch's) cannot order failures a millisecond apart.
+A rank killed by a signal is named with the signal (SIGKILL: likely the
+kernel's OOM killer). A collective timeout names the rank that stopped making
+progress, from the progress records (progress.py), and shows its stack.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from shardwise.distributed import progress
+from shardwise.distributed.env import PREEMPTED_EXIT_CODE
+
+STACK_SIGNAL = signal.SIGUSR2
+
+# A peer's socket closing under us, or the backend giving up on a dead peer:
+# these follow another rank's failure, they do not cause it.
+_SECONDARY = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|EPIPE|Connection refused|"
+    r"failed to (recv|send)|recvBytes|sendBytes|Socket closed|communicator was aborted|"
+    r"ProcessGroup.*(aborted|shut ?down)|Read error|remote worker crashing", re.IGNORECASE)
+_TIMEOUT = re.compile(r"Timed out waiting|timed out after|Watchdog caught collective operation timeout|"
+                      r"DistTimeoutError|collective operation timeout|Timed out", re.IGNORECASE)
+
+_INSTALLED = False
+_stack_file = None
+_collective_timeout_s: Optional[float] = None
+CHECK_COLLECTIVES_ENV = "SHARDWISE_CHECK_COLLECTIVES"
+
+
+def classify(message: str) -> str:
+    """'timeout', 'secondary' or 'primary' for an exception's text."""
+    if _TIMEOUT.search(message):
+        return "timeout"
+    if _SECONDARY.search(message):
+        return "secondary"
+    return "primary"
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
+    """Write this rank's failure (torch's error-file JSON plus our fields); return the record."""
+    tb = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    now = time.time()
+    summary = f"{type(exc).__name__}: {exc}"
+    kind = classify(f"{summary}\n{tb}" if not isinstance(exc, (KeyboardInterrupt, SystemExit)) else summary)
+    records = progress.read_all()
+    where = records.get(_rank())
+    stall, stacks = None, {}
+    if kind == "timeout":
+        # Name the rank this one waited for while it is still alive, and ask it
+        # (same node: its pid is in its record) for its Python stack.
+        stall = progress.describe_stall([_rank()], records=records, timeout_s=_collective_timeout_s, now=now)
+        suspects = sorted((p for r, p in records.items() if r != _rank()), key=lambda p: (p.step, p.time))
+        if suspects and _alive(suspects[0].pid):
+            stacks = dump_stacks({suspects[0].rank: suspects[0].pid}, progress.run_dir())
+    data = {
+        "message": {"message": summary, "extraInfo": {"py_callstack": tb, "timestamp": str(int(now))}},
+        "shardwise": {"rank": _rank(), "time": now, "kind": kind, "summary": summary,
+                      "timeout_s": _collective_timeout_s, "stall": stall, "stacks": stacks,
+                      "hook": where.hook if where else None, "step": where.step if where else None},
+    }
+    targets = []
+    directory = progress.run_dir()
+    if directory and os.path.isdir(directory):
+        targets.append(os.path.join(directory, f"error.{_rank()}.json"))
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        targets.append(os.environ["TORCHELASTIC_ERROR_FILE"])
+    for path in targets:
+        try:
+            with open(path, "w") as fh:
+                json.dump(data, fh)
+        except OSError:
+            pass
+    return data
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        data = None
+        try:
+            data = record_exception(exc, text)
+        except Exception:  # the diagnosis must never hide the original error
+            pass
+        previous(exc_type, exc, tb)
+        if data is not None and data["shardwise"].get("stall"):
+            sys.stderr.write(f"[shardwise] rank {_rank()}: a collective timed out: {data['shardwise']['stall']}\n")
+    return hook
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid != os.getpid()
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def install_worker(collective_timeout_s: Optional[float] = None) -> None:
+    """Record this rank's uncaught exception and allow stack dumps; idempotent, cheap."""
+    global _INSTALLED, _stack_file, _collective_timeout_s
+    if collective_timeout_s is not None:
+        _collective_timeout_s = collective_timeout_s
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    sys.excepthook = _excepthook(sys.excepthook)
+    progress.mark("start-up", 0)
+    directory = progress.run_dir()
+    if directory and os.path.isdir(directory) and hasattr(faulthandler, "register"):
+        try:
+            _stack_file = open(os.path.join(directory, f"stack.{_rank()}.txt"), "w")
+            faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+        except (OSError, ValueError, RuntimeError):
+            pass
+
+
+def maybe_check_collectives() -> bool:
+    """SHARDWISE_CHECK_COLLECTIVES=1: have torch check that every rank calls the same collective.
+
+    torch's DETAIL debug level wraps each process group so that, before every
+    collective, the ranks compare its kind and tensor shapes (over a second
+    gloo group) and fail naming the mismatch instead of hanging or reducing
+    the wrong tensors. It costs an extra small collective per collective (see
+    the measurement in /work/notes/faults.md), so it is a debugging switch.
+    Must run before the process group is created. True if enabled.
+    """
+    if os.environ.get(CHECK_COLLECTIVES_ENV, "0") in ("", "0"):
+        return False
+    import torch.distributed as dist
+
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+    return True
+
+
+# ----------------------------------------------------------------- launcher side
+@dataclass
+class Outcome:
+    """What the launcher knows about one rank when the run ends."""
+
+    rank: int
+    exitcode: Optional[int]          # None: still running when the launcher stopped it
+    seen_at: float = 0.0             # when the launcher saw it exit
+    stopped_by_launcher: bool = False
+    record: Optional[Dict] = None    # error.<rank>.json
+    stack: str = ""
+
+    @property
+    def time(self) -> float:
+        if self.record:
+            return float(self.record["shardwise"]["time"])
+        return self.seen_at or float("inf")
+
+    @property
+    def kind(self) -> str:
+        if self.record:
+            return self.record["shardwise"]["kind"]
+        if self.exitcode is None or self.stopped_by_launcher:
+            return "stopped"
+        if self.exitcode == PREEMPTED_EXIT_CODE:
+            return "preempted"
+        return "signal" if self.exitcode < 0 else "exit"
+
+
+def read_records(directory: Optional[str]) -> Dict[int, Dict]:
+    out: Dict[int, Dict] = {}
+    if not directory or not os.path.isdir(directory):
+        return out
+    for name in os.listdir(directory):
+        if name.startswith("error.") and name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as fh:
+                    data = json.load(fh)
+                out[int(data["shardwise"]["rank"])] = data
+            except (OSError, ValueError, KeyError):
+                continue
+    return out
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def dump_stacks(pids: Dict[int, int], directory: Optional[str], wait_s: float = 1.0) -> Dict[int, str]:
+    """Ask ranks (rank -> pid) for their Python stacks (SIGUSR2 -> faulthandler); return what they wrote."""
+    if not directory or not pids:
+        return {}
+    for pid in pids.values():
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    time.sleep(wait_s)
+    stacks = {}
+    for rank in pids:
+        try:
+            with open(os.path.join(directory, f"stack.{rank}.txt")) as fh:
+                stacks[rank] = fh.read().strip()
+        except OSError:
+            pass
+    return {r: s for r, s in stacks.items() if s}
+
+
+def root_cause(outcomes: List[Outcome]) -> Optional[Outcome]:
+    """The first failure that is not a consequence of another."""
+    failed = [o for o in outcomes if o.kind not in ("stopped", "preempted") and (o.record or o.exitcode)]
+    for kinds in (("primary", "signal", "exit"), ("timeout",), ("secondary",)):
+        group = [o for o in failed if o.kind in kinds]
+        if group:
+            return min(group, key=lambda o: o.time)
+    return None
+
+
+def _trim_stack(stack: str, lines: int = 14) -> str:
+    # faulthandler lists the current thread first, innermost frame first; keep that thread
+    block = stack.split("\n\n")[0].splitlines()
+    return "\n".join("    " + line for line in block[:lines])
+
+
+def diagnose(outcomes: List[Outcome], run_dir: Optional[str] = None, timeout_s: Optional[float] = None,
+             with_traceback: bool = True) -> str:
+    """The launcher's verdict, ready for stderr: the root cause first, then its consequences."""
+    root = root_cause(outcomes)
+    others = len(outcomes) - 1
+    if root is None:
+        return ""
+    if root.kind == "signal":
+        sig = signal_name(-root.exitcode)
+        text = f"[shardwise] rank {root.rank} was killed by {sig} (exit code {root.exitcode}); it left no traceback."
+        if -root.exitcode == signal.SIGKILL:
+            text += (" SIGKILL from nobody in this job usually means the kernel's out-of-memory killer: check "
+                     "`dmesg | grep -i -E 'killed process|out of memory'` (or the job's memory limit) and lower "
+                     "the memory per rank (batch size, activation checkpointing, sharding, CPU offload).")
+        elif -root.exitcode == signal.SIGSEGV:
+            text += " A segmentation fault is a crash in native code (an extension, a driver)."
+    elif root.kind == "exit":
+        text = (f"[shardwise] rank {root.rank} exited with code {root.exitcode} without an uncaught Python exception "
+                "(sys.exit / os._exit, or a crash in native code); its own output is above.")
+    elif root.kind == "timeout":
+        waiting = sorted(o.rank for o in outcomes if o.kind == "timeout")
+        timeout_s = timeout_s or root.record["shardwise"].get("timeout_s")
+        stall = progress.describe_stall(waiting, records=progress.read_all(run_dir), timeout_s=timeout_s)
+        summary = root.record["shardwise"]["summary"]
+        text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}: a collective timed out ({summary})."
+        if stall:
+            text += f"\n[shardwise] {stall}."
+        stacks = {int(r): st for o in outcomes if o.record for r, st in (o.record["shardwise"].get("stacks") or {}).items()}
+        stacks.update({o.rank: o.stack for o in outcomes if o.stack})
+        for rank in [r for r in sorted(stacks) if r not in waiting][:2]:
+            text += f"\n[shardwise] rank {rank}'s Python stack while the others waited:\n{_trim_stack(stacks[rank])}"
+        if not stall:
+            text += ("\n[shardwise] No progress records to name the rank it waited for: a rank that stopped "
+                     "responding (or called a collective the others did not) is the usual cause.")
+    else:
+        rec = root.record["shardwise"]
+        where = f" in {rec['hook']} at step {rec['step']}" if rec.get("hook") else ""
+        text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}{where}: {rec['summary']}"
+        if with_traceback:
+            tb = root.record["message"]["extraInfo"]["py_callstack"].rstrip()
+            text += f"\n[shardwise] rank {root.rank}'s traceback (the first failure):\n{tb}"
+    consequences = [o for o in outcomes if o is not root and o.kind in ("secondary", "timeout", "primary", "signal",
+                                                                            "exit")]
+    if consequences:
+        text += "\n[shardwise] after it: " + "; ".join(
+            f"rank {o.rank}: " + (o.record["shardwise"]["summary"].splitlines()[0][:160] if o.record else
+                                  (signal_name(-o.exitcode) if o.exitcode and o.exitcode < 0 else f"exit {o.exitcode}"))
+            for o in sorted(consequences, key=lambda o: o.time))
+    stopped = [o.rank for o in outcomes if o.kind == "stopped"]
+    if stopped:
+        text += f"\n[shardwise] stopped the other {len(stopped)} rank(s) ({', '.join(map(str, stopped))}) of {others + 1}."
+    return text + "\n"
