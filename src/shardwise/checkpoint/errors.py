@@ -1,8 +1,9 @@
 """The errors a checkpoint can raise, each saying what is wrong and what to do.
 
 Loading is where a long run meets its past: a wrong path, a file cut short by
-a full disk, a model that changed shape since the save, a checkpoint from
-another shardwise release. Each case has its own exception type (so tests and
+a full disk, flipped bytes, a file that asks to run code, a model that
+changed shape since the save, a checkpoint from another shardwise release;
+saving is where it meets a full or read-only disk. Each case has its own exception type (so tests and
 callers can catch it precisely) and a message that names the file, the keys
 or the versions involved instead of surfacing a pickle or zip traceback.
 """
@@ -19,6 +20,29 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is truncated or unreadable (the message names it)."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A checkpoint file's bytes differ from the checksum recorded when it was written."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint file asks to run code (a pickled global outside the allow-list); nothing was executed."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed in the filesystem (no space, read-only, permission); names the path.
+
+    Also an OSError with the original errno, so `exc.errno == errno.ENOSPC` works.
+    """
+
+    def __init__(self, message: str, errno_: int = 0, path: str = "") -> None:
+        super().__init__(message)
+        self.errno = errno_
+        self.filename = path
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
 
 
 class CheckpointMismatchError(CheckpointError):

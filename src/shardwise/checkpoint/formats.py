@@ -35,9 +35,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from shardwise.checkpoint.errors import CheckpointFormatError, CheckpointMismatchError, CorruptCheckpointError
-from shardwise.checkpoint.layout import (MANIFEST_NAME, load_torch, read_trainer_state, save_torch_durably,
-                                         write_trainer_state)
+from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
+                                         CorruptCheckpointError)
+from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_checksums, tensor_digest,
+                                            verify_directory, verify_tensor_digest, write_checksum_part,
+                                            write_error)
+from shardwise.checkpoint.layout import (MANIFEST_NAME, load_torch, read_manifest, read_trainer_state,
+                                         save_torch_durably, write_trainer_state)
+from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner, plain_state
 
 BUILTIN_FORMATS = ("full", "sharded")
 _DCP_METADATA = ".metadata"
@@ -47,6 +52,10 @@ _async_group: Optional[Any] = None
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -104,23 +113,37 @@ def save_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
                               async_save: bool = False) -> Optional[Future]:
     """Write model + optimizers + trainer `state` at `path` (collective: call on every rank)."""
     if checkpoint_format == "full":
-        _save_full(model, optimizers, path, state)
-        return None
+        return _save_full(model, optimizers, path, state)
     if checkpoint_format == "sharded":
         return _save_sharded(model, optimizers, path, state, async_save)
     raise CheckpointFormatError(f"Unknown checkpoint format {checkpoint_format!r}; built in: {BUILTIN_FORMATS}.")
 
 
+def _failed(exc: BaseException) -> Future:
+    """A failed write as a completed Future: the commit reports it on every rank and removes the
+    temporary checkpoint, instead of this rank raising alone while the others wait in a collective."""
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
+
+
 def _save_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str,
-               state: Dict[str, Any]) -> None:
+               state: Dict[str, Any]) -> Optional[Future]:
     # full_state_dict + cpu_offload: tensors are all-gathered one at a time and
     # only rank 0 keeps them (in host memory); the other ranks get {}.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optim_states = [get_optimizer_state_dict(model, opt, options=options) for opt in optimizers]
     if _rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save_torch_durably({**state, "state_dict": model_state, "optimizer_states": optim_states}, path)
+        tensors = {"state_dict": model_state, "optimizer_states": optim_states}
+        # The file cannot hold its own hash: record one over its tensor bytes instead (integrity.py).
+        manifest = {**state["shardwise"], "checksums": tensor_digest(tensors)}
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            save_torch_durably({**plain_state(state, "trainer state"), "shardwise": manifest, **tensors}, path)
+        except (OSError, CheckpointError) as exc:
+            return _failed(write_error(exc, path))
+    return None
 
 
 def _checkpoint_group() -> Any:
@@ -142,25 +165,99 @@ def _save_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         _MODEL: get_model_state_dict(model),
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
+    error: Optional[BaseException] = None
     if _rank() == 0:
-        write_trainer_state(path, state)  # creates the directory
+        try:
+            write_trainer_state(path, state)  # creates the directory
+        except (OSError, CheckpointError) as exc:
+            error = write_error(exc, path)
+    # Every rank still enters DCP's collectives (a failure there is shared by
+    # DCP itself); a rank that raised here alone would leave the others waiting.
     writer = dcp.FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
     if async_save:
         # Staging copies this rank's shards to host memory now; the writing
         # (and DCP's own collectives, on a private group) runs in a thread.
-        return dcp.async_save(payload, storage_writer=writer, process_group=_checkpoint_group())
-    dcp.save(payload, storage_writer=writer)
-    return None
+        response = dcp.async_save(payload, storage_writer=writer, process_group=_checkpoint_group())
+        return _hash_when_written(response, path, error)
+    try:
+        dcp.save(payload, storage_writer=writer)
+    except BaseException as exc:  # CheckpointException is a BaseException
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        error = error or write_error(exc, path)
+    # Each rank hashes its own data file(s); rank 0 also .metadata; rank 0 records all in the manifest.
+    sums: Dict[str, Any] = {}
+    if error is None:
+        try:
+            sums = hash_files(path, _own_files(path, _rank()))
+        except OSError as exc:
+            error = write_error(exc, path)
+    gathered = _all_gather((sums, None if error is None else str(error)))
+    if error is None and _rank() == 0 and not any(e for _, e in gathered):
+        try:
+            record_checksums(path, {k: v for part, _ in gathered for k, v in part.items()})
+        except (OSError, CheckpointError) as exc:
+            error = write_error(exc, path)
+    return None if error is None else _failed(error)
+
+
+def _own_files(path: str, rank: int) -> List[str]:
+    """The files rank `rank` wrote in a DCP directory: its `__{rank}_*.distcp`, and `.metadata` for rank 0."""
+    names = [n for n in os.listdir(path) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+    return sorted(names) + ([_DCP_METADATA] if rank == 0 else [])
+
+
+def _all_gather(obj: Any) -> List[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _hash_when_written(response: Any, path: str, error: Optional[BaseException]) -> Future:
+    """A Future completing once DCP's background write is done AND this rank's files are hashed.
+
+    No collective may run in that thread, so each rank writes its sums to
+    `.checksums-rankN.json` (integrity.merge_checksum_parts folds them into the
+    manifest at commit; load reads them either way).
+    """
+    inner = getattr(response, "upload_completion", response)
+    done: Future = Future()
+    rank = _rank()
+
+    def finish(fut: Any) -> None:
+        try:
+            fut.result()
+            if error is not None:
+                raise error
+            write_checksum_part(path, rank, hash_files(path, _own_files(path, rank)))
+            done.set_result(None)
+        except BaseException as exc:  # noqa: B036 - reported by the commit on every rank
+            done.set_exception(write_error(exc, path) if find_os_error(exc) is not None else exc)
+
+    inner.add_done_callback(finish)
+    return done
 
 
 # --------------------------------------------------------------------- load
 def load_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str,
                               checkpoint_format: str) -> Dict[str, Any]:
     """Load a "full" or "sharded" checkpoint into a running model + optimizers; return the trainer state."""
-    if checkpoint_format == "full":
-        return _load_full(model, optimizers, path)
-    if checkpoint_format == "sharded":
-        return _load_sharded(model, optimizers, path)
+    loader = {"full": _load_full, "sharded": _load_sharded}.get(checkpoint_format)
+    if loader is not None:
+        try:
+            return loader(model, optimizers, path)
+        except CheckpointError:
+            raise
+        except BaseException as exc:  # noqa: B036 - DCP's CheckpointException is not an Exception
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CorruptCheckpointError(
+                f"Loading {path} ({checkpoint_format}) failed: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}. If the model or optimizer changed since the "
+                "save, build them as they were; otherwise the files may be damaged: resume from an earlier "
+                "checkpoint.") from exc
     raise CheckpointFormatError(
         f"{path} is a {checkpoint_format!r} checkpoint, which this strategy cannot load (it reads "
         f"{', '.join(BUILTIN_FORMATS)}). Resume it with the strategy that wrote it, or export its weights with "
@@ -171,8 +268,22 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     # mmap: the file's pages are shared between ranks through the page cache
     # instead of each rank holding a private copy.
     payload = load_torch(path, mmap=True)
-    if "state_dict" not in payload:
+    if not isinstance(payload, dict) or "state_dict" not in payload:
         raise CorruptCheckpointError(f"{path} has no 'state_dict' entry: not a full shardwise checkpoint.")
+    # One digest covers the file's tensors; rank 0 checks it (reading the
+    # mapped pages once) and every rank raises together.
+    problem = None
+    if _rank() == 0:
+        try:
+            verify_tensor_digest(path, payload.get("shardwise", {}),
+                                 {k: payload.get(k) for k in ("state_dict", "optimizer_states")})
+        except CheckpointError as exc:
+            problem = str(exc)
+    problem = _all_gather(problem)[0]
+    if problem:
+        from shardwise.checkpoint.errors import ChecksumMismatchError
+
+        raise ChecksumMismatchError(problem)
     _check_model(path, shapes_of(payload["state_dict"]), model)
     optim_states = payload.get("optimizer_states", [])
     _check_optimizer_count(path, len(optim_states), len(optimizers))
@@ -180,13 +291,23 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     options = StateDictOptions(full_state_dict=True) if _is_sharded(model) else StateDictOptions()
     set_model_state_dict(model, payload["state_dict"], options=options)
     for index, (opt, osd) in enumerate(zip(optimizers, optim_states)):
+        # An optimizer without per-parameter tensors (plain SGD) has nothing to
+        # slice, and torch's full-state path then fails ("Expected device to be
+        # set"): its hyper-parameters load the same way under any layout.
+        opt_options = options if _has_tensor_state(osd) else StateDictOptions()
         try:
-            set_optimizer_state_dict(model, opt, osd, options=options)
+            set_optimizer_state_dict(model, opt, osd, options=opt_options)
         except (KeyError, ValueError, RuntimeError) as exc:
             raise CheckpointMismatchError(
                 f"Optimizer {index} in {path} does not match the running optimizer "
                 f"({type(opt).__name__}): {exc}") from exc
     return {k: v for k, v in payload.items() if k not in ("state_dict", "optimizer_states")}
+
+
+def _has_tensor_state(osd: Mapping[str, Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.dim() > 0
+               for per_param in (osd.get("state") or {}).values() if isinstance(per_param, dict)
+               for v in per_param.values())
 
 
 def check_dcp_files(path: str, metadata: Any) -> None:
@@ -206,13 +327,11 @@ def check_dcp_files(path: str, metadata: Any) -> None:
 
 
 def read_dcp_metadata(path: str) -> Any:
+    """DCP's `.metadata`, unpickled through the allow-list (safety.py), with every data file checked present."""
     file = os.path.join(path, _DCP_METADATA)
     if not os.path.exists(file):
         raise CorruptCheckpointError(f"{file} is missing: {path} is not a complete sharded checkpoint.")
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{file} is truncated or corrupt: {exc}") from exc
+    metadata = SafeFileSystemReader(path).read_metadata()
     check_dcp_files(path, metadata)
     return metadata
 
@@ -228,6 +347,8 @@ def _prefixed_shapes(metadata: Any, prefix: str) -> Dict[str, Tuple[int, ...]]:
 def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:
     state = read_trainer_state(path)
     metadata = read_dcp_metadata(path)
+    # Each rank hashes every world_size-th file; all raise together on a mismatch.
+    verify_directory(path, read_manifest(path), _rank(), _world(), gather=_all_gather)
     _check_model(path, _prefixed_shapes(metadata, _MODEL + "."), model)
     saved_optims = {k.split(".")[1] for k in metadata.state_dict_metadata if k.startswith(_OPTIMIZERS + ".")}
     _check_optimizer_count(path, len(saved_optims), len(optimizers))
@@ -238,8 +359,10 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
     try:
-        dcp.load(payload, storage_reader=dcp.FileSystemReader(path))
-    except Exception as exc:
+        dcp.load(payload, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
+    except CheckpointError:
+        raise
+    except BaseException as exc:  # noqa: B036 - CheckpointException is a BaseException
         # Names and shapes were checked above and the optimizer types by the
         # caller, so what is left is a file DCP could not decode.
         raise CorruptCheckpointError(f"Reading {path} failed; a data file may be corrupt: {exc}") from exc

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -70,7 +71,7 @@ def build_manifest(checkpoint_format: str, strategy: str, world_size: int, train
         "batch_idx": int(train_state.get("batch_idx", 0)),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shardwise_version": version,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # TorchVersion is a class; the manifest holds plain data
     }
 
 
@@ -101,11 +102,29 @@ def fsync_dir(path: str) -> None:
 
 
 def save_torch_durably(obj: Any, path: str) -> None:
-    """torch.save + flush + fsync, so a later rename never exposes a half-written file."""
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """torch.save + flush + fsync, so a later rename never exposes a half-written file.
+
+    A failed write (full disk, read-only filesystem) removes the partial file
+    and raises CheckpointWriteError with the real errno: torch's zip writer
+    would otherwise report only "unexpected pos N vs M".
+    """
+    from shardwise.checkpoint.integrity import RecordingWriter, write_error
+
+    writer = None
+    try:
+        with open(path, "wb") as fh:
+            writer = RecordingWriter(fh)
+            torch.save(obj, writer)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except (OSError, RuntimeError) as exc:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if isinstance(exc, OSError) or (writer is not None and writer.error is not None):
+            raise write_error(writer.error if writer is not None and writer.error else exc, path) from exc
+        raise
 
 
 def write_trainer_state(directory: str, state: Dict[str, Any]) -> None:
@@ -115,30 +134,33 @@ def write_trainer_state(directory: str, state: Dict[str, Any]) -> None:
     `Strategy.save_checkpoint` so that every directory checkpoint is
     recognised, inspected and resumed the same way.
     """
-    os.makedirs(directory, exist_ok=True)
-    save_torch_durably(state, os.path.join(directory, TRAINER_STATE_NAME))
-    manifest_path = os.path.join(directory, MANIFEST_NAME)
-    with open(manifest_path, "w") as fh:
-        json.dump(state["shardwise"], fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
+    from shardwise.checkpoint.integrity import file_digest, write_error, write_json_durably
+    from shardwise.checkpoint.safety import plain_state
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, directory) from exc
+    state_path = os.path.join(directory, TRAINER_STATE_NAME)
+    # Plain data only (an object in hparams becomes its repr): loading never unpickles code.
+    save_torch_durably(plain_state(state, "trainer state"), state_path)
+    # The data files' sums are added by the strategy once every rank has written them.
+    manifest = {**state["shardwise"], "checksums": {TRAINER_STATE_NAME: file_digest(state_path)}}
+    write_json_durably(os.path.join(directory, MANIFEST_NAME), manifest)
 
 
 def read_trainer_state(directory: str) -> Dict[str, Any]:
     return load_torch(os.path.join(directory, TRAINER_STATE_NAME))
 
 
-def load_torch(path: str, **kwargs: Any) -> Any:
-    """torch.load with errors that name the file. Checkpoints are pickles: load only trusted ones."""
+def load_torch(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """torch.load of tensors and plain data only (safety.py): a file that asks to run code is refused
+    (UnsafeCheckpointError) and a damaged one is CorruptCheckpointError; both name the file."""
+    from shardwise.checkpoint.safety import safe_torch_load
+
     if not os.path.exists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete.")
-    try:
-        return torch.load(path, map_location=kwargs.pop("map_location", "cpu"), weights_only=False, **kwargs)
-    except Exception as exc:  # zip / pickle / EOF errors all mean the same thing here
-        raise CorruptCheckpointError(
-            f"{path} is truncated or corrupt ({os.path.getsize(path)} bytes; torch.load said: "
-            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). Resume from an earlier checkpoint."
-        ) from exc
+    return safe_torch_load(path, map_location=map_location, mmap=mmap)
 
 
 def read_manifest(path: str) -> Dict[str, Any]:
@@ -155,7 +177,7 @@ def read_manifest(path: str) -> Dict[str, Any]:
         except (ValueError, OSError) as exc:
             raise CorruptCheckpointError(f"{manifest_path} is truncated or corrupt: {exc}") from exc
     # One file: load it on the meta device, which reads only the pickled
-    # structure, never the tensor bytes.
+    # structure, never the tensor bytes (and through the safe unpickler).
     payload = load_torch(path, map_location="meta")
     if not isinstance(payload, dict) or "shardwise" not in payload:
         raise CorruptCheckpointError(f"{path} is a torch file but not a shardwise checkpoint (no 'shardwise' entry).")
@@ -243,8 +265,13 @@ class CheckpointEntry:
         return int(self.manifest.get("global_step", -1))
 
 
-def list_checkpoints(directory: str) -> List[CheckpointEntry]:
-    """Committed shardwise checkpoints in `directory`, oldest step first (symlinks and leftovers skipped)."""
+def list_checkpoints(directory: str, skipped: Optional[List[str]] = None) -> List[CheckpointEntry]:
+    """Committed shardwise checkpoints in `directory`, oldest step first (symlinks and leftovers skipped).
+
+    Reads manifests only (JSON, or a one-file checkpoint's structure through the
+    safe unpickler). Entries that cannot be read are left out and, when given,
+    appended to `skipped` as "path: reason".
+    """
     entries: List[CheckpointEntry] = []
     if not os.path.isdir(directory):
         return entries
@@ -257,7 +284,9 @@ def list_checkpoints(directory: str) -> List[CheckpointEntry]:
             continue
         try:
             entries.append(CheckpointEntry(path, read_manifest(path)))
-        except Exception:  # unreadable: not something to resume from
+        except Exception as exc:  # unreadable or unsafe: not something to resume from
+            if skipped is not None:
+                skipped.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             continue
     entries.sort(key=lambda e: (e.step, os.path.getmtime(e.path)))
     return entries
@@ -268,15 +297,42 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     link = os.path.join(directory, LAST_NAME)
     if os.path.exists(link):  # exists() follows the link: a dangling one is skipped
         return os.path.realpath(link)
-    entries = list_checkpoints(directory)
+    skipped: List[str] = []
+    entries = list_checkpoints(directory, skipped)
+    if skipped:
+        warnings.warn(f"Skipped {len(skipped)} unreadable checkpoint(s) in {directory} while looking for the "
+                      "latest:\n  " + "\n  ".join(skipped) + "\nDelete or move them if they are not yours.",
+                      stacklevel=2)
     return entries[-1].path if entries else None
 
 
-def describe_available(directories: List[str]) -> str:
+def candidate_names(directory: str) -> List[str]:
+    """Names in `directory` that look like checkpoints, from the listing alone (no file is opened)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory)
+                  if not n.startswith(".") and (n.endswith(SUFFIX) or os.path.exists(os.path.join(directory, n,
+                                                                                                  MANIFEST_NAME))))
+
+
+def describe_available(directories: List[str], wanted: Optional[str] = None) -> str:
+    """What exists in `directories`, by name only: never opens a file (a stray pickle must not run).
+
+    With `wanted` (the mistyped path), the closest names come first.
+    """
+    import difflib
+
     lines = []
     for directory in dict.fromkeys(os.path.abspath(d) for d in directories):
-        for entry in list_checkpoints(directory):
-            lines.append(f"  {entry.path}  (step {entry.step}, {entry.manifest.get('checkpoint_format')})")
+        names = candidate_names(directory)
+        if not names:
+            continue
+        close = difflib.get_close_matches(os.path.basename(wanted), names, n=3, cutoff=0.5) if wanted else []
+        if close:
+            lines.append("  did you mean: " + ", ".join(os.path.join(directory, n) for n in close))
+        shown = names[-10:]
+        more = f" ... ({len(names) - len(shown)} more)" if len(names) > len(shown) else ""
+        lines.append(f"  in {directory}: {', '.join(shown)}{more}")
     return "\n".join(lines) if lines else "  (none)"
 
 
@@ -292,5 +348,6 @@ def resolve(ckpt_path: str, search_dirs: List[str]) -> Optional[str]:
     if not os.path.exists(path):
         dirs = [os.path.dirname(path)] + list(search_dirs)
         raise CheckpointNotFoundError(
-            f"Checkpoint {path} does not exist. Checkpoints found:\n{describe_available(dirs)}")
+            f"Checkpoint {path} does not exist. Pass an existing checkpoint path, or ckpt_path='last' to resume the "
+            f"newest one. Checkpoints found:\n{describe_available(dirs, wanted=path)}")
     return os.path.realpath(path)

@@ -4,13 +4,16 @@
 checkpoint of a model that only fits on a cluster, so nothing here loads a
 whole checkpoint:
 - a "full" file is opened on the meta device (torch reads only the pickled
-  structure and records where each tensor's bytes start in the file); a
-  tensor is then read with one positioned read of exactly its storage;
+  structure, through the weights_only unpickler, and records where each
+  tensor's bytes start in the file); a tensor is then read with one
+  positioned read of exactly its storage;
 - a "sharded" (DCP) directory is described by its `.metadata`; a tensor is
   read by asking DCP for that one key, which reads just the byte ranges of
   its shards, from whichever rank files hold them.
 Peak memory is therefore about the largest tensor (plus one dtype-cast copy),
-not the model. Other directory formats (DeepSpeed) plug in with
+not the model. Before the first tensor is returned the checksums recorded at
+save time are verified (integrity.py); nothing is ever unpickled outside
+the allow-lists of safety.py. Other directory formats (DeepSpeed) plug in with
 `register_reader(name, factory)`.
 """
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from shardwise.checkpoint import layout
-from shardwise.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
+from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
+                                        CorruptCheckpointError)
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ class FullFileReader(CheckpointReader):
         super().__init__(path, self._meta["shardwise"])
         self._state = self._meta["state_dict"]
         self._mapped: Optional[Dict[str, torch.Tensor]] = None
+        self._verified = False
 
     def tensors(self) -> List[TensorInfo]:
         return [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in self._state.items() if isinstance(v, torch.Tensor)]
@@ -113,6 +118,15 @@ class FullFileReader(CheckpointReader):
         return {k: v for k, v in self._meta.items() if k not in ("state_dict", "optimizer_states")}
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        if not self._verified:  # the recorded digest covers every tensor: check it once, by mmap
+            from shardwise.checkpoint.integrity import verify_enabled, verify_tensor_digest
+
+            if verify_enabled():
+                mapped = layout.load_torch(self.path, mmap=True)
+                verify_tensor_digest(self.path, self.manifest, {k: mapped.get(k) for k in ("state_dict",
+                                                                                          "optimizer_states")})
+                del mapped
+            self._verified = True
         out = {}
         with open(self.path, "rb") as fh:
             for name in names:
@@ -150,6 +164,7 @@ class ShardedDirReader(CheckpointReader):
 
         super().__init__(path, manifest)
         self.metadata = read_dcp_metadata(path)
+        self._verified = False
 
     def _tensor_md(self, prefix: str) -> List[TensorInfo]:
         out = []
@@ -169,22 +184,26 @@ class ShardedDirReader(CheckpointReader):
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-        metadata = self.metadata
+        metadata = self.metadata  # read once (safely), not once per tensor
 
-        class _Reader(FileSystemReader):  # reuses the metadata read once, not once per tensor
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                return metadata
+        from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
 
+        if not self._verified:  # once, before the first tensor is handed out (SHARDWISE_VERIFY_CHECKSUMS=0 skips)
+            from shardwise.checkpoint.integrity import verify_directory
+
+            verify_directory(self.path, self.manifest)
+            self._verified = True
         info = {t.name: t for t in self.tensors()}
         target = {self._MODEL + n: torch.empty(info[n].shape, dtype=info[n].dtype) for n in names}
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore")
-                dcp.load(target, storage_reader=_Reader(self.path),
-                         planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        except Exception as exc:
+                dcp.load(target, storage_reader=SafeFileSystemReader(self.path, metadata),
+                         planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+        except CheckpointError:
+            raise
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
             raise CorruptCheckpointError(f"Reading {sorted(names)[:3]} from {self.path} failed; a data file "
                                          f"may be corrupt: {exc}") from exc
         return {k[len(self._MODEL):]: v for k, v in target.items()}
@@ -209,8 +228,9 @@ def resolve_cli_path(path: str) -> str:
     """A checkpoint, or a directory of checkpoints (then its `last`); errors list what exists."""
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(full):
+        # Names only: a stray file beside the typo is never opened.
         raise CheckpointNotFoundError(f"Checkpoint {full} does not exist. Checkpoints found:\n"
-                                      f"{layout.describe_available([os.path.dirname(full)])}")
+                                      f"{layout.describe_available([os.path.dirname(full)], wanted=full)}")
     if os.path.isdir(full) and not os.path.exists(os.path.join(full, layout.MANIFEST_NAME)):
         latest = layout.latest_checkpoint(full)
         if latest is not None:

@@ -1,0 +1,291 @@
+"""Checksums for every checkpoint file, and filesystem errors that say what happened and where.
+
+Bytes flipped inside a tensor load silently as wrong weights (1e30, NaN) and
+a full disk surfaces from torch's zip writer as "unexpected pos 704 vs 598".
+This file closes both gaps:
+- sha256 of every file a directory checkpoint holds is recorded in its
+  manifest (`checksums`: relative path -> {sha256, bytes}); each rank hashes
+  the files it wrote, rank 0 merges them into the manifest before the
+  commit. A one-file checkpoint cannot hold its own file's hash, so its
+  manifest records one sha256 over every tensor's bytes (the bulk of the
+  file; the surrounding structure is validated by the safe unpickler). Load
+  verifies them, spread over the ranks, unless SHARDWISE_VERIFY_CHECKSUMS=0.
+- a write that fails in the filesystem (ENOSPC, EROFS, EACCES, EDQUOT)
+  becomes CheckpointWriteError naming the errno, the path and the fix;
+  `check_writable(directory)` finds a read-only or full directory before the
+  first step instead of at the first save.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+
+from shardwise.checkpoint.errors import (ChecksumMismatchError, CheckpointWriteError, CorruptCheckpointError)
+
+ALGORITHM = "sha256"
+VERIFY_ENV = "SHARDWISE_VERIFY_CHECKSUMS"
+PART_PREFIX = ".checksums-rank"
+_CHUNK = 8 << 20
+
+
+def verify_enabled() -> bool:
+    """Checksums are verified on load unless SHARDWISE_VERIFY_CHECKSUMS=0 (for a trusted, fast disk)."""
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# ------------------------------------------------------------------ hashing
+def file_digest(path: str) -> Dict[str, Any]:
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, ALGORITHM)
+    return {ALGORITHM: digest.hexdigest(), "bytes": os.path.getsize(path)}
+
+
+def hash_files(directory: str, relpaths: Iterable[str]) -> Dict[str, Dict[str, Any]]:
+    return {rel: file_digest(os.path.join(directory, rel)) for rel in relpaths}
+
+
+def _tensors(tree: Any) -> Iterable[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            yield from _tensors(tree[key])
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def tensor_digest(tree: Any) -> Dict[str, Any]:
+    """sha256 over every tensor's bytes in `tree` (sorted keys), for one-file checkpoints."""
+    h = hashlib.new(ALGORITHM)
+    count = total = 0
+    for t in _tensors(tree):
+        flat = t.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        data = flat.contiguous().view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+        h.update(memoryview(data.numpy()))
+        count += 1
+        total += data.numel()
+    return {"tensors_" + ALGORITHM: h.hexdigest(), "tensors": count, "tensor_bytes": total}
+
+
+# ---------------------------------------------------------------- manifests
+def _manifest_path(directory: str) -> str:
+    from shardwise.checkpoint.layout import MANIFEST_NAME
+
+    return os.path.join(directory, MANIFEST_NAME)
+
+
+def write_json_durably(path: str, obj: Any) -> None:
+    tmp = path + ".partial"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        raise write_error(exc, path) from exc
+
+
+def record_checksums(directory: str, sums: Dict[str, Dict[str, Any]]) -> None:
+    """Merge `sums` into the directory's manifest (rank 0, before the commit)."""
+    path = _manifest_path(directory)
+    with open(path) as fh:
+        manifest = json.load(fh)
+    manifest.setdefault("checksums", {}).update(sums)
+    write_json_durably(path, manifest)
+
+
+def write_checksum_part(directory: str, rank: int, sums: Dict[str, Dict[str, Any]]) -> None:
+    """One rank's sums, for async saves whose writes finish in a background thread (no collective there)."""
+    write_json_durably(os.path.join(directory, f"{PART_PREFIX}{rank}.json"), sums)
+
+
+def merge_checksum_parts(directory: str) -> None:
+    """Fold the per-rank `.checksums-rankN.json` of an async save into the manifest (rank 0, before commit).
+
+    Optional: load reads the parts as well, so an uncommitted merge loses nothing.
+    """
+    if not os.path.isdir(directory):
+        return
+    parts = sorted(n for n in os.listdir(directory) if n.startswith(PART_PREFIX))
+    if not parts:
+        return
+    sums: Dict[str, Any] = {}
+    for name in parts:
+        with open(os.path.join(directory, name)) as fh:
+            sums.update(json.load(fh))
+    record_checksums(directory, sums)
+    for name in parts:
+        _remove_quietly(os.path.join(directory, name))
+
+
+def recorded_checksums(directory: str, manifest: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    sums = dict(manifest.get("checksums") or {})
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(PART_PREFIX):
+            try:
+                with open(os.path.join(directory, name)) as fh:
+                    sums.update(json.load(fh))
+            except (OSError, ValueError) as exc:
+                raise CorruptCheckpointError(f"{os.path.join(directory, name)} is unreadable: {exc}") from exc
+    return sums
+
+
+def verify_files(directory: str, sums: Dict[str, Dict[str, Any]], relpaths: Iterable[str]) -> Optional[str]:
+    """None when every listed file matches its recorded sum, else the first problem, naming the file."""
+    for rel in relpaths:
+        expected = sums[rel]
+        path = os.path.join(directory, rel)
+        if not os.path.exists(path):
+            return f"{path} is missing: the checkpoint is incomplete."
+        actual = file_digest(path)
+        if actual[ALGORITHM] != expected.get(ALGORITHM):
+            return (f"{path} is corrupt: its {ALGORITHM} is {actual[ALGORITHM]} ({actual['bytes']} bytes) but the "
+                    f"manifest recorded {expected.get(ALGORITHM)} ({expected.get('bytes')} bytes) when it was "
+                    f"written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway).")
+    return None
+
+
+def verify_directory(directory: str, manifest: Dict[str, Any], rank: int = 0, world_size: int = 1,
+                     gather: Any = None) -> None:
+    """Check every recorded file, this rank taking every world_size-th; `gather` shares the verdicts.
+
+    `gather(obj) -> list` must be a collective over the loading ranks (or None in one process), so
+    that every rank raises together instead of some waiting in the next collective.
+    """
+    if not verify_enabled():
+        return
+    sums = recorded_checksums(directory, manifest)
+    problem = verify_files(directory, sums, sorted(sums)[rank::world_size]) if sums else None
+    problems = [p for p in (gather(problem) if gather is not None else [problem]) if p]
+    if problems:
+        raise ChecksumMismatchError(problems[0])
+
+
+def verify_tensor_digest(path: str, manifest: Dict[str, Any], tree: Any) -> None:
+    expected = (manifest.get("checksums") or {}).get("tensors_" + ALGORITHM)
+    if expected is None or not verify_enabled():
+        return
+    actual = tensor_digest(tree)["tensors_" + ALGORITHM]
+    if actual != expected:
+        raise ChecksumMismatchError(
+            f"{path} is corrupt: the {ALGORITHM} of its tensor data is {actual} but {expected} was recorded when "
+            f"it was written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway).")
+
+
+# ------------------------------------------------------------ write errors
+_FIX = {
+    errno.ENOSPC: "no space left on the device: free space or point the checkpoint directory at a larger disk "
+                  "(the previous checkpoints are untouched)",
+    errno.EDQUOT: "the disk quota is exceeded: free space or raise the quota",
+    errno.EROFS: "the filesystem is read-only: choose a writable checkpoint directory (dirpath= / "
+                 "default_root_dir=)",
+    errno.EACCES: "permission denied: choose a directory this user may write, or fix its permissions",
+    errno.EPERM: "operation not permitted: choose a directory this user may write, or fix its permissions",
+}
+
+
+def find_os_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError behind `exc` (its cause / context chain, or DCP's per-rank failures)."""
+    seen = set()
+    stack: List[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e
+        failures = getattr(e, "failures", None)  # torch's CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        stack.extend([e.__cause__, e.__context__])
+    return None
+
+
+def write_error(exc: BaseException, path: str) -> CheckpointWriteError:
+    """A CheckpointWriteError for a failed write of `path`, naming the errno when one is found."""
+    if isinstance(exc, CheckpointWriteError):
+        return exc
+    os_error = find_os_error(exc)
+    code = os_error.errno if os_error is not None else 0
+    where = getattr(os_error, "filename", None) or path
+    name = errno.errorcode.get(code, "")
+    what = f"{name} ({os.strerror(code)})" if code else f"{type(exc).__name__}: {exc}"
+    fix = _FIX.get(code, "check the disk and the directory's permissions")
+    free = ""
+    try:
+        usage = shutil.disk_usage(os.path.dirname(os.path.abspath(path)) or ".")
+        free = f" The filesystem has {usage.free / 2**20:,.1f} MiB free."
+    except OSError:
+        pass
+    return CheckpointWriteError(f"Writing checkpoint file {where} failed: {what}; {fix}.{free}", code, where)
+
+
+class RecordingWriter:
+    """A binary file for torch.save that keeps the OSError its write raised.
+
+    torch's zip writer reports a failed write as "unexpected pos N vs M" and
+    drops the reason; this wrapper lets the caller re-raise the real one.
+    """
+
+    def __init__(self, fh: Any) -> None:
+        self._fh = fh
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def fileno(self) -> int:
+        return self._fh.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fh, name)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def check_writable(directory: str) -> None:
+    """Raise CheckpointWriteError unless `directory` can be created and a file written, synced and removed in it.
+
+    Call before the first step so that a read-only mount, a missing permission
+    or a full disk stops the run at once instead of at its first checkpoint.
+    """
+    directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+    probe = os.path.join(directory, f".shardwise-write-test-{os.getpid()}-{os.urandom(3).hex()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"\0" * 4096)  # a real block, so a full disk answers ENOSPC here
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _remove_quietly(probe)
+        error = write_error(exc, probe if os.path.isdir(directory) else directory)
+        raise CheckpointWriteError(f"The checkpoint directory {directory} is not writable. {error}",
+                                   error.errno, error.filename) from exc
+    _remove_quietly(probe)
