@@ -36,6 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from shardwise.strategies.base import Strategy, _destroy_process_group
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+ACCUMULATION_SYNCS = ("reduce_scatter", "none")
 STATE_DICT_TYPES = ("sharded", "full")
 
 Policy = Union[None, Set[Type[nn.Module]], Sequence[Type[nn.Module]], Callable[..., bool], str, Sequence[str]]
@@ -156,7 +157,27 @@ def build_device_mesh(sharding_strategy: str, world_size: int, num_nodes: int, d
 
 
 class FSDPStrategy(Strategy):
-    """Fully sharded data parallel (FSDP2). See README "FSDP" for every knob."""
+    """Fully sharded data parallel (FSDP2). See README "FSDP" for every knob.
+
+    `accumulation_sync` chooses what a non-final micro-batch of a gradient
+    accumulation window communicates:
+
+    - "reduce_scatter" (default; torchtitan's behaviour): every micro-batch's
+      backward reduce-scatters each unit's gradient, so between micro-batches
+      a rank holds only its 1/N gradient shard -- gradient memory is the same
+      as without accumulation. It costs one reduce-scatter per micro-batch
+      instead of one per optimizer step. What can wait does wait: with a
+      replicate dimension (HYBRID_SHARD, NO_SHARD, device_mesh=(r, s)) the
+      all-reduce across replicas runs only on the last micro-batch
+      (`set_requires_all_reduce(False)`; FSDP sums the shards meanwhile).
+    - "none": no gradient communication until the last micro-batch (FSDP1's
+      `no_sync`, `set_requires_gradient_sync(False)`). Every unit then keeps
+      its whole unsharded gradient from the first micro-batch's backward to
+      the optimizer step: reduce-dtype bytes x ALL parameters per rank (fp32:
+      4 bytes x parameters, 28 GB for a 7B model, 280 GB for 70B) on top of
+      the sharded states. Only worth it when the interconnect, not memory,
+      is the bottleneck and the full gradient fits.
+    """
 
     name = "fsdp"
 
@@ -165,17 +186,23 @@ class FSDPStrategy(Strategy):
                  state_dict_type: str = "sharded", device_mesh: Any = None,
                  limit_all_gathers: Optional[bool] = None, reshard_after_forward: Optional[bool] = None,
                  precision: Any = None, timeout_s: float = 1800.0, async_save: bool = False,
-                 **_unknown: Any) -> None:
+                 accumulation_sync: str = "reduce_scatter", **_unknown: Any) -> None:
         super().__init__(precision=precision, timeout_s=timeout_s)
         if _unknown:
             raise TypeError(f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
                             "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
-                            "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save.")
+                            "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
+                            "accumulation_sync.")
         sharding_strategy = str(sharding_strategy).upper()
         if sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"Unknown sharding_strategy {sharding_strategy!r}. Valid: {', '.join(SHARDING_STRATEGIES)}.")
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"Unknown state_dict_type {state_dict_type!r}. Valid: {', '.join(STATE_DICT_TYPES)}.")
+        if accumulation_sync not in ACCUMULATION_SYNCS:
+            raise ValueError(f"Unknown accumulation_sync {accumulation_sync!r}. Valid: 'reduce_scatter' (default: "
+                             "gradients stay sharded between micro-batches) or 'none' (no communication until "
+                             "the last micro-batch; keeps every unit's full gradient).")
+        self.accumulation_sync = accumulation_sync
         # Fail on malformed policies now, not inside every worker.
         build_policy_fn(auto_wrap_policy, "auto_wrap_policy")
         build_policy_fn(activation_checkpointing_policy, "activation_checkpointing_policy")
@@ -265,7 +292,13 @@ class FSDPStrategy(Strategy):
     def no_backward_sync(self, model: nn.Module, enabled: bool):
         if not enabled or not isinstance(model, FSDPModule):
             return contextlib.nullcontext()
-        return _no_gradient_sync(model)
+        if self.accumulation_sync == "none":
+            return _no_gradient_sync(model)
+        # "reduce_scatter": the reduce-scatter runs (so gradients stay sharded);
+        # only a replicate dimension's all-reduce can wait for the last micro-batch.
+        if self.mesh is not None and self.mesh.ndim > 1:
+            return _no_replica_all_reduce(model)
+        return contextlib.nullcontext()
 
     def _full_norm(self, total: torch.Tensor) -> torch.Tensor:
         # Norms of sharded gradients are partial per rank; full_tensor() reduces them.
@@ -273,9 +306,21 @@ class FSDPStrategy(Strategy):
 
 
 @contextlib.contextmanager
+def _no_replica_all_reduce(model: FSDPModule):
+    # Reduce-scatter within the shard group now; FSDP sums the shard in its
+    # partial buffer and all-reduces it across replicas on the last micro-batch.
+    model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)
+
+
+@contextlib.contextmanager
 def _no_gradient_sync(model: FSDPModule):
-    # Gradients accumulate unsharded in each unit until the final micro-batch,
-    # which then reduce-scatters the sum: one collective per optimizer step.
+    # accumulation_sync="none": gradients accumulate unsharded in each unit
+    # until the final micro-batch, which then reduce-scatters the sum: one
+    # collective per optimizer step, a full gradient per rank meanwhile.
     model.set_requires_gradient_sync(False)
     try:
         yield
