@@ -28,21 +28,46 @@ def rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 
 
-def reduce(value: Any, op: str = "mean", device: Optional[torch.device] = None) -> torch.Tensor:
-    """All-reduce a number or tensor; 'mean' divides the sum by the world size."""
-    tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-    if device is not None:
-        tensor = tensor.to(device)
+def collective_device(group: Any = None) -> torch.device:
+    """The device a collective on `group` (default: the world) needs its tensors on.
+
+    NCCL moves only CUDA tensors (the device `Strategy.setup_environment` made
+    current: cuda:LOCAL_RANK, or the one visible GPU under per-task binding);
+    gloo moves CPU tensors, and a "cpu:gloo,cuda:nccl" group takes CPU ones
+    too. The one place that decides it, so every helper here agrees (and a
+    test can substitute a device nothing else uses).
+    """
     if not is_initialized():
-        return tensor
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator()  # xccl, hccl, ...: the current accelerator
+    return torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
+
+
+def reduce(value: Any, op: str = "mean", device: Optional[torch.device] = None) -> torch.Tensor:
+    """All-reduce a number or tensor; 'mean' divides the sum by the world size.
+
+    The result is on `device` if given, else where `value` was (CPU for a
+    Python number); the collective itself runs on `collective_device()`, so
+    callers may pass CPU tensors and numbers under NCCL.
+    """
+    tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    home = torch.device(device) if device is not None else tensor.device
+    if not is_initialized():
+        return tensor.to(home)
     if op not in ("mean", *_OPS):
         raise ValueError(f"reduce op {op!r}: use one of mean, {', '.join(_OPS)}")
     if tensor.is_floating_point() is False and op == "mean":
         tensor = tensor.float()
+    tensor = tensor.to(collective_device())
     dist.all_reduce(tensor, op=_OPS.get(op, dist.ReduceOp.SUM))
     if op == "mean":
         tensor /= dist.get_world_size()
-    return tensor
+    return tensor.to(home)
 
 
 def barrier(name: str = "", timeout_s: Optional[float] = None) -> None:
