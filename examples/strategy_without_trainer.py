@@ -39,8 +39,12 @@ def train(strategy_name: str = "fsdp", steps: int = 12, accumulate: int = 2) -> 
     for i, batch in enumerate(loader):
         if len(losses) == steps:
             break
+        # The loader yields CPU tensors; the model is on strategy.root_device (a GPU under NCCL).
+        # move_to_device also handles dicts, Hugging Face's BatchEncoding, namedtuples and dataclasses.
+        batch = shardwise.move_to_device(batch, strategy.root_device)
         last = (i + 1) % accumulate == 0
-        # Only the last micro-batch of a window communicates gradients.
+        # Under FSDP, non-final micro-batches still reduce-scatter (gradients stay sharded) and only
+        # defer what can wait (FSDPStrategy's accumulation_sync); DDP skips its all-reduce.
         with strategy.no_backward_sync(model, enabled=not last):
             with strategy.autocast():
                 logits = model(batch[:, :-1])

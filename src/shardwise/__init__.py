@@ -1,4 +1,5 @@
 """shardwise: one TrainModule, one Trainer argument from one device to DDP, FSDP2 and DeepSpeed ZeRO."""
+from shardwise.distributed.device import move_to_device
 from shardwise.distributed.launch import launch
 from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
 from shardwise.module import TrainModule
@@ -22,7 +23,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Trainer", "TrainModule", "seed_everything", "launch", "wrap",
+    "Trainer", "TrainModule", "seed_everything", "launch", "wrap", "move_to_device",
     "Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
     "STRATEGY_NAMES", "PRECISIONS", "max_memory_allocated", "reset_peak_memory_stats", "track_memory", "plan",
 ]

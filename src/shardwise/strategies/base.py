@@ -14,6 +14,7 @@ can call them too (see README, "Without the Trainer"):
     model = strategy.setup_module(model)
     optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters()))
     for batch in strategy.setup_dataloader(loader):
+        batch = shardwise.move_to_device(batch, strategy.root_device)
         with strategy.autocast():
             loss = model(batch)
         strategy.backward(loss)
