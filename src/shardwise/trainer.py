@@ -14,10 +14,12 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -61,6 +63,17 @@ def _loss_of(output: Any) -> Optional[torch.Tensor]:
     raise TypeError("training_step must return a loss tensor, a dict with a 'loss' key, or None (skip the batch).")
 
 
+def _signal_numbers(names: Optional[Sequence[Union[str, int]]]) -> List[int]:
+    out = []
+    for name in names or ():
+        try:
+            out.append(int(name) if isinstance(name, int) else int(getattr(signal, str(name).upper())))
+        except (AttributeError, ValueError):
+            raise ValueError(f"preemption_signals: {name!r} is not a signal; use names such as 'SIGTERM', "
+                             "'SIGUSR1', or None to keep the default signal handling.") from None
+    return out
+
+
 def _takes_batch_idx(fn: Any) -> bool:
     params = [p for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
@@ -78,7 +91,8 @@ class Trainer:
                  gradient_clip_algorithm: str = "norm", log_every_n_steps: int = 50,
                  callbacks: Optional[List[Any]] = None, logger: Any = True, enable_progress_bar: bool = True,
                  enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
-                 deterministic: bool = False, device_memory: Union[None, str, int] = None) -> None:
+                 deterministic: bool = False, device_memory: Union[None, str, int] = None,
+                 preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1")) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
         self.accelerator = resolve_accelerator(accelerator)
@@ -111,6 +125,12 @@ class Trainer:
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         self.deterministic = deterministic
         self.enable_checkpointing = enable_checkpointing
+        # A preemption signal (SLURM's --signal, a scheduler's SIGTERM) ends the run
+        # cleanly: the step in progress finishes, the run saves and exits with
+        # PREEMPTED_EXIT_CODE (75) so a job script knows to resubmit.
+        self.preemption_signals = _signal_numbers(preemption_signals)
+        self.preempted: Optional[str] = None  # the signal's name once the run stopped for it
+        self._preempt_flag: Any = None
         self.callbacks = self._default_callbacks(list(callbacks or []), enable_progress_bar, enable_checkpointing)
         self.loggers = self._build_loggers(logger)
         self.state = TrainState()
@@ -277,14 +297,18 @@ class Trainer:
         for opt in optimizers:
             strategy.setup_optimizer(opt)
         strategy.lr_schedulers = schedulers
+        self._set_up = True
+
+    def _setup_loggers(self) -> None:
+        """After any restore: a resumed run's loggers continue the saved run's version."""
+        strategy = self.strategy
         for logger in self.loggers:
-            # Rank 0 picks the next free version_<n>; the others adopt it so
-            # log_dir names the same folder on every rank.
+            # Rank 0 picks the next free version_<n> (or the restored one); the
+            # others adopt it so log_dir names the same folder on every rank.
             if hasattr(logger, "_version"):
                 logger._version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
             if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
-                logger.log_hyperparams(dict(module.hparams))
-        self._set_up = True
+                logger.log_hyperparams(dict(self.lightning_module.hparams))
 
     def _parse_optimizers(self, config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dict[str, Any]]]:
         def scheduler_entry(s: Any) -> Dict[str, Any]:
@@ -332,6 +356,7 @@ class Trainer:
             micro_batch_size=getattr(train_dataloaders, "batch_size", None))
         self._launch_if_needed()
         self.state.stage = "fit"
+        previous_handlers = self._install_preemption()
         try:
             self._setup(module)
             self.train_dataloader = self.strategy.setup_dataloader(train_dataloaders)
@@ -339,6 +364,7 @@ class Trainer:
                                     if val_dataloaders is not None else None)
             if ckpt_path is not None:
                 self._restore(ckpt_path)
+            self._setup_loggers()
             self._call("on_fit_start")
             self._call("on_train_start")
             self._call_module("on_train_start")
@@ -358,6 +384,38 @@ class Trainer:
         finally:
             self.state.stage = "idle"
             self._call("teardown", stage="fit")
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+        if self.preempted is not None:
+            from shardwise.distributed.preempt import exit_preempted
+
+            saved = [getattr(cb, "last_model_path", "") for cb in self.callbacks if hasattr(cb, "last_model_path")]
+            where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
+            exit_preempted(f"{self.preempted} at step {self.global_step}: {where}")
+
+    def _install_preemption(self) -> Dict[int, Any]:
+        """Turn the preemption signals into a flag the loop reads between optimizer steps."""
+        if not self.preemption_signals or threading.current_thread() is not threading.main_thread():
+            return {}
+        from shardwise.distributed import preempt
+
+        previous = {sig: signal.getsignal(sig) for sig in self.preemption_signals}
+        self._preempt_flag = preempt.install(self.preemption_signals)
+        self._preempt_flag.signal = None  # a flag left from an earlier fit in this process
+        self._preempt_flag.count = 0
+        return previous
+
+    def _preemption_requested(self) -> bool:
+        """Whether any rank was signalled; all ranks agree, so they stop after the same step."""
+        flag = self._preempt_flag
+        if flag is None:
+            return False
+        requested = flag.requested
+        if self.world_size > 1:
+            requested = bool(self.strategy.reduce(float(requested), "max").item())
+        if requested and self.preempted is None:
+            self.preempted = flag.signal_name or "a preemption signal (on another rank)"
+        return requested
 
     def _restore(self, ckpt_path: str) -> None:
         from shardwise.checkpoint import load_training_checkpoint
@@ -467,6 +525,8 @@ class Trainer:
         self._call("on_train_batch_end", output, batch, batch_idx)
         if self.val_dataloaders is not None and self._val_due(state.batch_idx):
             self._run_validation()
+        if self.is_last_microbatch and self._preemption_requested():
+            self.should_stop = True  # ModelCheckpoint saves this step in on_train_end
 
     def _optimizer_step(self) -> None:
         strategy = self.strategy
@@ -522,6 +582,7 @@ class Trainer:
             raise ValueError("validate() needs dataloaders (none were given here or to fit()).")
         if ckpt_path is not None:
             self._restore(ckpt_path)
+        self._setup_loggers()
         return [self._run_validation()]
 
     @torch.no_grad()

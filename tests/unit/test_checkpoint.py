@@ -65,11 +65,13 @@ def loaders():
     return DataLoader(data, batch_size=4, shuffle=True), DataLoader(data, batch_size=8)
 
 
-def fit(root, max_steps, strategy="single", ckpt_path=None, seed=3, module=None, checkpoint=None, **kw):
+def fit(root, max_steps, strategy="single", ckpt_path=None, seed=3, module=None, checkpoint=None,
+        callbacks_extra=(), **kw):
     shardwise.seed_everything(seed)
     losses = Losses()
-    callbacks = [losses] + ([checkpoint] if checkpoint is not None else [])
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
+    callbacks = [losses, *callbacks_extra] + ([checkpoint] if checkpoint is not None else [])
+    kw.setdefault("logger", False)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps,
                       enable_progress_bar=False, default_root_dir=str(root), callbacks=callbacks, **kw)
     train, val = loaders()
     trainer.fit(module or Net(), train, val, ckpt_path=ckpt_path)

@@ -150,3 +150,52 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
     (directory / ".x.ckpt.tmp-1-2-abc").write_bytes(b"left by the killed run")
     fit(tmp_path, 3, checkpoint=ModelCheckpoint())
     assert sorted(os.listdir(directory)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+
+
+class SignalAt:
+    """Send this process `sig` in the middle of optimizer step `step` (as a scheduler would, any time)."""
+
+    def __init__(self, step: int, sig) -> None:
+        self.step, self.sig = step, sig
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), self.sig)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_preemption_signal_finishes_the_step_saves_and_exits_75(tmp_path, sig):
+    import signal
+
+    from shardwise.distributed.env import PREEMPTED_EXIT_CODE
+
+    _, reference = fit(tmp_path / "ref", 14, checkpoint=ModelCheckpoint(every_n_train_steps=4))
+    before = signal.getsignal(getattr(signal, sig))
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path / "run", 14, checkpoint=ModelCheckpoint(every_n_train_steps=4),
+            callbacks_extra=[SignalAt(6, getattr(signal, sig))])
+    assert exit_info.value.code == PREEMPTED_EXIT_CODE
+    assert signal.getsignal(getattr(signal, sig)) == before  # the handler is the user's again
+    _epoch_of(tmp_path / "run", 6)  # step 6 finished and was saved: nothing lost
+    _, resumed = fit(tmp_path / "run", 14, ckpt_path="last", seed=7, checkpoint=ModelCheckpoint(every_n_train_steps=4))
+    assert sorted(resumed) == list(range(7, 15))
+    assert all(resumed[s] == reference[s] for s in resumed)
+
+
+def test_metrics_resume_in_the_same_file_without_duplicates(tmp_path):
+    import csv
+
+    from shardwise.loggers import CSVLogger
+
+    def run(max_steps, ckpt_path=None):
+        logger = CSVLogger(str(tmp_path), flush_every_n_steps=1000)  # nothing flushed by the logger itself
+        fit(tmp_path, max_steps, ckpt_path=ckpt_path, checkpoint=ModelCheckpoint(every_n_train_steps=3),
+            logger=logger, log_every_n_steps=1)
+        return logger
+
+    first = run(5)
+    second = run(11, ckpt_path="last")
+    assert second.log_dir == first.log_dir  # the same version folder
+    with open(second.metrics_file) as fh:
+        steps = [int(r["step"]) for r in csv.DictReader(fh) if r.get("epoch")]  # the per-step rows
+    assert steps == list(range(1, 12))

@@ -140,6 +140,28 @@ class VersionedLogDir:
         version = self.version
         return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
 
+    # A checkpoint records the version and the last step logged before it; the
+    # run resumed from it writes into the same version and drops what the
+    # interrupted run logged after the checkpoint, which is about to be replayed.
+    _last_step: int = -1
+
+    def state_dict(self) -> dict[str, Any]:
+        self.save()  # what the checkpoint covers is on disk before it is committed
+        return {"version": self.version, "last_step": self._last_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._version = state.get("version", self._version)
+        self._last_step = int(state.get("last_step", -1))
+        if rank_zero():
+            self._forget_after(self._last_step)
+
+    def _forget_after(self, step: int) -> None:
+        """Drop records of steps after `step` (the interrupted run's, replayed from here)."""
+
+    def _note_step(self, step: int | None) -> None:
+        if step is not None:
+            self._last_step = max(self._last_step, int(step))
+
 
 class CSVLogger(VersionedLogDir):
     """Log metrics to ``<save_dir>/<name>/version_<n>/metrics.csv``.
@@ -175,6 +197,7 @@ class CSVLogger(VersionedLogDir):
         row = {k: to_scalar(v) for k, v in flatten_dict(metrics).items()}
         if step is not None:
             row["step"] = int(step)
+        self._note_step(step)
         self._pending.append(row)
         if len(self._pending) >= self._flush_every:
             self.save()
@@ -219,6 +242,22 @@ class CSVLogger(VersionedLogDir):
 
     def finalize(self, status: str = "success") -> None:
         self.save()
+
+    def _forget_after(self, step: int) -> None:
+        path = self.metrics_file
+        self._pending = []
+        columns, rows = self._read(path)
+        kept = [r for r in rows if not r.get("step") or int(float(r["step"])) <= step]
+        if len(kept) == len(rows):
+            self._columns = columns
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, restval="")
+            writer.writeheader()
+            writer.writerows(kept)
+        os.replace(tmp, path)
+        self._columns = columns
 
     def __repr__(self) -> str:
         return f"CSVLogger(log_dir={self.log_dir!r})"

@@ -45,7 +45,10 @@ class TensorBoardLogger(VersionedLogDir):
         """The SummaryWriter (None on ranks other than 0), for images, histograms, ..."""
         if self._writer is None and rank_zero():
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = _summary_writer_class()(log_dir=self.log_dir, **self._writer_kwargs)
+            kwargs = dict(self._writer_kwargs)
+            if self._last_step >= 0:  # resumed: hide the interrupted run's events after the checkpoint
+                kwargs.setdefault("purge_step", self._last_step + 1)
+            self._writer = _summary_writer_class()(log_dir=self.log_dir, **kwargs)
         return self._writer
 
     def log_hyperparams(self, params: Any) -> None:
@@ -62,6 +65,7 @@ class TensorBoardLogger(VersionedLogDir):
         writer = self.experiment
         if writer is None:
             return
+        self._note_step(step)
         for key, value in flatten_dict(metrics).items():
             value = to_scalar(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
