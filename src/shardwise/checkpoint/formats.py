@@ -135,12 +135,13 @@ def _save_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     model_state = get_model_state_dict(model, options=options)
     optim_states = [get_optimizer_state_dict(model, opt, options=options) for opt in optimizers]
     if _rank() == 0:
-        tensors = {"state_dict": model_state, "optimizer_states": optim_states}
-        # The file cannot hold its own hash: record one over its tensor bytes instead (integrity.py).
-        manifest = {**state["shardwise"], "checksums": tensor_digest(tensors)}
+        body = {**plain_state({k: v for k, v in state.items() if k != "shardwise"}, "trainer state"),
+                "state_dict": model_state, "optimizer_states": optim_states}
+        # The file cannot hold its own hash: record one over every tensor's bytes instead (integrity.py).
+        manifest = {**state["shardwise"], "checksums": tensor_digest(body)}
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            save_torch_durably({**plain_state(state, "trainer state"), "shardwise": manifest, **tensors}, path)
+            save_torch_durably({**body, "shardwise": manifest}, path)
         except (OSError, CheckpointError) as exc:
             return _failed(write_error(exc, path))
     return None
@@ -276,7 +277,7 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     if _rank() == 0:
         try:
             verify_tensor_digest(path, payload.get("shardwise", {}),
-                                 {k: payload.get(k) for k in ("state_dict", "optimizer_states")})
+                                 {k: v for k, v in payload.items() if k != "shardwise"})
         except CheckpointError as exc:
             problem = str(exc)
     problem = _all_gather(problem)[0]

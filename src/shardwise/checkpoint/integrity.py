@@ -206,9 +206,12 @@ def find_os_error(exc: BaseException) -> Optional[OSError]:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return e
-        failures = getattr(e, "failures", None)  # torch's CheckpointException: {rank: exception}
+        failures = getattr(e, "failures", None)  # torch's CheckpointException: {rank: (exception, trace)}
         if isinstance(failures, dict):
-            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+            for value in failures.values():
+                value = value[0] if isinstance(value, tuple) and value else value
+                if isinstance(value, BaseException):
+                    stack.append(value)
         stack.extend([e.__cause__, e.__context__])
     return None
 
