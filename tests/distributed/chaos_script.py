@@ -289,10 +289,14 @@ def _driver_main() -> None:
     parser.add_argument("--leg", type=int, required=True, help="-1: the uninterrupted reference run")
     parser.add_argument("--root", required=True)
     parser.add_argument("--fresh-seed", action="store_true")
+    parser.add_argument("--then-reference", default=None,
+                        help="after the leg, run the uninterrupted reference into this root (saves a start-up)")
     args = parser.parse_args()
     with open(args.spec) as fh:
         spec = json.load(fh)
     _driver(spec, args.leg, args.root, args.fresh_seed)
+    if args.then_reference:
+        _driver(spec, -1, args.then_reference, False)
 
 
 # ============================================================ the schedules
@@ -357,10 +361,13 @@ def _env() -> Dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
 
 
-def _launch(spec_path: str, leg: int, root: str, fresh_seed: bool, timeout: float) -> subprocess.CompletedProcess:
+def _launch(spec_path: str, leg: int, root: str, fresh_seed: bool, timeout: float,
+            then_reference: Optional[str] = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, SCRIPT, "--spec", spec_path, "--leg", str(leg), "--root", root]
     if fresh_seed:
         cmd.append("--fresh-seed")
+    if then_reference:
+        cmd += ["--then-reference", then_reference]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=root)
     except subprocess.TimeoutExpired as exc:
@@ -443,11 +450,31 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     legs_info = []
     resume_from = 0
     sigterm = False
+    # ----------------------------------------------- where the reference is
+    ref_root = os.path.join(workdir, "ref")
+    key = json.dumps({**{k: v for k, v in spec.items() if k != "legs"}, "w0": spec["legs"][0]["devices"]},
+                     sort_keys=True)
+    cached = None
+    if reference_cache:
+        import hashlib
+
+        os.makedirs(reference_cache, exist_ok=True)
+        cached = os.path.join(reference_cache, hashlib.sha1(key.encode()).hexdigest()[:16])
+        if os.path.exists(os.path.join(cached, "done")):
+            ref_root = cached
+    have_reference = ref_root == cached
+    os.makedirs(ref_root, exist_ok=True)
     for i, leg in enumerate(spec["legs"]):
         kill = leg["kill"]
         committed_before = _committed_step(ckpt_dir) if i > 0 else None
         start = committed_before or 0
-        proc = _launch(spec_path, i, workdir, fresh_seed=committed_before is not None, timeout=timeout)
+        # The final leg at the reference's world size runs the reference too, in the same processes.
+        along = ref_root if (kill is None and not have_reference and leg["devices"] == spec["legs"][0]["devices"]) \
+            else None
+        proc = _launch(spec_path, i, workdir, fresh_seed=committed_before is not None, timeout=timeout,
+                       then_reference=along)
+        with open(os.path.join(workdir, f"leg{i}.log"), "w") as fh:
+            fh.write(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
         kills = [k for k in _read_jsonl(os.path.join(workdir, "kills.jsonl")) if k["leg"] == i]
         info = {"leg": i, "devices": leg["devices"], "start": start, "code": proc.returncode,
                 "fired": kills[0] if kills else None}
@@ -478,23 +505,19 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     elapsed_legs = time.monotonic() - t0
 
     # ----------------------------------------------------- the reference run
-    ref_root = os.path.join(workdir, "ref")
-    key = json.dumps({k: v for k, v in spec.items() if k not in ("legs", "seed")} |
-                     {"seed": spec["seed"], "w0": spec["legs"][0]["devices"]}, sort_keys=True)
-    cached = None
-    if reference_cache:
-        os.makedirs(reference_cache, exist_ok=True)
-        import hashlib
+    def reference_done() -> bool:
+        return len([r for r in _rows(ref_root) if r["run"] == "reference"]) == spec["max_steps"]
 
-        cached = os.path.join(reference_cache, hashlib.sha1(key.encode()).hexdigest()[:16])
-        if os.path.exists(os.path.join(cached, "losses.jsonl")) and os.path.exists(os.path.join(cached, "done")):
-            ref_root = cached
-    if ref_root != cached:
-        os.makedirs(ref_root, exist_ok=True)
-        proc = _launch(spec_path, -1, ref_root, fresh_seed=False, timeout=timeout)
-        if proc.returncode != 0:
-            failures.append(f"reference run exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
-        elif cached:
+    if not have_reference:
+        if not reference_done():  # not run along the final leg (another world size, or that leg failed)
+            import shutil
+
+            shutil.rmtree(ref_root, ignore_errors=True)
+            os.makedirs(ref_root)
+            proc = _launch(spec_path, -1, ref_root, fresh_seed=False, timeout=timeout)
+            if proc.returncode != 0:
+                failures.append(f"reference run exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+        if cached and reference_done():
             import shutil
 
             shutil.rmtree(cached, ignore_errors=True)
@@ -503,6 +526,8 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     reference = {r["step"]: r for r in _rows(ref_root) if r["run"] == "reference"}
     if sorted(reference) != list(range(1, spec["max_steps"] + 1)):
         failures.append(f"reference run recorded steps {sorted(reference)}")
+    ran_along = not have_reference and os.path.exists(os.path.join(ref_root, "reference")) and \
+        any(r["run"] == "reference" for r in _rows(ref_root)) and legs_info[-1]["code"] == 0
 
     # ---------------------------------------------------------------- losses
     rows = _rows(workdir)
@@ -535,6 +560,16 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
                                 f"step {r['step']}: loss {a!r} epoch {r['epoch']} vs uninterrupted {b!r} epoch "
                                 f"{ref['epoch']} ({'bitwise' if exact else 'rel 1e-6'})")
                 break  # the first divergence of a leg is the finding; later ones follow from it
+    if ran_along and any(" vs uninterrupted " in f for f in failures):
+        # The reference ran in the final leg's processes: confirm it alone, so that state leaking from one
+        # fit() into the next in a process is told apart from a resume bug.
+        alone = os.path.join(workdir, "ref-alone")
+        os.makedirs(alone, exist_ok=True)
+        _launch(spec_path, -1, alone, fresh_seed=False, timeout=timeout)
+        solo = {r["step"]: r["loss"] for r in _rows(alone) if r["run"] == "reference"}
+        if solo != {s_: r["loss"] for s_, r in reference.items()}:
+            failures.append("the reference run alone differs from the reference run after a resumed fit() in the "
+                            "same processes: state leaks from one fit() into the next")
     missing = sorted(set(range(1, spec["max_steps"] + 1)) - set(combined))
     dup = sorted({s for s in combined if combined.count(s) > 1})
     if missing or dup:

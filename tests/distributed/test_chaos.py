@@ -1,0 +1,78 @@
+"""Chaos: seeded kill / resume schedules resume to the uninterrupted run's losses.
+
+A fixed handful of schedules from chaos_script.generate (see that file for
+what a schedule is and everything checked). Each is printed, so a failure
+is reproduced with `python benchmarks/chaos.py --schedules 1 --seed <seed>`
+-- with the same overrides, which the printed schedule spells out -- and
+benchmarks/chaos.py runs many random ones.
+
+SIGTERM schedules check the preemption contract (finish the step, save,
+exit with PREEMPTED_EXIT_CODE, lose no completed step). Until the Trainer
+implements it, such a schedule whose only failures are those SIGTERM checks
+is reported as an expected failure, with the failures in the reason and a
+warning in the summary; any other failure in it fails the test.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import chaos_script as chaos  # noqa: E402
+
+# name -> (seed, overrides). Together: single / DDP / FSDP / DeepSpeed, SIGKILL and SIGTERM, kills after a step,
+# between micro-batches, inside a save (written, committed-not-`last`), in validation and at epoch end, aimed at
+# rank 0, rank 1 and the launcher, 2-3 resumes, and one world-size change (2 -> 1 -> 2).
+SCHEDULES = {
+    "single-3-resumes": (101, dict(strategy="single", resumes=3, signals=["SIGKILL"], val=3, accumulate=1,
+                                   save_every=3, top_k=2, max_steps=16,
+                                   kills=[{"point": "save_write", "after": 2}, {"point": "validation", "after": 3},
+                                          {"point": "step", "after": 2}])),
+    "ddp-2-resumes": (202, dict(strategy="ddp", resumes=2, worlds=[2, 2, 2], signals=["SIGKILL"], accumulate=2,
+                                val="none", save_every=2, top_k=2, max_steps=14,
+                                kills=[{"point": "save_commit", "after": 3, "target": "launcher"},
+                                       {"point": "micro", "after": 2, "target": "rank1"}])),
+    "fsdp-sigterm-reshard": (303, dict(strategy="fsdp", resumes=2, worlds=[2, 1, 2], accumulate=1, val="epoch",
+                                       save_every=4, top_k=1, max_steps=14,
+                                       kills=[{"point": "step", "after": 5, "target": "launcher",
+                                               "signal": "SIGTERM"},
+                                              {"point": "epoch_end", "after": 1, "target": "rank0",
+                                               "signal": "SIGKILL"}])),
+    "deepspeed2-sigkill": (404, dict(strategy="deepspeed_stage_2", resumes=1, worlds=[2, 2], signals=["SIGKILL"],
+                                     accumulate=1, val="none", save_every=3, top_k=2, max_steps=12,
+                                     kills=[{"point": "save_write", "after": 4, "target": "rank1"}])),
+}
+
+
+def sigterm_supported() -> bool:
+    """The Trainer turns SIGTERM into finish-step / save / exit 75 (shardwise.distributed.preempt in its loop)."""
+    import shardwise.trainer
+
+    return chaos.preempted_exit_code() is not None and "preempt" in inspect.getsource(shardwise.trainer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_chaos_schedule_resumes_to_uninterrupted_losses(tmp_path, name):
+    seed, override = SCHEDULES[name]
+    spec = chaos.generate(seed, **override)
+    print(f"chaos schedule {name}: {chaos.describe(spec)}")
+    result = chaos.run_schedule(spec, str(tmp_path), timeout=240)
+    print(f"  {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s; legs: "
+          + ", ".join(f"{l['leg']}: w{l['devices']} from {l['start']} exit {l['code']}" for l in result["legs"]))
+    for w in result["warnings"]:
+        print(f"  warning: {w}")
+    if result["ok"]:
+        return
+    report = f"{chaos.describe(spec)}\n" + "\n".join(f"  - {f}" for f in result["failures"])
+    only_sigterm = all(f.startswith("[SIGTERM]") for f in result["failures"])
+    if result["sigterm"] and only_sigterm and not sigterm_supported():
+        message = ("SIGTERM preemption (finish the step, save, exit PREEMPTED_EXIT_CODE) is not in the Trainer "
+                   f"yet, so this schedule fails its SIGTERM checks:\n{report}")
+        warnings.warn(message)
+        pytest.xfail(message)
+    raise AssertionError(report)
