@@ -1,13 +1,21 @@
-"""Training progress: the only counters the loop keeps.
+"""Training progress: the contract between the loop and the checkpoint layer.
 
-Epoch, optimizer steps, and the position inside the epoch (batches
-consumed). Checkpoints save exactly this, and an exact mid-epoch resume is
-a matter of restoring it and telling the sampler where to start.
+`TrainState` is everything the loop and a checkpoint exchange. The saved part
+is three counters -- epoch, optimizer steps, batches consumed in the epoch --
+and an exact mid-epoch resume is restoring them and telling the sampler where
+to start. The rest describes where in the loop a save happens, which the
+checkpoint layer needs to put a resumed run at the same point: whether the
+epoch's own work is done (a save from epoch-end hooks resumes at the next
+epoch), training's RNG states while validation runs on a copy of them, and a
+restored RNG state the loop re-applies when it creates its data iterator.
+Nothing else in the Trainer is read or written by checkpoint/training.py.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+_SAVED = ("epoch", "global_step", "batch_idx")
 
 
 @dataclass
@@ -15,13 +23,24 @@ class TrainState:
     epoch: int = 0            # current epoch (0-based)
     global_step: int = 0      # optimizer steps taken
     batch_idx: int = 0        # batches consumed in the current epoch
-    total_batches: int = 0    # batches consumed over the whole run
     stage: str = "idle"       # "fit" | "validate" | "idle"
+    # Where the loop is (not saved as such; see the module docstring).
+    in_epoch_end: bool = False
+    rng_outside_validation: Optional[Dict[str, Any]] = field(default=None, repr=False)
+    pending_rng: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
     def state_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        return {key: getattr(self, key) for key in _SAVED}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for key, value in state.items():
-            if hasattr(self, key):
-                setattr(self, key, value)
+        for key in _SAVED:
+            if key in state:
+                setattr(self, key, int(state[key]))
+
+    def resume_position(self) -> Dict[str, int]:
+        """Where a run resumed from a save taken now starts: after epoch-end work, the next epoch."""
+        position = self.state_dict()
+        if self.in_epoch_end:
+            position["epoch"] += 1
+            position["batch_idx"] = 0
+        return position

@@ -145,12 +145,6 @@ class Trainer:
         self.train_dataloader: Any = None
         self.val_dataloaders: Any = None
         self._set_up = False
-        # Checkpoint bookkeeping (shardwise/checkpoint/training.py): RNG states a
-        # resumed run re-applies in _epoch_iterator, whether the loop is in its
-        # epoch-end phase, and training's RNG states while validation runs.
-        self._pending_rng: Optional[Dict[str, Any]] = None
-        self._in_epoch_end = False
-        self._rng_outside_validation: Optional[Dict[str, Any]] = None
 
     # ---------------------------------------------------------------- wiring
     def _default_callbacks(self, callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
@@ -462,7 +456,7 @@ class Trainer:
             if self._done() and state.batch_idx < self.num_training_batches:
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
-            self._in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
+            state.in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
             self._call_module("on_train_epoch_end")
             epoch_metrics = self.metrics.finish_epoch()
             self.log_metrics(epoch_metrics)
@@ -471,7 +465,7 @@ class Trainer:
                     (state.epoch + 1) % self.check_val_every_n_epoch == 0:
                 self._run_validation()
             self._call("on_train_epoch_end")
-            self._in_epoch_end = False
+            state.in_epoch_end = False
             state.epoch += 1
             state.batch_idx = 0
 
@@ -486,7 +480,7 @@ class Trainer:
         """
         from shardwise.checkpoint.rng import restore_rng_states
 
-        pending, self._pending_rng = self._pending_rng, None
+        pending, self.state.pending_rng = self.state.pending_rng, None
         if pending is not None and self.state.batch_idx == 0:
             restore_rng_states(pending)
         iterator = iter(loader)
@@ -515,7 +509,6 @@ class Trainer:
             if loss is not None:
                 strategy.backward(loss / window, self.model)
         state.batch_idx += 1
-        state.total_batches += 1
         if self.is_last_microbatch:
             self._optimizer_step()
         step_logs = self.metrics.record(module._drain_logs())
@@ -601,7 +594,7 @@ class Trainer:
         # resumed run, does not depend on when or how often validation runs.
         from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
 
-        self._rng_outside_validation = capture_rng_states()
+        self.state.rng_outside_validation = capture_rng_states()
         was_training = self.model.training
         self.model.eval()
         # Validation epochs keep their own accumulators, apart from training's.
@@ -628,8 +621,8 @@ class Trainer:
             self._call("on_validation_end")
         finally:
             self.metrics._epoch = train_epoch
-            restore_rng_states(self._rng_outside_validation)
-            self._rng_outside_validation = None
+            restore_rng_states(self.state.rng_outside_validation)
+            self.state.rng_outside_validation = None
             self.validating = False
             self.model.train(was_training)
         return results

@@ -63,19 +63,14 @@ class PendingCheckpoint:
 
 # --------------------------------------------------------------------- save
 def _resume_position(trainer: Any) -> Dict[str, Any]:
-    """The loop position a resumed run must start from.
+    """The loop position a resumed run must start from (TrainState.resume_position).
 
     Inside on_train_epoch_end the epoch's work is done (its validation, its
     epoch-interval schedulers, its callbacks) although the counters still
     say `epoch`: a run resumed from there starts at the next epoch, or it
     would repeat that work. Anywhere else the counters are the position.
     """
-    position = trainer.state.state_dict()
-    position.pop("stage", None)
-    if getattr(trainer, "_in_epoch_end", False):
-        position["epoch"] += 1
-        position["batch_idx"] = 0
-    return position
+    return trainer.state.resume_position()
 
 
 def _keyed(objects: List[Any], method: str) -> Dict[str, Any]:
@@ -108,7 +103,7 @@ def collect_state(trainer: Any) -> Dict[str, Any]:
     strategy, module = trainer.strategy, trainer.lightning_module
     position = _resume_position(trainer)
     # During validation the generators run on a copy; save training's own.
-    rng = getattr(trainer, "_rng_outside_validation", None) or capture_rng_states()
+    rng = trainer.state.rng_outside_validation or capture_rng_states()
     loader = trainer.train_dataloader
     sampler = find_sampler(loader)
     state: Dict[str, Any] = {
@@ -220,7 +215,7 @@ def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
                       "saved run's.", stacklevel=3)
     if strategy.global_rank < len(rng_states):
         # Applied by the loop at the point the saved run was at (Trainer._epoch_iterator).
-        trainer._pending_rng = rng_states[strategy.global_rank]
+        trainer.state.pending_rng = rng_states[strategy.global_rank]
     saved_scheds = state.get("lr_schedulers", [])
     if len(saved_scheds) != len(strategy.lr_schedulers):
         raise CheckpointMismatchError(f"The checkpoint holds {len(saved_scheds)} LR scheduler(s) but "
