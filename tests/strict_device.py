@@ -63,7 +63,7 @@ class FakeCudaTensor(torch.Tensor):
 
 
 class _ToFakeCuda(TorchDispatchMode):
-    """Turns copies to cuda (which this CPU build cannot make) into FakeCudaTensors."""
+    """Turns copies to cuda (which this CPU build cannot make) into FakeCudaTensors; pinning into a copy."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -71,6 +71,8 @@ class _ToFakeCuda(TorchDispatchMode):
                 and torch.device(kwargs["device"]).type == "cuda" and not isinstance(args[0], FakeCudaTensor):
             rest = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory")}
             return FakeCudaTensor(args[0].to(**rest).clone())
+        if func is torch.ops.aten._pin_memory.default:  # pinning needs a CUDA driver; keep pageable memory
+            return args[0].clone()
         return func(*args, **kwargs)
 
 
@@ -88,21 +90,32 @@ def _strict(name: str, original, calls: Dict[str, int]):
 
 
 @contextlib.contextmanager
+def fake_cuda_copies() -> Iterator[None]:
+    """`tensor.to("cuda:0")` gives a FakeCudaTensor instead of failing on this CPU-only build."""
+    saved_init = torch.cuda._lazy_init
+    torch.cuda._lazy_init = lambda: None  # `.to("cuda")` asks for CUDA before it dispatches
+    try:
+        with _ToFakeCuda():
+            yield
+    finally:
+        torch.cuda._lazy_init = saved_init
+
+
+@contextlib.contextmanager
 def strict_cuda_collectives() -> Iterator[Dict[str, int]]:
     """Simulate NCCL's device rule on a gloo rank; yields the count of checked collectives by name."""
     from shardwise.distributed import ops
 
     calls: Dict[str, int] = {}
     patched = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather_into_tensor")}
-    saved_device, saved_init = ops.collective_device, torch.cuda._lazy_init
+    saved_device = ops.collective_device
     for name, fn in patched.items():
         setattr(dist, name, _strict(name, fn, calls))
     ops.collective_device = lambda group=None: FAKE_CUDA
-    torch.cuda._lazy_init = lambda: None  # `.to("cuda")` asks for CUDA before it dispatches
     try:
-        with _ToFakeCuda():
+        with fake_cuda_copies():
             yield calls
     finally:
         for name, fn in patched.items():
             setattr(dist, name, fn)
-        ops.collective_device, torch.cuda._lazy_init = saved_device, saved_init
+        ops.collective_device = saved_device

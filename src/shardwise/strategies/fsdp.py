@@ -132,6 +132,17 @@ def select_units(module: nn.Module, policy: Policy) -> List[Tuple[str, nn.Module
     return selected
 
 
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Put every buffer of `module` on `device` (shared buffers stay shared); parameters are not touched."""
+    moved: dict = {}
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device != device:
+                if id(buf) not in moved:
+                    moved[id(buf)] = buf.to(device)
+                sub._buffers[name] = moved[id(buf)]
+
+
 def build_device_mesh(sharding_strategy: str, world_size: int, num_nodes: int, device_type: str,
                       device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None) -> DeviceMesh:
     """1-D mesh for sharding within the world, 2-D (replicate, shard) for hybrid / replicate-only."""
@@ -278,6 +289,11 @@ class FSDPStrategy(Strategy):
         fully_shard(module, **kwargs)
         init_device = torch.device("cpu") if "offload_policy" in kwargs else self.root_device
         self.materialize(module, init_device)
+        if init_device != self.root_device:
+            # CPU offload moves parameters only: FSDP2 never moves buffers (RoPE
+            # frequencies, norm statistics), so they must sit where forward runs
+            # (torchtitan's buffer_device).
+            move_buffers(module, self.root_device)
         self.module = module
         self.units = [name for name, _ in units] + [f"<manual {type(m).__name__}>" for m in self._manual_units]
         return module
