@@ -98,3 +98,29 @@ def test_lr_schedules():
     cosine = lr_lambda(10, 2, "cosine")
     assert [cosine(s) for s in (0, 1, 2)] == [0.0, 0.5, 1.0] and abs(cosine(10)) < 1e-9
     assert lr_lambda(10, 0, "linear")(5) == 0.5 and lr_lambda(10, 0, "constant")(9) == 1.0
+
+
+def test_flash_attention_with_fp32_is_refused_before_any_worker(assets, monkeypatch):
+    import sys
+
+    import shardwise.distributed.launch  # noqa: F401  (the package re-exports the function under the same name)
+
+    monkeypatch.setattr(sys.modules["shardwise.distributed.launch"], "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    for precision in ("32-true", "64-true"):
+        with pytest.raises(ValueError, match=rf"flash_attention_2' with precision='{precision}'.*"
+                                             r"precision='bf16-mixed'.*attn_implementation='sdpa'"):
+            finetune(_cfg(assets, attn_implementation="flash_attention_2", precision=precision, devices=2))
+
+
+def test_flash_attention_on_a_gpu_older_than_ampere(assets, monkeypatch):
+    import sys
+    import types
+
+    from shardwise.recipes import finetune as recipe
+
+    monkeypatch.setattr(recipe, "_has_cuda", lambda cfg: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    with pytest.raises(ValueError, match=r"compute capability 8.0 or newer.*Tesla T4 is 7.5.*'sdpa'"):
+        validate_config(_cfg(assets, attn_implementation="flash_attention_2", precision="bf16-mixed"))

@@ -216,10 +216,24 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     if cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation={cfg.attn_implementation!r}: use one of {ATTN_IMPLEMENTATIONS}.")
     if cfg.attn_implementation == "flash_attention_2":
+        import torch
+
+        # Names only here ("cuda": no device check); the device checks come with build_precision below.
+        if build_precision(cfg.precision, "cuda").compute_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attn_implementation='flash_attention_2' with precision={cfg.precision!r}: flash-attn "
+                             "has fp16 / bf16 kernels only, so the first forward would fail. Use "
+                             "precision='bf16-mixed' (or 'bf16-true'), or keep the precision and use "
+                             "attn_implementation='sdpa', which runs in float32.")
         if not _has_cuda(cfg):
             raise ValueError("attn_implementation='flash_attention_2' needs a CUDA GPU (its kernels are CUDA-only) "
                              "and none is available here. Use attn_implementation='sdpa', which runs everywhere "
                              "and dispatches to flash kernels on GPUs that support them.")
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            raise ValueError(f"attn_implementation='flash_attention_2' needs compute capability 8.0 or newer "
+                             f"(Ampere: A100, A10, RTX 30xx; Hopper), but {torch.cuda.get_device_name()} is "
+                             f"{major}.{minor}. Use attn_implementation='sdpa' (its memory-efficient kernel runs "
+                             "here), and precision='16-mixed': this GPU has no fast bf16.")
         try:
             import flash_attn  # noqa: F401
         except ImportError as exc:
