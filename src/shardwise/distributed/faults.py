@@ -124,6 +124,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def die_by_signal(signum: int, _frame: object = None) -> None:
+    """Die by `signum` as if unhandled -- but first record the exception this rank is unwinding, if any.
+
+    A launcher stops the surviving ranks with SIGTERM once one failed. A rank
+    that is itself failing but still in clean-up (finally blocks, context
+    managers that close the process group) would otherwise vanish without
+    its traceback, though it may be the root cause.
+    """
+    unwinding = sys.exc_info()[1]
+    if unwinding is not None:
+        try:
+            record_exception(unwinding)
+        except Exception:
+            pass
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def install_worker(collective_timeout_s: Optional[float] = None) -> None:
     """Record this rank's uncaught exception and allow stack dumps; idempotent, cheap."""
     global _INSTALLED, _stack_file, _collective_timeout_s
@@ -133,6 +151,11 @@ def install_worker(collective_timeout_s: Optional[float] = None) -> None:
         return
     _INSTALLED = True
     sys.excepthook = _excepthook(sys.excepthook)
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # the Trainer's preemption handler may replace it
+            signal.signal(signal.SIGTERM, die_by_signal)
+    except ValueError:  # not the main thread
+        pass
     progress.mark("start-up", 0)
     directory = progress.run_dir()
     if directory and os.path.isdir(directory) and hasattr(faulthandler, "register"):

@@ -7,7 +7,9 @@ Every shardwise launcher forwards these to each worker and waits
 that installed `install()` keeps running: the loop finishes the current
 step, saves a checkpoint, and calls `exit_preempted()`, which leaves with
 PREEMPTED_EXIT_CODE (75, EX_TEMPFAIL). The launcher then exits with 75 too,
-which tells a job script "saved, resubmit me".
+which tells a job script "saved, resubmit me". A SIGTERM that arrives after
+another rank recorded a failure is the launcher tearing the job down, not a
+preemption: the worker then dies by the signal at once.
 """
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ class PreemptFlag:
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
     def _handle(self, signum: int, _frame) -> None:
+        if signum != signal.SIGUSR1 and _peer_failed():
+            # Not a preemption: a rank failed and the launcher is stopping the
+            # others. Saving now would wait on a dead peer; leave at once, by the signal.
+            from shardwise.distributed import faults
+
+            faults.die_by_signal(signum, _frame)
+            return
         self.count += 1
         if self.count >= 3 and signum == signal.SIGINT:
             raise KeyboardInterrupt  # Ctrl-C three times: the user really wants out now
@@ -49,6 +58,17 @@ class PreemptFlag:
 
 
 _FLAG: Optional[PreemptFlag] = None
+
+
+def _peer_failed() -> bool:
+    """Whether another rank of this job has recorded a failure (faults.record_exception)."""
+    from shardwise.distributed import progress
+
+    directory = progress.run_dir()
+    try:
+        return bool(directory) and any(name.startswith("error.") for name in os.listdir(directory))
+    except OSError:
+        return False
 
 
 def install(signals: Iterable[int] = DEFAULT_SIGNALS) -> PreemptFlag:

@@ -1,0 +1,207 @@
+"""Faults during training (issue 11): no 30-minute hang, the guilty rank named.
+
+Each multi-process test starts a real 2-rank run (fault_script.py) that goes
+wrong on purpose, through one of the launchers users have: the Trainer's own
+supervisor (`python script.py`), `shardwise launch` (torch's elastic agent),
+and `shardwise.launch(fn)`. They assert the exit code, what the verdict on
+stderr names, and a wall-time bound that is generous for a shared, slow
+machine (collective timeout 10 s; bound = timeout + start-up + 60 s or more).
+The in-process tests check the verdict logic and the cheap pieces directly.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import shardwise
+from shardwise.distributed import faults, progress
+from shardwise.distributed.launch import WorkerFailedError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "fault_script.py")
+SRC = os.path.abspath(os.path.join(HERE, "..", "..", "src"))
+TIMEOUT_S = 10
+# Start-up of two ranks (imports, process group) plus teardown, on a loaded 2-core machine.
+SLACK_S = 90
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (progress.RUN_DIR_ENV, "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, HERE, env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _command(launcher: str, mode: str, strategy: str, out_dir) -> list:
+    args = [SCRIPT, mode, strategy, str(TIMEOUT_S), str(out_dir)]
+    if launcher == "script":
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "shardwise.cli", "launch", "--nproc-per-node", "2", *args]
+
+
+def _run(launcher: str, mode: str, strategy: str, out_dir):
+    start = time.monotonic()
+    proc = subprocess.run(_command(launcher, mode, strategy, out_dir), env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S + SLACK_S + 120)
+    return proc, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ hangs
+@pytest.mark.parametrize("launcher,strategy", [("script", "ddp"), ("shardwise-launch", "fsdp")])
+def test_hung_rank_is_named_with_its_hook_step_and_stack(tmp_path, launcher, strategy):
+    proc, elapsed = _run(launcher, "hang", strategy, tmp_path)
+    err = proc.stderr
+    assert proc.returncode != 0, err[-3000:]
+    assert "UNREACHABLE" not in proc.stdout
+    # The rank that stopped responding, where, and the one that waited for it.
+    assert "rank 1 stopped responding in training_step at step 3" in err, err[-3000:]
+    assert f"rank 0 waited for it in a collective" in err and f"timed out after {TIMEOUT_S} s" in err
+    assert "rank 1's Python stack" in err and "in training_step" in err.split("rank 1's Python stack")[1]
+    # Every rank is gone soon after the timeout, not after torch's 30-minute default.
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+
+
+# ---------------------------------------------------------------- killed
+def test_killed_rank_names_the_signal_and_the_oom_killer(tmp_path):
+    proc, elapsed = _run("script", "kill", "fsdp", tmp_path)
+    err = proc.stderr
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "rank 1 was killed by SIGKILL" in err, err[-3000:]
+    assert "dmesg" in err and "out-of-memory" in err
+    assert "traceback is printed above" not in err
+    # rank 0's "Connection closed by peer" is reported as a consequence, not as the cause.
+    verdict = err[err.index("rank 1 was killed by SIGKILL"):]
+    assert "Connection closed" not in verdict.split("\n")[0]
+    assert elapsed < SLACK_S, elapsed
+
+
+# ------------------------------------------------------ first failure wins
+def test_first_failure_wins_over_a_peers_closed_connection_under_shardwise_launch(tmp_path):
+    proc, elapsed = _run("shardwise-launch", "raise0", "fsdp", tmp_path)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    verdict = err[err.index("[shardwise launch] node 0:"):]
+    assert "rank 0 exited with code" in verdict and "ValueError: config error" in verdict, verdict[-3000:]
+    assert "rank 0's traceback (the first failure)" in verdict
+    assert 'raise ValueError("config error' in verdict  # rank 0's own traceback, in the verdict
+    assert elapsed < SLACK_S, elapsed
+
+
+def _raise_on_rank0_after_peer_sees_closed_connection() -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    faults.install_worker()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(2))
+    progress.mark("training_step", 1)
+    if rank == 0:
+        try:
+            raise ValueError("config error: lr must be positive (rank 0)")
+        finally:  # clean-up that closes the connection long before the exception reaches the top
+            dist.destroy_process_group()
+            time.sleep(3.0)
+    dist.all_reduce(torch.ones(2))  # rank 1: "Connection closed by peer", 3 s before rank 0 exits
+
+
+def test_first_failure_wins_over_a_peers_closed_connection_in_launch_fn():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        shardwise.launch(_raise_on_rank0_after_peer_sees_closed_connection, devices=2)
+    message = str(err.value)
+    first_line = message.splitlines()[0]
+    assert "rank 0 exited with code 1 in training_step at step 1: ValueError: config error" in first_line, message
+    assert "rank 0's traceback (the first failure)" in message and "destroy_process_group" not in first_line
+    assert err.value.rank == 0
+    assert "after it: rank 1" in message  # the consequence is still mentioned, after the cause
+    assert time.monotonic() - start < SLACK_S
+
+
+# ------------------------------------------------------------- preemption
+def _start_and_wait_ready(command, out_dir, **env):
+    proc = subprocess.Popen(command, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(os.path.join(out_dir, f"ready.{r}")) for r in (0, 1)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "workers never became ready"
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.parametrize("launcher,signum", [("script", signal.SIGTERM), ("shardwise-launch", signal.SIGUSR1)])
+def test_launcher_forwards_preemption_waits_and_exits_75(tmp_path, launcher, signum):
+    proc = _start_and_wait_ready(_command(launcher, "preempt", "ddp", tmp_path), tmp_path)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    # Every worker got the signal itself (and had the second it takes to "save").
+    for rank in (0, 1):
+        assert (tmp_path / f"signal.{rank}").read_text() == signal.Signals(signum).name
+    assert "exited with 75" in err
+
+
+def test_worker_ignoring_preemption_is_killed_after_the_grace_period(tmp_path):
+    proc = _start_and_wait_ready(_command("script", "ignore", "ddp", tmp_path), tmp_path,
+                                 SHARDWISE_PREEMPT_GRACE_S="3")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "did not exit within the 3 s grace period" in err
+    assert 3 <= time.monotonic() - start < 60
+
+
+# ---------------------------------------------------------- in-process parts
+def _outcome(rank, kind, at, code=1):
+    record = {"message": {"message": kind, "extraInfo": {"py_callstack": f"Traceback of rank {rank}\n",
+                                                         "timestamp": str(int(at))}},
+              "shardwise": {"rank": rank, "time": at, "kind": kind, "summary": f"Error: {kind} on {rank}",
+                            "hook": "training_step", "step": 7}}
+    return faults.Outcome(rank=rank, exitcode=code, seen_at=at, record=record)
+
+
+def test_root_cause_ignores_consequences_and_orders_by_sub_second_time():
+    # A peer's closed connection recorded first (clocks, exit order) is still not the cause.
+    outcomes = [_outcome(0, "secondary", 100.1), _outcome(1, "primary", 100.4), _outcome(2, "primary", 100.7)]
+    assert faults.root_cause(outcomes).rank == 1
+    verdict = faults.diagnose(outcomes)
+    assert verdict.startswith("[shardwise] rank 1 exited with code 1 in training_step at step 7: Error: primary on 1")
+    assert "Traceback of rank 1" in verdict and "Traceback of rank 0" not in verdict
+    killed = faults.Outcome(rank=3, exitcode=-signal.SIGKILL, seen_at=100.2)
+    assert faults.root_cause([_outcome(0, "secondary", 100.1), killed]).rank == 3
+    assert faults.classify("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4531") == "secondary"
+    assert faults.classify("RuntimeError: Timed out waiting 5000ms for recv operation to complete") == "timeout"
+    assert faults.classify("ValueError: warmup_steps must be < max_steps") == "primary"
+
+
+def test_progress_records_name_the_rank_that_fell_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv(progress.RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(progress, "_buffer", None)
+    for step in range(5):
+        progress.mark("training_step", step)
+    mine = progress.read_all(str(tmp_path))[1]
+    assert (mine.rank, mine.step, mine.hook, mine.pid) == (1, 4, "training_step", os.getpid())
+    records = {1: mine, 0: progress.Progress(0, 5, "backward", mine.time + 3, mine.started, 1)}
+    text = progress.describe_stall([0], records=records, timeout_s=20, now=mine.time + 24)
+    assert text.startswith("rank 1 stopped responding in training_step at step 4 (no progress for 24 s)")
+    assert "rank 0 waited for it in a collective (in backward at step 5) and timed out after 20 s" in text
+
+
+def test_timeout_reaches_every_strategy_from_the_trainer_side():
+    from shardwise.strategies import build_strategy
+
+    for name in ("single", "ddp", "fsdp"):
+        strategy = build_strategy(name)
+        strategy.connect("cpu", timeout_s=42)
+        assert strategy.timeout_s == 42.0
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        build_strategy("ddp").connect("cpu", timeout_s=0)
