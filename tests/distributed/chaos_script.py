@@ -312,7 +312,7 @@ def generate(seed: int, **override: Any) -> Dict[str, Any]:
     s["accumulate"] = override.get("accumulate") or rng.choice([1, 1, 2, 3])
     steps_per_epoch = rng.choice([5, 6, 7])
     partial = rng.randrange(s["accumulate"])  # a last, shorter accumulation window at epoch end
-    s["batches_per_epoch"] = steps_per_epoch * s["accumulate"] - partial
+    s["batches_per_epoch"] = override.get("batches_per_epoch") or steps_per_epoch * s["accumulate"] - partial
     s["max_steps"] = override.get("max_steps") or rng.randint(2 * steps_per_epoch + 2, 3 * steps_per_epoch + 3)
     s["val"] = override.get("val") or rng.choice(["none", "epoch", rng.choice([3, 4, 5])])
     s["save_every"] = override.get("save_every") or rng.choice([2, 3, 4, 5])
@@ -413,15 +413,19 @@ def _committed_step(ckpt_dir: str) -> Optional[int]:
 
 def check_loadable(path: str) -> Optional[str]:
     """Read every tensor and the trainer state of the checkpoint at `path`; the error, or None."""
+    import contextlib
+    import io
+
     from shardwise.checkpoint import open_checkpoint
 
     try:
-        reader = open_checkpoint(path)
-        names = [t.name for t in reader.tensors()]
-        tensors = reader.read(names)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # zero_to_fp32
+            reader = open_checkpoint(path)
+            names = [t.name for t in reader.tensors()]
+            tensors = reader.read(names)
+            state = reader.trainer_state()
         if set(tensors) != set(names):
             return f"{path}: read {len(tensors)} of {len(names)} tensors"
-        state = reader.trainer_state()
         if "train_state" not in state:
             return f"{path}: trainer state has no train_state"
     except Exception as exc:  # any error here is the finding
@@ -549,6 +553,14 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
             if kill and kill["signal"] == "SIGTERM" and info.get("fired") and upto < last_done:
                 failures.append(f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} (step {info['fired']['step']}) "
                                 f"lost completed steps {upto + 1}..{last_done}: last committed step is {upto}")
+            if kill and kill["signal"] == "SIGTERM" and info.get("fired"):
+                # Fired after step N completed: the contract is to stop at N (N+1 mid-window, or when the signal
+                # went through the launcher and reached the workers a moment later).
+                allowed = info["fired"]["step"] + (1 if kill["point"] == "micro" or kill["target"] == "launcher" else 0)
+                if last_done > allowed:
+                    warnings_.append(f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} after step "
+                                     f"{info['fired']['step']} (to {kill['target']}), yet the leg ran on to step "
+                                     f"{last_done} before saving and exiting")
         combined += [s for s in steps if s <= upto]
         for r in leg_rows:
             ref = reference.get(r["step"])
