@@ -262,7 +262,8 @@ def load_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
     raise CheckpointFormatError(
         f"{path} is a {checkpoint_format!r} checkpoint, which this strategy cannot load (it reads "
         f"{', '.join(BUILTIN_FORMATS)}). Resume it with the strategy that wrote it, or export its weights with "
-        "`shardwise convert` and load those.")
+        f"`shardwise convert {path} weights.safetensors` and load those in configure_model (the optimizer "
+        "state does not carry over).")
 
 
 def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:

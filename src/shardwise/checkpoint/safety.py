@@ -20,7 +20,7 @@ import io
 import os
 import pickle
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -59,6 +59,12 @@ def _pickle_globals(data: bytes) -> list:
     return found
 
 
+def unsafe_globals(path: str, allowed: Iterable[str] = ()) -> list:
+    """The globals the torch file at `path` names beyond torch's allow-list and `allowed` (nothing is run)."""
+    allowed = set(allowed)
+    return [n for n in _unsafe_names(path) if n not in allowed]
+
+
 def _unsafe_names(source: Any) -> list:
     """The globals a torch file names beyond the allow-list (read with pickletools: nothing runs)."""
     import zipfile
@@ -85,11 +91,12 @@ def unsafe_error(path: str, detail: str, names: Optional[list] = None) -> Unsafe
         "re-save its tensors (e.g. `shardwise convert` on a shardwise checkpoint); otherwise delete it.")
 
 
-def safe_torch_load(path: Any, map_location: Any = "cpu", mmap: bool = False, name: Optional[str] = None) -> Any:
+def safe_torch_load(path: Any, map_location: Any = "cpu", mmap: bool = False, name: Optional[str] = None,
+                    extra_safe: Optional[list] = None) -> Any:
     """torch.load restricted to tensors and plain data; UnsafeCheckpointError / CorruptCheckpointError name the file."""
     label = name or str(path)
     try:
-        with torch.serialization.safe_globals(_EXTRA_SAFE), warnings.catch_warnings():
+        with torch.serialization.safe_globals(_EXTRA_SAFE + list(extra_safe or [])), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # refused anyway if unsafe
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:

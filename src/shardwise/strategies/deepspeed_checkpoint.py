@@ -13,6 +13,14 @@ peer's stage-2 conversion drops parameters. `consolidate` restores aliases
 from their owner and fails, naming them, if any listed tensor is still absent
 or mis-shaped. Resuming at another world size goes through DeepSpeed's
 universal checkpoint (converted once, into `universal/` beside `engine/`).
+
+Trust: DeepSpeed (its engine, ds_to_universal, zero_to_fp32) unpickles its
+files with weights_only=False. Before any of them runs, every engine file is
+scanned (pickletools, nothing executed) and refused with
+UnsafeCheckpointError if it names a global beyond torch's allow-list and
+the three DeepSpeed types its own files hold (`DS_SAFE_GLOBALS`). Every file
+is also checksummed in the manifest after the save (each rank hashes a share)
+and verified before loading or converting.
 """
 from __future__ import annotations
 
@@ -24,10 +32,21 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from shardwise.checkpoint.errors import CheckpointFormatError, CheckpointMismatchError, CorruptCheckpointError
+from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
+                                         CorruptCheckpointError)
+from shardwise.checkpoint.integrity import (hash_files, record_checksums, verify_directory, write_error,
+                                            write_json_durably)
+from shardwise.checkpoint.layout import MANIFEST_NAME
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, register_reader
+from shardwise.checkpoint.safety import iter_files, safe_torch_load, unsafe_error, unsafe_globals
+from shardwise.distributed import ops
 
 FORMAT = "deepspeed"
+#: What DeepSpeed 0.19's ZeRO files pickle besides tensors and plain data (found by scanning stages 0-3).
+DS_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                   "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                   "deepspeed.runtime.zero.config.ZeroStageEnum",
+                   "deepspeed.utils.tensor_fragment.fragment_address")
 ENGINE_TAG = "engine"
 UNIVERSAL_TAG = "universal"
 PARAMS_NAME = "deepspeed.json"
@@ -74,16 +93,65 @@ def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> N
     strategy.barrier("deepspeed-save-start")
     # The engine saves only what it owns; the trainer's state travels in trainer_state.pt.
     engine.save_checkpoint(path, tag=ENGINE_TAG, client_state={}, save_latest=True)
+    error: Optional[BaseException] = None
     if strategy.is_global_zero:
-        write_trainer_state(path, state)
-        info = {"stage": strategy.stage, "world_size": strategy.world_size,
-                "precision": strategy.precision.name if strategy.precision else None,
-                "tensors": describe_model(strategy.module)}
-        with open(os.path.join(path, PARAMS_NAME), "w") as fh:
-            json.dump(info, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            write_trainer_state(path, state)
+            info = {"stage": strategy.stage, "world_size": strategy.world_size,
+                    "precision": strategy.precision.name if strategy.precision else None,
+                    "tensors": describe_model(strategy.module)}
+            write_json_durably(os.path.join(path, PARAMS_NAME), info)
+        except (OSError, CheckpointError) as exc:
+            error = write_error(exc, path)
     strategy.barrier("deepspeed-save-end")
+    # Every file now exists: each rank hashes every world_size-th, rank 0 records them all.
+    sums: Dict[str, Any] = {}
+    if error is None:
+        try:
+            files = [f for f in iter_files(path) if f != MANIFEST_NAME]
+            sums = hash_files(path, files[strategy.global_rank::strategy.world_size])
+        except OSError as exc:
+            error = write_error(exc, path)
+    gathered = ops.all_gather_object((sums, None if error is None else str(error)))
+    if error is None and strategy.is_global_zero and not any(e for _, e in gathered):
+        try:
+            record_checksums(path, {k: v for part, _ in gathered for k, v in part.items()})
+        except (OSError, CheckpointError) as exc:
+            error = write_error(exc, path)
+    strategy.barrier("deepspeed-checksums")
+    errors = [e for _, e in gathered if e] + ([str(error)] if error is not None and not any(
+        e for _, e in gathered) else [])
+    if errors:
+        # Every rank knows and raises together (no rank left waiting); the
+        # temporary directory is removed here since no commit will follow.
+        if strategy.is_global_zero:
+            from shardwise.checkpoint.layout import remove_checkpoint
+
+            remove_checkpoint(path)
+        raise CheckpointError(f"Saving the DeepSpeed checkpoint {path} failed: " + "; ".join(errors))
+
+
+def check_engine_files(path: str) -> None:
+    """Refuse engine files that name globals beyond the allow-list, before DeepSpeed unpickles them."""
+    for sub in (ENGINE_TAG, UNIVERSAL_TAG):
+        root = os.path.join(path, sub)
+        if not os.path.isdir(root):
+            continue
+        for rel in iter_files(root):
+            if rel.endswith(".pt"):
+                file = os.path.join(root, rel)
+                names = unsafe_globals(file, DS_SAFE_GLOBALS)
+                if names:
+                    raise unsafe_error(file, "", names)
+
+
+def verify_checkpoint(strategy: Any, path: str) -> None:
+    """Checksums (a share per rank, verdicts shared) and the global scan, before DeepSpeed reads anything."""
+    from shardwise.checkpoint.layout import read_manifest
+
+    verify_directory(path, read_manifest(path), strategy.global_rank, strategy.world_size,
+                     gather=ops.all_gather_object)
+    check_engine_files(path)
 
 
 def load_engine_checkpoint(strategy: Any, path: str, checkpoint_format: str = FORMAT,
@@ -95,6 +163,7 @@ def load_engine_checkpoint(strategy: Any, path: str, checkpoint_format: str = FO
             f"{path} is a {checkpoint_format!r} checkpoint, which the DeepSpeed engine cannot load. Convert it to "
             f"weights (`shardwise convert {path} weights.safetensors`), load them into the model in "
             "configure_model, and start a new run (the optimizer state does not carry over).")
+    verify_checkpoint(strategy, path)
     info = read_params(path)
     engine = strategy._engine()
     tag = ENGINE_TAG
@@ -183,7 +252,7 @@ def _stage0_state(path: str) -> Dict[str, torch.Tensor]:
     file = os.path.join(path, ENGINE_TAG, "mp_rank_00_model_states.pt")
     if not os.path.exists(file):
         raise CorruptCheckpointError(f"{file} is missing: the checkpoint is incomplete.")
-    payload = torch.load(file, map_location="cpu", weights_only=False)
+    payload = safe_torch_load(file)  # no DeepSpeed type in a stage-0 model file
     return {k: v.float() if v.is_floating_point() else v for k, v in payload["module"].items()}
 
 
@@ -207,6 +276,10 @@ class DeepSpeedReader(CheckpointReader):
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         if self._state is None:
+            from shardwise.checkpoint.layout import read_manifest
+
+            verify_directory(self.path, read_manifest(self.path))
+            check_engine_files(self.path)
             self._state = consolidate(self.path)
         return {n: self._state[n] for n in names}
 
