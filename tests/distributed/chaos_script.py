@@ -11,7 +11,8 @@ file is both halves:
   SIGTERM to one rank or to the launcher at the chosen point: right after an
   optimizer step, between two micro-batches of a window, inside a save (the
   temporary checkpoint written, the commit renamed but `last` not moved, an
-  old checkpoint half-pruned), during validation, or at the end of an epoch.
+  old checkpoint half-pruned), during validation, at the end of an epoch, or
+  right after the resume before any step ("start").
   Rank 0 appends one JSON line per optimizer step (run, step, epoch, loss)
   to R/losses.jsonl with flush + fsync, so whatever survives a kill is whole.
   The recorded loss is the global batch's mean (an all-reduce over ranks), so
@@ -52,6 +53,8 @@ PREEMPTED_FALLBACK = 75
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard",
               "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 POINTS = ("step", "micro", "save_write", "save_commit", "save_prune", "validation", "epoch_end")
+# "start" (kill right after the resume) is drawn from its own generator, so adding it kept earlier seeds' schedules.
+START_PROBABILITY = 0.08
 
 
 # =============================================================== the driver
@@ -180,6 +183,8 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
             state["trainer"] = trainer
             state["threshold"] = trainer.global_step + kill["after"]
             state["armed"] = True
+            if kill["point"] == "start" and due():  # right after the resume, before any step
+                fire("start")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if kill["point"] == "step" and trainer.is_last_microbatch and due():
@@ -334,6 +339,8 @@ def generate(seed: int, **override: Any) -> Dict[str, Any]:
         if point in ("save_commit", "save_prune"):
             targets = [t for t in targets if t != "rank1"]  # rank 0 alone runs those
         after = rng.randint(1, max(1, min(s["max_steps"] // 2, budget // max(1, resumes - i))))
+        if i > 0 and random.Random(f"{seed}-start-{i}").random() < START_PROBABILITY:
+            point, after = "start", 0
         budget -= after + 1
         legs.append({"devices": worlds[i], "kill": {
             "point": point, "after": after, "target": rng.choice(targets), "signal": rng.choice(signals),

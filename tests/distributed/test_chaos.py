@@ -56,7 +56,8 @@ def sigterm_supported() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.deepspeed] if "deepspeed" in n else [])
+                                  for n in SCHEDULES])
 def test_chaos_schedule_resumes_to_uninterrupted_losses(tmp_path, name):
     seed, override = SCHEDULES[name]
     spec = chaos.generate(seed, **override)
