@@ -24,6 +24,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from shardwise.distributed import ops
+from shardwise.distributed.device import move_to_device
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch_script
 from shardwise.metrics import MetricStore
@@ -34,15 +36,27 @@ from shardwise.strategies import Strategy, build_strategy
 _MAX_EPOCHS_DEFAULT = 1000  # Lightning's default when neither max_epochs nor max_steps is set
 
 
-def _move(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        moved = [_move(b, device) for b in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    if isinstance(batch, dict):
-        return {k: _move(v, device) for k, v in batch.items()}
-    return batch
+def _length(loader: Any) -> float:
+    """len(loader), or infinity for loaders without one (an IterableDataset without __len__)."""
+    try:
+        return float(len(loader))
+    except TypeError:
+        return float("inf")
+
+
+def _describe_empty(loader: Any) -> str:
+    dataset = getattr(loader, "dataset", None)
+    try:
+        size = f"its dataset has {len(dataset)} samples"
+    except TypeError:
+        size = "its dataset yields no samples"
+    batch = getattr(loader, "batch_size", None)
+    drop = " and drop_last=True drops a final partial batch" if getattr(loader, "drop_last", False) else ""
+    share = ""
+    sampler = getattr(loader, "sampler", None)
+    if getattr(sampler, "num_replicas", 1) > 1:
+        share = f" ({sampler.num_replicas} ranks share it)"
+    return f"{size}{share}, batch size {batch}{drop}."
 
 
 def _limit(limit: Union[int, float, None], available: float) -> float:
@@ -61,6 +75,62 @@ def _loss_of(output: Any) -> Optional[torch.Tensor]:
     if isinstance(output, dict) and "loss" in output:
         return output["loss"]
     raise TypeError("training_step must return a loss tensor, a dict with a 'loss' key, or None (skip the batch).")
+
+
+def _check_refit(module: TrainModule, trainer: "Trainer") -> set:
+    """A module trained by another Trainer: the ids of its trained parameters, or an error if it is sharded."""
+    previous = getattr(module, "_trainer", None)
+    if previous is None or previous is trainer:
+        return set()
+    params = list(module.parameters())
+    if any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in params) or \
+            getattr(previous.strategy, "name", "") in ("fsdp", "deepspeed"):
+        raise RuntimeError(
+            f"This {type(module).__name__} was already set up and trained by another Trainer's "
+            f"{type(previous.strategy).__name__}: its parameters are sharded for that run's process group. "
+            "To train further, call fit() again on the same Trainer (it continues from the trained weights, "
+            "with a larger max_steps / max_epochs), or save a checkpoint and fit a fresh module with "
+            "ckpt_path=...")
+    return {id(p) for p in params if not p.is_meta}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(**args: Any) -> None:
+    """Refuse impossible loop settings when the Trainer is built, naming the argument and its range."""
+    def bad(name: str, allowed: str) -> None:
+        raise ValueError(f"Trainer({name}={args[name]!r}): {allowed}.")
+
+    if args["max_epochs"] is not None and (not _is_int(args["max_epochs"]) or args["max_epochs"] < -1):
+        bad("max_epochs", "use a non-negative integer, -1 for no limit, or None for the default")
+    if not _is_int(args["max_steps"]) or args["max_steps"] < -1:
+        bad("max_steps", "use a non-negative integer, or -1 for no limit")
+    if not _is_int(args["accumulate_grad_batches"]) or args["accumulate_grad_batches"] < 1:
+        bad("accumulate_grad_batches", "use a whole number of micro-batches, 1 or more")
+    clip = args["gradient_clip_val"]
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+                             or math.isinf(clip)):
+        bad("gradient_clip_val", "use a positive, finite number, or None for no clipping")
+    for name in ("limit_train_batches", "limit_val_batches"):
+        value = args[name]
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (isinstance(value, float) and not 0.0 <= value <= 1.0) or (_is_int(value) and value < 0):
+            bad(name, "use a fraction of the loader between 0.0 and 1.0, a number of batches (0 or more), "
+                      "or None for all")
+    interval = args["val_check_interval"]
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or
+                                 (isinstance(interval, float) and not 0.0 < interval <= 1.0) or
+                                 (_is_int(interval) and interval < 1)):
+        bad("val_check_interval", "use a fraction of the epoch in (0.0, 1.0], a number of batches (1 or more), "
+                                  "or None to validate at epoch ends")
+    if not _is_int(args["check_val_every_n_epoch"]) or args["check_val_every_n_epoch"] < 1:
+        bad("check_val_every_n_epoch", "use a whole number of epochs, 1 or more")
+    if not _is_int(args["log_every_n_steps"]) or args["log_every_n_steps"] < 1:
+        bad("log_every_n_steps", "use a whole number of steps, 1 or more")
 
 
 def _signal_numbers(names: Optional[Sequence[Union[str, int]]]) -> List[int]:
@@ -92,7 +162,8 @@ class Trainer:
                  callbacks: Optional[List[Any]] = None, logger: Any = True, enable_progress_bar: bool = True,
                  enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
                  deterministic: bool = False, device_memory: Union[None, str, int] = None,
-                 preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1")) -> None:
+                 preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
+                 non_finite: str = "error") -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
         self.accelerator = resolve_accelerator(accelerator)
@@ -108,8 +179,11 @@ class Trainer:
         # Known device memory ("80GiB", or "auto" on CUDA) lets fit() consult the memory planner:
         # strategy="auto" becomes its choice, and a run predicted not to fit warns first.
         self.device_memory = device_memory
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches}: use 1 or more.")
+        _check_arguments(max_epochs=max_epochs, max_steps=max_steps, limit_train_batches=limit_train_batches,
+                         limit_val_batches=limit_val_batches, val_check_interval=val_check_interval,
+                         check_val_every_n_epoch=check_val_every_n_epoch,
+                         accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
+                         log_every_n_steps=log_every_n_steps)
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
         self.max_epochs = max_epochs if max_epochs is not None else (_MAX_EPOCHS_DEFAULT if max_steps == -1 else -1)
@@ -131,6 +205,17 @@ class Trainer:
         self.preemption_signals = _signal_numbers(preemption_signals)
         self.preempted: Optional[str] = None  # the signal's name once the run stopped for it
         self._preempt_flag: Any = None
+        # A NaN/inf loss or gradient: 'error' stops at that step naming the rank and
+        # tensor, 'skip' drops the step (as GradScaler does), 'warn' only reports it.
+        if non_finite not in ("error", "skip", "warn", "off"):
+            raise ValueError(f"non_finite={non_finite!r}: use 'error' (stop, the default), 'skip' (drop the step), "
+                             "'warn' (report and continue) or 'off'.")
+        if non_finite == "skip" and self.strategy.name == "deepspeed":
+            raise ValueError("non_finite='skip' is not available with DeepSpeed: its engine takes every step. Use "
+                             "'error' or 'warn', or fp16 precision, whose loss scaling skips overflowing steps.")
+        self.non_finite = non_finite
+        self.nonfinite_step: Optional[int] = None  # the first step with a non-finite value (never saved after it)
+        self._window_losses: List[Tuple[int, torch.Tensor]] = []
         self.callbacks = self._default_callbacks(list(callbacks or []), enable_progress_bar, enable_checkpointing)
         self.loggers = self._build_loggers(logger)
         self.state = TrainState()
@@ -271,6 +356,7 @@ class Trainer:
     # -------------------------------------------------------------------- set-up
     def _setup(self, module: TrainModule) -> None:
         if self._set_up and self.lightning_module is module:
+            self._call("setup", stage="fit")  # a second fit: callbacks take their resources again
             return
         if not isinstance(module, TrainModule):
             raise TypeError(f"fit() takes a shardwise.TrainModule, got {type(module).__name__}.")
@@ -278,6 +364,7 @@ class Trainer:
         strategy.setup_environment()
         if self.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
+        trained = _check_refit(module, self)
         self.lightning_module = module
         module._attach(self)
         self._call("setup", stage="fit")
@@ -285,7 +372,20 @@ class Trainer:
         # 2. the strategy wraps, shards and materialises it.
         with strategy.module_init_context():
             self._call_module("configure_model")
+        if trained and not trained <= {id(p) for p in module.parameters()}:
+            raise RuntimeError(
+                f"configure_model() rebuilt the layers of a {type(module).__name__} that was already trained, "
+                "which would silently start again from fresh weights. configure_model runs at every fit: "
+                "guard it (`if self.model is None: self.model = ...`) to continue from the trained weights.")
         self.model = strategy.setup_module(module)
+        params = list(module.parameters())
+        if not any(p.requires_grad for p in params):
+            raise ValueError(
+                f"{type(module).__name__} has no trainable parameters after configure_model()"
+                + (" (every parameter has requires_grad=False)." if params else
+                   ": no layer was registered. Assign layers to attributes of the module (self.model = ...), "
+                   "in __init__ or configure_model; layers kept in plain lists or dicts are not registered "
+                   "(use nn.ModuleList / nn.ModuleDict)."))
         # 3. optimizers on the wrapped (possibly sharded) parameters.
         optimizers, schedulers = self._parse_optimizers(self._call_module("configure_optimizers"))
         for opt in optimizers:
@@ -431,11 +531,14 @@ class Trainer:
     def _fit_loop(self) -> None:
         strategy, state = self.strategy, self.state
         loader = self.train_dataloader
-        length = float(len(loader)) if hasattr(loader, "__len__") else float("inf")
+        length = _length(loader)
+        if length == 0:
+            raise ValueError(f"The train DataLoader is empty: {_describe_empty(loader)} Nothing can be trained; "
+                             "check the dataset's path and filters, and the batch size against the dataset size.")
         self.num_training_batches = _limit(self.limit_train_batches, length)
         if self.num_training_batches == 0:
-            warnings.warn("limit_train_batches leaves no training batch: nothing to train.", stacklevel=2)
-            return
+            raise ValueError(f"limit_train_batches={self.limit_train_batches!r} leaves none of the train "
+                             f"DataLoader's {int(length)} batches: raise it, or leave it None for all.")
         step_fn = self.lightning_module.training_step
         pass_idx = _takes_batch_idx(step_fn)
         while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):
@@ -449,10 +552,16 @@ class Trainer:
             self._call("on_train_epoch_start")
             self._call_module("on_train_epoch_start")
             self.model.train()
+            started_at = state.batch_idx
             for batch in self._epoch_iterator(loader):
                 if state.batch_idx >= self.num_training_batches or self._done():
                     break
                 self._train_batch(batch, pass_idx)
+            if started_at == 0 and state.batch_idx == 0 and not self._done():
+                # A loader without a length that yields nothing would loop over empty epochs forever.
+                raise ValueError(f"The train DataLoader yielded no batch in epoch {state.epoch}: "
+                                 f"{_describe_empty(loader)} Check the dataset (an IterableDataset must yield "
+                                 "samples on every rank, every epoch).")
             if self._done() and state.batch_idx < self.num_training_batches:
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
@@ -491,7 +600,7 @@ class Trainer:
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
         strategy, state, module = self.strategy, self.state, self.lightning_module
         batch_idx = state.batch_idx
-        batch = _move(batch, strategy.root_device)
+        batch = move_to_device(batch, strategy.root_device)
         self._call("on_train_batch_start", batch, batch_idx)
         if self._call_module("on_train_batch_start", batch, batch_idx) == -1:
             self.should_stop = True  # Lightning's convention: -1 ends the epoch and the run
@@ -501,12 +610,19 @@ class Trainer:
         self.is_last_microbatch = (batch_idx + 1) % window == 0 or last_in_epoch
         args = (batch, batch_idx) if pass_idx else (batch,)
         object.__setattr__(module, "_current_hook", "training_step")
-        # Non-final micro-batches skip gradient communication entirely.
+        # Non-final micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
         with strategy.no_backward_sync(self.model, enabled=not self.is_last_microbatch):
             with strategy.autocast():
                 output = strategy.call(self.model, "training_step", *args)
             loss = _loss_of(output)
             if loss is not None:
+                if not loss.requires_grad:
+                    raise RuntimeError(
+                        f"training_step returned a loss that does not require grad (step {state.global_step}, "
+                        f"batch {batch_idx}): nothing can be trained from it. It was computed under "
+                        "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
+                        "Return the loss computed from the model's output; return None to skip a batch.")
+                self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
                 strategy.backward(loss / window, self.model)
         state.batch_idx += 1
         if self.is_last_microbatch:
@@ -523,8 +639,14 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         strategy = self.strategy
-        for optimizer in strategy.optimizers:
+        losses, self._window_losses = self._window_losses, []
+        for i, optimizer in enumerate(strategy.optimizers):
             self._call("on_before_optimizer_step", optimizer)
+            if i == 0 and self.non_finite != "off" and not self._healthy(losses):
+                if self.non_finite == "skip":
+                    for opt in strategy.optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    break
             if self.gradient_clip_val is not None:
                 if self.gradient_clip_algorithm == "norm":
                     strategy.clip_gradients(self.model, optimizer, max_norm=self.gradient_clip_val)
@@ -534,6 +656,36 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self._step_schedulers("step")
+
+    def _healthy(self, losses: List[Tuple[int, torch.Tensor]]) -> bool:
+        """Whether this step's losses and gradients are finite on every rank; acts on non_finite if not."""
+        from shardwise import health
+
+        flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
+        grad_flag = health.nonfinite_norm_flag([p.grad for p in self.strategy._grads(self.model)])
+        if grad_flag is not None:
+            flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
+        bad = bool(torch.stack(flags).any()) if flags else False
+        if self.world_size > 1:
+            bad = bool(self.strategy.reduce(float(bad), "max").item())
+        if not bad:
+            return True
+        step = self.global_step + 1
+        found = health.first_nonfinite(self.model, [(i, float(t)) for i, t in losses])
+        reports = ops.all_gather_object(found)
+        named = [f"rank {r}: {what}" for r, what in enumerate(reports) if what]
+        what = "; ".join(named) or "a non-finite value on another rank"
+        if self.nonfinite_step is None:
+            self.nonfinite_step = step
+        if self.non_finite == "error":
+            raise health.NonFiniteError(
+                f"Non-finite values at optimizer step {step} (epoch {self.current_epoch}): {what}. The step was not "
+                "taken and nothing after the last checkpoint was saved. Lower the learning rate, clip gradients "
+                "(gradient_clip_val), check the data of that batch, or use bf16 instead of fp16; "
+                "Trainer(non_finite='skip') skips such steps, 'warn' only reports them.")
+        action = "skipped" if self.non_finite == "skip" else "taken anyway (non_finite='warn')"
+        warnings.warn(f"Non-finite values at optimizer step {step}: {what}. The step was {action}.", stacklevel=2)
+        return False
 
     def _step_schedulers(self, interval: str) -> None:
         counter = self.global_step if interval == "step" else self.current_epoch + 1
@@ -584,7 +736,7 @@ class Trainer:
         if not callable(getattr(module, "validation_step", None)):
             return {}
         loader = self.val_dataloaders
-        length = float(len(loader)) if hasattr(loader, "__len__") else float("inf")
+        length = _length(loader)
         self.num_val_batches = _limit(self.limit_val_batches, length)
         if self.num_val_batches == 0:
             return {}
@@ -606,7 +758,7 @@ class Trainer:
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= self.num_val_batches:
                     break
-                batch = _move(batch, strategy.root_device)
+                batch = move_to_device(batch, strategy.root_device)
                 object.__setattr__(module, "_current_hook", "validation_step")
                 with strategy.autocast():
                     args = (batch, batch_idx) if pass_idx else (batch,)

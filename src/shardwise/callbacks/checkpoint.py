@@ -83,6 +83,7 @@ class ModelCheckpoint:
         self._pending: Optional[Any] = None
         self._after_commit: Optional[Callable[[], None]] = None
         self._warned_missing = False
+        self._warned_nonfinite = False
         self._directory: Optional[str] = None  # resolved at setup; the only place this run deletes in
         self._lock: Optional[DirectoryLock] = None
 
@@ -209,6 +210,15 @@ class ModelCheckpoint:
     def _save(self, trainer: Any) -> None:
         if trainer.global_step == self._last_global_step_saved:
             return  # this step is saved already (e.g. a step interval ending with the epoch)
+        bad = getattr(trainer, "nonfinite_step", None)
+        if bad is not None and getattr(trainer, "non_finite", "error") == "warn":
+            # Trainer(non_finite='warn') took a step with NaN/inf: the weights may be
+            # poisoned, and `last` must keep pointing at a state that was sound.
+            if not self._warned_nonfinite:
+                warnings.warn(f"ModelCheckpoint: not saving step {trainer.global_step} or later: non-finite values "
+                              f"were seen at step {bad}. `last` stays at the last sound checkpoint.", stacklevel=3)
+                self._warned_nonfinite = True
+            return
         self._finish_pending()
         decision = trainer.strategy.broadcast(self._decide(trainer) if trainer.is_global_zero else None)
         self._last_global_step_saved = trainer.global_step

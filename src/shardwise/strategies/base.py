@@ -29,12 +29,14 @@ import contextlib
 import datetime
 import os
 import random
+import warnings
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp.wrap import enable_wrap
 
 from shardwise.distributed import faults, ops
 from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
@@ -177,10 +179,19 @@ class Strategy:
         device_ctx = torch.device("meta") if self.init_on_meta else self.root_device
         token = _ACTIVE_WRAP.set(self._manual_wrap)
         try:
-            with dtype_ctx, device_ctx:
+            # torch.distributed.fsdp.wrap.wrap() is a silent no-op outside its
+            # enable_wrap context: make it mean shardwise.wrap, as the guides use it.
+            with dtype_ctx, device_ctx, enable_wrap(wrapper_cls=self._torch_wrap):
                 yield
         finally:
             _ACTIVE_WRAP.reset(token)
+
+    def _torch_wrap(self, module: nn.Module, **overrides: Any) -> nn.Module:
+        if overrides:
+            warnings.warn(f"wrap(..., {', '.join(overrides)}=...) inside configure_model: shardwise shards the "
+                          "module as its own unit with the strategy's settings; per-unit overrides are ignored.",
+                          stacklevel=3)
+        return self._manual_wrap(module)
 
     def _manual_wrap(self, module: nn.Module) -> nn.Module:
         return module
