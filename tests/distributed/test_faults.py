@@ -205,3 +205,28 @@ def test_timeout_reaches_every_strategy_from_the_trainer_side():
         assert strategy.timeout_s == 42.0
     with pytest.raises(ValueError, match="positive number of seconds"):
         build_strategy("ddp").connect("cpu", timeout_s=0)
+
+
+# ------------------------------------------------- mismatched collectives
+def _collective_on_rank0_only() -> None:
+    from shardwise.strategies import FSDPStrategy
+
+    strategy = FSDPStrategy(timeout_s=150)
+    strategy.connect("cpu")
+    strategy.setup_environment()
+    progress.mark("training_step", 2)
+    if strategy.global_rank == 0:
+        strategy.reduce(1.0)  # a collective only rank 0 calls
+    strategy.barrier()
+
+
+def test_check_collectives_names_a_collective_called_from_one_rank(monkeypatch):
+    monkeypatch.setenv(faults.CHECK_COLLECTIVES_ENV, "1")
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        shardwise.launch(_collective_on_rank0_only, devices=2)
+    message = str(err.value)
+    # Named at once (no 150 s timeout): which rank ran which collective.
+    assert "Detected mismatch between collectives" in message and "in training_step at step 2" in message, message
+    assert "ALLREDUCE" in message and "BARRIER" in message
+    assert time.monotonic() - start < 120

@@ -166,7 +166,7 @@ def install_worker(collective_timeout_s: Optional[float] = None) -> None:
             pass
 
 
-def maybe_check_collectives() -> bool:
+def maybe_check_collectives(strategy_name: str = "") -> bool:
     """SHARDWISE_CHECK_COLLECTIVES=1: have torch check that every rank calls the same collective.
 
     torch's DETAIL debug level wraps each process group so that, before every
@@ -175,8 +175,17 @@ def maybe_check_collectives() -> bool:
     the wrong tensors. It costs an extra small collective per collective (see
     the measurement in /work/notes/faults.md), so it is a debugging switch.
     Must run before the process group is created. True if enabled.
+    Not under DDP: on torch 2.13 (CPU, gloo) building DistributedDataParallel
+    at the DETAIL level crashes the process (SIGSEGV, measured).
     """
     if os.environ.get(CHECK_COLLECTIVES_ENV, "0") in ("", "0"):
+        return False
+    if strategy_name == "ddp":
+        import warnings
+
+        warnings.warn(f"{CHECK_COLLECTIVES_ENV}=1 is ignored under DDP: torch's collective checks "
+                      "(TORCH_DISTRIBUTED_DEBUG=DETAIL) crash DistributedDataParallel on torch 2.13. "
+                      "Use strategy='fsdp' (or DeepSpeed) to check a mismatched collective.", stacklevel=2)
         return False
     import torch.distributed as dist
 

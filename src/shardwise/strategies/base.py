@@ -140,7 +140,7 @@ class Strategy:
             # stopped responding (distributed/faults.py).
             faults.install_worker(collective_timeout_s=self.timeout_s)
         if self.env.is_distributed and not dist.is_initialized():
-            faults.maybe_check_collectives()
+            faults.maybe_check_collectives(self.name)
             dist.init_process_group(
                 backend=backend_for(self.root_device.type), rank=self.env.global_rank,
                 world_size=self.env.world_size, timeout=datetime.timedelta(seconds=self.timeout_s),
