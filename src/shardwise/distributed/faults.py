@@ -298,8 +298,9 @@ def diagnose(outcomes: List[Outcome], run_dir: Optional[str] = None, timeout_s: 
         elif -root.exitcode == signal.SIGSEGV:
             text += " A segmentation fault is a crash in native code (an extension, a driver)."
     elif root.kind == "exit":
-        text = (f"[shardwise] rank {root.rank} exited with code {root.exitcode} without an uncaught Python exception "
-                "(sys.exit / os._exit, or a crash in native code); its own output is above.")
+        text = (f"[shardwise] rank {root.rank} exited with code {root.exitcode} and left no error record (it "
+                "failed before its strategy set up the process group, called sys.exit, or crashed in native "
+                "code); its own output is above.")
     elif root.kind == "timeout":
         waiting = sorted(o.rank for o in outcomes if o.kind == "timeout")
         timeout_s = timeout_s or root.record["shardwise"].get("timeout_s")
