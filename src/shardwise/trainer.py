@@ -370,8 +370,11 @@ class Trainer:
         self._call("setup", stage="fit")
         # 1. configure_model under the strategy's init context (meta device),
         # 2. the strategy wraps, shards and materialises it.
-        with strategy.module_init_context():
+        from shardwise.strategies.materialize import watch_meta_writes
+
+        with strategy.module_init_context(), watch_meta_writes() as writes:
             self._call_module("configure_model")
+        writes.check()  # a custom init on the meta device would be silently replaced
         if trained and not trained <= {id(p) for p in module.parameters()}:
             raise RuntimeError(
                 f"configure_model() rebuilt the layers of a {type(module).__name__} that was already trained, "

@@ -205,3 +205,46 @@ def test_torch_fsdp_wrap_inside_configure_model_makes_a_unit():
     t.fit(Wrapped(), loaders()[0])
     assert "FSDP" in type(t.lightning_module.net[0]).__name__  # its own fully_shard unit
     assert "FSDP" not in type(t.lightning_module.net[2]).__name__
+
+
+# -------------------------------------------------- custom initialisation
+class CustomInit(Net):
+    def configure_model(self):
+        super().configure_model()
+        nn.init.zeros_(self.net[3].weight)  # lost on the meta device
+
+
+class LoadsWeights(Net):
+    def __init__(self, state):
+        super().__init__()
+        self.pretrained = state
+
+    def configure_model(self):
+        super().configure_model()
+        self.net.load_state_dict(self.pretrained)
+
+
+class InitHook(Net):
+    def init_weights(self):
+        for m in self.net:
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        nn.init.zeros_(self.net[3].weight)
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_custom_init_in_configure_model_is_never_silently_replaced(strategy):
+    with pytest.raises(RuntimeError, match=r"writes values into 1 parameter\(s\) .*zero_ at test_trainer_faults.py"
+                                           r".*TrainModule.init_weights\(\)"):
+        trainer(strategy=strategy).fit(CustomInit(), loaders()[0])
+    state = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Dropout(0.2), nn.Linear(16, 3)).state_dict()
+    with pytest.raises(RuntimeError, match=r"writes values into 6 parameter\(s\).*copy_"):
+        trainer(strategy=strategy).fit(LoadsWeights(state), loaders()[0])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    t = trainer(strategy=strategy, max_steps=0)
+    t.fit(InitHook(), loaders()[0])
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True))
+    assert torch.count_nonzero(full["net.3.weight"]) == 0  # the hook's init is what the model got

@@ -134,7 +134,9 @@ def materialize_module(module: nn.Module, device: torch.device, seed: int,
     targets = named_tensors()
     for _, t in targets:
         _fill_sentinel(_local(t))
-    versions = {id(t): _local(t)._version for _, t in targets}
+    # A DTensor written through its own ops bumps only the wrapper's version
+    # counter, one written through its local shard only the shard's: watch both.
+    versions = {id(t): (t._version, _local(t)._version) for _, t in targets}
 
     if init_weights is not None:
         init_weights()
@@ -160,7 +162,7 @@ def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[in
     bad = []
     for name, t in targets:
         local = _local(t)
-        untouched = local._version == versions[id(t)]
+        untouched = (t._version, local._version) == versions[id(t)]
         has_nan = local.is_floating_point() and local.numel() > 0 and bool(torch.isnan(local).any())
         if untouched or has_nan:
             bad.append((name, "never written" if untouched else "contains the uninitialised sentinel (NaN)"))
@@ -179,3 +181,73 @@ def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[in
         f"{listing}{more}\nModules: {', '.join(owners[:10])}.\nFix: {fix}. "
         "(Or build those layers in __init__ instead of configure_model so they are created with real values.)"
     )
+
+
+# ------------------------------------------------------ writes lost on meta
+_INIT_FRAMES = {"__init__", "reset_parameters", "_reset_parameters", "_init_weights", "post_init",
+                "init_weights", "_initialize_weights"}
+
+
+class DiscardedInitError(RuntimeError):
+    """configure_model() wrote values into meta tensors, where nothing is stored."""
+
+
+class watch_meta_writes(torch.overrides.TorchFunctionMode):
+    """While configure_model runs: note in-place writes to meta parameters/buffers made outside construction.
+
+    A module's own __init__ / reset_parameters writes are redone by the
+    materialisation above; anything else (a custom nn.init call, a
+    load_state_dict) is lost on the meta device, so it is reported instead of
+    silently replaced by the default initialisation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: Dict[int, str] = {}  # one entry per parameter written
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else None
+        if name.endswith("_") and not name.startswith("_") and isinstance(target, torch.Tensor) and \
+                target.is_meta and isinstance(target, nn.Parameter) and not self._in_construction():
+            self.writes.setdefault(id(target), f"{name} at {self._user_frame()}")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _in_construction() -> bool:
+        import sys
+
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name in _INIT_FRAMES and isinstance(frame.f_locals.get("self"), nn.Module):
+                return True
+            frame = frame.f_back
+        return False
+
+    @staticmethod
+    def _user_frame() -> str:
+        import os
+        import sys
+
+        frame = sys._getframe(2)
+        torch_dir = os.path.dirname(torch.__file__)
+        here = os.path.dirname(os.path.dirname(__file__))
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith(torch_dir) and not path.startswith(here):
+                return f"{os.path.basename(path)}:{frame.f_lineno}"
+            frame = frame.f_back
+        return "?"
+
+    def check(self) -> None:
+        if not self.writes:
+            return
+        shown = "; ".join(dict.fromkeys(list(self.writes.values())[:5]))
+        raise DiscardedInitError(
+            f"configure_model() writes values into {len(self.writes)} parameter(s) while the model is on the meta "
+            f"device, where nothing is stored ({shown}), so they would silently get the default initialisation "
+            "instead. Move that code into TrainModule.init_weights(), which runs on the materialised weights under "
+            "every strategy (it replaces the default initialisation: initialise every tensor there, e.g. call each "
+            "module's reset_parameters() first). To load pretrained weights, use fit(ckpt_path=...) or load them "
+            "in init_weights().")
