@@ -81,6 +81,9 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
         suspects = sorted((p for r, p in records.items() if r != _rank()), key=lambda p: (p.step, p.time))
         if suspects and _alive(suspects[0].pid):
             stacks = dump_stacks({suspects[0].rank: suspects[0].pid}, progress.run_dir())
+        if stall:  # also in torch's error file, so torchrun's "Root Cause" shows it
+            tb += f"\n[shardwise] {stall}\n" + "".join(
+                f"[shardwise] rank {r}'s Python stack:\n{_trim_stack(st)}\n" for r, st in stacks.items())
     data = {
         "message": {"message": summary, "extraInfo": {"py_callstack": tb, "timestamp": str(int(now))}},
         "shardwise": {"rank": _rank(), "time": now, "kind": kind, "summary": summary,

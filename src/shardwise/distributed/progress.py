@@ -55,8 +55,11 @@ def run_dir(create: bool = False) -> Optional[str]:
     if not path:
         if "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
             return None
-        key = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                                        "SLURM_JOB_ID"))
+        # The ranks of one node agree on it without talking: same launcher
+        # (parent process: torchrun's agent, srun's step daemon) and job;
+        # the parent's pid keeps a later job with the same port apart.
+        key = "|".join([str(os.getppid())] + [os.environ.get(k, "") for k in (
+            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")])
         try:
             user = getpass.getuser()
         except Exception:  # no passwd entry (containers)
