@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -490,7 +491,7 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
         info = {"leg": i, "devices": leg["devices"], "start": start, "code": proc.returncode,
                 "fired": kills[0] if kills else None}
         legs_info.append(info)
-        tail = proc.stderr.strip().splitlines()[-6:]
+        tail = [_error_line(proc.stderr)]
         if kill is None:
             if proc.returncode != 0:
                 failures.append(f"leg {i} (final, w{leg['devices']}, resumed from step {start}) exited "
@@ -508,7 +509,7 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
                 failures.append(f"[SIGTERM] leg {i}: SIGTERM to {kill['target']} at {kills[0]['point']} "
                                 f"(step {kills[0]['step']}) exited {proc.returncode}, expected {want} "
                                 f"(PREEMPTED_EXIT_CODE{'' if preempt_code is not None else ' not defined yet'})"
-                                f": {' | '.join(tail[-2:])}")
+                                f": {tail[0]}")
         elif proc.returncode == 0:
             failures.append(f"leg {i}: SIGKILL fired at {kills[0]['point']} but the leg exited 0")
         info["committed"] = _committed_step(ckpt_dir)
@@ -625,6 +626,15 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
               "sigterm": sigterm, "seconds": round(time.monotonic() - t0, 1), "legs_seconds": round(elapsed_legs, 1),
               "schedule": describe(spec)}
     return result
+
+
+def _error_line(stderr: str) -> str:
+    """The exception a failed leg died with (its last 'XxxError: ...' line), else its last line."""
+    lines = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
+    lines = [l.split("]:", 1)[1].strip() if l.startswith("[rank") and "]:" in l else l for l in lines]
+    errors = [l for l in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b.*", l) or "terminate called" in l]
+    line = (errors or lines or ["(no stderr)"])[-1]
+    return line if len(line) <= 400 else line[:400] + "..."
 
 
 def _read_jsonl(path: str) -> List[Dict[str, Any]]:
