@@ -2,7 +2,7 @@
 from shardwise.distributed.device import move_to_device
 from shardwise.distributed.launch import launch
 from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
-from shardwise.module import TrainModule
+from shardwise.module import DataModule, TrainModule
 from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise.precision import PRECISIONS
 from shardwise.seed import seed_everything
@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # DeepSpeed is an optional extra: import it only when asked for.
-    if name == "DeepSpeedStrategy":
+    if name in ("DeepSpeedStrategy", "DeepSpeedPlugin"):  # DeepSpeedPlugin: Lightning 1.x's name
         from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy
@@ -23,7 +23,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Trainer", "TrainModule", "seed_everything", "launch", "wrap", "move_to_device",
+    "Trainer", "TrainModule", "DataModule", "seed_everything", "launch", "wrap", "move_to_device",
     "Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
     "STRATEGY_NAMES", "PRECISIONS", "max_memory_allocated", "reset_peak_memory_stats", "track_memory", "plan",
 ]

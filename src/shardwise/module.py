@@ -130,3 +130,21 @@ class TrainModule(nn.Module):
         logs = list(self._log_buffer)
         self._log_buffer.clear()
         return logs
+
+
+class DataModule:
+    """Data in one place, as Lightning's LightningDataModule: `trainer.fit(module, datamodule=dm)`.
+
+    prepare_data() runs once per node before any rank reads what it prepares
+    (downloads, tokenisation to disk); setup(stage) on every rank; then the
+    loaders. Any object with these methods works: subclassing is optional.
+    """
+
+    def prepare_data(self) -> None: ...
+
+    def setup(self, stage: str) -> None: ...
+
+    def train_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement train_dataloader()")
+
+    def teardown(self, stage: str) -> None: ...

@@ -77,6 +77,48 @@ def _loss_of(output: Any) -> Optional[torch.Tensor]:
     raise TypeError("training_step must return a loss tensor, a dict with a 'loss' key, or None (skip the batch).")
 
 
+# Lightning 1.x spelled the strategy as an accelerator ("ddp") or a plugin.
+_LEGACY_ACCELERATORS = {"ddp", "ddp_spawn", "ddp2", "dp", "fsdp", "deepspeed"}
+
+
+def _lightning_spellings(accelerator: Any, devices: Any, strategy: Any, gpus: Optional[int],
+                         plugins: Any) -> Tuple[Any, Any, Any]:
+    """Map the older Lightning arguments the seeds' scripts use onto ours; say so once each."""
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if isinstance(accelerator, str) and accelerator in _LEGACY_ACCELERATORS:
+        name = "ddp" if accelerator in ("ddp_spawn", "ddp2", "dp") else accelerator
+        if strategy not in ("auto", None, name):
+            raise ValueError(f"accelerator={accelerator!r} (Lightning 1.x for strategy={name!r}) contradicts "
+                             f"strategy={strategy!r}; pass only strategy=.")
+        warnings.warn(f"Trainer(accelerator={accelerator!r}) is Lightning 1.x for strategy={name!r}; using that.",
+                      stacklevel=3)
+        accelerator, strategy = "auto", name
+    if gpus is not None:
+        if devices not in ("auto", gpus):
+            raise ValueError(f"Trainer(gpus={gpus}, devices={devices!r}): gpus= is the older name of devices= "
+                             "with accelerator='cuda'; pass only devices=.")
+        warnings.warn(f"Trainer(gpus={gpus}) is the older spelling of Trainer(accelerator='cuda', devices={gpus}).",
+                      stacklevel=3)
+        accelerator, devices = ("cuda" if accelerator == "auto" else accelerator), gpus
+    for plugin in (plugins if isinstance(plugins, (list, tuple)) else [plugins] if plugins is not None else []):
+        if isinstance(plugin, (str, Strategy)):
+            if strategy not in ("auto", None) and strategy is not plugin:
+                raise ValueError(f"plugins={plugin!r} selects the strategy, and so does strategy={strategy!r}: "
+                                 "pass only strategy=.")
+            strategy = plugin  # DeepSpeedPlugin(...) is DeepSpeedStrategy(...); 'deepspeed_stage_3' a name
+        else:
+            raise TypeError(f"plugins={plugin!r}: shardwise takes a strategy (name or object) there, as Lightning "
+                            "1.x did for DeepSpeedPlugin; precision and cluster plugins are Trainer arguments "
+                            "(precision=..., num_nodes=...).")
+    return accelerator, devices, strategy
+
+
+def _is_datamodule(obj: Any) -> bool:
+    """A LightningDataModule-style object: it makes loaders, it is not one."""
+    return obj is not None and callable(getattr(obj, "train_dataloader", None)) and not hasattr(obj, "__iter__")
+
+
 def _check_refit(module: TrainModule, trainer: "Trainer") -> set:
     """A module trained by another Trainer: the ids of its trained parameters, or an error if it is sharded."""
     previous = getattr(module, "_trainer", None)
@@ -163,9 +205,10 @@ class Trainer:
                  enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
                  deterministic: bool = False, device_memory: Union[None, str, int] = None,
                  preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
-                 non_finite: str = "error") -> None:
+                 non_finite: str = "error", gpus: Optional[int] = None, plugins: Any = None) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
+        accelerator, devices, strategy = _lightning_spellings(accelerator, devices, strategy, gpus, plugins)
         self.accelerator = resolve_accelerator(accelerator)
         env = detect_env()
         if env is not None and devices == "auto":
@@ -367,6 +410,7 @@ class Trainer:
         trained = _check_refit(module, self)
         self.lightning_module = module
         module._attach(self)
+        self._resolve_data(module)
         self._call("setup", stage="fit")
         # 1. configure_model under the strategy's init context (meta device),
         # 2. the strategy wraps, shards and materialises it.
@@ -395,6 +439,29 @@ class Trainer:
             strategy.setup_optimizer(opt)
         strategy.lr_schedulers = schedulers
         self._set_up = True
+
+    def _resolve_data(self, module: TrainModule) -> None:
+        """In the workers, with the process group up: the loaders from the datamodule or the module's hooks."""
+        train, val, datamodule = getattr(self, "_data_sources", (None, None, None))
+        if datamodule is not None:
+            if self.strategy.local_rank == 0 and callable(getattr(datamodule, "prepare_data", None)):
+                datamodule.prepare_data()  # once per node, before any rank reads what it prepares
+            self.strategy.barrier("prepare_data")
+            if callable(getattr(datamodule, "setup", None)):
+                datamodule.setup("fit")
+            owner = datamodule
+        else:
+            owner = module
+        if train is None and callable(getattr(owner, "train_dataloader", None)):
+            train = owner.train_dataloader()
+        if val is None and callable(getattr(owner, "val_dataloader", None)):
+            val = owner.val_dataloader()
+        self._resolved_data = (train, val)
+        if train is not None and getattr(train, "batch_size", None) is not None:
+            # The loader is known only now; DeepSpeed's config takes its micro-batch size.
+            self.strategy.configure_training(
+                accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
+                gradient_clip_algorithm=self.gradient_clip_algorithm, micro_batch_size=train.batch_size)
 
     def _setup_loggers(self) -> None:
         """After any restore: a resumed run's loggers continue the saved run's version."""
@@ -438,8 +505,23 @@ class Trainer:
                         "a dict {'optimizer', 'lr_scheduler'}, or ([optimizers], [schedulers]).")
 
     # ------------------------------------------------------------------- fit
-    def fit(self, module: TrainModule, train_dataloaders: Iterable, val_dataloaders: Optional[Iterable] = None,
-            ckpt_path: Optional[str] = None) -> None:
+    def fit(self, module: TrainModule, train_dataloaders: Optional[Iterable] = None,
+            val_dataloaders: Optional[Iterable] = None, ckpt_path: Optional[str] = None,
+            datamodule: Any = None) -> None:
+        """Train. Data as in Lightning: loaders here, a `datamodule` (also as the second positional
+        argument), or the module's own train_dataloader() / val_dataloader() methods."""
+        if datamodule is None and _is_datamodule(train_dataloaders):
+            train_dataloaders, datamodule = None, train_dataloaders  # fit(model, dm)
+        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
+            raise ValueError("fit() takes either dataloaders or a datamodule, not both: pass the loaders through "
+                             "the datamodule's train_dataloader() / val_dataloader().")
+        if datamodule is not None and not callable(getattr(datamodule, "train_dataloader", None)):
+            raise TypeError(f"datamodule={type(datamodule).__name__} has no train_dataloader() method.")
+        if train_dataloaders is None and datamodule is None and \
+                not callable(getattr(module, "train_dataloader", None)):
+            raise TypeError("fit() needs training data: fit(module, train_loader), fit(module, datamodule=dm), or a "
+                            f"train_dataloader() method on {type(module).__name__}.")
+        self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
             from shardwise.plan.advice import check_before_fit
 
@@ -456,6 +538,7 @@ class Trainer:
         previous_handlers = self._install_preemption()
         try:
             self._setup(module)
+            train_dataloaders, val_dataloaders = self._resolved_data
             self.train_dataloader = self.strategy.setup_dataloader(train_dataloaders)
             self.val_dataloaders = (self.strategy.setup_dataloader(val_dataloaders, shuffle=False)
                                     if val_dataloaders is not None else None)
@@ -481,6 +564,9 @@ class Trainer:
         finally:
             self.state.stage = "idle"
             self._call("teardown", stage="fit")
+            datamodule = self._data_sources[2]
+            if datamodule is not None and callable(getattr(datamodule, "teardown", None)):
+                datamodule.teardown("fit")
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
         if self.preempted is not None:
@@ -724,6 +810,8 @@ class Trainer:
         if module is None:
             raise ValueError("validate() needs a module (or a previous fit()).")
         self._setup(module)
+        if dataloaders is None and self.val_dataloaders is None:
+            dataloaders = self._resolved_data[1]  # the module's or datamodule's val_dataloader()
         if dataloaders is not None:
             self.val_dataloaders = self.strategy.setup_dataloader(dataloaders, shuffle=False)
         if self.val_dataloaders is None:
