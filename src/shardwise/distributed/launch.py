@@ -233,14 +233,15 @@ def _run(workers: _Workers, run_dir: Optional[str], forwarder: _SignalForwarder)
         if forwarder.received is not None:
             return _preempted_exit(workers, forwarder), []
         codes = workers.codes()
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        # 75: a worker signalled directly (e.g. `scancel --signal=USR1 --full`) saved and left; not a failure.
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0, PREEMPTED_EXIT_CODE)]
         if failed:
             outcomes = _settle_and_stop(workers, run_dir)
             root = faults.root_cause(outcomes)
             code = root.exitcode if root is not None and root.exitcode else codes[failed[0]]
             return (code if code > 0 else 128 - code), outcomes
-        if all(code == 0 for code in codes):
-            return 0, []
+        if all(code is not None for code in codes):
+            return (PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else 0), []
         time.sleep(0.05)
 
 
@@ -353,7 +354,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int = 2, num_nodes: int 
                     workers.stop()
                 for proc in context.processes:
                     proc.join(1.0)
-            if forwarder.received is not None:
+            if forwarder.received is not None or code == PREEMPTED_EXIT_CODE:
                 if code == 0:
                     return _results(out_dir, devices)
                 raise SystemExit(code)
