@@ -494,8 +494,16 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
         tail = [_error_line(proc.stderr)]
         if kill is None:
             if proc.returncode != 0:
+                own = [r["step"] for r in _rows(workdir) if r["run"] == f"leg{i}"]
+                ref_steps = [r["step"] for r in _rows(ref_root) if r["run"] == "reference"] if along else []
+                when = ""
+                if along and own and max(own) == spec["max_steps"]:
+                    # Its own training finished; the process died in the reference fit() that ran after it.
+                    when = (f" after finishing its own steps, in the reference fit() run next in the same processes "
+                            f"({len(ref_steps)} of {spec['max_steps']} reference steps recorded"
+                            f"{', so at exit' if len(ref_steps) == spec['max_steps'] else ''})")
                 failures.append(f"leg {i} (final, w{leg['devices']}, resumed from step {start}) exited "
-                                f"{proc.returncode}: {' | '.join(tail)}")
+                                f"{proc.returncode}{when}: {' | '.join(tail)}")
             continue
         if not kills:
             warnings_.append(f"leg {i}: kill point {kill['point']}+{kill['after']} never reached "
