@@ -8,11 +8,16 @@ under test, like a rank of an NCCL job:
   tensor that reports `device == cuda:0`; arithmetic on it works, mixing it
   with a non-scalar CPU tensor raises as CUDA would, `.to("cpu")` gives the
   CPU tensor back;
-- `dist.all_reduce`, `dist.broadcast` and `dist.all_gather_into_tensor`
-  refuse any tensor not on cuda (NCCL's own rule), then run over gloo on the
-  CPU data inside the fake.
-Model-internal collectives that do not go through those three functions
-(FSDP's reduce-scatter, DTensor's functional collectives, DDP's reducer) are
+- `dist.all_reduce`, `dist.broadcast`, `dist.all_gather_into_tensor`,
+  `dist.send` and `dist.recv` refuse any tensor not on cuda (NCCL's own
+  rule), then run over gloo on the CPU data inside the fake;
+- `DTensor.full_tensor()` refuses a DTensor whose local shard is not on
+  cuda (a CPU shard on an NCCL mesh, as under FSDP cpu_offload); a DTensor
+  built by `DTensor.from_local(<fake CUDA tensor>, ...)` counts as on cuda;
+- `torch.empty / zeros / ones / full(..., device="cuda:0")` give fakes too, and `copy_` between
+  a fake and a CPU tensor works, as it does between CUDA and CPU.
+Model-internal collectives that do not go through those functions (FSDP's
+reduce-scatter, DTensor's other functional collectives, DDP's reducer) are
 untouched, so a whole Trainer / recipe run works under it. Module-level, so
 spawned worker processes can import it.
 """
@@ -23,6 +28,7 @@ from typing import Dict, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -50,7 +56,8 @@ class FakeCudaTensor(torch.Tensor):
             rest = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory")}
             return args[0].cpu_data.to(**rest).clone()
         flat, _ = tree_flatten((args, kwargs))
-        for t in flat:  # CUDA's rule: other tensors must be CUDA too, except 0-dim CPU scalars
+        cross_device_ok = func in (torch.ops.aten.copy_.default,)  # CUDA copies to and from the host
+        for t in ([] if cross_device_ok else flat):  # CUDA's rule: other tensors must be CUDA too, except 0-dim CPU scalars
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeCudaTensor) and t.dim() > 0:
                 raise RuntimeError(f"{func}: expected all tensors to be on the same device, but found at "
                                    f"least two devices, cuda:0 and {t.device} (FakeCudaTensor)")
@@ -76,6 +83,23 @@ class _ToFakeCuda(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _FactoriesOnFakeCuda(TorchFunctionMode):
+    """`torch.empty / zeros / ones / full(..., device="cuda")` (refused by a CPU-only build before any
+    dispatch) make a FakeCudaTensor; indexing a fake gives a fake view."""
+
+    FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if func in self.FACTORIES and device is not None and torch.device(device).type == "cuda":
+            return FakeCudaTensor(func(*args, **{**kwargs, "device": torch.device("cpu")}))
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], FakeCudaTensor):
+            # Indexing sets a CUDA device guard before dispatch; a view of the CPU data aliases it the same way.
+            return FakeCudaTensor(args[0].cpu_data[args[1]])
+        return func(*args, **kwargs)
+
+
 def _strict(name: str, original, calls: Dict[str, int]):
     def collective(tensor, *args, **kwargs):
         tensors = [tensor] + [a for a in args if isinstance(a, torch.Tensor)]
@@ -95,7 +119,7 @@ def fake_cuda_copies() -> Iterator[None]:
     saved_init = torch.cuda._lazy_init
     torch.cuda._lazy_init = lambda: None  # `.to("cuda")` asks for CUDA before it dispatches
     try:
-        with _ToFakeCuda():
+        with _ToFakeCuda(), _FactoriesOnFakeCuda():
             yield
     finally:
         torch.cuda._lazy_init = saved_init
@@ -107,11 +131,13 @@ def strict_cuda_collectives() -> Iterator[Dict[str, int]]:
     from shardwise.distributed import ops
 
     calls: Dict[str, int] = {}
-    patched = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather_into_tensor")}
+    patched = {name: getattr(dist, name)
+               for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "send", "recv")}
     saved_device = ops.collective_device
     for name, fn in patched.items():
         setattr(dist, name, _strict(name, fn, calls))
     ops.collective_device = lambda group=None: FAKE_CUDA
+    saved_dtensor = _patch_dtensor(calls)
     try:
         with fake_cuda_copies():
             yield calls
@@ -119,3 +145,35 @@ def strict_cuda_collectives() -> Iterator[Dict[str, int]]:
         for name, fn in patched.items():
             setattr(dist, name, fn)
         ops.collective_device = saved_device
+        _restore_dtensor(saved_dtensor)
+
+
+def _patch_dtensor(calls: Dict[str, int]):
+    from torch.distributed.tensor import DTensor
+
+    saved = (DTensor.__dict__["from_local"], DTensor.__dict__["full_tensor"])
+    from_local, full_tensor = DTensor.from_local, DTensor.full_tensor
+
+    def strict_from_local(local_tensor, *args, **kwargs):
+        if not isinstance(local_tensor, FakeCudaTensor):
+            return from_local(local_tensor, *args, **kwargs)
+        out = from_local(local_tensor.cpu_data, *args, **kwargs)
+        out._strict_on_cuda = True  # its shard was staged on the (fake) collective device
+        return out
+
+    def strict_full_tensor(self, *args, **kwargs):
+        if not getattr(self, "_strict_on_cuda", False):
+            raise ValueError(f"DTensor.full_tensor() on a shard on {self._local_tensor.device}; the mesh's backend "
+                             "(NCCL, simulated by tests/strict_device.py) only moves CUDA tensors")
+        calls["full_tensor"] = calls.get("full_tensor", 0) + 1
+        return FakeCudaTensor(full_tensor(self, *args, **kwargs))
+
+    DTensor.from_local = staticmethod(strict_from_local)
+    DTensor.full_tensor = strict_full_tensor
+    return saved
+
+
+def _restore_dtensor(saved) -> None:
+    from torch.distributed.tensor import DTensor
+
+    DTensor.from_local, DTensor.full_tensor = saved

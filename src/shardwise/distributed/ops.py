@@ -48,6 +48,31 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
 
 
+def full_tensor(tensor: Any, device: Optional[torch.device] = None) -> Any:
+    """`DTensor.full_tensor()` with its collective on `collective_device()`.
+
+    Under FSDP `cpu_offload=True` a shard (a parameter, a gradient, the
+    partial norms of sharded gradients) is a CPU tensor on an NCCL mesh, and
+    NCCL moves only CUDA tensors: the shard travels through a staging copy on
+    the collective device. The result is on `device` if given, else where the
+    local shard lives. Anything that is not a DTensor comes back unchanged.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = tensor.to_local()
+    home = torch.device(device) if device is not None else local.device
+    target = collective_device()
+    if local.device == target:
+        return tensor.full_tensor().to(home)
+    staged = DTensor.from_local(local.to(target), tensor.device_mesh, tensor.placements, run_check=False,
+                                shape=tensor.shape, stride=tensor.stride())
+    return staged.full_tensor().to(home)
+
+
 def reduce(value: Any, op: str = "mean", device: Optional[torch.device] = None) -> torch.Tensor:
     """All-reduce a number or tensor; 'mean' divides the sum by the world size.
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.materialize import canonical_name
 
@@ -233,9 +234,12 @@ def _broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def _comm_device(t: torch.Tensor) -> torch.device:
-    # NCCL moves CUDA tensors, gloo CPU ones: the local tensor's device is the right one.
-    return t.device
+def _comm_device() -> torch.device:
+    # NCCL moves CUDA tensors only, gloo CPU ones. The local shard's device is
+    # not the answer: under FSDP cpu_offload and ZeRO-3 offload the shards are
+    # CPU tensors while the group is NCCL's, so every slice travels through a
+    # staging copy on this device (one piece of at most CHUNK_BYTES at a time).
+    return ops.collective_device()
 
 
 def is_zero3_param(t: torch.Tensor) -> bool:
@@ -418,7 +422,7 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
                     local.copy_(part.reshape(local.shape))
                     continue
                 for rows in _row_chunks(part.shape, part.element_size()):
-                    dist.send(part[rows].contiguous().to(_comm_device(local)), dst=dst)
+                    dist.send(part[rows].contiguous().to(_comm_device()), dst=dst)
         if 0 in shape:
             return
         view = local.view(shape)
@@ -426,7 +430,7 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
             for rows in _row_chunks(shape, local.element_size()):
                 # Received into a small scratch piece, then copied: copy_ also marks
                 # the tensor as written for the strategy's initialisation check.
-                piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device(local))
+                piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device())
                 dist.recv(piece, src=0)
                 view[rows].copy_(piece)
         for d in replicated:
@@ -438,9 +442,9 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
             group = mesh.get_group(d)
             for rows in _row_chunks(shape, local.element_size()):
                 if rank == src:
-                    dist.broadcast(view[rows], src=src, group=group)
+                    dist.broadcast(view[rows].to(_comm_device()), src=src, group=group)
                 else:
-                    piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device(local))
+                    piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device())
                     dist.broadcast(piece, src=src, group=group)
                     view[rows].copy_(piece)
         return
@@ -448,7 +452,9 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
     if rank == 0:
         tensor.copy_(full.to(dtype=tensor.dtype))
     if _world() > 1:
-        buf = tensor.contiguous() if rank == 0 else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        device = _comm_device()
+        buf = (tensor.contiguous().to(device) if rank == 0
+               else torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
         dist.broadcast(buf, src=0)
         if rank != 0:
             tensor.copy_(buf)
@@ -482,12 +488,12 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
                 part[: max(0, hi - lo)].copy_(flat[lo:hi])
                 continue
             for start in range(lo, hi, step):
-                dist.send(flat[start:min(start + step, hi)].contiguous().to(_comm_device(part)), dst=dst)
+                dist.send(flat[start:min(start + step, hi)].contiguous().to(_comm_device()), dst=dst)
         return
     lo, hi = bounds(members.index(rank))
     for start in range(lo, hi, step):
         stop = min(start + step, hi)
-        piece = scratch.get([stop - start], part.dtype, _comm_device(part))
+        piece = scratch.get([stop - start], part.dtype, _comm_device())
         dist.recv(piece, src=0)
         part[start - lo:stop - lo].copy_(piece)
 
@@ -510,12 +516,13 @@ def _export_items(model: nn.Module, config: Any) -> List[Tuple[str, torch.Tensor
 def gathered(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """The full tensor while the block runs (a collective for sharded tensors: every rank, same order).
 
-    A DTensor is all-gathered into a new tensor; a ZeRO-3 parameter is
+    A DTensor is all-gathered into a new tensor (on the collective device,
+    then back where its shard lives: CPU under cpu_offload); a ZeRO-3 parameter is
     gathered in place by DeepSpeed and re-partitioned when the block ends, so
     the value must be copied before then; a plain tensor is itself.
     """
     if isinstance(tensor, DTensor):
-        yield tensor.full_tensor()
+        yield ops.full_tensor(tensor)
     elif is_zero3_param(tensor):
         import deepspeed
 

@@ -33,6 +33,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from shardwise.distributed import ops
 from shardwise.strategies.base import Strategy, _destroy_process_group
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
@@ -317,8 +318,9 @@ class FSDPStrategy(Strategy):
         return contextlib.nullcontext()
 
     def _full_norm(self, total: torch.Tensor) -> torch.Tensor:
-        # Norms of sharded gradients are partial per rank; full_tensor() reduces them.
-        return total.full_tensor() if hasattr(total, "full_tensor") else total
+        # Norms of sharded gradients are partial per rank; full_tensor() reduces them,
+        # on the collective device: under cpu_offload they are CPU tensors on an NCCL mesh.
+        return ops.full_tensor(total)
 
 
 @contextlib.contextmanager
