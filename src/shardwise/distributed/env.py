@@ -174,9 +174,24 @@ def backend_for(device_type: str) -> str:
 
 
 def device_for(accelerator: str, local_rank: int) -> torch.device:
-    if accelerator == "cuda":
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """This rank's device: cuda:LOCAL_RANK when every rank of the node sees every GPU.
+
+    Per-task GPU binding (`srun --gpus-per-task=1`, a CUDA_VISIBLE_DEVICES of
+    its own per rank) leaves one visible GPU, which is cuda:0 whatever
+    LOCAL_RANK says; with fewer visible GPUs than LOCAL_RANK + 1 otherwise,
+    no choice is right, so it is an error naming both.
+    """
+    if accelerator != "cuda":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if 1 < visible <= local_rank:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most {visible} "
+            "processes per node, or bind one GPU per task (srun --gpus-per-task=1) so each rank sees only its own.")
+    return torch.device("cuda", local_rank)
 
 
 def set_cpu_threads(local_world_size: int) -> None:

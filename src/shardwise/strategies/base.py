@@ -145,6 +145,10 @@ class Strategy:
                 backend=backend_for(self.root_device.type), rank=self.env.global_rank,
                 world_size=self.env.world_size, timeout=datetime.timedelta(seconds=self.timeout_s),
                 init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
+                # NCCL bound to this rank's GPU: communicators are created eagerly on it,
+                # and mesh subgroups / point-to-point pairs split from it instead of each
+                # building its own (the recipe's loader would otherwise add W-1 on rank 0).
+                device_id=self.root_device if self.root_device.type == "cuda" else None,
             )
             self._owns_process_group = True
             atexit.register(_destroy_process_group)

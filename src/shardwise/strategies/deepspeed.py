@@ -49,20 +49,48 @@ NAMED = {
 
 
 # ------------------------------------------------------------------- import
+_DS_ACCELERATOR_SET_HERE = False  # DS_ACCELERATOR=cpu came from an earlier CPU run in this process
+
+
 def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
-    """Point DeepSpeed at the CPU before it is imported (it picks its accelerator once, at import).
+    """Point DeepSpeed at the right accelerator before it is imported (it picks one once, at import).
 
     Without CUDA, or when the user asked for accelerator='cpu', DeepSpeed must
     use its CPU accelerator; an already-imported DeepSpeed on another
     accelerator is switched, since its choice is a process-wide singleton.
+    Training on CUDA, an inherited DS_ACCELERATOR other than cuda (a job
+    script's `export DS_ACCELERATOR=cpu`) would put DeepSpeed's buffers and
+    collectives on the CPU while the model is on the GPU: an error naming it.
     """
+    global _DS_ACCELERATOR_SET_HERE
+    import sys
+
+    if accelerator == "cuda":
+        inherited = os.environ.get("DS_ACCELERATOR")
+        if inherited == "cpu" and _DS_ACCELERATOR_SET_HERE:
+            del os.environ["DS_ACCELERATOR"]  # ours, from a CPU run earlier in this process
+            _DS_ACCELERATOR_SET_HERE = False
+        elif inherited not in (None, "cuda"):
+            raise DeepSpeedConfigError(
+                f"DS_ACCELERATOR={inherited!r} is set in the environment but the model trains on CUDA: DeepSpeed "
+                "would keep its buffers and collectives on that accelerator. Unset DS_ACCELERATOR (or set it "
+                "to cuda) for GPU runs.")
+        if "deepspeed" in sys.modules:
+            from deepspeed.accelerator import get_accelerator, set_accelerator
+
+            if get_accelerator().device_name() == "cpu":
+                from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+                set_accelerator(CUDA_Accelerator())
+        return
     want_cpu = accelerator == "cpu" or (accelerator is None and not torch.cuda.is_available())
     if not want_cpu:
         return
-    import sys
 
     if "deepspeed" not in sys.modules:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "DS_ACCELERATOR" not in os.environ:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+            _DS_ACCELERATOR_SET_HERE = True
         if os.environ["DS_ACCELERATOR"] != "cpu":
             raise DeepSpeedConfigError(f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']!r} but training runs on "
                                        "the CPU; unset it or set DS_ACCELERATOR=cpu.")
@@ -192,7 +220,8 @@ class DeepSpeedStrategy(Strategy):
             from shardwise.distributed.env import find_free_port
 
             dist.init_process_group("gloo" if self.root_device.type == "cpu" else "nccl", rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{find_free_port()}")
+                                    init_method=f"tcp://127.0.0.1:{find_free_port()}",
+                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
             self._owns_process_group = True
             import atexit
 

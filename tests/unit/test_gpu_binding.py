@@ -1,0 +1,99 @@
+"""Which GPU a rank takes, how NCCL is bound to it, and DeepSpeed's accelerator (issue 15).
+
+No CUDA call is made: torch.cuda.is_available / device_count / set_device and
+dist.init_process_group are patched, so the decisions run on this CPU machine.
+- `srun --gpus-per-task=1` gives every rank one visible GPU: cuda:0, not
+  cuda:LOCAL_RANK (which does not exist there);
+- NCCL's process group gets `device_id` (eager init on the rank's GPU,
+  subgroups split from it); gloo's does not;
+- an inherited DS_ACCELERATOR=cpu while the model trains on CUDA is an error
+  naming the variable, raised when the strategy is connected (before any
+  worker starts); one this process set for an earlier CPU run is dropped.
+"""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise import DDPStrategy
+from shardwise.distributed import faults
+from shardwise.distributed.env import device_for
+
+
+def fake_gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+
+@pytest.mark.parametrize("visible, local_rank, expected", [
+    (1, 0, "cuda:0"), (1, 3, "cuda:0"),  # per-task binding: the one visible GPU
+    (8, 3, "cuda:3"), (2, 1, "cuda:1"),  # every rank sees the node's GPUs
+])
+def test_device_for_picks_the_visible_gpu(monkeypatch, visible, local_rank, expected):
+    fake_gpus(monkeypatch, visible)
+    assert device_for("cuda", local_rank) == torch.device(expected)
+    assert device_for("cpu", local_rank) == torch.device("cpu")
+
+
+def test_more_ranks_than_visible_gpus_is_an_error_naming_both(monkeypatch):
+    fake_gpus(monkeypatch, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 .* sees 2 GPUs .*CUDA_VISIBLE_DEVICES=4,5"):
+        device_for("cuda", 3)
+
+
+def _setup(monkeypatch, accelerator, local_rank, visible):
+    fake_gpus(monkeypatch, visible)
+    for name, value in {"RANK": str(local_rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank),
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(faults, "install_worker", lambda **kwargs: None)
+    monkeypatch.setattr(faults, "maybe_check_collectives", lambda *args: False)
+    strategy = DDPStrategy()
+    strategy.connect(accelerator)
+    strategy.setup_environment()
+    strategy._owns_process_group = False
+    return strategy, calls
+
+
+@pytest.mark.parametrize("visible, local_rank, expected", [(1, 1, "cuda:0"), (2, 1, "cuda:1")])
+def test_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch, visible, local_rank, expected):
+    strategy, calls = _setup(monkeypatch, "cuda", local_rank, visible)
+    assert strategy.root_device == torch.device(expected)
+    assert len(calls) == 1 and calls[0]["backend"] == "nccl"
+    assert calls[0]["device_id"] == torch.device(expected)
+
+
+def test_gloo_process_group_has_no_device_id(monkeypatch):
+    strategy, calls = _setup(monkeypatch, "cpu", 1, 0)
+    assert calls[0]["backend"] == "gloo" and calls[0].get("device_id") is None
+
+
+def test_inherited_ds_accelerator_cpu_with_a_cuda_model_is_an_error(monkeypatch):
+    from shardwise.strategies import deepspeed as ds
+
+    monkeypatch.setattr(ds, "_DS_ACCELERATOR_SET_HERE", False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with pytest.raises(ds.DeepSpeedConfigError, match=r"DS_ACCELERATOR='cpu'.*CUDA"):
+        ds.ensure_accelerator_env("cuda")
+    fake_gpus(monkeypatch, 1)
+    with pytest.raises(ds.DeepSpeedConfigError, match="DS_ACCELERATOR"):
+        ds.DeepSpeedStrategy(stage=2).connect("cuda")  # when the Trainer connects it, before any worker
+
+
+def test_ds_accelerator_set_by_an_earlier_cpu_run_is_dropped_for_cuda(monkeypatch):
+    from shardwise.strategies import deepspeed as ds
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(ds, "_DS_ACCELERATOR_SET_HERE", False)
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)  # as before DeepSpeed's first import
+    ds.ensure_accelerator_env("cpu")
+    assert ds._DS_ACCELERATOR_SET_HERE and os.environ["DS_ACCELERATOR"] == "cpu"
+    ds.ensure_accelerator_env("cuda")
+    assert "DS_ACCELERATOR" not in os.environ
