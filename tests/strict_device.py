@@ -85,7 +85,7 @@ class _ToFakeCuda(TorchDispatchMode):
 
 class _FactoriesOnFakeCuda(TorchFunctionMode):
     """`torch.empty / zeros / ones / full(..., device="cuda")` (refused by a CPU-only build before any
-    dispatch) make a FakeCudaTensor; indexing a fake gives a fake view."""
+    dispatch) make a FakeCudaTensor; indexing a fake gives a fake view, copy_ into one fills its data."""
 
     FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
 
@@ -97,6 +97,10 @@ class _FactoriesOnFakeCuda(TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and isinstance(args[0], FakeCudaTensor):
             # Indexing sets a CUDA device guard before dispatch; a view of the CPU data aliases it the same way.
             return FakeCudaTensor(args[0].cpu_data[args[1]])
+        if func is torch.Tensor.copy_ and isinstance(args[0], FakeCudaTensor):  # same guard: copy into the CPU data
+            source = args[1].cpu_data if isinstance(args[1], FakeCudaTensor) else args[1]
+            args[0].cpu_data.copy_(source, *args[2:], **kwargs)
+            return args[0]
         return func(*args, **kwargs)
 
 

@@ -35,7 +35,7 @@ from shardwise.strategies.base import Strategy, _destroy_process_group, global_s
 from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, build_config,
                                                    cpu_adam_problem, load_config, size_limits)
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
-from shardwise.strategies.materialize import _reset_fn, module_seed
+from shardwise.strategies.materialize import _reset_fn, _reset_own, module_seed, rng_devices
 
 # The names strategies/__init__.py maps to `DeepSpeedStrategy.from_name`.
 NAMED = {
@@ -265,7 +265,7 @@ class DeepSpeedStrategy(Strategy):
         # without AVX512-FP16 (AMD EPYC). check_zero3_dtypes() guards the result.
         # fork_rng: construction-time init is thrown away (setup_module re-initialises),
         # so it must not advance the global RNG that DDP's meta build leaves untouched.
-        with torch.random.fork_rng(devices=[]), deepspeed.zero.Init(
+        with torch.random.fork_rng(devices=rng_devices()), deepspeed.zero.Init(
                 config_dict_or_path=copy.deepcopy(self.config), remote_device=remote, dtype=None):
             yield
 
@@ -534,9 +534,9 @@ def init_zero3_module(root: nn.Module, seed: int) -> int:
             continue
         # A parent's init may touch its children's parameters (MultiheadAttention), so gather recursively.
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=rng_devices()):
                 torch.manual_seed(module_seed(seed, fqn))
-                fn()
+                _reset_own(mod, fn)  # on CPU copies when gathered on a GPU: the weights DDP/FSDP get
         count += 1
     return count
 

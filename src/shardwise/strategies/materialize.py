@@ -11,7 +11,11 @@ under an RNG seeded from (global seed, the module's name), on full-size
 temporary copies of its own parameters, and each rank keeps its slice. So the
 same seed gives bitwise the same weights on one device, under DDP, and under
 FSDP at any world size -- the property that makes loss curves comparable
-across strategies (and the parity tests possible). Modules are visited
+across strategies (and the parity tests possible). It is device-invariant
+too: the temporaries are CPU tensors even when the model lives on a GPU,
+because CUDA's generator (Philox) draws other numbers than the CPU's from the
+same seed, so a GPU run would otherwise start from other weights under
+`cpu_offload` (initialised on the host) than without, and than a CPU run. Modules are visited
 children-first, matching eager construction, where a parent's own init code
 (e.g. nn.MultiheadAttention zeroing out_proj.bias) runs after its children's.
 """
@@ -88,22 +92,44 @@ def _slice_for(full: torch.Tensor, dt: "DTensor") -> torch.Tensor:
     return full[index]
 
 
+def rng_devices(device: Optional[torch.device] = None) -> List[torch.device]:
+    """The CUDA generators `torch.manual_seed` changes here, for `fork_rng(devices=...)` to restore.
+
+    manual_seed seeds every GPU's generator; `fork_rng(devices=[])` restores
+    only the CPU's, which would leave the CUDA stream (dropout) seeded by the
+    last initialised module -- unlike a run whose weights were built eagerly.
+    """
+    if device is not None and device.type == "cuda":
+        return [device]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.device("cuda", torch.cuda.current_device())]
+    return []
+
+
 def _reset_own(module: nn.Module, fn: Callable[[], None]) -> None:
-    """Run a module's init on full-size copies of its own DTensor params, keep our slice."""
-    swapped: List[Tuple[Dict, str, torch.Tensor, torch.Tensor]] = []
+    """Run a module's init on full-size CPU copies of its own tensors, keep our part.
+
+    DTensors (FSDP shards) and tensors on another device (a GPU) are swapped
+    for CPU temporaries; plain CPU tensors are initialised in place. The cost
+    on a GPU is one host allocation and one host-to-device copy per tensor,
+    and the init's arithmetic at CPU speed (see BENCHMARKS.md's issue-15 note).
+    """
+    swapped: List[Tuple[Dict, str, torch.Tensor]] = []
     for store in (module._parameters, module._buffers):
         for name, t in store.items():
-            if t is not None and isinstance(t, DTensor):
-                full = torch.empty(t.shape, dtype=t.dtype, device=_local(t).device)
-                temp = nn.Parameter(full, requires_grad=t.requires_grad) if store is module._parameters else full
-                swapped.append((store, name, t, full))
-                store[name] = temp
+            if t is None or (not isinstance(t, DTensor) and _local(t).device.type == "cpu"):
+                continue
+            full = torch.empty(tuple(t.shape), dtype=t.dtype)
+            temp = nn.Parameter(full, requires_grad=t.requires_grad) if store is module._parameters else full
+            swapped.append((store, name, t))
+            store[name] = temp
     try:
         fn()
     finally:
-        for store, name, original, full in swapped:
+        for store, name, original in swapped:
+            value = store[name].detach()  # the init may have assigned a new tensor
             store[name] = original
-            _local(original).copy_(_slice_for(full, original))
+            _local(original).copy_(_slice_for(value, original) if isinstance(original, DTensor) else value)
 
 
 @torch.no_grad()
@@ -146,7 +172,7 @@ def materialize_module(module: nn.Module, device: torch.device, seed: int,
             fn = _reset_fn(mod)
             if fn is None:
                 continue
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=rng_devices(device)):
                 torch.manual_seed(module_seed(seed, fqn))
                 _reset_own(mod, fn)
     for name, t in targets:
