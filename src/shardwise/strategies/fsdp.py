@@ -35,6 +35,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from shardwise.distributed import ops
 from shardwise.strategies.base import Strategy, _destroy_process_group
+from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
+from shardwise.strategies.fsdp_compat import (note_accepted, offload_flag, precision_from_mixed_precision,
+                                            sharding_strategy_name, state_dict_type_name)
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
@@ -156,11 +159,15 @@ def build_device_mesh(sharding_strategy: str, world_size: int, num_nodes: int, d
                              f"size is {world_size}; replicate x shard must equal it.")
         return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
     if sharding_strategy == "HYBRID_SHARD":
-        if num_nodes < 2 or world_size % num_nodes:
+        # Replicate across nodes, shard within one. On one node that is a 1 x N mesh: FSDP2
+        # shards over the N ranks and the all-reduce over a replicate dimension of size 1
+        # has nothing to combine, so the run trains like FULL_SHARD (and the same script
+        # scales out by num_nodes alone).
+        num_nodes = max(int(num_nodes or 1), 1)
+        if world_size % num_nodes:
             raise ValueError(
-                f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
-                f"(world size {world_size}). Use num_nodes>=2, or give device_mesh=(replicate, shard) "
-                "explicitly, or use FULL_SHARD on one node."
+                f"HYBRID_SHARD replicates across nodes and shards within one, but the world size {world_size} "
+                f"is not a multiple of num_nodes={num_nodes}. Give device_mesh=(replicate, shard) explicitly."
             )
         return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
     if sharding_strategy == "NO_SHARD":
@@ -198,18 +205,44 @@ class FSDPStrategy(Strategy):
                  state_dict_type: str = "sharded", device_mesh: Any = None,
                  limit_all_gathers: Optional[bool] = None, reshard_after_forward: Optional[bool] = None,
                  precision: Any = None, timeout_s: float = 1800.0, async_save: bool = False,
-                 accumulation_sync: str = "reduce_scatter", **_unknown: Any) -> None:
+                 accumulation_sync: str = "reduce_scatter", optimizer_on_local_shards: Optional[bool] = None,
+                 mixed_precision: Any = None, activation_checkpointing: Policy = None,
+                 use_orig_params: Optional[bool] = None, sync_module_states: Optional[bool] = None,
+                 backward_prefetch: Any = None, forward_prefetch: Optional[bool] = None,
+                 **_unknown: Any) -> None:
+        # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
+        # names; what FSDP2 has nothing to do for is accepted and explained once per process.
+        if mixed_precision is not None:
+            mapped = precision_from_mixed_precision(mixed_precision)
+            if precision is not None and str(precision) != mapped:
+                raise ValueError(f"FSDPStrategy got precision={precision!r} and mixed_precision meaning {mapped!r}; "
+                                 "pass one of them.")
+            precision = mapped
+        if activation_checkpointing is not None:  # Lightning 2.0's name for the policy
+            if activation_checkpointing_policy is not None:
+                raise ValueError("Pass activation_checkpointing_policy or activation_checkpointing (its older "
+                                 "name), not both.")
+            activation_checkpointing_policy = activation_checkpointing
+        for name, value in (("use_orig_params", use_orig_params), ("sync_module_states", sync_module_states),
+                            ("backward_prefetch", backward_prefetch), ("forward_prefetch", forward_prefetch),
+                            ("limit_all_gathers", limit_all_gathers)):
+            if value is not None:
+                note_accepted(name, value)
         super().__init__(precision=precision, timeout_s=timeout_s)
         if _unknown:
             raise TypeError(f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
                             "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
                             "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
-                            "accumulation_sync.")
-        sharding_strategy = str(sharding_strategy).upper()
-        if sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"Unknown sharding_strategy {sharding_strategy!r}. Valid: {', '.join(SHARDING_STRATEGIES)}.")
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"Unknown state_dict_type {state_dict_type!r}. Valid: {', '.join(STATE_DICT_TYPES)}.")
+                            "accumulation_sync, optimizer_on_local_shards, and Lightning's / torch's "
+                            "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
+                            "backward_prefetch, forward_prefetch.")
+        sharding_strategy, implied_reshard = sharding_strategy_name(sharding_strategy)
+        if reshard_after_forward is None:
+            reshard_after_forward = implied_reshard
+        state_dict_type = state_dict_type_name(state_dict_type)
+        cpu_offload = offload_flag(cpu_offload)
+        # None: step non-torch optimizers (bitsandbytes, ...) on the local shards; see local_optim.py.
+        self.optimizer_on_local_shards = optimizer_on_local_shards
         if accumulation_sync not in ACCUMULATION_SYNCS:
             raise ValueError(f"Unknown accumulation_sync {accumulation_sync!r}. Valid: 'reduce_scatter' (default: "
                              "gradients stay sharded between micro-batches) or 'none' (no communication until "
@@ -270,6 +303,13 @@ class FSDPStrategy(Strategy):
         fully_shard(module, **self._fsdp_kwargs())
         self._manual_units.append(module)
         return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        # Kernels that do not understand DTensor (bitsandbytes, third-party optimizers) step on
+        # each rank's local shards; torch's own optimizers handle DTensor (local_optim.py).
+        if wants_local_step(optimizer, self.optimizer_on_local_shards):
+            apply_local_shard_step(optimizer)
+        return super().setup_optimizer(optimizer)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self._prepare(module)
