@@ -88,7 +88,7 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         shardwise.seed_everything(42)
         probe = _Probe()
         trainer = shardwise.Trainer(
-            accelerator="cpu", devices=cfg["devices"], strategy=_strategy(name), precision=cfg["precision"],
+            accelerator=cfg["accelerator"], devices=cfg["devices"], strategy=_strategy(name), precision=cfg["precision"],
             max_steps=cfg["steps"] if main_run else cfg["compare_steps"], callbacks=[probe],
             enable_progress_bar=main_run, logger=main_run, enable_checkpointing=False,
             log_every_n_steps=5, default_root_dir=cfg["root_dir"])
@@ -106,18 +106,20 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
                           f"{n_params / 1e6:.1f}M parameters. Comparing strategies ({cfg['compare_steps']} steps each)...")
         speed = probe.timed_steps / probe.elapsed if probe.elapsed > 0 and probe.timed_steps else float("nan")
         rows.append(dict(name=name, peak=probe.peak_total, breakdown=probe.peak, its=speed, loss=probe.last_loss,
-                         params=n_params))
+                         params=n_params, device=trainer.strategy.root_device.type))
     return rows
 
 
 def _table(rows: List[Dict[str, Any]], devices: int) -> None:
+    device = rows[0].get("device", "cpu") if rows else "cpu"
+    where = f"{devices} GPU(s)" if device == "cuda" else f"{devices} CPU processes"
     from rich.console import Console
     from rich.table import Table
 
     from shardwise.memory import format_bytes
 
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
-    table = Table(title=f"Peak tracked tensor memory per rank and speed, {devices} CPU processes "
+    table = Table(title=f"Peak tracked tensor memory per rank and speed, {where} "
                         "(seed: A100 40GB, 1B model)")
     for col in ("strategy", "peak/rank", "vs DDP", "params", "grads", "optim", "activ.",
                 "it/s", "seed MB", "seed vs DDP", "seed it/s"):
@@ -141,7 +143,7 @@ def _table(rows: List[Dict[str, Any]], devices: int) -> None:
 def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int = 8, nhid: int = 1024,
          ninp: int = 128, nhead: int = 4, batch_size: int = 4, block_size: int = 32, lr: float = 1e-3,
          precision: str = "32-true", data_dir: Optional[str] = None, root_dir: str = "shardwise_demo",
-         strategies: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+         strategies: Optional[List[str]] = None, accelerator: str = "auto") -> List[Dict[str, Any]]:
     """Train the seed Transformer with FSDP on `devices` local processes, then compare strategies.
 
     Args:
@@ -151,6 +153,7 @@ def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int
         nlayers, nhid, ninp, nhead: Transformer size (the seed's 1B is 32, 4096, 1024, 64).
         data_dir: a local WikiText-2 folder; default: text that ships with Python.
         strategies: which of fsdp, ddp, fsdp_no_shard, fsdp_grad_op, fsdp_ac to run (first = main run).
+        accelerator: auto (CUDA when visible, else CPU processes with gloo), cuda or cpu.
     """
     import shardwise
 
@@ -158,11 +161,14 @@ def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int
     unknown = [s for s in strategies if s not in LABELS]
     if unknown:
         raise ValueError(f"Unknown demo strategies {unknown}; choose from {', '.join(LABELS)}.")
+    from shardwise.distributed.env import resolve_accelerator
+
+    resolve_accelerator(accelerator)  # an unknown name, or cuda without a GPU, fails before any process starts
     if compare_steps <= TRACKED_STEPS:
         raise ValueError(f"compare_steps must be above {TRACKED_STEPS} (the tracked warm-up steps).")
     cfg = dict(devices=devices, steps=steps, compare_steps=compare_steps, nlayers=nlayers, nhid=nhid, ninp=ninp,
                nhead=nhead, batch_size=batch_size, block_size=block_size, lr=lr, precision=precision,
-               data_dir=data_dir, root_dir=root_dir, strategies=strategies)
+               data_dir=data_dir, root_dir=root_dir, strategies=strategies, accelerator=accelerator)
     rows = shardwise.launch(_worker, cfg, devices=devices)[0]
     order = {"ddp": 0, "fsdp_no_shard": 1, "fsdp_grad_op": 2, "fsdp": 3, "fsdp_ac": 4}
     rows.sort(key=lambda r: order[r["name"]])
