@@ -497,13 +497,17 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
                 own = [r["step"] for r in _rows(workdir) if r["run"] == f"leg{i}"]
                 ref_steps = [r["step"] for r in _rows(ref_root) if r["run"] == "reference"] if along else []
                 when = ""
+                message = f"leg {i} (final, w{leg['devices']}, resumed from step {start}) exited {proc.returncode}"
                 if along and own and max(own) == spec["max_steps"]:
-                    # Its own training finished; the process died in the reference fit() that ran after it.
-                    when = (f" after finishing its own steps, in the reference fit() run next in the same processes "
-                            f"({len(ref_steps)} of {spec['max_steps']} reference steps recorded"
-                            f"{', so at exit' if len(ref_steps) == spec['max_steps'] else ''})")
-                failures.append(f"leg {i} (final, w{leg['devices']}, resumed from step {start}) exited "
-                                f"{proc.returncode}{when}: {' | '.join(tail)}")
+                    # Its own training finished; the process died in the second fit() (the reference, ours, not
+                    # the schedule's) or at exit after it. The reference is re-run alone below when incomplete, so
+                    # the comparison stands: a warning, and chaos_bugs.md #8, not a resume failure.
+                    warnings_.append(f"{message} after finishing its own steps, in the reference fit() run next in "
+                                     f"the same processes ({len(ref_steps)} of {spec['max_steps']} reference steps "
+                                     f"recorded{', so at exit' if len(ref_steps) == spec['max_steps'] else ''}): "
+                                     f"{tail[0]}")
+                else:
+                    failures.append(f"{message}: {tail[0]}")
             continue
         if not kills:
             warnings_.append(f"leg {i}: kill point {kill['point']}+{kill['after']} never reached "
