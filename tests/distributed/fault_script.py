@@ -10,7 +10,7 @@ MODE (what rank 1 does at global step 3, unless said otherwise):
   preempt   no Trainer: each worker handles SIGTERM/SIGUSR1 by sleeping 1 s
             and exiting 75 (saved, preempted)
   ignore    no Trainer: each worker ignores SIGTERM/SIGUSR1
-STRATEGY: ddp | fsdp. Started as `python fault_script.py ...` it launches
+STRATEGY: ddp | fsdp | deepspeed (ZeRO-2). Started as `python fault_script.py ...` it launches
 itself (the Trainer's supervisor, or launch_script for the preempt modes);
 under `shardwise launch` each copy is one rank.
 """
@@ -77,7 +77,12 @@ class Model(TrainModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-strategy = (DDPStrategy if STRATEGY == "ddp" else FSDPStrategy)(timeout_s=TIMEOUT_S)
+if STRATEGY == "deepspeed":
+    from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(stage=2, timeout_s=TIMEOUT_S)
+else:
+    strategy = (DDPStrategy if STRATEGY == "ddp" else FSDPStrategy)(timeout_s=TIMEOUT_S)
 trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=8, logger=False,
                   enable_progress_bar=False, enable_checkpointing=False)
 trainer.fit(Model(), [torch.ones(2, 8)] * 16)

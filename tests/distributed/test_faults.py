@@ -52,7 +52,10 @@ def _run(launcher: str, mode: str, strategy: str, out_dir):
 
 
 # ------------------------------------------------------------------ hangs
-@pytest.mark.parametrize("launcher,strategy", [("script", "ddp"), ("shardwise-launch", "fsdp")])
+@pytest.mark.parametrize("launcher,strategy", [
+    ("script", "ddp"), ("shardwise-launch", "fsdp"),
+    # ZeRO's own process groups used to keep torch's 30-minute default timeout.
+    pytest.param("script", "deepspeed", marks=pytest.mark.slow)])
 def test_hung_rank_is_named_with_its_hook_step_and_stack(tmp_path, launcher, strategy):
     proc, elapsed = _run(launcher, "hang", strategy, tmp_path)
     err = proc.stderr

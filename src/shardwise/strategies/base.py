@@ -139,6 +139,7 @@ class Strategy:
             # exception, so a launcher can name the rank that failed first or
             # stopped responding (distributed/faults.py).
             faults.install_worker(collective_timeout_s=self.timeout_s)
+            faults.apply_collective_timeout(self.timeout_s)  # also for groups made later (ZeRO, hybrid shard)
         if self.env.is_distributed and not dist.is_initialized():
             faults.maybe_check_collectives(self.name)
             dist.init_process_group(
