@@ -70,10 +70,15 @@ def test_flash_attention_without_cuda(assets):
         finetune(_cfg(assets, attn_implementation="flash_attention_2"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
-def test_paged_adamw_without_cuda(assets):
-    with pytest.raises(ValueError, match=r"paged_adamw_32bit' .*needs a CUDA GPU.*optim='adamw'"):
-        finetune(_cfg(assets, optim="paged_adamw_32bit"))
+def test_paged_adamw_needs_bitsandbytes_not_cuda(assets):
+    # bitsandbytes' CPU kernels run it unpaged; under FSDP it steps on the local shards.
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        with pytest.raises(ValueError, match=r"paged_adamw_32bit' needs the bitsandbytes package"):
+            validate_config(_cfg(assets, optim="paged_adamw_32bit"))
+    else:
+        validate_config(_cfg(assets, optim="paged_adamw_32bit"))
 
 
 def test_other_option_errors(assets):

@@ -242,10 +242,8 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     if cfg.optim not in OPTIMIZERS:
         raise ValueError(f"optim={cfg.optim!r}: use one of {OPTIMIZERS}.")
     if cfg.optim == "paged_adamw_32bit":
-        if not _has_cuda(cfg):
-            raise ValueError("optim='paged_adamw_32bit' pages optimizer state between GPU and host memory, so it "
-                             "needs a CUDA GPU, and none is available here. Use optim='adamw' (on CPU the "
-                             "optimizer state already lives in host memory).")
+        # On CPU bitsandbytes runs its 32-bit AdamW without paging (the state already lives
+        # in host memory); under FSDP it steps on the local shards (strategies/local_optim.py).
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as exc:
@@ -622,8 +620,19 @@ def build_parser() -> Any:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from shardwise.recipes.hf_args import translate_argv
+
     parser = build_parser()
-    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        # The HF recipe's flags and an Accelerate FSDP config, in our names (hf_args.py).
+        argv, notes = translate_argv(list(sys.argv[1:] if argv is None else argv))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"shardwise finetune: error: {exc}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"shardwise finetune: note: {note}", file=sys.stderr)
+    ns = parser.parse_args(argv)
     values = {k: v for k, v in ns.as_dict().items() if k != "config"}
     try:
         result = finetune(FinetuneConfig(**values))

@@ -1,0 +1,180 @@
+"""`shardwise finetune` reads the HF recipe's flags and an Accelerate FSDP config (issue 12, item 4).
+
+All at validate_config level: no worker starts. The end-to-end run of the
+same command line is tests/seeds/test_seed_003.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from shardwise.recipes.finetune import FinetuneConfig, build_parser, validate_config
+from shardwise.recipes.hf_args import map_accelerate_config, translate_argv
+
+# What `accelerate config` writes for the two-node Llama recipe (FSDP, bf16, 2 x 8 GPUs).
+ACCELERATE_FSDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch_policy: BACKWARD_PRE
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: 1
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: {machines}
+num_processes: {processes}
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def seed_records(n=40):
+    """The recipe's dataset shape: one `content` string per conversation, already formatted."""
+    out = []
+    for r in chat_records(n):
+        tags = {"system": "<|system|>", "user": "<|prompter|>", "assistant": "<|assistant|>"}
+        out.append({"content": " ".join(f"{tags[m['role']]} {m['content']} <|endoftext|>" for m in r["messages"])})
+    return out
+
+
+def train_args(model, data, output_dir, *, max_steps=2, eval_steps=1, save_steps=2, logging_steps=1, max_seq_len=32):
+    """train.py's flags exactly as the recipe prints them; only model, data, paths and sizes scaled down."""
+    return [
+        "--seed", "100",
+        "--model_name", model,
+        "--dataset_name", data,
+        "--chat_template_format", "none",
+        "--add_special_tokens", "False",
+        "--append_concat_token", "False",
+        "--splits", "train,test",
+        "--max_seq_len", str(max_seq_len),
+        "--max_steps", str(max_steps),
+        "--logging_steps", str(logging_steps),
+        "--log_level", "info",
+        "--eval_steps", str(eval_steps),
+        "--save_steps", str(save_steps),
+        "--logging_strategy", "steps",
+        "--evaluation_strategy", "steps",
+        "--save_strategy", "steps",
+        "--push_to_hub",
+        "--hub_private_repo", "True",
+        "--hub_strategy", "every_save",
+        "--bf16", "True",
+        "--packing", "True",
+        "--learning_rate", "5e-5",
+        "--lr_scheduler_type", "cosine",
+        "--weight_decay", "0.01",
+        "--warmup_ratio", "0.03",
+        "--max_grad_norm", "1.0",
+        "--output_dir", output_dir,
+        "--per_device_train_batch_size", "1",
+        "--per_device_eval_batch_size", "1",
+        "--gradient_accumulation_steps", "1",
+        "--gradient_checkpointing", "True",
+        "--use_reentrant", "False",
+        "--dataset_text_field", "content",
+        "--use_flash_attn", "True",
+        "--ddp_timeout", "5400",
+        "--optim", "paged_adamw_32bit",
+    ]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft-flags")
+    model = build_model_folder(str(root / "model"), chat_records(20), max_positions=64)
+    return {"root": root, "model": model, "data": write_jsonl(str(root / "chat.jsonl"), seed_records())}
+
+
+def _config(argv):
+    translated, notes = translate_argv(argv)
+    ns = build_parser().parse_args(translated)
+    return FinetuneConfig(**{k: v for k, v in ns.as_dict().items() if k != "config"}), notes
+
+
+def test_the_recipes_command_line_maps_to_our_options(assets, tmp_path):
+    pytest.importorskip("bitsandbytes")  # --optim paged_adamw_32bit
+    cfg_file = tmp_path / "fsdp_config.yaml"
+    cfg_file.write_text(ACCELERATE_FSDP_YAML.format(machines=1, processes=2))
+    argv = ["--fsdp_config", str(cfg_file)] + train_args(assets["model"], assets["data"], str(tmp_path / "out"))
+    cfg, notes = _config(argv)
+    assert (cfg.model_path, cfg.dataset, cfg.dataset_text_field) == (assets["model"], assets["data"], "content")
+    assert (cfg.precision, cfg.timeout_s, cfg.optim, cfg.seed) == ("bf16-mixed", 5400.0, "paged_adamw_32bit", 100)
+    assert cfg.gradient_checkpointing and cfg.packing and not cfg.add_special_tokens and not cfg.append_concat_token
+    assert (cfg.eval_steps, cfg.save_steps, cfg.logging_steps, cfg.max_steps) == (1, 2, 1, 2)
+    assert (cfg.strategy, cfg.sharding_strategy, cfg.state_dict_type, cfg.cpu_offload) == ("fsdp", "FULL_SHARD",
+                                                                                           "sharded", False)
+    assert (cfg.devices, cfg.num_nodes) == (2, 1)
+    if not torch.cuda.is_available():
+        assert cfg.attn_implementation == "sdpa"
+        assert any(n.startswith("--use_flash_attn True: flash-attn kernels are CUDA-only") for n in notes)
+    # Each name it cannot honour is said once, in one line; the ones it does honour say nothing.
+    for name in ("--log_level", "--push_to_hub", "--hub_private_repo", "--hub_strategy"):
+        assert sum(n.startswith(name + ":") for n in notes) == 1, (name, notes)
+    for name in ("fsdp_sync_module_states", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
+                 "fsdp_forward_prefetch", "fsdp_backward_prefetch_policy"):
+        assert sum(f": {name}=" in n for n in notes) == 1, (name, notes)
+    quiet = ("--use_reentrant", "--splits", "--logging_strategy", "--evaluation_strategy", "--save_strategy")
+    assert not any(n.split(":")[0].split(" ")[0] in quiet for n in notes), notes
+    assert all("\n" not in n for n in notes)
+    validate_config(cfg)
+
+
+def test_accelerate_config_keys():
+    raw = {"distributed_type": "FSDP", "mixed_precision": "bf16", "num_machines": 2, "num_processes": 16,
+           "machine_rank": 1, "main_process_ip": "10.0.0.1", "main_process_port": 29500,
+           "fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_offload_params": True,
+                           "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                           "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                           "fsdp_activation_checkpointing": True, "fsdp_wibble": 3}}
+    out, notes = map_accelerate_config(raw, source="cfg.yaml")
+    assert out == {"strategy": "fsdp", "precision": "bf16-mixed", "num_nodes": 2, "_num_processes": 16,
+                   "sharding_strategy": "HYBRID_SHARD", "auto_wrap_policy": ["LlamaDecoderLayer"], "cpu_offload": True,
+                   "state_dict_type": "full", "gradient_checkpointing": True}
+    assert any("machine_rank, main_process_ip, main_process_port are the launcher's" in n for n in notes)
+    assert any("fsdp_wibble is not understood" in n for n in notes)
+    # Accelerate's numbers and the ZeRO-2 flavour of hybrid sharding; size-based wrapping is named, not honoured.
+    out, notes = map_accelerate_config({"distributed_type": "FSDP", "fsdp_config": {
+        "fsdp_sharding_strategy": 5, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 100000}})
+    assert out["sharding_strategy"] == "HYBRID_SHARD" and out["strategy_options"] == {"reshard_after_forward": False}
+    assert any("SIZE_BASED_WRAP (min_num_params=100000) is not honoured" in n for n in notes)
+    out, _ = map_accelerate_config({"distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "zero_stage": 3, "offload_optimizer_device": "cpu"}})
+    assert out["strategy"] == "deepspeed_stage_3_offload"
+    # num_processes is accelerate's total over machines; devices is per node.
+    argv, _ = translate_argv(["--num_processes", "16", "--num_machines", "2", "--fsdp", "shard_grad_op auto_wrap"])
+    assert argv[argv.index("--devices") + 1] == "8" and argv[argv.index("--num_nodes") + 1] == "2"
+    assert argv[argv.index("--sharding_strategy") + 1] == "SHARD_GRAD_OP"
+
+
+def test_flags_it_cannot_follow_fail_with_the_fix():
+    with pytest.raises(ValueError, match="--evaluation_strategy epoch: .*counts in optimizer steps.*--eval_steps N"):
+        translate_argv(["--evaluation_strategy", "epoch"])
+    with pytest.raises(ValueError, match="--splits 'validation'.*--splits train,test"):
+        translate_argv(["--splits", "validation"])
+    argv, _ = translate_argv(["--save_strategy", "no", "--eval_strategy", "no"])
+    assert argv == ["--save_steps", "null", "--eval_steps", "null"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        translate_argv(["--fsdp_config", "/nonexistent.yaml"])
+    # Our own names pass through, and jsonargparse still names a misspelt flag.
+    argv, notes = translate_argv(["--model_path", "m", "--learning_rate", "1e-5", "--strategy_options",
+                                  json.dumps({"limit_all_gathers": True})])
+    assert argv[:4] == ["--model_path", "m", "--learning_rate", "1e-5"] and not notes
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(translate_argv(["--use_flash_atn", "True"])[0])
