@@ -234,8 +234,6 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
 
 def _patch_saves(kill: Dict[str, Any], state: Dict[str, Any], due, fire) -> None:
     """Kill points inside ModelCheckpoint's save: written-not-committed, committed-not-`last`, half-pruned."""
-    import signal as _signal
-
     import torch
     from shardwise.checkpoint import layout, training
 
@@ -286,7 +284,6 @@ def _patch_saves(kill: Dict[str, Any], state: Dict[str, Any], due, fire) -> None
             return original_remove(path)
 
         layout.remove_checkpoint = remove_checkpoint
-    del _signal
 
 
 def _driver_main() -> None:
@@ -306,10 +303,6 @@ def _driver_main() -> None:
 
 
 # ============================================================ the schedules
-def _is_sharded_deepspeed(strategy: str) -> bool:
-    return strategy.startswith("deepspeed")
-
-
 def generate(seed: int, **override: Any) -> Dict[str, Any]:
     """A random schedule, a pure function of `seed` (and of the overrides, applied before dependent choices)."""
     rng = random.Random(seed)
@@ -460,7 +453,6 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     preempt_code = preempted_exit_code()
     t0 = time.monotonic()
     legs_info = []
-    resume_from = 0
     sigterm = False
     # ----------------------------------------------- where the reference is
     ref_root = os.path.join(workdir, "ref")
@@ -525,7 +517,6 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
         elif proc.returncode == 0:
             failures.append(f"leg {i}: SIGKILL fired at {kills[0]['point']} but the leg exited 0")
         info["committed"] = _committed_step(ckpt_dir)
-        resume_from = info["committed"] or 0
     elapsed_legs = time.monotonic() - t0
 
     # ----------------------------------------------------- the reference run

@@ -77,3 +77,21 @@ def test_chaos_schedule_resumes_to_uninterrupted_losses(tmp_path, name):
         warnings.warn(message)
         pytest.xfail(message)
     raise AssertionError(report)
+
+
+def test_schedules_are_reproducible_and_well_formed():
+    """No processes: a seed names one schedule, and every schedule is one the harness can run."""
+    for seed in range(200):
+        spec = chaos.generate(seed)
+        assert spec == chaos.generate(seed), seed
+        legs = spec["legs"]
+        assert 2 <= len(legs) <= 5 and legs[-1]["kill"] is None and all(l["kill"] for l in legs[:-1])
+        assert spec["strategy"] != "single" or all(l["devices"] == 1 for l in legs)
+        assert (spec["dropout"] == "keyed") == (len({l["devices"] for l in legs}) > 1)
+        for leg in legs[:-1]:
+            kill = leg["kill"]
+            assert kill["point"] != "micro" or spec["accumulate"] > 1
+            assert kill["point"] != "validation" or spec["val"] != "none"
+            assert kill["target"] in (("rank0",) if leg["devices"] == 1 else ("rank0", "rank1", "launcher"))
+        steps_per_epoch = -(-spec["batches_per_epoch"] // spec["accumulate"])
+        assert 5 <= steps_per_epoch <= 7 and spec["max_steps"] > steps_per_epoch  # spans more than one epoch
