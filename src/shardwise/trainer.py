@@ -666,6 +666,9 @@ class Trainer:
             state.in_epoch_end = False
             state.epoch += 1
             state.batch_idx = 0
+            if self._preemption_requested():
+                # Signalled during epoch-end work: stop before the next epoch's first step.
+                self.should_stop = True
 
     def _epoch_iterator(self, loader: Iterable) -> Any:
         """iter(loader), re-applying a checkpoint's RNG states at the point the saved run was at.

@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import os
 import random
+import sys
 import warnings
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
@@ -70,7 +71,18 @@ def global_seed() -> int:
 
 
 def _destroy_process_group() -> None:
+    """At exit: leave together, then destroy. A rank that tears its transport down while a peer
+    still talks to it can abort in C++ ("terminate called without an active exception"), seen
+    after two fit() calls in one process; a barrier first makes every rank leave at once."""
     if dist.is_available() and dist.is_initialized():
+        # Not after an uncaught exception (Python sets sys.last_value before the
+        # atexit handlers): the peers may be stuck in a collective, and the error
+        # must surface now, not after a wait.
+        if getattr(sys, "last_value", None) is None:
+            try:
+                ops.barrier("exit", timeout_s=60.0)
+            except Exception:  # a peer is gone already: nothing to wait for
+                pass
         dist.destroy_process_group()
 
 
