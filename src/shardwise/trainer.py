@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.distributed import ops
 from shardwise.distributed.device import move_to_device
+from shardwise.distributed.progress import mark as mark_progress
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch_script
 from shardwise.metrics import MetricStore
@@ -205,7 +206,8 @@ class Trainer:
                  enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
                  deterministic: bool = False, device_memory: Union[None, str, int] = None,
                  preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
-                 non_finite: str = "error", gpus: Optional[int] = None, plugins: Any = None) -> None:
+                 non_finite: str = "error", timeout_s: Optional[float] = None, gpus: Optional[int] = None,
+                 plugins: Any = None) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
         accelerator, devices, strategy = _lightning_spellings(accelerator, devices, strategy, gpus, plugins)
@@ -218,7 +220,8 @@ class Trainer:
             raise ValueError(f"num_nodes={num_nodes!r}: use a positive integer.")
         self.num_nodes = num_nodes
         self.strategy = build_strategy(strategy, world_size=self.devices * num_nodes)
-        self.strategy.connect(self.accelerator, precision, num_nodes=num_nodes, devices=self.devices)
+        self.strategy.connect(self.accelerator, precision, num_nodes=num_nodes, devices=self.devices,
+                              timeout_s=timeout_s)
         # Known device memory ("80GiB", or "auto" on CUDA) lets fit() consult the memory planner:
         # strategy="auto" becomes its choice, and a run predicted not to fit warns first.
         self.device_memory = device_memory
@@ -307,6 +310,7 @@ class Trainer:
         if not callable(fn):
             return None
         object.__setattr__(module, "_current_hook", hook)
+        mark_progress(hook, self.state.global_step)  # what this rank does, if it ever hangs
         return fn(*args)
 
     # ------------------------------------------------------------ properties
@@ -702,6 +706,7 @@ class Trainer:
         self.is_last_microbatch = (batch_idx + 1) % window == 0 or last_in_epoch
         args = (batch, batch_idx) if pass_idx else (batch,)
         object.__setattr__(module, "_current_hook", "training_step")
+        mark_progress("training_step", state.global_step)
         # Non-final micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
         with strategy.no_backward_sync(self.model, enabled=not self.is_last_microbatch):
             with strategy.autocast():
@@ -715,9 +720,11 @@ class Trainer:
                         "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
                         "Return the loss computed from the model's output; return None to skip a batch.")
                 self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
+                mark_progress("backward", state.global_step)
                 strategy.backward(loss / window, self.model)
         state.batch_idx += 1
         if self.is_last_microbatch:
+            mark_progress("optimizer_step", state.global_step)
             self._optimizer_step()
         step_logs = self.metrics.record(module._drain_logs())
         if self.is_last_microbatch and (state.global_step % self.log_every_n_steps == 0 or state.global_step == 1):
@@ -854,6 +861,7 @@ class Trainer:
                     break
                 batch = move_to_device(batch, strategy.root_device)
                 object.__setattr__(module, "_current_hook", "validation_step")
+                mark_progress("validation_step", self.state.global_step)
                 with strategy.autocast():
                     args = (batch, batch_idx) if pass_idx else (batch,)
                     output = strategy.call(self.model, "validation_step", *args)

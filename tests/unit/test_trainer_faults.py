@@ -248,3 +248,13 @@ def test_a_custom_init_in_configure_model_is_never_silently_replaced(strategy):
 
     full = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True))
     assert torch.count_nonzero(full["net.3.weight"]) == 0  # the hook's init is what the model got
+
+
+def test_the_trainer_timeout_reaches_every_strategy():
+    from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+    for strategy in ("single", "ddp", "fsdp", DeepSpeedStrategy(stage=2)):
+        t = Trainer(accelerator="cpu", devices=2, strategy=strategy, timeout_s=42, logger=False)
+        assert t.strategy.timeout_s == 42, strategy
+    with pytest.raises(ValueError, match="timeout_s"):
+        Trainer(accelerator="cpu", devices=1, timeout_s=-1)

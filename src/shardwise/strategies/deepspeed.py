@@ -193,8 +193,9 @@ class DeepSpeedStrategy(Strategy):
     def offload_parameters(self) -> bool:
         return bool(_offload_device(self.config["zero_optimization"], "offload_param"))
 
-    def connect(self, accelerator: str = "auto", precision: Any = None, num_nodes: int = 1, devices: int = 1) -> None:
-        super().connect(accelerator, precision, num_nodes=num_nodes, devices=devices)
+    def connect(self, accelerator: str = "auto", precision: Any = None, num_nodes: int = 1, devices: int = 1,
+                timeout_s: Optional[float] = None) -> None:
+        super().connect(accelerator, precision, num_nodes=num_nodes, devices=devices, timeout_s=timeout_s)
         ensure_accelerator_env(self.accelerator)
         self.world_hint = max(1, num_nodes * devices)
         self.config = self._build_config()
