@@ -66,8 +66,13 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
     auto = bool(getattr(trainer.strategy, "is_auto", False))
     if auto and os.environ.get(CHOICE_ENV) and detect_env() is not None:
         # A worker the launcher started: the launching process has planned (same model, same answer).
-        name, _, blocks = os.environ[CHOICE_ENV].partition(":")
-        _install(trainer, parse_candidate(name), blocks=tuple(b for b in blocks.split(",") if b), reason="")
+        name, blocks, split = (os.environ[CHOICE_ENV].split(":") + ["", ""])[:3]
+        cand = parse_candidate(name)
+        if split:
+            m, _, k = split.partition("x")
+            cand = cand.with_batch(int(m), int(k))
+            _apply_split(trainer, train_dataloaders, cand, quiet=True)
+        _install(trainer, cand, blocks=tuple(b for b in blocks.split(",") if b), reason="")
         return
     env = detect_env()
     launching = env is None and trainer.devices * trainer.num_nodes > 1
@@ -89,8 +94,11 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
                 warnings.warn(f"strategy='auto' kept {type(trainer.strategy).__name__}: {result.reason}", stacklevel=3)
                 return
             names = ",".join(getattr(b, "__name__", str(b)) for b in result.block_classes)
-            os.environ[CHOICE_ENV] = f"{best.candidate.name}:{names}"  # FSDP policies accept class names
-            _install(trainer, best.candidate, blocks=result.block_classes, reason=result.reason)
+            split = _apply_split(trainer, train_dataloaders, best.candidate)
+            # FSDP policies accept class names; the workers re-batch the same way.
+            c = best.candidate
+            os.environ[CHOICE_ENV] = f"{c.name}:{names}:{c.micro_batch}x{c.accumulation}"
+            _install(trainer, best.candidate, blocks=result.block_classes, reason=result.reason + split)
             return
         if current is None:
             return
@@ -104,8 +112,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
     change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
     warnings.warn(
         f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
-        f"needs {format_bytes(mine.reserved)} per device (allocated {format_bytes(mine.allocated)} x "
-        f"{result.reserved_factor:g}), the device has {format_bytes(device_memory)}. {change}", stacklevel=3)
+        f"needs {format_bytes(mine.reserved)} per device (allocated {format_bytes(mine.allocated)}; "
+        f"{result.fits_uses}), the device has {format_bytes(device_memory)}. {change}", stacklevel=3)
 
 
 def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:
@@ -136,6 +144,58 @@ def _smallest_change(trainer: Any, module: Any, batch: Any, micro: int, window: 
     split = "" if best.micro_batch == micro else (
         f", DataLoader(batch_size={best.micro_batch}) and accumulate_grad_batches={best.accumulation}")
     return f"Smallest change that fits: strategy={best.trainer_strategy_code(blocks)}{split}."
+
+
+def _apply_split(trainer: Any, loader: Any, cand: Candidate, quiet: bool = False) -> str:
+    """Make the run use the chosen micro-batch split: re-batch the user's DataLoader, or refuse.
+
+    The planner answers for `micro_batch` sequences per forward with
+    `accumulation` micro-batches per optimizer step; the user's loader gives
+    `batch_size` per forward. A plain DataLoader is rebuilt with the same
+    dataset, sampler, collate_fn and worker settings at the new batch size (the
+    per-device batch per optimizer step stays the same) and the Trainer
+    accumulates `accumulation` micro-batches. A loader that cannot be rebuilt
+    (a custom batch_sampler, no batch_size) is refused with the exact
+    DataLoader(batch_size=...) to use. Returns the sentence that says so.
+    """
+    current = getattr(loader, "batch_size", None)
+    window = trainer.accumulate_grad_batches
+    if current == cand.micro_batch and window == cand.accumulation:
+        return ""
+    new = rebatch(loader, cand.micro_batch)
+    if new is None:
+        raise ValueError(
+            f"strategy='auto' chose {cand.label}, which needs micro-batches of {cand.micro_batch}: the training "
+            f"DataLoader (batch_size={current}) cannot be re-batched automatically. Pass "
+            f"DataLoader(..., batch_size={cand.micro_batch}) and Trainer(accumulate_grad_batches={cand.accumulation}).")
+    sources = getattr(trainer, "_data_sources", None)
+    if isinstance(sources, tuple) and sources and sources[0] is loader:
+        trainer._data_sources = (new, *sources[1:])  # what the loop reads (Trainer.fit sets it before calling us)
+    trainer.accumulate_grad_batches = cand.accumulation
+    return (f"; re-batched the training DataLoader from batch_size={current} x accumulate_grad_batches={window} "
+            f"to batch_size={cand.micro_batch} x {cand.accumulation}")
+
+
+def rebatch(loader: Any, batch_size: int) -> Any:
+    """The same DataLoader at another batch_size, or None if it cannot be rebuilt faithfully."""
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        return None
+    if type(loader.batch_sampler) is not BatchSampler:
+        return None  # a custom batch sampler decides the batch itself
+    kwargs = dict(batch_size=batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                  pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+                  worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+                  generator=loader.generator, persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if not isinstance(loader.dataset, IterableDataset):
+        kwargs["sampler"] = loader.sampler  # the same order (shuffled or not); the Trainer distributes it
+    try:
+        return DataLoader(loader.dataset, **kwargs)
+    except (TypeError, ValueError):
+        return None
 
 
 def _install(trainer: Any, cand: Candidate, blocks: Any, reason: str) -> None:

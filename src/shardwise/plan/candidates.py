@@ -11,7 +11,7 @@ measured are the same configuration by construction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from shardwise.plan.presets import PlanError, divisors
@@ -30,10 +30,16 @@ class Candidate:
     offload: bool = False
     micro_batch: int = 1
     accumulation: int = 1
+    # plan(strategy=obj): the user's own strategy object, traced as it is (its wrap policy, mesh,
+    # bucket layout); `custom` names it so two such objects are never confused as dict keys.
+    custom: str = ""
+    strategy: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def config_label(self) -> str:
         """The configuration without the batch split: what the user selects in the Trainer."""
+        if self.custom:
+            return self.custom
         if self.kind == "ddp":
             base = "DDP"
         elif self.kind == "fsdp":
@@ -145,3 +151,39 @@ def parse_candidate(name: str) -> Candidate:
 def batch_splits(batch_size: int) -> List[tuple]:
     """(micro_batch, accumulation) pairs that keep the per-device batch, largest micro-batch first."""
     return [(m, batch_size // m) for m in sorted(divisors(batch_size), reverse=True)]
+
+
+def from_strategy(strategy: Any) -> Candidate:
+    """plan(strategy=obj): the candidate that traces exactly this strategy object.
+
+    FSDP and DDP are traced with a fresh copy of the object itself (its wrap
+    policy -- none means the whole model is one unit, gathered at once --,
+    its checkpointing policy, mesh, gradient-bucket layout and accumulation
+    mode); DeepSpeed with its stage, offload and resolved configuration.
+    """
+    from shardwise.strategies import DDPStrategy, FSDPStrategy
+    from shardwise.strategies.single import SingleDeviceStrategy
+
+    if isinstance(strategy, str):
+        from shardwise.strategies import build_strategy
+
+        try:
+            strategy = build_strategy(strategy, world_size=2)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+        bucket_view = getattr(strategy, "ddp_kwargs", {}).get("gradient_as_bucket_view", True)
+        label = "DDP" + ("" if bucket_view else " (gradient_as_bucket_view=False)")
+        return Candidate("ddp", custom=label + " [your strategy]", strategy=strategy)
+    if isinstance(strategy, FSDPStrategy):
+        wrap = "" if strategy.auto_wrap_policy is not None else ", no auto_wrap_policy: one unit"
+        sync = "" if strategy.accumulation_sync == "reduce_scatter" else f", accumulation_sync={strategy.accumulation_sync}"
+        base = Candidate("fsdp", sharding=strategy.sharding_strategy, offload=bool(strategy.cpu_offload),
+                         activation_checkpointing=strategy.activation_checkpointing_policy is not None)
+        return replace(base, custom=f"{base.config_label}{wrap}{sync} [your strategy]", strategy=strategy)
+    if type(strategy).__name__ == "DeepSpeedStrategy":
+        base = Candidate("deepspeed", stage=strategy.stage, offload=bool(strategy.offload_optimizer),
+                         activation_checkpointing=getattr(strategy, "activation_checkpointing_policy", None) is not None)
+        return replace(base, custom=f"{base.config_label} [your strategy]", strategy=strategy)
+    raise PlanError(f"The planner does not model {type(strategy).__name__}; plan one of DDPStrategy, FSDPStrategy, "
+                    "DeepSpeedStrategy (or a name: ddp, fsdp, deepspeed_stage_3, ...).")

@@ -15,7 +15,7 @@ import json as _json
 import sys
 from typing import List, Optional
 
-_FLAGS = ("--json", "--all", "--all_micro_batches")
+_FLAGS = ("--json", "--all", "--all_micro_batches", "--expandable_segments")
 
 
 def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory: Optional[str] = None,
@@ -24,7 +24,9 @@ def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory
                  gpu: str = "a100", interconnect: str = "nvlink", network: str = "infiniband",
                  reserved_factor: Optional[float] = None, deepspeed_config: Optional[str] = None,
                  all_micro_batches: bool = False, all: bool = False, json: bool = False, plot: Optional[str] = None,
-                 workers: Optional[int] = None) -> int:
+                 workers: Optional[int] = None, optimizer: str = "adamw", foreach: Optional[bool] = None,
+                 fused: Optional[bool] = None, paged_resident: float = 0.0,
+                 expandable_segments: Optional[bool] = None, strategy: Optional[str] = None) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
 
     Args:
@@ -44,13 +46,21 @@ def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory
         gpu: a100, h100, h200, a10g, l4, v100 (step-time model only).
         interconnect: nvlink, nvlink4, pcie4, pcie5 (inside a node).
         network: infiniband, ib-ndr, efa, ethernet (across nodes).
-        reserved_factor: reserved / allocated memory (default 1.25 on cuda; 1 on cpu).
+        reserved_factor: a flat reserved / allocated ratio instead of the allocator model.
         deepspeed_config: a DeepSpeed JSON config whose zero_optimization buckets to use.
         all_micro_batches: evaluate every micro-batch split, not only when the whole batch does not fit.
         all: show every evaluated row in the table.
         json: print the plan as JSON instead of a table.
         plot: write a PNG bar chart of the breakdown per configuration to this path.
         workers: processes tracing in parallel (default: 2 on machines with 2+ cores).
+        optimizer: adamw, adam, sgd, adamw_fused, adamw_foreach, adamw_forloop, paged_adamw_32bit,
+            paged_adamw_8bit, adamw_8bit.
+        foreach: the optimizer's foreach setting (default: PyTorch's on the target, true on cuda).
+        fused: the optimizer's fused setting.
+        paged_resident: fraction of a paged optimizer's state resident on the device (default 0).
+        expandable_segments: the CUDA allocator setting (default: PYTORCH_CUDA_ALLOC_CONF, else off).
+        strategy: plan exactly this strategy: a name (fsdp, ddp, fsdp_shard_grad_op, deepspeed_stage_3,
+            ...) or python:module.attr (a Strategy object, or a function returning one).
     """
     from shardwise.plan.core import plan
     from shardwise.plan.presets import PlanError
@@ -64,11 +74,14 @@ def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory
                 ds_config = _json.load(fh)
         except (OSError, ValueError) as exc:
             raise PlanError(f"--deepspeed-config {deepspeed_config}: {exc}") from exc
+    strategy_obj = _strategy(strategy) if strategy else None
     result = plan(model, batch_size=batch_size, seq_len=seq_len, devices=devices, num_nodes=num_nodes,
                   device_memory=device_memory, precision=precision, cpu_memory=cpu_memory,
                   candidates=[c for c in only.split(",") if c.strip()] if only else None, accelerator=accelerator,
                   gpu=gpu, interconnect=interconnect, network=network, reserved_factor=reserved_factor,
-                  deepspeed_config=ds_config, all_micro_batches=all_micro_batches, workers=workers)
+                  deepspeed_config=ds_config, all_micro_batches=all_micro_batches, workers=workers,
+                  optimizer=optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident,
+                  expandable_segments=expandable_segments, strategy=strategy_obj)
     if json:
         print(to_json(result))
     else:
@@ -78,6 +91,24 @@ def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory
         if not json:
             print(f"wrote {plot}")
     return 0
+
+
+def _strategy(value: str) -> object:
+    """--strategy: a registry name, or python:module.attr naming a Strategy (or a function returning one)."""
+    from shardwise.plan.presets import PlanError
+
+    if not value.startswith("python:"):
+        return value
+    import importlib
+
+    module_name, _, attr = value[len("python:"):].rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise PlanError(f"--strategy {value}: cannot import it ({exc}).") from exc
+    from shardwise.strategies.base import Strategy
+
+    return obj if isinstance(obj, Strategy) else obj()
 
 
 def _normalise(argv: List[str]) -> List[str]:

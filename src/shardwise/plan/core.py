@@ -13,28 +13,35 @@ The steps, in order:
    two micro-batches (gradient accumulation holds gradients between them)
    and read every smaller micro-batch size off that trace's scaled envelopes;
 4. attach a step-time estimate (cost.py) and pick the fastest configuration
-   whose *reserved* memory fits: allocated peak x `reserved_factor`, the
-   caching allocator's overhead (1.25 by default; published
-   reserved/allocated ratios are 1.2-1.35). On accelerator="cpu" the factor
-   is 1 (no caching allocator).
+   whose *reserved* memory fits: the allocated peak plus what the caching
+   allocator keeps on top, from allocator.py's model (the largest transient
+   block the trace saw, expandable segments or not), or a flat
+   `reserved_factor` if one is given. On accelerator="cpu" reserved =
+   allocated (no caching allocator).
+The target's kernels and defaults are traced, not the planning machine's:
+on accelerator="cuda" attention runs as SDPA's flash kernel (kernels.py) and
+the optimizer as PyTorch runs it on CUDA (optim.py: foreach unless fused or
+told otherwise; paged / 8-bit bitsandbytes state scaled).
 If the model cannot run under fake tensors, every row falls back to the
 analytic per-block estimate and the plan says so.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan import analytic
-from shardwise.plan.candidates import Candidate, batch_splits, default_candidates, parse_candidate
+from shardwise.plan.allocator import Allocator, expandable_segments_from_env
+from shardwise.plan.candidates import Candidate, batch_splits, default_candidates, from_strategy, parse_candidate
+from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.cost import Hardware, step_cost
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
-from shardwise.plan.trace import DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
+from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
 
-RESERVED_FACTOR = 1.25
+RESERVED_FACTOR = 1.25  # the old flat factor; only used when asked for (reserved_factor=1.25)
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
 
 
@@ -59,7 +66,8 @@ class Estimate:
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
-        d["candidate"] = dict(asdict(self.candidate), name=self.candidate.name, label=self.candidate.label,
+        cand = {k: v for k, v in d["candidate"].items() if k != "strategy"}
+        d["candidate"] = dict(cand, name=self.candidate.name, label=self.candidate.label,
                               config=self.candidate.config_label)
         return d
 
@@ -76,7 +84,7 @@ class Plan:
     seq_len: int
     device_memory: Optional[int]
     cpu_memory: Optional[int]
-    reserved_factor: float
+    reserved_factor: Optional[float]  # None: the allocator model (allocator.py) decides reserved memory
     hardware: Dict[str, str]
     estimates: List[Estimate]
     recommended: Optional[Estimate]
@@ -84,10 +92,13 @@ class Plan:
     notes: List[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     block_classes: Tuple[Any, ...] = ()  # what the FSDP / checkpointing candidates wrapped
+    optimizer: str = ""  # as traced: name (implementation, paged / 8-bit state)
+    allocator: str = ""  # how reserved memory is derived
+    assumptions: List[str] = field(default_factory=list)  # printed under the table
 
     @property
     def fits_uses(self) -> str:
-        return f"reserved = allocated x {self.reserved_factor:g}"
+        return self.allocator or f"reserved = allocated x {self.reserved_factor:g}"
 
     def best_for(self, config: Candidate) -> Optional[Estimate]:
         rows = [e for e in self.estimates if e.candidate.config_key == config.config_key]
@@ -109,7 +120,9 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
          candidates: Optional[Iterable[Union[str, Candidate]]] = None, accelerator: str = "cuda",
          gpu: str = "a100", interconnect: str = "nvlink", network: str = "infiniband",
          reserved_factor: Optional[float] = None, deepspeed_config: Optional[Dict[str, Any]] = None,
-         optimizer: str = "adamw", all_micro_batches: bool = False, workers: Optional[int] = None) -> Plan:
+         optimizer: str = "adamw", all_micro_batches: bool = False, workers: Optional[int] = None,
+         foreach: Optional[bool] = None, fused: Optional[bool] = None, paged_resident: float = 0.0,
+         expandable_segments: Optional[bool] = None, strategy: Any = None) -> Plan:
     """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
 
     Args:
@@ -120,9 +133,17 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
         devices, num_nodes: devices per node and nodes.
         device_memory: e.g. "80GiB"; without it nothing is judged to fit or not.
         cpu_memory: host memory per node, checked against offload and loading needs.
-        candidates: names like "ddp", "fsdp_full_shard_ac", "zero3_offload" (default: all, seed order).
-        accelerator: "cuda" (GPU target: foreach optimizer, caching allocator) or "cpu".
-        reserved_factor: reserved / allocated (default 1.25 on cuda, 1.0 on cpu).
+        candidates: names like "ddp", "fsdp_full_shard_ac", "zero3_offload", or Strategy objects
+            (default: all, seed order).
+        accelerator: "cuda" (GPU target: its attention kernels, optimizer defaults, caching allocator) or "cpu".
+        reserved_factor: a flat reserved / allocated ratio instead of the allocator model.
+        optimizer: adamw, adam, sgd, adamw_fused, adamw_foreach, adamw_forloop, paged_adamw_32bit,
+            paged_adamw_8bit, adamw_8bit (plan/optim.py). For a TrainModule its own optimizer is
+            traced; foreach / fused still override its implementation.
+        foreach, fused: the optimizer implementation (default: PyTorch's on the target: foreach on CUDA).
+        paged_resident: fraction of a paged optimizer's state counted as resident on the device (default 0).
+        expandable_segments: the allocator setting (default: PYTORCH_CUDA_ALLOC_CONF, else off as in PyTorch).
+        strategy: a Strategy object (or name) to plan exactly, instead of the candidate list.
         all_micro_batches: evaluate every micro-batch split, not only when the full batch does not fit.
         workers: processes tracing in parallel (default: 2 on a machine with 2+ cores, for 4+ traces).
     """
@@ -132,25 +153,47 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
                        accelerator, reserved_factor)
     world, seq_len, dev_mem, cpu_mem, factor = layout
     hw = Hardware(gpu=gpu if accelerator == "cuda" else "cpu", interconnect=interconnect, network=network)
-    cands = _candidates(candidates, world, num_nodes)
+    if strategy is not None:
+        if candidates is not None:
+            raise PlanError("plan(strategy=...) plans that one strategy; leave candidates unset.")
+        cands = [from_strategy(strategy)]
+        if cands[0].kind == "deepspeed" and deepspeed_config is None:
+            deepspeed_config = getattr(cands[0].strategy, "config", None)
+        _check_layout(cands, world, num_nodes)
+    else:
+        cands = _candidates(candidates, world, num_nodes)
+        if candidates is None and accelerator == "cpu":
+            # Offload moves state from device to host memory; on a CPU both are the same memory
+            # (FSDPStrategy says so and does nothing): it saves nothing, so it is never a choice.
+            cands = [c for c in cands if not c.offload]
+    opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident,
+                            target=accelerator)
+    expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
+    alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor)
     planner = _Planner(spec, cands, world=world, num_nodes=num_nodes, precision=precision, seq_len=seq_len,
-                       batch_size=batch_size, device_memory=dev_mem, cpu_memory=cpu_mem, factor=factor, hw=hw,
-                       deepspeed_config=deepspeed_config, optimizer=optimizer,
-                       foreach=True if accelerator == "cuda" else None, all_micro=all_micro_batches, workers=workers)
+                       batch_size=batch_size, device_memory=dev_mem, cpu_memory=cpu_mem, allocator=alloc, hw=hw,
+                       deepspeed_config=deepspeed_config, optimizer=opt, target=accelerator,
+                       all_micro=all_micro_batches, workers=workers)
     estimates = planner.run()
     best, reason = _recommend(estimates, dev_mem)
+    opt_text = opt.describe() if spec.kind != "module" or foreach is not None or fused is not None else (
+        f"the module's own ({opt.implementation} on {accelerator})")
+    assumptions = [f"optimizer: {opt_text}",
+                   f"attention: {'SDPA flash / memory-efficient kernels (no seq x seq matrix)' if accelerator == 'cuda' else 'the CPU kernels'}",
+                   *alloc.assumptions()]
     return Plan(model=describe(spec), params=planner.params, world_size=world, devices=devices, num_nodes=num_nodes,
                 precision=precision, batch_size=batch_size, seq_len=seq_len, device_memory=dev_mem,
                 cpu_memory=cpu_mem, reserved_factor=factor,
                 hardware=dict(gpu=hw.gpu, interconnect=hw.interconnect, network=hw.network, accelerator=accelerator),
                 estimates=estimates, recommended=best, reason=reason, notes=planner.notes,
-                elapsed_s=time.perf_counter() - start, block_classes=tuple(spec.block_classes))
+                elapsed_s=time.perf_counter() - start, block_classes=tuple(spec.block_classes),
+                optimizer=opt_text, allocator=alloc.describe(), assumptions=assumptions)
 
 
 # ------------------------------------------------------------------ validation
 def _validate(spec: ModelSpec, batch_size: int, seq_len: Optional[int], devices: int, num_nodes: int,
               device_memory: Any, cpu_memory: Any, precision: str, accelerator: str,
-              reserved_factor: Optional[float]) -> Tuple[int, int, Optional[int], Optional[int], float]:
+              reserved_factor: Optional[float]) -> Tuple[int, int, Optional[int], Optional[int], Optional[float]]:
     from shardwise.precision import build_precision
 
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("batch_size", batch_size)):
@@ -178,14 +221,22 @@ def _validate(spec: ModelSpec, batch_size: int, seq_len: Optional[int], devices:
         raise PlanError(f"seq_len={seq_len!r}: use a positive integer.")
     if spec.kind == "gpt" and seq_len > spec.config.block_size:
         raise PlanError(f"seq_len={seq_len} exceeds {spec.name}'s context length {spec.config.block_size}.")
-    factor = reserved_factor if reserved_factor is not None else (RESERVED_FACTOR if accelerator == "cuda" else 1.0)
-    return devices * num_nodes, seq_len, dev_mem, cpu_mem, float(factor)
+    if reserved_factor is not None and not reserved_factor >= 1.0:
+        raise PlanError(f"reserved_factor={reserved_factor!r}: the allocator reserves at least what is allocated (>= 1).")
+    factor = None if reserved_factor is None else float(reserved_factor)
+    return devices * num_nodes, seq_len, dev_mem, cpu_mem, factor
 
 
 def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int, num_nodes: int) -> List[Candidate]:
     if requested is None:
         return default_candidates(world, num_nodes)
-    out = [c if isinstance(c, Candidate) else parse_candidate(c) for c in requested]
+    out = [c if isinstance(c, Candidate) else parse_candidate(c) if isinstance(c, str) else from_strategy(c)
+           for c in requested]
+    _check_layout(out, world, num_nodes)
+    return out
+
+
+def _check_layout(out: List[Candidate], world: int, num_nodes: int) -> None:
     for c in out:
         if c.kind == "fsdp" and c.sharding == "HYBRID_SHARD" and (num_nodes < 2 or world % num_nodes):
             raise PlanError(f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
@@ -196,22 +247,21 @@ def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int
                             "(the same replication) or ZeRO with AC.")
     if not out:
         raise PlanError("No configurations to plan.")
-    return out
 
 
 # ------------------------------------------------------------------ the planner
 class _Planner:
     def __init__(self, spec: ModelSpec, cands: List[Candidate], *, world: int, num_nodes: int, precision: str,
                  seq_len: int, batch_size: int, device_memory: Optional[int], cpu_memory: Optional[int],
-                 factor: float, hw: Hardware, deepspeed_config: Optional[Dict[str, Any]], optimizer: str,
-                 foreach: Optional[bool], all_micro: bool, workers: Optional[int]) -> None:
+                 allocator: Allocator, hw: Hardware, deepspeed_config: Optional[Dict[str, Any]],
+                 optimizer: OptimizerChoice, target: str, all_micro: bool, workers: Optional[int]) -> None:
         self.spec, self.cands, self.world, self.num_nodes = spec, cands, world, num_nodes
         self.precision, self.seq_len, self.batch_size = precision, seq_len, batch_size
-        self.device_memory, self.cpu_memory, self.factor, self.hw = device_memory, cpu_memory, factor, hw
+        self.device_memory, self.cpu_memory, self.allocator, self.hw = device_memory, cpu_memory, allocator, hw
         self.deepspeed_config = deepspeed_config
         self.all_micro, self.workers = all_micro, workers
-        self.setting = Setting(world_size=world, num_nodes=num_nodes, seq_len=seq_len, foreach=foreach,
-                               optimizer=optimizer)
+        self.setting = Setting(world_size=world, num_nodes=num_nodes, seq_len=seq_len, foreach=optimizer.foreach,
+                               optimizer=optimizer, target=target)
         self.notes: List[str] = []
         self.per_node = max(1, world // num_nodes)
         full = spec.depth
@@ -245,6 +295,8 @@ class _Planner:
             half = self.precision not in ("32-true", "64-true")
             return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing).config_key, \
                 ("bf16-true" if half else self.precision)
+        if cand.offload and cand.strategy is not None:  # the user's own FSDP object, on-device part
+            return replace(cand.config_key, offload=False, custom=cand.custom + " (on device)"), self.precision
         if cand.offload:
             return Candidate("fsdp", sharding="FULL_SHARD",
                              activation_checkpointing=cand.activation_checkpointing).config_key, self.precision
@@ -252,7 +304,7 @@ class _Planner:
 
     def _views(self, traced: Candidate, precision: str, depth: Optional[int]) -> Tuple[Tuple[str, Any], ...]:
         # One process: DDPStrategy does not wrap, so there are no buckets to outlive zero_grad.
-        views = [("identity", DDP_VIEW if traced.kind == "ddp" and self.world > 1 else IDENTITY)]
+        views = [("identity", _identity_view(traced, self.world))]
         grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
         for c in self.cands:
             if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
@@ -312,16 +364,20 @@ class _Planner:
             allocated, phase, breakdown, host, method = self._traced_estimate(cand, tr, r)
         if len(self.depths) == 2:
             method += ", extrapolated from 3-4 blocks"
-        return self._finish(cand, allocated, phase, breakdown, host, method)
+        return self._finish(cand, allocated, phase, breakdown, host, method, tr.largest_transient)
 
     def _finish(self, cand: Candidate, allocated: float, phase: str, breakdown: Dict[str, float], host: float,
-                method: str) -> Estimate:
+                method: str, largest_transient: float = 0.0) -> Estimate:
+        sync = getattr(cand.strategy, "accumulation_sync", "reduce_scatter")
         cost = step_cost(cand, self.hw, params=self.params, flops_per_token=self.spec.flops_per_token(self.seq_len),
                          batch_size=self.batch_size, seq_len=self.seq_len, world=self.world,
-                         num_nodes=self.num_nodes, precision=self.precision)
+                         num_nodes=self.num_nodes, precision=self.precision, accumulation_sync=sync)
         load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
         cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading
-        reserved = allocated * self.factor
+        steady = sum(breakdown.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
+        if not largest_transient:  # no trace (fallback): the largest activation-sized block it counts
+            largest_transient = breakdown.get("temporary", 0.0) / 2
+        reserved = self.allocator.reserved(allocated, steady, largest_transient)
         fits = None
         if self.device_memory is not None:
             fits = reserved <= self.device_memory and (self.cpu_memory is None or cpu <= self.cpu_memory)
@@ -394,6 +450,14 @@ class _Planner:
             breakdown = {k2: breakdown.get(k2, 0.0) for k2 in CATEGORIES}
             rows.append(self._finish(cand.with_batch(m, k), value, "", breakdown, host, "analytic per-block fallback"))
         return rows
+
+
+def _identity_view(traced: Candidate, world: int) -> Any:
+    """DDP's gradient buckets: views of them (ours) or beside the .grad tensors (torch's / Lightning's default)."""
+    if traced.kind != "ddp" or world <= 1:
+        return IDENTITY
+    kwargs = getattr(traced.strategy, "ddp_kwargs", None) or {}
+    return DDP_VIEW if kwargs.get("gradient_as_bucket_view", True) else DDP_SEPARATE_BUCKETS_VIEW
 
 
 def _zero_key(cand: Candidate) -> str:

@@ -9,8 +9,9 @@ bytes each rank sends per optimizer step with ring collectives (all-reduce
 
   DDP, FSDP NO_SHARD  all-reduce gradients once per step (no_sync between micro-batches)
   FSDP FULL_SHARD     all-gather parameters in forward and again in backward, per micro-batch;
-                      reduce-scatter gradients once per step
-  FSDP SHARD_GRAD_OP  one all-gather per micro-batch (kept for backward); reduce-scatter once
+                      reduce-scatter gradients every micro-batch (FSDPStrategy's default
+                      accumulation_sync="reduce_scatter"), once per step with "none"
+  FSDP SHARD_GRAD_OP  one all-gather per micro-batch (kept for backward); reduce-scatter as FULL_SHARD
   FSDP HYBRID_SHARD   FULL_SHARD inside a node, all-reduce of the shards across nodes
   ZeRO-1              reduce-scatter gradients at the boundary, all-gather parameters after the step
   ZeRO-2              as ZeRO-1, but gradients are reduced every micro-batch
@@ -84,7 +85,8 @@ class StepCost:
 
 
 def step_cost(cand: Candidate, hw: Hardware, *, params: int, flops_per_token: float, batch_size: int,
-              seq_len: int, world: int, num_nodes: int, precision: str) -> StepCost:
+              seq_len: int, world: int, num_nodes: int, precision: str,
+              accumulation_sync: str = "reduce_scatter") -> StepCost:
     """Modelled seconds per optimizer step for one device's `batch_size` sequences."""
     half = precision not in ("32-true", "64-true")
     peak = GPUS[hw.gpu]["half" if half else "single"]
@@ -106,14 +108,16 @@ def step_cost(cand: Candidate, hw: Hardware, *, params: int, flops_per_token: fl
         elif cand.kind == "fsdp" and cand.sharding == "HYBRID_SHARD":
             per_node = max(1, w // max(1, num_nodes))
             inner = (per_node - 1) / per_node
-            intra_bytes = k * 2 * inner * n * wb + inner * n * rb
+            scatters = k if accumulation_sync == "reduce_scatter" else 1
+            intra_bytes = k * 2 * inner * n * wb + scatters * inner * n * rb
             nodes = max(1, num_nodes)
             inter_bytes = 2 * (nodes - 1) / nodes * n / per_node * rb
             comm_bytes = intra_bytes + inter_bytes
             comm = intra_bytes / intra + inter_bytes / inter
         elif cand.kind == "fsdp":
             gathers = 1 if cand.sharding == "SHARD_GRAD_OP" else 2
-            comm_bytes = k * gathers * ring * n * wb + ring * n * rb
+            scatters = k if accumulation_sync == "reduce_scatter" else 1
+            comm_bytes = k * gathers * ring * n * wb + scatters * ring * n * rb
         elif cand.stage == 3:
             comm_bytes = k * 3 * ring * n * wb
         else:

@@ -8,12 +8,13 @@ joins its own fake process group once and then traces job after job sent
 over a pipe. Plain subprocesses rather than multiprocessing: a spawned
 multiprocessing child re-imports the caller's main script, which breaks
 every unguarded script that calls plan(). Results come back as pickled
-`Trace` records. With one worker (or when the model cannot be sent to
-another process, e.g. a TrainModule defined in a notebook) everything runs
-in the planning process.
+`Trace` records. A model whose classes live in the user's script or a
+notebook cannot be pickled by module path: it is traced in forked children
+(which inherit the classes) or, with one worker, in the planning process.
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import queue
@@ -50,7 +51,8 @@ class Setting:
     num_nodes: int
     seq_len: int
     foreach: Optional[bool]
-    optimizer: str
+    optimizer: Any  # an OptimizerChoice (plan/optim.py) or a name
+    target: str = "cpu"  # "cuda": attention and optimizer defaults of the GPU (plan/kernels.py)
 
 
 def _run(spec: ModelSpec, setting: Setting, job: TraceJob) -> Union[Trace, TraceFailed]:
@@ -58,7 +60,7 @@ def _run(spec: ModelSpec, setting: Setting, job: TraceJob) -> Union[Trace, Trace
         return trace(spec, job.traced, world_size=setting.world_size, num_nodes=setting.num_nodes,
                      precision=job.precision, seq_len=setting.seq_len, micro_batch=job.micro_batch,
                      accumulation=job.accumulation, depth=job.depth, scales=job.scales, views=dict(job.views),
-                     foreach=setting.foreach, optimizer=setting.optimizer)
+                     foreach=setting.foreach, optimizer=setting.optimizer, target=setting.target)
     except TraceFailed as exc:
         return exc
 
@@ -69,21 +71,44 @@ def default_workers(n_jobs: int) -> int:
 
 def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
              workers: Optional[int] = None) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
-    """Every job's Trace (or the TraceFailed it raised), in worker processes when it pays off."""
+    """Every job's Trace (or the TraceFailed it raised), in worker processes when it pays off.
+
+    Where the traces run:
+    - here, when one worker is asked for and this process is free (no process group, no
+      running MemoryTracker);
+    - in `python -m shardwise.plan.jobs` workers, when the model pickles by reference to
+      modules a fresh interpreter can import;
+    - in forked workers otherwise (a TrainModule defined in the user's script or a
+      notebook: the fork has the class without pickling it), and whenever this process is
+      busy with a MemoryTracker (the fork stops its copy, so the user's tracker neither
+      sees the planner's fake tensors nor blinds the planner's own tracker).
+    """
     import torch.distributed as dist
+
+    from shardwise.memory import active_tracker
 
     jobs = list(dict.fromkeys(jobs))
     workers = default_workers(len(jobs)) if workers is None else workers
     # A process group already exists here (e.g. a one-process FSDP fit before): the fake one
     # cannot be created next to it, so even a single worker must be another process.
     busy = dist.is_available() and dist.is_initialized()
-    spec_bytes = _picklable(spec) if workers > 1 or busy else None
-    if spec_bytes is None or (workers <= 1 and not busy):
+    tracking = active_tracker() is not None
+    if workers <= 1 and not busy and not tracking:
         with fake_world(setting.world_size):
             return {job: _run(spec, setting, job) for job in jobs}
+    spec_bytes = _portable(spec)
+    if spec_bytes is not None and any(j.traced.strategy is not None for j in jobs) and _portable(jobs) is None:
+        spec_bytes = None  # a strategy object naming classes from __main__
+    if spec_bytes is None and not busy and hasattr(os, "fork"):
+        return _run_forked(spec, setting, jobs, max(1, workers))
+    if spec_bytes is None:
+        from shardwise.plan.presets import PlanError
+
+        raise PlanError("This model's classes are defined in __main__ (a script or notebook), and a process group "
+                        "is already initialised in this process, so the planner can neither trace here nor send "
+                        "the model to a worker. Plan before the strategy sets up, or move the classes to a module.")
     # Longest first (checkpointed, sharded, deep): keeps both workers busy to the end.
-    order = sorted(jobs, key=lambda j: (j.traced.activation_checkpointing, j.traced.kind == "fsdp",
-                                        j.depth or 0, j.accumulation), reverse=True)
+    order = _longest_first(jobs)
     pending: "queue.Queue[TraceJob]" = queue.Queue()
     for job in order:
         pending.put(job)
@@ -99,6 +124,71 @@ def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
     if errors:
         raise errors[0]
     return results
+
+
+def _longest_first(jobs: Sequence[TraceJob]) -> list:
+    return sorted(jobs, key=lambda j: (j.traced.activation_checkpointing, j.traced.kind == "fsdp",
+                                       j.depth or 0, j.accumulation), reverse=True)
+
+
+def _run_forked(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
+                workers: int) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
+    """Trace in forked children: they inherit the user's classes, so nothing is pickled by module path."""
+    order = _longest_first(jobs)
+    shares = [order[i::workers] for i in range(min(workers, len(order)))]
+    children = []
+    for share in shares:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: trace its share, send the results, leave without cleanup handlers
+            code = 0
+            try:
+                os.close(read_fd)
+                _child(spec, setting, share, write_fd)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        children.append((pid, read_fd, share))
+    results: Dict[TraceJob, Union[Trace, TraceFailed]] = {}
+    failure = None
+    for pid, read_fd, share in children:
+        with os.fdopen(read_fd, "rb") as stream:
+            data = stream.read()
+        _, status = os.waitpid(pid, 0)
+        if not data or status != 0:
+            failure = failure or RuntimeError(
+                f"A forked planner worker died while tracing {share[0].traced.label} (exit status {status}); "
+                "SHARDWISE_PLAN_DEBUG=1 shows its output.")
+            continue
+        results.update(zip(share, pickle.loads(data)))
+    if failure is not None:
+        raise failure
+    return results
+
+
+def _child(spec: ModelSpec, setting: Setting, share: Sequence[TraceJob], fd: int) -> None:
+    import torch
+
+    from shardwise.memory import active_tracker
+
+    torch.set_num_threads(1)
+    if not os.environ.get("SHARDWISE_PLAN_DEBUG"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    tracker = active_tracker()
+    if tracker is not None:
+        tracker.stop()  # this copy of the user's tracker only: the parent's keeps running
+    with fake_world(setting.world_size):
+        out = [_run(spec, setting, job) for job in share]
+    data = pickle.dumps(out)
+    with os.fdopen(fd, "wb") as stream:
+        stream.write(data)
 
 
 def _drive(header: bytes, pending: "queue.Queue[TraceJob]", results: Dict[TraceJob, Any], errors: list) -> None:
@@ -169,11 +259,26 @@ def _serve() -> None:
             _send(results, pickle.dumps(result))
 
 
-def _picklable(spec: ModelSpec) -> Optional[bytes]:
+def _portable(spec: Any) -> Optional[bytes]:
+    """The pickled object, if a fresh interpreter can load it (every class it names is importable there)."""
+    modules: set = set()
+
+    class _Recorder(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+                modules.add(getattr(obj, "__module__", None) or "__main__")
+            return NotImplemented
+
+    buffer = io.BytesIO()
     try:
-        return pickle.dumps(spec)
-    except Exception:  # a class defined in __main__ / a notebook: trace in this process
+        _Recorder(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(spec)
+    except Exception:
         return None
+    for name in modules:
+        module = sys.modules.get(name)
+        if name in ("__main__", "__mp_main__") or module is None or getattr(module, "__spec__", None) is None:
+            return None  # defined in a script, a notebook or exec'd code: no module path to import
+    return buffer.getvalue()
 
 
 __all__ = ["TraceJob", "Setting", "run_jobs", "default_workers"]

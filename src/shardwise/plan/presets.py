@@ -92,16 +92,19 @@ class ModelSpec:
         if self.kind == "hf":
             from transformers import AutoModelForCausalLM
 
+            from shardwise.plan.kernels import hf_attention_for_trace
+
             cfg = self.config.__class__.from_dict(self.config.to_dict())
+            hf_attention_for_trace(cfg, self.config)  # flash-attention 2 is traced as SDPA's flash kernel
             _set_hf_depth(cfg, depth)
             return AutoModelForCausalLM.from_config(cfg)
         raise PlanError(f"{self.name}: a {self.kind} model cannot be rebuilt at another depth")
 
     def training_module(self, depth: Optional[int] = None, lr: float = 1e-4, foreach: Optional[bool] = None,
-                        optimizer: str = "adamw") -> TrainModule:
+                        optimizer: str = "adamw", fused: Optional[bool] = None) -> TrainModule:
         if self.kind == "module":
             return self.module
-        return LMModule(self, depth=depth, lr=lr, foreach=foreach, optimizer=optimizer)
+        return LMModule(self, depth=depth, lr=lr, foreach=foreach, optimizer=optimizer, fused=fused)
 
     def make_batch(self, batch_size: int, seq_len: int) -> Any:
         """A batch of token ids in the shape the spec's training_step takes (device: current default)."""
@@ -185,9 +188,10 @@ class LMModule(TrainModule):
     """
 
     def __init__(self, spec: ModelSpec, depth: Optional[int] = None, lr: float = 1e-4,
-                 foreach: Optional[bool] = None, optimizer: str = "adamw") -> None:
+                 foreach: Optional[bool] = None, optimizer: str = "adamw", fused: Optional[bool] = None) -> None:
         super().__init__()
         self.spec, self.depth, self.lr, self.foreach, self.optimizer_name = spec, depth, lr, foreach, optimizer
+        self.fused = fused
         self.model: Optional[nn.Module] = None
 
     def configure_model(self) -> None:
@@ -208,10 +212,12 @@ class LMModule(TrainModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, foreach=self.foreach)
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, foreach=self.foreach,
+                                   fused=self.fused)
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=self.foreach)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0, foreach=self.foreach)
+            return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=self.foreach, fused=self.fused)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0, foreach=self.foreach,
+                                 fused=self.fused)
 
 
 # ------------------------------------------------------------------ resolving --model

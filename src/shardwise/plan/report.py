@@ -86,6 +86,8 @@ def print_table(p: Plan, console: Any = None, show_all: bool = False) -> None:
                       f"{p.recommended.candidate.micro_batch})")
     for note in p.notes:
         console.print(f"  note: {note}")
+    for item in p.assumptions:
+        console.print(f"  assumes: {item}")
     if any("fallback" in e.method for e in p.estimates):
         console.print("  * analytic per-block estimate (the model could not be traced)")
     console.print(f"  planned in {p.elapsed_s:.1f}s; step times are modelled on {p.hardware['gpu']} with "

@@ -34,6 +34,7 @@ Corrections that make fake-mode numbers mean what real ones do:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class View:
 
 IDENTITY = View()
 DDP_VIEW = View(buckets=True)
+# DDP with gradient_as_bucket_view=False (Lightning's and torch's default): the reducer's flat
+# buckets are allocated at construction, beside the .grad tensors, as large as the parameters.
+DDP_SEPARATE_BUCKETS_VIEW = View(cp=2.0)
 _STATE = threading.local()
 _NO_GRAD = "~nograd"
 
@@ -97,13 +101,19 @@ class Trace:
     optimizer: int = 0  # optimizer state bytes after the step
     buffers: int = 0
     units: List[str] = field(default_factory=list)
+    largest_transient: int = 0  # the largest single block allocated and released within the step
 
 
 class _PlanTracker(MemoryTracker):
     """The shardwise tracker, plus per-phase envelopes and blindness to DTensor's metadata runs."""
 
-    def __init__(self, views: Dict[str, View], scales: Sequence[float]) -> None:
+    def __init__(self, views: Dict[str, View], scales: Sequence[float], optimizer_scale: float = 1.0) -> None:
         super().__init__(count_fake=True)
+        # Resident fraction of the optimizer state on the device: 1 for torch's optimizers, 0.25 for
+        # 8-bit state (traced as fp32), the configured fraction for paged state.
+        self.optimizer_scale = optimizer_scale
+        self.largest_transient = 0
+        self._step_start = -1
         self.views = dict(views)
         for name, view in views.items():
             if view.buckets:
@@ -123,6 +133,20 @@ class _PlanTracker(MemoryTracker):
         super()._on_resize(st)
         if self.phase is not None:
             self._sample()
+
+    def begin_step(self) -> None:
+        """From here on, a block that is allocated and then released (or resized away) is transient."""
+        self._step_start = self._seq
+
+    def _on_free(self, entry) -> None:
+        if self._step_start >= 0 and entry.born > self._step_start:
+            self.largest_transient = max(self.largest_transient, entry.nbytes)
+        super()._on_free(entry)
+
+    def _resize(self, e, n: int) -> None:
+        if self._step_start >= 0 and n < e.nbytes:  # FSDP2 frees unsharded parameters by resizing to 0
+            self.largest_transient = max(self.largest_transient, e.nbytes)
+        super()._resize(e, n)
 
     def _hook_grad(self, p: torch.Tensor) -> None:
         # The base tracker hooks only plain Parameters; ours are fake. Without the hook a
@@ -152,7 +176,7 @@ class _PlanTracker(MemoryTracker):
 
     def _sample(self) -> None:
         cur = self._cur
-        p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"], cur["buffers"]
+        p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"] * self.optimizer_scale, cur["buffers"]
         a = cur["activations"] + cur["other"]
         env, phase = self.envelope, self.phase
         for name, view in self.views.items():
@@ -237,9 +261,10 @@ def _rank0_env(world_size: int, num_nodes: int):
                                node_rank=0, num_nodes=num_nodes, local_world_size=max(1, world_size // num_nodes))
 
 
-def _fresh_module(spec: ModelSpec, depth: Optional[int], foreach: Optional[bool], optimizer: str) -> Any:
+def _fresh_module(spec: ModelSpec, depth: Optional[int], optimizer: Any) -> Any:
     if spec.kind != "module":
-        return spec.training_module(depth=depth, foreach=foreach, optimizer=optimizer)
+        return spec.training_module(depth=depth, foreach=optimizer.foreach, optimizer=optimizer.base,
+                                    fused=optimizer.fused)
     # Never touch the user's object: trace a copy whose tensors are meta ones.
     from shardwise.plan.presets import meta_copy
 
@@ -260,22 +285,41 @@ def _strategy_kind(cand: Candidate) -> Candidate:
     return dataclasses.replace(cand, offload=False)
 
 
+def _build_traced_strategy(cand: Candidate, traced: Candidate, spec: ModelSpec) -> Any:
+    """The strategy object to run: the user's own (a fresh copy, offload off), or the candidate's."""
+    if cand.strategy is not None and cand.kind != "deepspeed":
+        strategy = copy.deepcopy(cand.strategy)
+        if getattr(strategy, "cpu_offload", False):
+            strategy.cpu_offload = False  # offload is CUDA-only: its on-device part is traced
+        return strategy
+    return traced.build_strategy(spec.block_classes, None)
+
+
 def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, precision: str, seq_len: int,
           micro_batch: int, accumulation: int, depth: Optional[int], scales: Sequence[float] = (1.0,),
           views: Optional[Dict[str, View]] = None, foreach: Optional[bool] = None,
-          optimizer: str = "adamw") -> Trace:
-    """Trace the first optimizer step of `cand` on rank 0 (the second is derived); call inside `fake_world`."""
+          optimizer: Any = "adamw", target: str = "cpu") -> Trace:
+    """Trace the first optimizer step of `cand` on rank 0 (the second is derived); call inside `fake_world`.
+
+    optimizer: a name or an OptimizerChoice (plan/optim.py); target: "cuda" traces attention with
+    CUDA's kernels and the optimizer with CUDA's defaults (plan/kernels.py, plan/optim.py).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from shardwise.plan.kernels import target_attention
+    from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
     from shardwise.strategies.ddp import DDPStrategy
     from shardwise.strategies.fsdp import build_device_mesh
 
+    if not isinstance(optimizer, OptimizerChoice):
+        optimizer = resolve_optimizer(optimizer, foreach=foreach, target=target)
     traced = _strategy_kind(cand)
-    strategy = traced.build_strategy(spec.block_classes, None)
+    strategy = _build_traced_strategy(cand, traced, spec)
     strategy.connect("cpu", _trace_precision(precision), num_nodes=num_nodes, devices=world_size // num_nodes)
     strategy.env = _rank0_env(world_size, num_nodes) if traced.kind == "fsdp" else _rank0_env(1, 1)
     if traced.kind == "fsdp":
-        strategy.mesh = build_device_mesh(traced.sharding, world_size, num_nodes, "cpu")
+        strategy.mesh = build_device_mesh(traced.sharding, world_size, num_nodes, "cpu",
+                                          getattr(strategy, "device_mesh_arg", None))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
 
     def materialize(module: nn.Module, device: object = None) -> None:
@@ -284,7 +328,7 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
             module.to_empty(device=torch.device("cpu"))
 
     strategy.materialize = materialize  # the one step of set-up that would allocate
-    module = _fresh_module(spec, depth, foreach, optimizer)
+    module = _fresh_module(spec, depth, optimizer)
     with strategy.module_init_context():
         module.configure_model()
     if traced.kind == "ddp" and traced.activation_checkpointing:
@@ -294,7 +338,8 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
         apply_activation_checkpointing(module, set(spec.block_classes))
     result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
     buckets = traced.kind == "ddp" and world_size > 1
-    tracker = _PlanTracker(views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales)
+    tracker = _PlanTracker(views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales,
+                           optimizer_scale=optimizer.state_scale)
     try:
         with fake if isinstance(strategy, DDPStrategy) else contextlib.nullcontext():
             # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
@@ -303,16 +348,17 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
                 model = strategy.setup_module(module)
             finally:
                 del module.to
-        with fake:
+        with fake, target_attention(target):
             opt_config = module.configure_optimizers()
             optimizers = opt_config if isinstance(opt_config, (list, tuple)) else [
                 opt_config["optimizer"] if isinstance(opt_config, dict) else opt_config]
-            optimizers = [strategy.setup_optimizer(o) for o in optimizers]
+            optimizers = [strategy.setup_optimizer(optimizer.apply(o)) for o in optimizers]
             batches = [spec_batch(spec, micro_batch, seq_len) for _ in range(accumulation)]
             tracker.register(strategy.unwrap(model), optimizers)
             with tracker:
                 result.params = tracker.current_breakdown["parameters"]
                 result.buffers = tracker.current_breakdown["buffers"]
+                tracker.begin_step()
                 _train_step(strategy, model, module, batches, tracker, optimizers, result)
                 tracker.phase = None
             tracker.synthesize_second_step(result.grads, result.optimizer)
@@ -322,6 +368,7 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
         raise TraceFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     result.envelope = tracker.envelope
     result.units = list(getattr(strategy, "units", []))
+    result.largest_transient = tracker.largest_transient
     return result
 
 
@@ -353,7 +400,7 @@ def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any]
     for opt in optimizers:
         strategy.optimizer_step(opt)
         opt.zero_grad(set_to_none=True)
-    result.optimizer = tracker.current_breakdown["optimizer"]
+    result.optimizer = int(tracker.current_breakdown["optimizer"] * tracker.optimizer_scale)
     tracker.phase = None
 
 
@@ -373,4 +420,4 @@ def extrapolate(a: Trace, b: Trace, depth: int) -> Trace:
     return Trace(depth=depth, micro_batch=a.micro_batch, accumulation=a.accumulation, envelope=env,
                  params=int(lin(a.params, b.params)), grads=int(lin(a.grads, b.grads)),
                  optimizer=int(lin(a.optimizer, b.optimizer)), buffers=int(lin(a.buffers, b.buffers)),
-                 units=b.units)
+                 units=b.units, largest_transient=max(a.largest_transient, b.largest_transient))

@@ -1,0 +1,91 @@
+"""Attention traced with the target's kernels, not the planning machine's.
+
+`F.scaled_dot_product_attention` picks its kernel by device, dtype and
+arguments. On CUDA (fp16/bf16: flash; fp32, masks, dropout: memory-efficient)
+the backward keeps only the output and an O(seq) logsumexp per head -- no
+seq x seq matrix. On the CPU the flash kernel handles most calls too, but
+dropout (and some GQA shapes) take the math path, which saves the attention
+probabilities and the dropout mask: seq^2 x heads per layer, which a CUDA
+run never allocates. Inside `target_attention("cuda")` every SDPA call goes through the flash kernel's own op (CPU build, same
+saved tensors as CUDA's flash / memory-efficient kernels: output +
+logsumexp), so the fake trace holds what the GPU will. Models that ask for
+`flash_attention_2` are built with SDPA (flash-attn need not be installed)
+and traced the same way. An eager attention (a model that computes
+softmax(QK^T) itself) is traced as written: it keeps the matrix on any device.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
+                         "kernels-community/vllm-flash-attn3")
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+           dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
+    if enable_gqa and key.dim() >= 3 and key.size(-3) != query.size(-3):
+        # The CUDA kernels read the shared K/V heads in place; expanding them here adds two
+        # K/V-sized copies per layer, small next to what the math path would keep.
+        groups = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    if query.dim() != 4:
+        return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out[0]
+
+
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+
+def _target_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    try:
+        out = _flash(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        out = None  # an argument the flash op does not take: the planning machine's own kernel
+    return _ORIGINAL_SDPA(*args, **kwargs) if out is None else out
+
+
+@contextlib.contextmanager
+def target_attention(target: str) -> Iterator[None]:
+    """Inside: SDPA saves what it saves on `target` ("cuda": flash / memory-efficient; "cpu": unchanged).
+
+    The module attribute is swapped (not a TorchFunctionMode): torch.nn.functional's own wrappers
+    (multi_head_attention_forward) call SDPA by its module-level name, and a function mode is
+    switched off inside the wrapper it intercepts. Code that imported the function object itself
+    before planning keeps the CPU kernel.
+    """
+    if target != "cuda" or F.scaled_dot_product_attention is _target_sdpa:
+        yield
+        return
+    F.scaled_dot_product_attention = _target_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _ORIGINAL_SDPA
+
+
+def hf_attention_for_trace(config: Any, original: Any = None) -> None:
+    """A config asking for flash-attention 2/3 is built with SDPA (traced as flash under target_attention)."""
+    src = original if original is not None else config
+    impl = None
+    for key in ("_attn_implementation_internal", "_attn_implementation", "attn_implementation"):
+        try:
+            impl = impl or getattr(src, key, None)
+        except Exception:
+            pass
+    if impl in FLASH_IMPLEMENTATIONS:
+        try:
+            config._attn_implementation = "sdpa"
+        except Exception:  # older transformers: a plain attribute
+            config.__dict__["_attn_implementation"] = "sdpa"
+
+
+__all__ = ["target_attention", "hf_attention_for_trace", "FLASH_IMPLEMENTATIONS"]
