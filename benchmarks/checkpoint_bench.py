@@ -9,7 +9,11 @@ resident memory above what it held just before (VmHWM after writing 5 to
 /proc/self/clear_refs, minus VmRSS at that point): a full checkpoint
 gathers the whole model and optimizer state into rank 0's memory, a sharded
 one never gathers anything. Loading a full file maps it on every rank, so
-its pages count as resident there. Then `shardwise convert` runs in a fresh
+its pages count as resident there. Load times are the median of --repeats
+further loads, alternating the formats, with the CPU seconds of the busiest
+rank beside them (steadier than wall time on a shared machine); both
+formats verify their checksums, as a real resume does
+(SHARDWISE_VERIFY_CHECKSUMS=0 measures without). Then `shardwise convert` runs in a fresh
 process on each checkpoint, and its peak (measured the same way, from just
 before the conversion) is compared with the model's size and its largest
 tensor. Prints a markdown table; with --out, replaces the section
@@ -56,8 +60,26 @@ def _measure(fn):
     return time.perf_counter() - start, max(0, peak_rss_bytes() - base)
 
 
-def run_rank(root: str, layers: int, hidden: int) -> dict:
-    """On each of 2 ranks: build, step once, save + load in both formats."""
+def _timed(fn):
+    """Wall and this process's CPU seconds of a collective `fn` (CPU time is steadier on a shared machine)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    return time.perf_counter() - wall, cpu
+
+
+def _median(values):
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def run_rank(root: str, layers: int, hidden: int, repeats: int = 3) -> dict:
+    """On each of 2 ranks: build, step once, save + load in both formats, then `repeats` more loads
+    alternating sharded / full (medians reported: one load on a shared machine says little)."""
     from shardwise.checkpoint.layout import build_manifest
 
     shardwise.seed_everything(0)
@@ -78,7 +100,16 @@ def run_rank(root: str, layers: int, hidden: int) -> dict:
         state = {"shardwise": build_manifest(fmt, "fsdp", strategy.world_size, {})}
         save_s, save_peak = _measure(lambda: strategy.save_checkpoint(path, state))
         load_s, load_peak = _measure(lambda: strategy.load_checkpoint(path, fmt))
-        results[fmt] = {"save_s": save_s, "save_peak": save_peak, "load_s": load_s, "load_peak": load_peak}
+        results[fmt] = {"save_s": save_s, "save_peak": save_peak, "load_s": load_s, "load_peak": load_peak,
+                        "loads": [], "load_cpu": []}
+    for _ in range(repeats):
+        for fmt in ("sharded", "full"):
+            wall, cpu = _timed(lambda: strategy.load_checkpoint(os.path.join(root, f"{fmt}.ckpt"), fmt))
+            results[fmt]["loads"].append(wall)
+            results[fmt]["load_cpu"].append(cpu)
+    for fmt in results:
+        if repeats:
+            results[fmt]["load_s"] = _median(results[fmt]["loads"])
     return results
 
 
@@ -99,9 +130,16 @@ def convert_child(ckpt: str, out: str) -> None:
 
 
 def _size(path: str) -> int:
+    """Bytes on disk (a directory: all its files)."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def _cpu(ranks, fmt) -> float:
+    per_load = zip(*(r[fmt]["load_cpu"] for r in ranks))
+    values = [max(v) for v in per_load]
+    return _median(values) if values else 0.0
 
 
 def render(ranks, sizes, converts, layers, hidden) -> str:
@@ -122,7 +160,10 @@ def render(ranks, sizes, converts, layers, hidden) -> str:
         f"| checkpoint on disk | {sizes['sharded'] / MB:.0f} MB | {sizes['full'] / MB:.0f} MB | "
         f"{ratio(sizes['full'], sizes['sharded'])} |",
         f"| save time | {s['save_s']:.2f} s | {f['save_s']:.2f} s | {ratio(f['save_s'], s['save_s'])} |",
-        f"| load time | {s['load_s']:.2f} s | {f['load_s']:.2f} s | {ratio(f['load_s'], s['load_s'])} |",
+        f"| load time (median of {len(s['loads']) or 1}) | {s['load_s']:.2f} s | {f['load_s']:.2f} s | "
+        f"{ratio(f['load_s'], s['load_s'])} |",
+        f"| load CPU time, busiest rank (median) | {_cpu(ranks, 'sharded'):.2f} s | {_cpu(ranks, 'full'):.2f} s | "
+        f"{ratio(_cpu(ranks, 'full'), _cpu(ranks, 'sharded'))} |",
         f"| save peak, rank 0 | {s['save_peak'] / MB:.0f} MB | {f['save_peak'] / MB:.0f} MB | "
         f"{ratio(f['save_peak'], s['save_peak'])} |",
         f"| save peak, rank 1 | {s1['save_peak'] / MB:.0f} MB | {f1['save_peak'] / MB:.0f} MB | "
@@ -157,13 +198,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--out", default=None, help="markdown file whose checkpoint section to replace")
+    parser.add_argument("--repeats", type=int, default=3, help="extra loads per format, alternating (medians)")
     parser.add_argument("--convert-child", nargs=2, metavar=("CKPT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.convert_child:
         convert_child(*args.convert_child)
         return
     with tempfile.TemporaryDirectory(prefix="shardwise-ckpt-bench-") as root:
-        ranks = shardwise.launch(run_rank, root, args.layers, args.hidden, devices=2)
+        ranks = shardwise.launch(run_rank, root, args.layers, args.hidden, args.repeats, devices=2)
         sizes = {fmt: _size(os.path.join(root, f"{fmt}.ckpt")) for fmt in ("sharded", "full")}
         converts = {}
         for fmt in ("sharded", "full"):

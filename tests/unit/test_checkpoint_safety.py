@@ -181,6 +181,12 @@ def test_sharded_directory_with_evil_file(tmp_path, marker, good, victim):
     shutil.copytree(good["sharded"], ckpt)
     with open(os.path.join(ckpt, victim), "wb") as fh:
         pickle.dump(Evil(marker), fh)
+    # The checksum alone would refuse it; an attacker who also rewrites the manifest meets the allow-list.
+    with pytest.raises(ChecksumMismatchError):
+        fit(tmp_path / "run", 4, strategy="fsdp", ckpt_path=ckpt)
+    from shardwise.checkpoint.integrity import file_digest, record_checksums
+
+    record_checksums(ckpt, {victim: file_digest(os.path.join(ckpt, victim))})
     with pytest.raises(UnsafeCheckpointError):
         fit(tmp_path / "run", 4, strategy="fsdp", ckpt_path=ckpt)
     assert cli_main(["inspect", ckpt]) == 1
@@ -250,6 +256,8 @@ def test_flipped_byte_in_full_file_is_named(tmp_path, good):
     with pytest.raises(ChecksumMismatchError) as err:
         fit(tmp_path / "run", 4, ckpt_path=path)
     assert path in str(err.value) and "recorded" in str(err.value)
+    assert cli_main(["convert", path, str(tmp_path / "w.safetensors")]) == 1  # verified tensor by tensor too
+    assert cli_main(["convert", good["full"], str(tmp_path / "ok.safetensors")]) == 0
 
 
 def test_damaged_dcp_files_raise_named_exceptions(tmp_path, good, monkeypatch):

@@ -37,9 +37,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
                                          CorruptCheckpointError)
-from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_checksums, tensor_digest,
-                                            verify_directory, verify_tensor_digest, write_checksum_part,
-                                            write_error)
+from shardwise.checkpoint.dcp_io import VerifyingReader
+from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_checksums, recorded_checksums,
+                                            tensor_digest, verify_directory, verify_enabled, verify_tensor_digest,
+                                            write_checksum_part, write_error)
 from shardwise.checkpoint.layout import (MANIFEST_NAME, load_torch, read_manifest, read_trainer_state,
                                          save_torch_durably, write_trainer_state)
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner, plain_state
@@ -266,6 +267,20 @@ def load_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
         "state does not carry over).")
 
 
+def check_format_readable(path: str, checkpoint_format: str, strategy_format: str) -> None:
+    """Raise CheckpointFormatError, with the command that converts it, if a strategy writing
+    `strategy_format` cannot resume a `checkpoint_format` checkpoint. Cheap (no file is read): meant
+    to run before anything compares optimizer names, so the user hears the real reason first."""
+    readable = BUILTIN_FORMATS if strategy_format in BUILTIN_FORMATS else (strategy_format,)
+    if checkpoint_format in readable:
+        return
+    raise CheckpointFormatError(
+        f"{path} is a {checkpoint_format!r} checkpoint; a strategy saving {strategy_format!r} checkpoints reads "
+        f"{', '.join(readable)}. Resume it with the strategy that wrote it, or export its weights with "
+        f"`shardwise convert {path} weights.safetensors` and load those in configure_model (the optimizer "
+        "state does not carry over).")
+
+
 def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:
     # mmap: the file's pages are shared between ranks through the page cache
     # instead of each rank holding a private copy.
@@ -347,10 +362,14 @@ def _prefixed_shapes(metadata: Any, prefix: str) -> Dict[str, Tuple[int, ...]]:
 
 
 def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:
+    manifest = read_manifest(path)
+    sums = recorded_checksums(path, manifest) if verify_enabled() else {}
+    data_files = {rel for rel in sums if rel.endswith(".distcp")}
+    # Small files first (each rank a share, all raise together); the data
+    # files are hashed while DCP reads them (dcp_io.py): one pass, not two.
+    verify_directory(path, manifest, _rank(), _world(), gather=_all_gather, only=set(sums) - data_files)
     state = read_trainer_state(path)
     metadata = read_dcp_metadata(path)
-    # Each rank hashes every world_size-th file; all raise together on a mismatch.
-    verify_directory(path, read_manifest(path), _rank(), _world(), gather=_all_gather)
     _check_model(path, _prefixed_shapes(metadata, _MODEL + "."), model)
     saved_optims = {k.split(".")[1] for k in metadata.state_dict_metadata if k.startswith(_OPTIMIZERS + ".")}
     _check_optimizer_count(path, len(saved_optims), len(optimizers))
@@ -360,18 +379,35 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         _MODEL: get_model_state_dict(model),
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
+    reader = VerifyingReader(path, metadata, {rel: sums[rel] for rel in data_files})
     try:
-        dcp.load(payload, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
+        dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
     except CheckpointError:
         raise
     except BaseException as exc:  # noqa: B036 - CheckpointException is a BaseException
+        ours = _our_error(exc)
+        if ours is not None:  # a checksum / decode error from some rank's reader: it names the file
+            raise ours from exc
         # Names and shapes were checked above and the optimizer types by the
         # caller, so what is left is a file DCP could not decode.
         raise CorruptCheckpointError(f"Reading {path} failed; a data file may be corrupt: {exc}") from exc
+    # Data files no rank read to the end (a partial or resharded read): hash them now.
+    covered = set().union(*[set(v) for v in _all_gather(sorted(reader.verified))])
+    verify_directory(path, manifest, _rank(), _world(), gather=_all_gather, only=data_files - covered)
     set_model_state_dict(model, payload[_MODEL])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, payload[_OPTIMIZERS][str(i)])
     return state
+
+
+def _our_error(exc: BaseException) -> Optional[CheckpointError]:
+    """The shardwise error inside DCP's CheckpointException ({rank: (exception, trace)}), if any."""
+    for value in (getattr(exc, "failures", None) or {}).values():
+        inner = value[0] if isinstance(value, tuple) and value else value
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None
 
 
 def is_directory_checkpoint(path: str) -> bool:

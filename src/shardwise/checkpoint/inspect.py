@@ -4,8 +4,11 @@ Prints the manifest (format, layout version, strategy, world size, epoch,
 step, when and by which versions it was written), the files and their sizes,
 the model's tensors (name, shape, dtype, size; the first --limit of them),
 totals for model and optimizer state, and which trainer-state entries are
-present (RNG states of how many ranks, schedulers, callbacks, extras). Reads
-metadata only, so it is instant even for a checkpoint of a huge model.
+present (RNG states of how many ranks, schedulers, callbacks, extras), and
+whether checksums were recorded. Reads metadata only -- JSON, DCP's
+.metadata and pickled structure through the allow-lists of safety.py, never
+a tensor and never code -- so it is instant even for a huge model and safe
+on a file of unknown origin.
 """
 from __future__ import annotations
 
@@ -61,6 +64,13 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
         f"callbacks: {', '.join(summary['callbacks']) or '-'}",
         f"             entries: {', '.join(summary['trainer_state_keys'])}",
     ]
+    sums = m.get("checksums") or {}
+    if sums:
+        files = [k for k in sums if isinstance(sums[k], dict)]
+        what = f"sha256 of {len(files)} file(s)" if files else "sha256 of the tensor data"
+        lines.append(f"integrity    {what}, verified on load (SHARDWISE_VERIFY_CHECKSUMS=0 skips)")
+    else:
+        lines.append("integrity    no checksums recorded (written before shardwise recorded them)")
     if summary["hyper_parameters"]:
         lines.append("hparams      " + ", ".join(f"{k}={v}" for k, v in summary["hyper_parameters"].items()))
     lines.append("files")

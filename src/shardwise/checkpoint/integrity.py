@@ -61,18 +61,31 @@ def _tensors(tree: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(value)
 
 
-def tensor_digest(tree: Any) -> Dict[str, Any]:
-    """sha256 over every tensor's bytes in `tree` (sorted keys), for one-file checkpoints."""
+def iter_tensors(tree: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in a nested dict / list, in the order the one-file digest covers them (sorted keys)."""
+    return _tensors(tree)
+
+
+def update_digest(h: Any, t: torch.Tensor) -> int:
+    """Feed one tensor's logical bytes (row-major, whatever its strides) to `h`; returns the byte count."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    data = flat.contiguous().view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    h.update(memoryview(data.numpy()))
+    return data.numel()
+
+
+def tensor_digest(tree: Any, tensors: Optional[Iterable[torch.Tensor]] = None) -> Dict[str, Any]:
+    """sha256 over every tensor's bytes in `tree` (sorted keys), for one-file checkpoints.
+
+    `tensors` may supply the same tensors one at a time (read lazily from a file) instead.
+    """
     h = hashlib.new(ALGORITHM)
     count = total = 0
-    for t in _tensors(tree):
-        flat = t.detach().reshape(-1)
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        data = flat.contiguous().view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-        h.update(memoryview(data.numpy()))
+    for t in (_tensors(tree) if tensors is None else tensors):
+        total += update_digest(h, t)
         count += 1
-        total += data.numel()
     return {"tensors_" + ALGORITHM: h.hexdigest(), "tensors": count, "tensor_bytes": total}
 
 
@@ -157,8 +170,8 @@ def verify_files(directory: str, sums: Dict[str, Dict[str, Any]], relpaths: Iter
 
 
 def verify_directory(directory: str, manifest: Dict[str, Any], rank: int = 0, world_size: int = 1,
-                     gather: Any = None) -> None:
-    """Check every recorded file, this rank taking every world_size-th; `gather` shares the verdicts.
+                     gather: Any = None, only: Optional[Iterable[str]] = None) -> None:
+    """Check every recorded file (or those in `only`), this rank taking every world_size-th.
 
     `gather(obj) -> list` must be a collective over the loading ranks (or None in one process), so
     that every rank raises together instead of some waiting in the next collective.
@@ -166,17 +179,19 @@ def verify_directory(directory: str, manifest: Dict[str, Any], rank: int = 0, wo
     if not verify_enabled():
         return
     sums = recorded_checksums(directory, manifest)
-    problem = verify_files(directory, sums, sorted(sums)[rank::world_size]) if sums else None
+    names = sorted(sums if only is None else set(only) & set(sums))
+    problem = verify_files(directory, sums, names[rank::world_size]) if names else None
     problems = [p for p in (gather(problem) if gather is not None else [problem]) if p]
     if problems:
         raise ChecksumMismatchError(problems[0])
 
 
-def verify_tensor_digest(path: str, manifest: Dict[str, Any], tree: Any) -> None:
+def verify_tensor_digest(path: str, manifest: Dict[str, Any], tree: Any,
+                         tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
     expected = (manifest.get("checksums") or {}).get("tensors_" + ALGORITHM)
     if expected is None or not verify_enabled():
         return
-    actual = tensor_digest(tree)["tensors_" + ALGORITHM]
+    actual = tensor_digest(tree, tensors)["tensors_" + ALGORITHM]
     if actual != expected:
         raise ChecksumMismatchError(
             f"{path} is corrupt: the {ALGORITHM} of its tensor data is {actual} but {expected} was recorded when "

@@ -118,13 +118,14 @@ class FullFileReader(CheckpointReader):
         return {k: v for k, v in self._meta.items() if k not in ("state_dict", "optimizer_states")}
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        if not self._verified:  # the recorded digest covers every tensor: check it once, by mmap
-            from shardwise.checkpoint.integrity import verify_enabled, verify_tensor_digest
+        if not self._verified:  # the recorded digest covers every tensor: check it once, a tensor at a time
+            from shardwise.checkpoint.integrity import iter_tensors, verify_enabled, verify_tensor_digest
 
             if verify_enabled():
-                mapped = layout.load_torch(self.path, mmap=True)
-                verify_tensor_digest(self.path, self.manifest, {k: v for k, v in mapped.items() if k != "shardwise"})
-                del mapped
+                body = {k: v for k, v in self._meta.items() if k != "shardwise"}
+                with open(self.path, "rb") as fh:
+                    verify_tensor_digest(self.path, self.manifest, None,
+                                         (self._read_one(fh, "", t) for t in iter_tensors(body)))
             self._verified = True
         out = {}
         with open(self.path, "rb") as fh:
@@ -138,8 +139,11 @@ class FullFileReader(CheckpointReader):
         nbytes = storage.nbytes()
         if offset is None:  # a torch that does not record storage offsets: fall back to mmap
             if self._mapped is None:
-                self._mapped = layout.load_torch(self.path, mmap=True)["state_dict"]
-            return self._mapped[name].clone()
+                self._mapped = layout.load_torch(self.path, mmap=True)
+            if not name:
+                raise CorruptCheckpointError(f"{self.path}: this torch records no storage offsets; set "
+                                             "SHARDWISE_VERIFY_CHECKSUMS=0 to read it without verification.")
+            return self._mapped["state_dict"][name].clone()
         if nbytes == 0:
             return torch.empty(meta.shape, dtype=meta.dtype)
         buffer = bytearray(nbytes)

@@ -130,7 +130,14 @@ def safe_loads_bytes(data: io.BytesIO, label: str) -> Any:
         with torch.serialization.safe_globals(_EXTRA_SAFE):
             return torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise unsafe_error(label, _unsupported(str(exc))) from None
+        if "Unsupported global" in str(exc):
+            raise unsafe_error(label, _unsupported(str(exc))) from None
+        detail = str(exc).split("WeightsUnpickler error:", 1)[-1].strip() or _first_line(exc)
+        raise CorruptCheckpointError(f"{label} is corrupt (unpickling said: {_first_line(Exception(detail))}). "
+                                     "Resume from an earlier checkpoint.") from exc
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{label} is corrupt ({_first_line(exc)}). Resume from an earlier "
+                                     "checkpoint.") from exc
 
 
 # ------------------------------------------------------------ DCP metadata
