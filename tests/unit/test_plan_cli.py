@@ -143,3 +143,80 @@ def test_planning_llama2_70b_is_fast_and_small():
                           "80GiB", "--batch-size", "1", "--seq-len", "4096"])
     assert cost["code"] == 0
     assert cost["cpu"] < 2 * 60 and cost["rss"] < 2 * 2**30, cost
+
+
+class _RecordingLM(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def training_step(self, batch):
+        self.seen.append(batch[0].shape[0])
+        return super().training_step(batch)
+
+
+def test_auto_strategy_runs_the_chosen_micro_batch_split(capsys):
+    """16 sequences per step do not fit at once in 3.2 MB: the plan splits them, and the run uses that split."""
+    module = _RecordingLM()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, strategy="auto", device_memory=3_200_000)
+    trainer.fit(module, DataLoader(TensorDataset(torch.randint(0, 256, (64, 33))), batch_size=16))
+    out = capsys.readouterr().out
+    chosen = out.split("chose ", 1)[1]
+    micro, acc = (int(x) for x in chosen.split(", mb ", 1)[1].split(":", 1)[0].split("x"))
+    assert micro * acc == 16 and acc > 1, out
+    assert "re-batched the training DataLoader from batch_size=16" in out
+    assert trainer.accumulate_grad_batches == acc and module.seen == [micro] * acc
+
+
+def test_auto_strategy_refuses_a_loader_it_cannot_rebatch():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    class Pairs(BatchSampler):  # a custom batch sampler decides batches itself
+        pass
+
+    data = TensorDataset(torch.randint(0, 256, (64, 33)))
+    loader = DataLoader(data, batch_sampler=Pairs(SequentialSampler(data), batch_size=16, drop_last=False))
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, strategy="auto", device_memory=3_200_000)
+    with pytest.raises(ValueError, match=r"DataLoader\(\.\.\., batch_size=\d+\) and Trainer\(accumulate_grad_batches=\d+\)"):
+        trainer.fit(_RecordingLM(), loader)
+
+
+def test_a_module_defined_in_a_script_is_planned_in_workers_and_under_track_memory(tmp_path):
+    """The README's example with the module class in the user's own script (pickled by path it failed)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text('''
+import torch, torch.nn.functional as F, shardwise
+from shardwise import TrainModule
+from shardwise.models import GPT, gpt_config
+
+class MyModule(TrainModule):
+    def __init__(self):
+        super().__init__(); self.model = None
+    def configure_model(self):
+        if self.model is None:
+            self.model = GPT(gpt_config("gpt-tiny"))
+    def training_step(self, batch):
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+batch = (torch.randint(0, 256, (4, 33)),)
+kw = dict(example_batch=batch, batch_size=4, devices=2, accelerator="cpu", candidates=["ddp", "fsdp_full_shard"])
+a = shardwise.plan(MyModule(), workers=2, **kw)
+b = shardwise.plan(MyModule(), workers=1, **kw)
+with shardwise.track_memory():
+    c = shardwise.plan(MyModule(), workers=1, **kw)
+rows = [[e.allocated for e in p.estimates] for p in (a, b, c)]
+assert rows[0] == rows[1] == rows[2], rows
+assert all(e.method.startswith("traced") for e in c.estimates), [e.method for e in c.estimates]
+print("OK")
+''')
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
