@@ -252,3 +252,77 @@ def test_plan_is_exported_and_callable():
     assert callable(shardwise.plan)
     p = shardwise.plan("gpt-tiny", candidates=["ddp"], workers=1)
     assert p.estimates and json.loads(json.dumps(p.to_dict(), default=str))["model"].startswith("gpt-tiny")
+
+
+# ------------------------------------------------------------------ issue 13: inputs that move the peak
+def _one(model=None, **kw):
+    kw.setdefault("candidates", ["fsdp_full_shard"])
+    # Few tokens: the optimizer step, not the activations, is the peak.
+    model = model if model is not None else gpt_spec("small", SMALL)
+    return plan(model, devices=2, batch_size=1, seq_len=8, workers=1, device_memory="1GiB", **kw).estimates[0]
+
+
+def test_optimizer_implementation_and_state_are_inputs():
+    foreach = _one(optimizer="adamw")  # CUDA target: PyTorch's default there is foreach
+    loop = _one(optimizer="adamw", foreach=False)
+    fused = _one(optimizer="adamw_fused")
+    paged = _one(optimizer="paged_adamw_32bit")
+    eight = _one(optimizer="adamw_8bit")
+    assert foreach.allocated > loop.allocated >= fused.allocated
+    assert foreach.phase == "opt" and foreach.breakdown["temporary"] > loop.breakdown["temporary"]
+    assert paged.breakdown["optimizer"] == 0 and paged.allocated < fused.allocated
+    assert eight.breakdown["optimizer"] == pytest.approx(fused.breakdown["optimizer"] / 4, rel=0.01)
+    half = _one(optimizer="paged_adamw_32bit", paged_resident=0.5)
+    assert half.breakdown["optimizer"] == pytest.approx(fused.breakdown["optimizer"] / 2, rel=0.01)
+    with pytest.raises(PlanError, match="Unknown optimizer"):
+        _one(optimizer="lion")
+
+
+def test_attention_is_traced_with_the_targets_kernels():
+    """The demo Transformer's attention has dropout: the CPU's math kernel keeps seq x seq per head, CUDA's not."""
+    from shardwise.plan.presets import transformer_spec
+
+    spec = transformer_spec("t", dict(nlayers=2, nhid=64, ninp=32, nhead=4, dropout=0.2), vocab_size=100,
+                            seq_len=256)
+    kw = dict(devices=1, batch_size=2, seq_len=256, workers=1, candidates=["ddp"], precision="32-true")
+    cuda = plan(spec, accelerator="cuda", **kw).estimates[0]
+    cpu = plan(spec, accelerator="cpu", **kw).estimates[0]
+    seq_sq = 2 * 4 * 256 * 256 * 4  # one layer's attention probabilities, fp32
+    assert cpu.breakdown["activations"] - cuda.breakdown["activations"] > 4 * seq_sq
+
+
+def test_flash_attention_2_config_is_traced_as_flash(tmp_path):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "vocab_size": 128, "max_position_embeddings": 128,
+                               "_attn_implementation": "flash_attention_2", "attn_implementation": "flash_attention_2"}))
+    e = plan(str(cfg), devices=1, batch_size=1, seq_len=64, workers=1, candidates=["ddp"]).estimates[0]
+    assert e.method.startswith("traced")
+
+
+def test_plan_exactly_a_strategy_object():
+    """Lightning's default strategy="fsdp" has no wrap policy: the whole model is one unit, gathered at once."""
+    from shardwise.strategies import FSDPStrategy
+
+    spec = gpt_spec("small", SMALL)
+    wrapped = _one(model=spec, strategy=FSDPStrategy(auto_wrap_policy=set(spec.block_classes)), candidates=None)
+    whole = _one(model=spec, strategy=FSDPStrategy(), candidates=None)
+    named = _one(model=spec, strategy="fsdp", candidates=None)
+    assert "no auto_wrap_policy" in whole.candidate.config_label and "[your strategy]" in whole.candidate.label
+    assert whole.allocated > wrapped.allocated and named.allocated == whole.allocated
+    with pytest.raises(PlanError, match="leave candidates unset"):
+        _one(model=spec, strategy="fsdp")
+
+
+def test_fsdp_reduce_scatters_every_micro_batch_by_default():
+    from shardwise.plan.cost import Hardware, step_cost
+
+    c = Candidate("fsdp", sharding="FULL_SHARD", micro_batch=1, accumulation=4)
+    kw = dict(params=10**9, flops_per_token=6e9, batch_size=4, seq_len=1024, world=8, num_nodes=1,
+              precision="bf16-mixed")
+    every = step_cost(c, Hardware(), **kw).comm_bytes
+    once = step_cost(c, Hardware(), accumulation_sync="none", **kw).comm_bytes
+    ring = 7 / 8
+    assert every - once == pytest.approx(3 * ring * 1e9 * 4)  # three more fp32 reduce-scatters

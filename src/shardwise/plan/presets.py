@@ -127,8 +127,9 @@ class ModelSpec:
         if self.kind == "transformer":
             from shardwise.models import transformer_num_params
 
-            total = transformer_num_params(self.vocab_size, **self.config)
-            zero = transformer_num_params(self.vocab_size, **{**self.config, "nlayers": 0})
+            sizes = {k: v for k, v in self.config.items() if k != "dropout"}  # dropout changes no count
+            total = transformer_num_params(self.vocab_size, **sizes)
+            zero = transformer_num_params(self.vocab_size, **{**sizes, "nlayers": 0})
             per = (total - zero) // self.config["nlayers"]
             return dict(total=total, per_block=per, outside=zero, largest_layer=self.vocab_size * self.hidden)
         if self.kind == "hf":
