@@ -18,7 +18,9 @@ Corrections that make fake-mode numbers mean what real ones do:
   tensors under whatever fake mode is active -- ours -- so the tracker would
   count full-size temporaries that never exist (this is the "optimizer state
   over-count in fake mode" seen with FSDPMemTracker and foreach optimizers).
-  Allocations made while the sharding propagator runs are ignored.
+  Allocations made while the sharding propagator runs are ignored: it runs
+  them under a fake mode of its own, and shardwise.memory's tracker counts
+  only ops of the fake mode it was started in.
 - Gradients of fake parameters are labelled as they land (the base tracker
   hooks only plain Parameters), and what survives a non-final micro-batch is
   labelled carried gradient state, so activations can be told apart.
@@ -36,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -80,7 +81,6 @@ DDP_VIEW = View(buckets=True)
 # DDP with gradient_as_bucket_view=False (Lightning's and torch's default): the reducer's flat
 # buckets are allocated at construction, beside the .grad tensors, as large as the parameters.
 DDP_SEPARATE_BUCKETS_VIEW = View(cp=2.0)
-_STATE = threading.local()
 _NO_GRAD = "~nograd"
 
 
@@ -123,8 +123,8 @@ class _PlanTracker(MemoryTracker):
         self.envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
 
     def _after_op(self, func, args, kwargs, out) -> None:
-        if getattr(_STATE, "propagating", 0):
-            return
+        # DTensor's sharding propagation runs ops under its own fake mode: the base tracker
+        # ignores ops outside the fake mode it started in (no DTensor monkeypatch needed).
         super()._after_op(func, args, kwargs, out)
         if self.phase is not None:
             self._sample()
@@ -214,26 +214,6 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _blind_sharding_propagation() -> Iterator[None]:
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def wrapped(self, *args, **kwargs):
-        _STATE.propagating = getattr(_STATE, "propagating", 0) + 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _STATE.propagating -= 1
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = wrapped
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
-
-
-@contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """A fake default process group of `world_size` ranks (this process is rank 0) for the duration."""
     if dist.is_initialized():
@@ -243,8 +223,7 @@ def fake_world(world_size: int) -> Iterator[None]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with _blind_sharding_propagation():
-            yield
+        yield
     finally:
         dist.destroy_process_group()
 
