@@ -169,7 +169,10 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
         sig = getattr(signal, kill["signal"])
         append(os.path.join(root, "kills.jsonl"), {"leg": leg, "point": where, "step": trainer.global_step,
                                                     "batch_idx": trainer.batch_idx, "epoch": trainer.current_epoch,
-                                                    "rank": rank(), "time": time.time()})
+                                                    "rank": rank(), "time": time.time(),
+                                                    # inside an accumulation window: a step is in progress
+                                                    "mid_window": where in ("micro", "validation")
+                                                    and not trainer.is_last_microbatch})
         launched = bool(os.environ.get("SHARDWISE_LAUNCHED"))
         if kill["target"] == "launcher" and launched:
             os.kill(os.getppid(), sig)
@@ -567,7 +570,8 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
             if kill and kill["signal"] == "SIGTERM" and info.get("fired"):
                 # Fired after step N completed: the contract is to stop at N (N+1 mid-window, or when the signal
                 # went through the launcher and reached the workers a moment later).
-                allowed = info["fired"]["step"] + (1 if kill["point"] == "micro" or kill["target"] == "launcher" else 0)
+                in_progress = info["fired"].get("mid_window", kill["point"] == "micro")
+                allowed = info["fired"]["step"] + (1 if in_progress or kill["target"] == "launcher" else 0)
                 if last_done > allowed:
                     warnings_.append(f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} after step "
                                      f"{info['fired']['step']} (to {kill['target']}), yet the leg ran on to step "
