@@ -2,7 +2,7 @@
 
 The seed trained minGPT on 8 A100s and reported, per rank, the average epoch
 time and the average peak memory for DDP, ZeRO-3 and ZeRO-3 + CPU offload.
-This script takes its flags (--n_layer --n_head --n_embd --devices --precision
+This script takes its flags (--n_layer --n_head --n_embd --devices (or --gpus) --precision
 --limit_train_batches --batch_size --strategy --cpu_offload), trains
 shardwise.models.GPT on random token sequences with the Trainer, and prints the
 same two lines per rank. On CPU the peak is tracked tensor memory
@@ -240,7 +240,8 @@ def main() -> None:
     parser.add_argument("--n_embd", type=int, default=512)
     parser.add_argument("--vocab_size", type=int, default=8192)
     parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--devices", type=int, default=2)
+    # --gpus: the seed's (Lightning 1.x) spelling of --devices, so its command lines run as printed.
+    parser.add_argument("--devices", "--gpus", type=int, default=2, dest="devices")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--limit_train_batches", type=int, default=8)
     parser.add_argument("--batch_size", type=int, default=2)

@@ -60,3 +60,18 @@ def test_settings_fsdp2_has_no_use_for_are_accepted_and_said_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FSDPStrategy()  # nothing passed, nothing said
+
+
+def test_fsdp1_size_policy_does_not_enter_multihead_attention():
+    # FSDP1's size-based policy never recurses into nn.MultiheadAttention: its forward reads
+    # out_proj.weight directly, so an out_proj unit would never be gathered (mixed DTensor error).
+    from functools import partial
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    from shardwise.demos import Transformer
+    from shardwise.strategies.fsdp import select_units
+
+    model = Transformer(vocab_size=50, nlayers=1, nhid=64, ninp=32, nhead=4)
+    names = [n for n, _ in select_units(model, partial(size_based_auto_wrap_policy, min_num_params=1000))]
+    assert "encoder_layers.0.self_attn" in names and not any(n.endswith("out_proj") for n in names), names

@@ -78,7 +78,13 @@ def build_policy_fn(policy: Policy, what: str) -> Optional[Callable[[nn.Module, 
         except (TypeError, ValueError):
             params = {}
         if "recurse" in params:  # FSDP1-style: policy(module, recurse, nonwrapped_numel)
-            return lambda m, numel: bool(policy(module=m, recurse=False, nonwrapped_numel=numel))
+            fn = lambda m, numel: bool(policy(module=m, recurse=False, nonwrapped_numel=numel))  # noqa: E731
+            # FSDP1 also asks whether to look inside a module at all (recurse=True): size-based
+            # policies never descend into nn.MultiheadAttention, whose forward reads
+            # out_proj.weight directly, so an out_proj unit would never be gathered.
+            fn.descend = lambda m: bool(policy(module=m, recurse=True,
+                                               nonwrapped_numel=sum(p.numel() for p in m.parameters())))
+            return fn
         return lambda m, _numel: bool(policy(m))
     raise TypeError(f"{what} must be a set of nn.Module classes, class names, or a callable; got {policy!r}")
 
@@ -125,10 +131,16 @@ def select_units(module: nn.Module, policy: Policy) -> List[Tuple[str, nn.Module
     if fn is None:
         return []
     inside_wrapper = {id(m._checkpoint_wrapped_module) for m in module.modules() if isinstance(m, CheckpointWrapper)}
+    descend = getattr(fn, "descend", None)
+    not_entered: Set[int] = set()  # modules below one the FSDP1 policy does not recurse into
+    if descend is not None:
+        for sub in module.modules():
+            if id(sub) not in not_entered and not descend(_inner(sub)):
+                not_entered.update(id(m) for m in sub.modules() if m is not sub)
     selected: List[Tuple[str, nn.Module]] = []
     done: Set[int] = set()
     for name, sub in reversed(list(module.named_modules())):
-        if sub is module or id(sub) in inside_wrapper or isinstance(sub, FSDPModule):
+        if sub is module or id(sub) in inside_wrapper or isinstance(sub, FSDPModule) or id(sub) in not_entered:
             continue
         if fn(_inner(sub), _own_numel(sub, done)):
             selected.append((name, sub))
