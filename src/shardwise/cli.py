@@ -53,7 +53,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"shardwise: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except Exception as exc:
+        # A worker's failure: the launcher's verdict already holds the first failing
+        # rank's own traceback; this process's stack would only bury it.
+        if type(exc).__name__ != "WorkerFailedError":
+            raise
+        print(f"shardwise {command}: {exc}", file=sys.stderr)
+        return int(getattr(exc, "exitcode", 1) or 1)
 
 
 if __name__ == "__main__":

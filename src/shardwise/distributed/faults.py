@@ -105,6 +105,23 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
     return data
 
 
+def print_worker_exception(exc: BaseException, text: Optional[str] = None) -> None:
+    """A worker's dying words: the whole traceback, unless it only lost a peer that failed first.
+
+    A peer's closed connection is a consequence; its traceback printed in full
+    before the launcher's verdict buried the first failure's own (a user saw
+    only rank 1's "Connection closed by peer"). The record keeps it whole.
+    """
+    text = text or "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if classify(f"{type(exc).__name__}: {exc}") == "secondary":
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        sys.stderr.write(f"[shardwise] rank {_rank()} lost a peer ({first}); the launcher names the rank "
+                         "that failed first.\n")
+    else:
+        sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
@@ -113,7 +130,10 @@ def _excepthook(previous):
             data = record_exception(exc, text)
         except Exception:  # the diagnosis must never hide the original error
             pass
-        previous(exc_type, exc, tb)
+        if classify(f"{exc_type.__name__}: {exc}") == "secondary":
+            print_worker_exception(exc, text)
+        else:
+            previous(exc_type, exc, tb)
         if data is not None and data["shardwise"].get("stall"):
             sys.stderr.write(f"[shardwise] rank {_rank()}: a collective timed out: {data['shardwise']['stall']}\n")
     return hook

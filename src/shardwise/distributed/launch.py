@@ -297,7 +297,7 @@ def _spawn_entry(index: int, fn: Callable, args: tuple, env: List[Dict[str, str]
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException as exc:
         faults.record_exception(exc)
-        traceback.print_exc()
+        faults.print_worker_exception(exc)
         code = 1
     # The result is on disk and the group is gone (or the error is on record):
     # leave without running the interpreter's and C++ runtime's exit-time
