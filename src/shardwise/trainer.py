@@ -634,6 +634,8 @@ class Trainer:
                              f"DataLoader's {int(length)} batches: raise it, or leave it None for all.")
         step_fn = self.lightning_module.training_step
         pass_idx = _takes_batch_idx(step_fn)
+        if self._preemption_requested():  # signalled during set-up or a restore: no step has started
+            self.should_stop = True
         while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):
             sampler = getattr(loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):

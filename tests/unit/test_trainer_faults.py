@@ -258,3 +258,12 @@ def test_the_trainer_timeout_reaches_every_strategy():
         assert t.strategy.timeout_s == 42, strategy
     with pytest.raises(ValueError, match="timeout_s"):
         Trainer(accelerator="cpu", devices=1, timeout_s=-1)
+
+
+def test_freezing_a_layer_in_configure_model_is_not_an_init():
+    class Frozen(Net):
+        def configure_model(self):
+            super().configure_model()
+            self.net[0].weight.requires_grad_(False)  # a flag, not a value: allowed
+
+    trainer().fit(Frozen(), loaders()[0])

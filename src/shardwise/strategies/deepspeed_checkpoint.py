@@ -212,8 +212,11 @@ def to_universal(engine_dir: str, output_dir: str) -> None:
 
     from deepspeed.checkpoint import ds_to_universal
 
+    # inject_missing_state: stages 1-2 need a universal_checkpoint_info entry that only tensor-parallel
+    # clients (Megatron) write; for pure data parallelism DeepSpeed's own default (its version) is right.
+    # Without it a ZeRO-1/2 checkpoint could not resume at another world size (stage 3 never needed it).
     args = argparse.Namespace(input_folder=engine_dir, output_folder=output_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     ds_to_universal.main(args)
 
 

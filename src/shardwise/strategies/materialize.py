@@ -210,6 +210,8 @@ def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[in
 
 
 # ------------------------------------------------------ writes lost on meta
+# In-place by name but writing no values: flags and storage placement.
+_NOT_WRITES = {"requires_grad_", "share_memory_", "detach_", "rename_", "refine_names_", "retain_grad"}
 _INIT_FRAMES = {"__init__", "reset_parameters", "_reset_parameters", "_init_weights", "post_init",
                 "init_weights", "_initialize_weights"}
 
@@ -235,7 +237,8 @@ class watch_meta_writes(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         target = args[0] if args else None
-        if name.endswith("_") and not name.startswith("_") and isinstance(target, torch.Tensor) and \
+        if name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and \
+                isinstance(target, torch.Tensor) and \
                 target.is_meta and isinstance(target, nn.Parameter) and not self._in_construction():
             self.writes.setdefault(id(target), f"{name} at {self._user_frame()}")
         return func(*args, **kwargs)
