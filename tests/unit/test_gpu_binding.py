@@ -97,3 +97,25 @@ def test_ds_accelerator_set_by_an_earlier_cpu_run_is_dropped_for_cuda(monkeypatc
     assert ds._DS_ACCELERATOR_SET_HERE and os.environ["DS_ACCELERATOR"] == "cpu"
     ds.ensure_accelerator_env("cuda")
     assert "DS_ACCELERATOR" not in os.environ
+
+
+def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch):
+    # One GPU, no launcher: FSDP's private world-of-one group must move CUDA tensors (gloo
+    # cannot reduce-scatter them for the CUDA mesh FSDP2 shards over).
+    from shardwise import FSDPStrategy
+    from shardwise.strategies import fsdp
+
+    fake_gpus(monkeypatch, 1)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 1)
+    monkeypatch.setattr(fsdp, "build_device_mesh", lambda *args: None)
+    strategy = FSDPStrategy()
+    strategy.connect("cuda")
+    strategy.setup_environment()
+    strategy._owns_process_group = False
+    (args, kwargs), = calls
+    assert args[0] == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)

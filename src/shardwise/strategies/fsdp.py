@@ -285,10 +285,14 @@ class FSDPStrategy(Strategy):
         super().setup_environment()
         if not dist.is_initialized():
             # One process: FSDP still works on a world of one (useful for
-            # planning and tests); give it a private gloo group.
-            from shardwise.distributed.env import find_free_port
+            # planning and tests); give it a private group of the device's
+            # backend (gloo cannot reduce-scatter CUDA tensors for a CUDA mesh).
+            from shardwise.distributed.env import backend_for, find_free_port
 
-            dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{find_free_port()}")
+            cuda = self.root_device.type == "cuda"
+            dist.init_process_group(backend_for(self.root_device.type), rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{find_free_port()}",
+                                    device_id=self.root_device if cuda else None)
             self._owns_process_group = True
             atexit.register(_destroy_process_group)
         self.mesh = build_device_mesh(self.sharding_strategy, dist.get_world_size(),
