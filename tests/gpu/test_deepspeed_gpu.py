@@ -37,7 +37,8 @@ def fp16_overflow():
                                                            "loss_scale_window": 1000}})
     result = fit_gpt(strategy, devices=world(), precision="16-mixed", steps=8, lr=3e-3)
     engine = result["trainer"].strategy.engine
-    return result["losses"], int(engine.skipped_steps), float(engine.optimizer.cur_scale), result["trainer"].global_step
+    scale = float(engine.optimizer.loss_scaler.cur_scale)  # ZeRO 1/2's DeepSpeedZeroOptimizer (0.19.x)
+    return result["losses"], int(engine.skipped_steps), scale, result["trainer"].global_step
 
 
 def test_fp16_overflow_steps_are_skipped_and_training_goes_on():
