@@ -25,6 +25,7 @@ a list of differences rather than a failure deep inside a copy.
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import Future
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -380,21 +381,31 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
     reader = VerifyingReader(path, metadata, {rel: sums[rel] for rel in data_files})
+    # no_dist on every rank: each rank plans its own reads from the metadata
+    # (its DTensor shards say which slices it needs), skipping DCP's three
+    # planning / result collectives; the one gather below shares the verdicts.
+    error: Optional[BaseException] = None
     try:
-        dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(),
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
-    except CheckpointError:
-        raise
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": per rank, yes
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     except BaseException as exc:  # noqa: B036 - CheckpointException is a BaseException
-        ours = _our_error(exc)
-        if ours is not None:  # a checksum / decode error from some rank's reader: it names the file
-            raise ours from exc
-        # Names and shapes were checked above and the optimizer types by the
-        # caller, so what is left is a file DCP could not decode.
-        raise CorruptCheckpointError(f"Reading {path} failed; a data file may be corrupt: {exc}") from exc
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = _our_error(exc) or (exc if isinstance(exc, CheckpointError) else CorruptCheckpointError(
+            f"Reading {path} failed; a data file may be corrupt: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"))
+        error.__cause__ = exc
+    verdicts = _all_gather((None if error is None else f"{type(error).__name__}: {error}", sorted(reader.verified)))
+    if error is not None:
+        raise error
+    failed = [v for v, _ in verdicts if v]
+    if failed:
+        raise CorruptCheckpointError(f"Loading {path} failed on another rank: {failed[0]}")
     # Data files no rank read to the end (a partial or resharded read): hash them now.
-    covered = set().union(*[set(v) for v in _all_gather(sorted(reader.verified))])
-    verify_directory(path, manifest, _rank(), _world(), gather=_all_gather, only=data_files - covered)
+    covered = set().union(*[set(v) for _, v in verdicts])
+    if data_files - covered:
+        verify_directory(path, manifest, _rank(), _world(), gather=_all_gather, only=data_files - covered)
     set_model_state_dict(model, payload[_MODEL])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, payload[_OPTIMIZERS][str(i)])
