@@ -36,6 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from shardwise.distributed import ops
 from shardwise.strategies.base import Strategy, _destroy_process_group
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
+from shardwise.strategies import selective_ac
 from shardwise.strategies.fsdp_compat import (note_accepted, offload_flag, precision_from_mixed_precision,
                                             sharding_strategy_name, state_dict_type_name)
 
@@ -94,18 +95,28 @@ def describe_modules(module: nn.Module, limit: int = 8) -> str:
     return ", ".join(f"{name} ({n})" for name, n in counts.most_common(limit))
 
 
-def apply_activation_checkpointing(module: nn.Module, policy: Policy) -> int:
-    """Wrap every module the policy selects in non-reentrant activation checkpointing."""
+def apply_activation_checkpointing(module: nn.Module, policy: Policy, mode: str = "full",
+                                   option: Union[str, int, None] = None) -> int:
+    """Wrap every module the policy selects in non-reentrant activation checkpointing.
+
+    mode "full" recomputes each selected block; "selective" with option "op" saves matmul and
+    attention outputs inside each block, with an integer N checkpoints every N-th block
+    (selective_ac.py). Returns how many modules the policy selected.
+    """
     fn = build_policy_fn(policy, "activation_checkpointing_policy")
     if fn is None:
         return 0
+    mode, option = selective_ac.normalize(mode, option)
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, CheckpointWrapper) or isinstance(parent, CheckpointWrapper):
                 continue
             if fn(child, 0):
-                setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+                extra = selective_ac.checkpoint_kwargs(mode, option, count)
+                if extra is not None:
+                    setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                             **extra))
                 count += 1
     if count == 0:
         raise ValueError(
@@ -221,6 +232,7 @@ class FSDPStrategy(Strategy):
                  mixed_precision: Any = None, activation_checkpointing: Policy = None,
                  use_orig_params: Optional[bool] = None, sync_module_states: Optional[bool] = None,
                  backward_prefetch: Any = None, forward_prefetch: Optional[bool] = None,
+                 activation_checkpointing_mode: str = "full", selective_ac_option: Union[str, int, None] = None,
                  **_unknown: Any) -> None:
         # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
         # names; what FSDP2 has nothing to do for is accepted and explained once per process.
@@ -245,7 +257,8 @@ class FSDPStrategy(Strategy):
             raise TypeError(f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
                             "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
                             "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
-                            "accumulation_sync, optimizer_on_local_shards, and Lightning's / torch's "
+                            "accumulation_sync, optimizer_on_local_shards, activation_checkpointing_mode, "
+                            "selective_ac_option, and Lightning's / torch's "
                             "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
                             "backward_prefetch, forward_prefetch.")
         sharding_strategy, implied_reshard = sharding_strategy_name(sharding_strategy)
@@ -253,6 +266,9 @@ class FSDPStrategy(Strategy):
             reshard_after_forward = implied_reshard
         state_dict_type = state_dict_type_name(state_dict_type)
         cpu_offload = offload_flag(cpu_offload)
+        # "full" recomputes each checkpointed block; "selective": see selective_ac.py.
+        self.activation_checkpointing_mode, self.selective_ac_option = selective_ac.normalize(
+            activation_checkpointing_mode, selective_ac_option)
         # None: step non-torch optimizers (bitsandbytes, ...) on the local shards; see local_optim.py.
         self.optimizer_on_local_shards = optimizer_on_local_shards
         if accumulation_sync not in ACCUMULATION_SYNCS:
@@ -330,7 +346,8 @@ class FSDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self._prepare(module)
         if self.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+            apply_activation_checkpointing(module, self.activation_checkpointing_policy,
+                                           self.activation_checkpointing_mode, self.selective_ac_option)
         units = select_units(module, self.auto_wrap_policy)
         if self.auto_wrap_policy is not None and not units:
             raise ValueError(
