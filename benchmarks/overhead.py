@@ -6,8 +6,10 @@ the same data. The Trainer runs with its defaults (progress bar, CSV logger,
 logging every 50 steps; checkpointing off, since the hand loop saves nothing).
 Runs alternate (hand, Trainer, hand, Trainer, ...) so machine noise hits both
 alike; the result is the median ratio of steps/second. Prints a markdown row.
+`--health` instead compares the Trainer with its per-step health check
+(non_finite="error", the default) against the same Trainer with it off.
 
-    python benchmarks/overhead.py [--steps 40] [--repeats 3]
+    python benchmarks/overhead.py [--steps 40] [--repeats 3] [--tiny] [--health]
 """
 from __future__ import annotations
 
@@ -87,18 +89,19 @@ class _Clock:
         self.rate = (steps / (time.perf_counter() - self.start), steps / (time.process_time() - self.cpu_start))
 
 
-def trainer_loop(steps: int, size: dict) -> float:
+def trainer_loop(steps: int, size: dict, non_finite: str = "error") -> float:
     shardwise.seed_everything(0)
     data = _data()
     clock = _Clock()
     with tempfile.TemporaryDirectory() as root:
         trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=set(LAYERS)),
-                          max_steps=steps, callbacks=[clock], enable_checkpointing=False, default_root_dir=root)
+                          max_steps=steps, callbacks=[clock], enable_checkpointing=False, default_root_dir=root,
+                          non_finite=non_finite)
         trainer.fit(LanguageModel(data.vocab_size, **size), DataLoader(data, batch_size=8, shuffle=True))
     return clock.rate
 
 
-def alternate(steps: int, repeats: int, size: dict):
+def alternate(steps: int, repeats: int, size: dict, health: bool = False):
     # The Trainer's strategy tunes glibc's allocator on CPU (see distributed/env.py);
     # give the hand-written loop the same process settings so only the loops differ.
     from shardwise.distributed.env import tune_cpu_allocator
@@ -106,7 +109,7 @@ def alternate(steps: int, repeats: int, size: dict):
     tune_cpu_allocator()
     rows = []
     for _ in range(repeats):
-        hand = hand_loop(steps, size)
+        hand = trainer_loop(steps, size, non_finite="off") if health else hand_loop(steps, size)
         ours = trainer_loop(steps, size)
         rows.append((hand, ours))
     return rows
@@ -119,15 +122,21 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="a model so small that the step is mostly framework overhead: measures the "
                              "Trainer's own cost per step in milliseconds")
+    parser.add_argument("--health", action="store_true",
+                        help="compare the Trainer with its per-step NaN/inf check against the Trainer without it")
     args = parser.parse_args()
     size = dict(nlayers=1, nhid=32, ninp=16, nhead=2) if args.tiny else SIZE
-    rows = shardwise.launch(alternate, args.steps, args.repeats, size, devices=2)[0]
+    rows = shardwise.launch(alternate, args.steps, args.repeats, size, args.health, devices=2)[0]
+    if args.health:
+        print("(reference = the Trainer with non_finite='off'; compared = the default, non_finite='error')")
+    ref, ours_name = ("Trainer, health off", "Trainer, health on") if args.health else \
+        ("hand-written FSDP2", "shardwise Trainer")
     for i, ((hw, hc), (ow, oc)) in enumerate(rows):
-        print(f"run {i}: wall: hand-written {hw:.3f}, Trainer {ow:.3f} steps/s (ratio {ow / hw:.3f}); "
-              f"CPU time: hand-written {hc:.3f}, Trainer {oc:.3f} steps/CPU-s (ratio {oc / hc:.3f})")
+        print(f"run {i}: wall: {ref} {hw:.3f}, {ours_name} {ow:.3f} steps/s (ratio {ow / hw:.3f}); "
+              f"CPU time: {ref} {hc:.3f}, {ours_name} {oc:.3f} steps/CPU-s (ratio {oc / hc:.3f})")
     print()
-    print("| model | processes | steps timed x runs | clock | hand-written FSDP2 (median) | "
-          "shardwise Trainer (median) | ratio of medians |")
+    print(f"| model | processes | steps timed x runs | clock | {ref} (median) | "
+          f"{ours_name} (median) | ratio of medians |")
     print("|---|---|---|---|---|---|---|")
     for index, clock in ((0, "wall (steps/s)"), (1, "CPU time (steps/CPU-s)")):
         hand = statistics.median(r[0][index] for r in rows)
@@ -136,7 +145,8 @@ def main() -> None:
               f"{hand:.3f} | {ours:.3f} | {ours / hand:.3f} |")
     if args.tiny:
         extra = [1000 * (1 / r[1][0] - 1 / r[0][0]) for r in rows]
-        print(f"\nTrainer cost per optimizer step (wall, median of {len(rows)}): {statistics.median(extra):.2f} ms")
+        what = "health check" if args.health else "Trainer"
+        print(f"\n{what} cost per optimizer step (wall, median of {len(rows)}): {statistics.median(extra):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -763,7 +763,10 @@ class Trainer:
         from shardwise import health
 
         flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
-        grad_flag = health.nonfinite_norm_flag([p.grad for p in self.strategy._grads(self.model)])
+        # With fp16 loss scaling, inf gradients are the scaler's overflow signal (it skips the step
+        # and lowers the scale): only the loss is this check's business then.
+        scaled = getattr(self.strategy, "grad_scaler", None) is not None
+        grad_flag = None if scaled else health.nonfinite_norm_flag([p.grad for p in self.strategy._grads(self.model)])
         if grad_flag is not None:
             flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
         bad = bool(torch.stack(flags).any()) if flags else False
