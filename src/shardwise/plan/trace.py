@@ -18,9 +18,9 @@ Corrections that make fake-mode numbers mean what real ones do:
   tensors under whatever fake mode is active -- ours -- so the tracker would
   count full-size temporaries that never exist (this is the "optimizer state
   over-count in fake mode" seen with FSDPMemTracker and foreach optimizers).
-  Allocations made while the sharding propagator runs are ignored: it runs
-  them under a fake mode of its own, and shardwise.memory's tracker counts
-  only ops of the fake mode it was started in.
+  Allocations made while the sharding propagator runs are ignored (see
+  fake_world: only the first trace in a process ran them, as the propagator
+  caches each op schema).
 - Gradients of fake parameters are labelled as they land (the base tracker
   hooks only plain Parameters), and what survives a non-final micro-batch is
   labelled carried gradient state, so activations can be told apart.
@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -76,6 +77,7 @@ class View:
         return View(self.cp, 0.0, self.co, self.ca, self.const, False)
 
 
+_PROPAGATING = threading.local()
 IDENTITY = View()
 DDP_VIEW = View(buckets=True)
 # DDP with gradient_as_bucket_view=False (Lightning's and torch's default): the reducer's flat
@@ -123,8 +125,8 @@ class _PlanTracker(MemoryTracker):
         self.envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
 
     def _after_op(self, func, args, kwargs, out) -> None:
-        # DTensor's sharding propagation runs ops under its own fake mode: the base tracker
-        # ignores ops outside the fake mode it started in (no DTensor monkeypatch needed).
+        if getattr(_PROPAGATING, "depth", 0):
+            return  # DTensor's sharding propagation on global-shape fake tensors (see fake_world)
         super()._after_op(func, args, kwargs, out)
         if self.phase is not None:
             self._sample()
@@ -221,11 +223,34 @@ def fake_world(world_size: int) -> Iterator[None]:
                         "this process. Plan before the strategy sets up (e.g. in the launching process).")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # The propagator runs each new op schema once on global-shape fake tensors, under the active
+    # fake mode (ours), inside `with ShardingPropagator._fake_mode_lock:` -- a slot torch leaves
+    # for tests to replace (with a threading.Lock). Ours marks those ops so the tracker skips
+    # them; without it the first trace in a process counts two extra parameter-sized lists in a
+    # foreach optimizer step (cached schemas are not re-run, so later traces were right).
+    previous = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = _PropagationMarker(previous)
     try:
         yield
     finally:
+        ShardingPropagator._fake_mode_lock = previous
         dist.destroy_process_group()
+
+
+class _PropagationMarker:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+        _PROPAGATING.depth = getattr(_PROPAGATING, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _PROPAGATING.depth -= 1
+        self.inner.__exit__(*exc)
 
 
 def _trace_precision(name: str) -> str:
