@@ -15,7 +15,6 @@ import errno
 import os
 import pickle
 import subprocess
-import warnings
 
 import pytest
 import torch
