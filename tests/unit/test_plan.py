@@ -310,7 +310,7 @@ def test_plan_exactly_a_strategy_object():
     wrapped = _one(model=spec, strategy=FSDPStrategy(auto_wrap_policy=set(spec.block_classes)), candidates=None)
     whole = _one(model=spec, strategy=FSDPStrategy(), candidates=None)
     named = _one(model=spec, strategy="fsdp", candidates=None)
-    assert "no auto_wrap_policy" in whole.candidate.config_label and "[your strategy]" in whole.candidate.label
+    assert "no auto_wrap_policy" in whole.candidate.config_label and "(your strategy)" in whole.candidate.label
     assert whole.allocated > wrapped.allocated and named.allocated == whole.allocated
     with pytest.raises(PlanError, match="leave candidates unset"):
         _one(model=spec, strategy="fsdp")

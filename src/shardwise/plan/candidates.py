@@ -72,6 +72,8 @@ class Candidate:
 
     def trainer_strategy_code(self, block: str = "Block") -> str:
         """The Trainer argument a user writes for this candidate (shown in reports and warnings)."""
+        if self.strategy is not None:
+            return f"<your {type(self.strategy).__name__} object>"
         ac = f", activation_checkpointing_policy={{{block}}}" if self.activation_checkpointing else ""
         if self.kind == "ddp":
             return '"ddp"' if not ac else f"DDPStrategy()  # + checkpoint {block} yourself"
@@ -174,16 +176,16 @@ def from_strategy(strategy: Any) -> Candidate:
     if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
         bucket_view = getattr(strategy, "ddp_kwargs", {}).get("gradient_as_bucket_view", True)
         label = "DDP" + ("" if bucket_view else " (gradient_as_bucket_view=False)")
-        return Candidate("ddp", custom=label + " [your strategy]", strategy=strategy)
+        return Candidate("ddp", custom=label + " (your strategy)", strategy=strategy)
     if isinstance(strategy, FSDPStrategy):
         wrap = "" if strategy.auto_wrap_policy is not None else ", no auto_wrap_policy: one unit"
         sync = "" if strategy.accumulation_sync == "reduce_scatter" else f", accumulation_sync={strategy.accumulation_sync}"
         base = Candidate("fsdp", sharding=strategy.sharding_strategy, offload=bool(strategy.cpu_offload),
                          activation_checkpointing=strategy.activation_checkpointing_policy is not None)
-        return replace(base, custom=f"{base.config_label}{wrap}{sync} [your strategy]", strategy=strategy)
+        return replace(base, custom=f"{base.config_label}{wrap}{sync} (your strategy)", strategy=strategy)
     if type(strategy).__name__ == "DeepSpeedStrategy":
         base = Candidate("deepspeed", stage=strategy.stage, offload=bool(strategy.offload_optimizer),
                          activation_checkpointing=getattr(strategy, "activation_checkpointing_policy", None) is not None)
-        return replace(base, custom=f"{base.config_label} [your strategy]", strategy=strategy)
+        return replace(base, custom=f"{base.config_label} (your strategy)", strategy=strategy)
     raise PlanError(f"The planner does not model {type(strategy).__name__}; plan one of DDPStrategy, FSDPStrategy, "
                     "DeepSpeedStrategy (or a name: ddp, fsdp, deepspeed_stage_3, ...).")
