@@ -10,6 +10,11 @@ planning again. The does-it-fit warning for a strategy the user chose is
 planned and said once, by global rank 0 of the workers. The model is planned from the user's TrainModule (copied
 onto the meta device) and the first batch of the training DataLoader; the
 Trainer's strategy is mapped back to the planner's candidate for it.
+For strategy="auto" the chosen micro-batch split is applied too: the
+training DataLoader is rebuilt at the chosen batch size and
+accumulate_grad_batches set (or the run is refused with the exact
+DataLoader(batch_size=...) to use), in the launching process and, through
+SHARDWISE_PLAN_CHOICE, in every worker.
 """
 from __future__ import annotations
 
@@ -71,7 +76,7 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
         if split:
             m, _, k = split.partition("x")
             cand = cand.with_batch(int(m), int(k))
-            _apply_split(trainer, train_dataloaders, cand, quiet=True)
+            _apply_split(trainer, train_dataloaders, cand)
         _install(trainer, cand, blocks=tuple(b for b in blocks.split(",") if b), reason="")
         return
     env = detect_env()
@@ -146,7 +151,7 @@ def _smallest_change(trainer: Any, module: Any, batch: Any, micro: int, window: 
     return f"Smallest change that fits: strategy={best.trainer_strategy_code(blocks)}{split}."
 
 
-def _apply_split(trainer: Any, loader: Any, cand: Candidate, quiet: bool = False) -> str:
+def _apply_split(trainer: Any, loader: Any, cand: Candidate) -> str:
     """Make the run use the chosen micro-batch split: re-batch the user's DataLoader, or refuse.
 
     The planner answers for `micro_batch` sequences per forward with
