@@ -199,3 +199,21 @@ def test_metrics_resume_in_the_same_file_without_duplicates(tmp_path):
     with open(second.metrics_file) as fh:
         steps = [int(r["step"]) for r in csv.DictReader(fh) if r.get("epoch")]  # the per-step rows
     assert steps == list(range(1, 12))
+
+
+def test_an_unwritable_checkpoint_directory_stops_the_run_before_the_first_step(tmp_path):
+    from shardwise.checkpoint import CheckpointWriteError
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        steps = []
+        step_counter = type("Steps", (), {"on_train_batch_end": lambda self, t, *a: steps.append(t.global_step)})()
+        with pytest.raises(CheckpointWriteError, match=rf"EROFS.*{ro}|{ro}.*EROFS"):
+            fit(tmp_path, 5, checkpoint=ModelCheckpoint(dirpath=str(ro)), callbacks_extra=[step_counter])
+        assert steps == []
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])

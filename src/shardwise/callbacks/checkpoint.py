@@ -29,6 +29,8 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from shardwise.checkpoint import layout
+from shardwise.checkpoint.errors import CheckpointWriteError
+from shardwise.checkpoint.integrity import check_writable
 from shardwise.checkpoint.lock import CheckpointDirectoryBusyError, DirectoryLock
 from shardwise.checkpoint.training import save_training_checkpoint
 
@@ -101,10 +103,14 @@ class ModelCheckpoint:
         if stage != "fit" or self._lock is not None:
             return
         self._directory = self.resolve_dirpath(trainer)
-        error = None
+        error: Optional[str] = None
+        kind = CheckpointDirectoryBusyError
         if trainer.is_global_zero:
             lock = DirectoryLock(self._directory)
             try:
+                # A read-only mount, a missing permission or a full disk stops the run
+                # now (naming EROFS / EACCES / ENOSPC and the path), not at its first save.
+                check_writable(self._directory)
                 lock.acquire()
                 self._lock = lock
                 # Hidden temporaries of a killed run: with the lock held, no live
@@ -112,9 +118,13 @@ class ModelCheckpoint:
                 layout.remove_leftovers(self._directory)
             except (CheckpointDirectoryBusyError, OSError) as exc:
                 error = str(exc)
-        error = trainer.strategy.broadcast(error)
+                if not isinstance(exc, CheckpointDirectoryBusyError):
+                    lock.release()
+                    self._lock = None
+                    kind = CheckpointWriteError
+        error, kind_name = trainer.strategy.broadcast((error, kind.__name__))
         if error is not None:
-            raise CheckpointDirectoryBusyError(error)
+            raise (CheckpointWriteError if kind_name == "CheckpointWriteError" else CheckpointDirectoryBusyError)(error)
 
     def teardown(self, trainer: Any, module: Any, stage: str = "fit") -> None:
         if self._lock is not None:

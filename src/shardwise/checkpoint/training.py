@@ -22,8 +22,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from shardwise.checkpoint import layout
-from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
+from shardwise.checkpoint.formats import check_format_readable
+from shardwise.checkpoint.integrity import merge_checksum_parts
 from shardwise.checkpoint.rng import capture_rng_states
+from shardwise.checkpoint.safety import safe_torch_load
 from shardwise.distributed import ops
 
 
@@ -42,20 +45,26 @@ class PendingCheckpoint:
         return self.future is not None
 
     def commit(self) -> str:
-        error = None
+        error, errno_ = None, None
         try:
             future = getattr(self.future, "upload_completion", self.future)  # AsyncSaveResponse or Future
             if isinstance(future, Future):
                 future.result()
         except BaseException as exc:  # reported to every rank below, so none waits forever
             error = f"rank {self.strategy.global_rank}: {type(exc).__name__}: {exc}"
-        errors = [e for e in ops.all_gather_object(error) if e]
-        if errors:
+            errno_ = getattr(exc, "errno", None)
+        reports = [r for r in ops.all_gather_object((error, errno_)) if r[0]]
+        if reports:
             if self.strategy.is_global_zero:
                 layout.remove_checkpoint(self.tmp)
-            raise CheckpointError(f"Saving {self.final} failed; the previous checkpoints are untouched. "
-                                  + "; ".join(errors))
+            message = (f"Saving {self.final} failed; the previous checkpoints are untouched. "
+                       + "; ".join(e for e, _ in reports))
+            codes = [c for _, c in reports if c]
+            if codes:  # a filesystem error (ENOSPC, EROFS, ...): keep it an OSError with its errno
+                raise CheckpointWriteError(message, codes[0], self.final)
+            raise CheckpointError(message)
         if self.strategy.is_global_zero:
+            merge_checksum_parts(self.tmp)  # an async save's per-rank checksums into the manifest
             layout.commit(self.tmp, self.final)
         self.strategy.barrier("checkpoint-commit")
         return self.final
@@ -93,7 +102,8 @@ def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
     tensor straight through all_gather_object does not round-trip its storage."""
     buffer = io.BytesIO()
     torch.save(rng, buffer)
-    return [torch.load(io.BytesIO(blob), weights_only=False) for blob in ops.all_gather_object(buffer.getvalue())]
+    return [safe_torch_load(io.BytesIO(blob), name="an RNG state from another rank")
+            for blob in ops.all_gather_object(buffer.getvalue())]
 
 
 def collect_state(trainer: Any) -> Dict[str, Any]:
@@ -164,6 +174,9 @@ def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
         return None
     manifest = layout.read_manifest(resolved)
     layout.check_version(manifest, resolved)
+    # Before the optimizer names: a DeepSpeed checkpoint under another strategy gets the
+    # message with the `shardwise convert` command, not an optimizer mismatch.
+    check_format_readable(resolved, manifest["checkpoint_format"], trainer.strategy.checkpoint_format)
     running = [type(opt).__name__ for opt in trainer.strategy.optimizers]
     if manifest.get("optimizers", running) != running:
         raise CheckpointMismatchError(
