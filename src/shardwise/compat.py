@@ -120,6 +120,10 @@ ROWS: List[Row] = [
         "steps on each rank's local shards", "`FSDPStrategy(optimizer_on_local_shards=...)` forces it on/off; "
         "8-bit state cannot be checkpointed under FSDP", lambda: _fsdp(optimizer_on_local_shards=True)
         .optimizer_on_local_shards is True),
+    Row("torchtitan", "`activation_checkpoint.mode = \"selective\"`, `selective_ac_option = \"op\"` or "
+        "`\"2\"`", "`FSDPStrategy(activation_checkpointing_mode=\"selective\", selective_ac_option=\"op\")` or "
+        "`2`", "with `activation_checkpointing_policy={Block}`; \"full\" is the default mode",
+        lambda: _fsdp(activation_checkpointing_mode="selective", selective_ac_option="2").selective_ac_option == 2),
     # --------------------------------------------------- Accelerate config yaml
     Row("Accelerate config", "`distributed_type: FSDP`", "`--strategy fsdp`", "DEEPSPEED, MULTI_GPU, MULTI_CPU, NO "
         "too", lambda: _accel({})[0]["strategy"] == "fsdp"),
