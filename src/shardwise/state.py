@@ -12,6 +12,7 @@ Nothing else in the Trainer is read or written by checkpoint/training.py.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -24,22 +25,28 @@ class TrainState:
     global_step: int = 0      # optimizer steps taken
     batch_idx: int = 0        # batches consumed in the current epoch
     stage: str = "idle"       # "fit" | "validate" | "idle"
+    # One id per run, kept across its resumes: tells this run's checkpoints from another's in a
+    # directory (os.urandom, so no training RNG is drawn).
+    run_id: str = field(default_factory=lambda: os.urandom(6).hex())
     # Where the loop is (not saved as such; see the module docstring).
     in_epoch_end: bool = False
     rng_outside_validation: Optional[Dict[str, Any]] = field(default=None, repr=False)
     pending_rng: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {key: getattr(self, key) for key in _SAVED}
+        return {**{key: getattr(self, key) for key in _SAVED}, "run_id": self.run_id}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         for key in _SAVED:
             if key in state:
                 setattr(self, key, int(state[key]))
+        if state.get("run_id"):
+            self.run_id = str(state["run_id"])
 
     def resume_position(self) -> Dict[str, int]:
         """Where a run resumed from a save taken now starts: after epoch-end work, the next epoch."""
         position = self.state_dict()
+        del position["run_id"]
         if self.in_epoch_end:
             position["epoch"] += 1
             position["batch_idx"] = 0

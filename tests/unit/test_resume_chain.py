@@ -217,3 +217,29 @@ def test_an_unwritable_checkpoint_directory_stops_the_run_before_the_first_step(
         assert steps == []
     finally:
         subprocess.run(["umount", "-l", str(ro)])
+
+
+def test_a_checkpoint_committed_before_last_moved_is_the_resume_point(tmp_path):
+    # Killed between the commit of step 6 and the move of `last` (chaos harness, seed 202):
+    # resume from step 6, not from `last`'s step 4, and keep no orphan or "-v1" twin.
+    _, reference = fit(tmp_path / "ref", 10, checkpoint=ModelCheckpoint(every_n_train_steps=2, save_top_k=2))
+    _, first = fit(tmp_path / "run", 6, checkpoint=ModelCheckpoint(every_n_train_steps=2, save_top_k=2))
+    directory = tmp_path / "run" / "checkpoints"
+    layout.point_last(str(directory), str(directory / "epoch=0-step=4.ckpt"))
+    other = tmp_path / "run" / "checkpoints" / "epoch=9-step=99.ckpt"  # a different run's, newer: never adopted
+    with pytest.warns(UserWarning, match=r"step=6.ckpt \(step 6\) was committed after last.ckpt"):
+        _, second = fit(tmp_path / "run", 10, ckpt_path="last", seed=9,
+                        checkpoint=ModelCheckpoint(every_n_train_steps=2, save_top_k=2))
+    assert sorted(second) == [7, 8, 9, 10] and {**first, **second} == reference
+    assert sorted(os.listdir(directory)) == ["epoch=0-step=10.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert not other.exists()
+
+
+def test_another_runs_newer_checkpoint_in_the_directory_is_not_adopted(tmp_path):
+    fit(tmp_path / "old", 8, checkpoint=ModelCheckpoint(every_n_train_steps=4, save_top_k=-1))
+    old = tmp_path / "old" / "checkpoints" / "epoch=0-step=8.ckpt"
+    directory = tmp_path / "run" / "checkpoints"
+    fit(tmp_path / "run", 3, checkpoint=ModelCheckpoint(every_n_train_steps=3))
+    os.replace(old, directory / "epoch=0-step=8.ckpt")  # an unrelated run's checkpoint, at a higher step
+    trainer, losses = fit(tmp_path / "run", 5, ckpt_path="last", checkpoint=ModelCheckpoint(every_n_train_steps=3))
+    assert sorted(losses) == [4, 5]

@@ -293,10 +293,16 @@ def list_checkpoints(directory: str, skipped: Optional[List[str]] = None) -> Lis
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
-    """`directory/last.ckpt` if it points to something, else the committed checkpoint with the highest step."""
+    """`directory/last.ckpt` if it points to something, else the committed checkpoint with the highest step.
+
+    A run killed after committing a checkpoint but before moving `last` to it
+    leaves that checkpoint newer than `last`: it is the resume point when its
+    manifest names the same run (run_id) as `last`'s target. Another run's
+    checkpoints in the directory are never picked this way.
+    """
     link = os.path.join(directory, LAST_NAME)
     if os.path.exists(link):  # exists() follows the link: a dangling one is skipped
-        return os.path.realpath(link)
+        return _newest_of_the_same_run(directory, os.path.realpath(link))
     skipped: List[str] = []
     entries = list_checkpoints(directory, skipped)
     if skipped:
@@ -304,6 +310,22 @@ def latest_checkpoint(directory: str) -> Optional[str]:
                       "latest:\n  " + "\n  ".join(skipped) + "\nDelete or move them if they are not yours.",
                       stacklevel=2)
     return entries[-1].path if entries else None
+
+
+def _newest_of_the_same_run(directory: str, target: str) -> str:
+    try:
+        manifest = read_manifest(target)
+    except Exception:  # loading it will say what is wrong
+        return target
+    run_id, step = manifest.get("run_id"), int(manifest.get("global_step", -1))
+    if not run_id:
+        return target
+    newer = [e for e in list_checkpoints(directory) if e.manifest.get("run_id") == run_id and e.step > step]
+    if not newer:
+        return target
+    warnings.warn(f"{newer[-1].path} (step {newer[-1].step}) was committed after last.ckpt was last moved (the run "
+                  "was interrupted between the two): resuming from it.", stacklevel=3)
+    return newer[-1].path
 
 
 def candidate_names(directory: str) -> List[str]:

@@ -119,8 +119,9 @@ def collect_state(trainer: Any) -> Dict[str, Any]:
     state: Dict[str, Any] = {
         "shardwise": {**layout.build_manifest(strategy.checkpoint_format, getattr(strategy, "name", "?"),
                                               strategy.world_size, position),
-                      "optimizers": [type(opt).__name__ for opt in strategy.optimizers]},
-        "train_state": position,
+                      "optimizers": [type(opt).__name__ for opt in strategy.optimizers],
+                      "run_id": trainer.state.run_id},
+        "train_state": {**position, "run_id": trainer.state.run_id},
         "data": {"batch_size": getattr(loader, "batch_size", None), "world_size": strategy.world_size},
         "sampler": sampler.state_dict() if sampler is not None else None,
         "rng_states": _gather_rng(rng),
