@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import types
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -317,6 +318,12 @@ class Trainer:
     @property
     def global_step(self) -> int:
         return self.state.global_step
+
+    @property
+    def fit_loop(self) -> Any:
+        """Lightning's `trainer.fit_loop.total_batch_idx` (batches over the whole run), which LR warm-up code reads."""
+        per_epoch = self.num_training_batches if math.isfinite(self.num_training_batches) else 0
+        return types.SimpleNamespace(total_batch_idx=int(self.state.epoch * per_epoch + self.state.batch_idx))
 
     @property
     def current_epoch(self) -> int:
