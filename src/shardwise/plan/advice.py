@@ -103,7 +103,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
             # FSDP policies accept class names; the workers re-batch the same way.
             c = best.candidate
             os.environ[CHOICE_ENV] = f"{c.name}:{names}:{c.micro_batch}x{c.accumulation}"
-            _install(trainer, best.candidate, blocks=result.block_classes, reason=result.reason + split)
+            reason = result.reason.rstrip(".") + split + "." if split else result.reason
+            _install(trainer, best.candidate, blocks=result.block_classes, reason=reason)
             return
         if current is None:
             return
