@@ -428,7 +428,17 @@ class Trainer:
         from shardwise.strategies.materialize import watch_meta_writes
 
         with strategy.module_init_context(), watch_meta_writes() as writes:
-            self._call_module("configure_model")
+            try:
+                self._call_module("configure_model")
+            except RuntimeError as exc:
+                if "from_pretrained" in str(exc) and "meta" in str(exc):
+                    raise RuntimeError(
+                        "configure_model() calls from_pretrained, but configure_model builds on the meta device "
+                        "so that no rank holds the whole model before it is sharded. Build the architecture "
+                        "there (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))) and load "
+                        "the weights in TrainModule.init_weights(), or use `shardwise finetune`, which streams "
+                        "them from rank 0 into the shards.") from exc
+                raise
         writes.check()  # a custom init on the meta device would be silently replaced
         if trained and not trained <= {id(p) for p in module.parameters()}:
             raise RuntimeError(
