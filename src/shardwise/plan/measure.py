@@ -131,7 +131,7 @@ def compare(spec: ModelSpec, seq_len: int, devices: int, candidates: Sequence[st
     from shardwise.plan.core import plan
 
     p = plan(spec, batch_size=batch_size, seq_len=seq_len, devices=devices, precision=precision,
-             accelerator="cpu", candidates=list(candidates), deepspeed_config=deepspeed_config, workers=1)
+             accelerator="cpu", candidates=list(candidates), deepspeed_config=deepspeed_config)
     rows = {e.candidate.config_key: e for e in p.estimates}
     cands = [e.candidate for e in p.estimates]
     measured = measure(spec, cands, devices, precision=precision, seq_len=seq_len, steps=steps,
