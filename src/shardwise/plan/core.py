@@ -175,6 +175,9 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
                        deepspeed_config=deepspeed_config, optimizer=opt, target=accelerator,
                        all_micro=all_micro_batches, workers=workers)
     estimates = planner.run()
+    if any(c.kind == "deepspeed" for c in cands) and (opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"):
+        planner.notes.append(f"ZeRO rows use DeepSpeed's own Adam accounting (fp32 moments, its step temporaries), "
+                             f"not {opt.name}: DeepSpeed builds its optimizer from its config.")
     best, reason = _recommend(estimates, dev_mem)
     opt_text = opt.describe() if spec.kind != "module" or foreach is not None or fused is not None else (
         f"the module's own ({opt.implementation} on {accelerator})")
