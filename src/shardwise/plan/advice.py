@@ -108,7 +108,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
             return
         if current is None:
             return
-        result = _plan(trainer, module, batch, micro * window, device_memory, candidates=[current])
+        # Exactly the user's strategy object (its wrap policy, AC policy, buckets), not its nearest preset.
+        result = _plan(trainer, module, batch, micro * window, device_memory, candidates=[trainer.strategy])
     except PlanError as exc:
         warnings.warn(f"The memory planner could not plan this run: {exc}", stacklevel=3)
         return
