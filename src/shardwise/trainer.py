@@ -553,7 +553,7 @@ class Trainer:
         self.strategy.configure_training(
             accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
             gradient_clip_algorithm=self.gradient_clip_algorithm,
-            micro_batch_size=getattr(train_dataloaders, "batch_size", None))
+            micro_batch_size=getattr(self._data_sources[0], "batch_size", None))  # the planner may re-batch
         self._launch_if_needed()
         self.state.stage = "fit"
         previous_handlers = self._install_preemption()
