@@ -143,8 +143,37 @@ def _longest_first(jobs: Sequence[TraceJob]) -> list:
 def _run_forked(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
                 workers: int) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
     """Trace in forked children: they inherit the user's classes, so nothing is pickled by module path."""
+    import gc
+
     order = _longest_first(jobs)
     shares = [order[i::workers] for i in range(min(workers, len(order)))]
+    # Garbage that holds native objects with threads (an earlier run's ProcessGroupGloo) must be
+    # freed here, where its threads exist: a child that collected it would wait forever for them
+    # (seen in the suite). Then freeze: the children never collect what they inherited.
+    gc.collect()
+    gc.freeze()
+    try:
+        children = _fork_children(spec, setting, shares)
+    finally:
+        gc.unfreeze()
+    results: Dict[TraceJob, Union[Trace, TraceFailed]] = {}
+    failure = None
+    for pid, read_fd, share in children:
+        with os.fdopen(read_fd, "rb") as stream:
+            data = stream.read()
+        _, status = os.waitpid(pid, 0)
+        if not data or status != 0:
+            failure = failure or RuntimeError(
+                f"A forked planner worker died while tracing {share[0].traced.label} (exit status {status}); "
+                "SHARDWISE_PLAN_DEBUG=1 shows its output.")
+            continue
+        results.update(zip(share, pickle.loads(data)))
+    if failure is not None:
+        raise failure
+    return results
+
+
+def _fork_children(spec: ModelSpec, setting: Setting, shares: list) -> list:
     children = []
     for share in shares:
         read_fd, write_fd = os.pipe()
@@ -163,21 +192,7 @@ def _run_forked(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
                 os._exit(code)
         os.close(write_fd)
         children.append((pid, read_fd, share))
-    results: Dict[TraceJob, Union[Trace, TraceFailed]] = {}
-    failure = None
-    for pid, read_fd, share in children:
-        with os.fdopen(read_fd, "rb") as stream:
-            data = stream.read()
-        _, status = os.waitpid(pid, 0)
-        if not data or status != 0:
-            failure = failure or RuntimeError(
-                f"A forked planner worker died while tracing {share[0].traced.label} (exit status {status}); "
-                "SHARDWISE_PLAN_DEBUG=1 shows its output.")
-            continue
-        results.update(zip(share, pickle.loads(data)))
-    if failure is not None:
-        raise failure
-    return results
+    return children
 
 
 def _child(spec: ModelSpec, setting: Setting, share: Sequence[TraceJob], fd: int) -> None:
