@@ -383,11 +383,11 @@ class FSDPStrategy(Strategy):
         if not enabled or not isinstance(model, FSDPModule):
             return contextlib.nullcontext()
         if self.accumulation_sync == "none":
-            return _no_gradient_sync(model)
+            return _switched_off(model.set_requires_gradient_sync)
         # "reduce_scatter": the reduce-scatter runs (so gradients stay sharded);
         # only a replicate dimension's all-reduce can wait for the last micro-batch.
         if self.mesh is not None and self.mesh.ndim > 1:
-            return _no_replica_all_reduce(model)
+            return _switched_off(model.set_requires_all_reduce)
         return contextlib.nullcontext()
 
     def _full_norm(self, total: torch.Tensor) -> torch.Tensor:
@@ -397,23 +397,16 @@ class FSDPStrategy(Strategy):
 
 
 @contextlib.contextmanager
-def _no_replica_all_reduce(model: FSDPModule):
-    # Reduce-scatter within the shard group now; FSDP sums the shard in its
-    # partial buffer and all-reduces it across replicas on the last micro-batch.
-    model.set_requires_all_reduce(False)
+def _switched_off(setter):
+    """Turn one of FSDP2's per-module communication switches off for a micro-batch's backward.
+
+    set_requires_all_reduce: the reduce-scatter within the shard group still runs; the
+    replica all-reduce waits for the last micro-batch. set_requires_gradient_sync
+    (accumulation_sync="none"): gradients accumulate unsharded in each unit until the last
+    micro-batch reduce-scatters the sum, a full gradient per rank meanwhile.
+    """
+    setter(False)
     try:
         yield
     finally:
-        model.set_requires_all_reduce(True)
-
-
-@contextlib.contextmanager
-def _no_gradient_sync(model: FSDPModule):
-    # accumulation_sync="none": gradients accumulate unsharded in each unit
-    # until the final micro-batch, which then reduce-scatters the sum: one
-    # collective per optimizer step, a full gradient per rank meanwhile.
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+        setter(True)
