@@ -7,7 +7,7 @@ costs one collective per metric per epoch, not per step.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List
 
 import torch
 
@@ -20,53 +20,87 @@ def _reduce(value: torch.Tensor, fx: str) -> torch.Tensor:
     return ops.reduce(value, op)
 
 
+def settle(values: Dict[str, Any]) -> Dict[str, Any]:
+    """Replace tensor values by Python floats in place: one host read per device, not per value."""
+    by_device: Dict[torch.device, List[str]] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        numbers = torch.stack([values[n].detach().float().reshape(()) for n in names]).tolist()
+        values.update(zip(names, numbers))
+    return values
+
+
 class MetricStore:
+    """Logged values, kept as tensors where they were computed until something reads them.
+
+    Turning a device tensor into a float waits for the device to finish everything queued,
+    which every step would cost FSDP its overlap of communication and compute. So a step's
+    values stay on the device; they become floats when a logger is due (log_every_n_steps),
+    when `callback_metrics` / `progress_bar_metrics` / `logged_metrics` are read, and at
+    the end of an epoch.
+    """
+
     def __init__(self) -> None:
-        self.callback_metrics: Dict[str, float] = {}
-        self.progress_bar_metrics: Dict[str, float] = {}
-        self.logged_metrics: Dict[str, float] = {}
-        # name -> (weighted sum, weight, reduce_fx, sync_dist, prog_bar, running value)
+        self._callback: Dict[str, Any] = {}
+        self._progress: Dict[str, Any] = {}
+        self._logged: Dict[str, Any] = {}
+        # name -> [weighted sum, weight, reduce_fx, sync_dist, prog_bar]
         self._epoch: Dict[str, List] = {}
 
-    def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True) -> Dict[str, float]:
-        """Take one step's logs; return the step values to send to loggers now."""
-        step_values: Dict[str, float] = {}
+    @property
+    def callback_metrics(self) -> Dict[str, float]:
+        return settle(self._callback)
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        return settle(self._progress)
+
+    @property
+    def logged_metrics(self) -> Dict[str, float]:
+        return settle(self._logged)
+
+    def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True) -> Dict[str, Any]:
+        """Take one step's logs; return the step values (tensors: `settle` them to log them)."""
+        step_values: Dict[str, Any] = {}
         for item in logs:
             value = item.value
             if item.on_step:
                 if item.sync_dist:
                     value = _reduce(value, item.reduce_fx)
-                number = float(value)
                 key = f"{item.name}_step" if (item.on_epoch and suffix_epoch) else item.name
-                step_values[key] = number
-                self.callback_metrics[item.name] = number
+                step_values[key] = value
+                self._callback[item.name] = value
                 if item.prog_bar:
-                    self.progress_bar_metrics[item.name] = number
+                    self._progress[item.name] = value
             if item.on_epoch:
                 weight = float(item.batch_size or 1)
                 entry = self._epoch.get(item.name)
-                v = float(item.value)
+                v = item.value
                 if entry is None:
                     self._epoch[item.name] = [v * weight if item.reduce_fx == "mean" else v, weight,
                                               item.reduce_fx, item.sync_dist, item.prog_bar]
                 else:
                     fx = entry[2]
                     if fx == "mean":
-                        entry[0] += v * weight
+                        entry[0] = entry[0] + v * weight
                     elif fx == "sum":
-                        entry[0] += v
+                        entry[0] = entry[0] + v
                     elif fx == "max":
-                        entry[0] = max(entry[0], v)
+                        entry[0] = torch.maximum(entry[0], v)
                     else:
-                        entry[0] = min(entry[0], v)
+                        entry[0] = torch.minimum(entry[0], v)
                     entry[1] += weight
-        self.logged_metrics.update(step_values)
+        self._logged.update(step_values)
         return step_values
 
     def finish_epoch(self, suffix: bool = True) -> Dict[str, float]:
         """Close the epoch accumulators (reducing across ranks where asked) and return them."""
         out: Dict[str, float] = {}
-        for name, (total, weight, fx, sync, prog_bar) in self._epoch.items():
+        totals = settle({name: entry[0] for name, entry in self._epoch.items()})
+        for name, (_, weight, fx, sync, prog_bar) in self._epoch.items():
+            total = totals[name]
             if fx == "mean":
                 if sync:  # exact global mean: reduce numerator and denominator
                     pair = ops.reduce(torch.tensor([total, weight], dtype=torch.float64), "sum")
@@ -76,12 +110,12 @@ class MetricStore:
                 value = float(_reduce(torch.tensor(total), fx)) if sync else total
             key = f"{name}_epoch" if suffix and self._had_step(name) else name
             out[key] = value
-            self.callback_metrics[name] = value
+            self._callback[name] = value
             if prog_bar:
-                self.progress_bar_metrics[name] = value
+                self._progress[name] = value
         self._epoch.clear()
-        self.logged_metrics.update(out)
+        self._logged.update(out)
         return out
 
     def _had_step(self, name: str) -> bool:
-        return f"{name}_step" in self.logged_metrics
+        return f"{name}_step" in self._logged

@@ -30,7 +30,7 @@ from shardwise.distributed.device import move_to_device
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch_script
-from shardwise.metrics import MetricStore
+from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
@@ -252,6 +252,7 @@ class Trainer:
         self.preemption_signals = _signal_numbers(preemption_signals)
         self.preempted: Optional[str] = None  # the signal's name once the run stopped for it
         self._preempt_flag: Any = None
+        self._preemption_agreed: Optional[bool] = None  # set by this step's health check
         # A NaN/inf loss or gradient: 'error' stops at that step naming the rank and
         # tensor, 'skip' drops the step (as GradScaler does), 'warn' only reports it.
         if non_finite not in ("error", "skip", "warn", "off"):
@@ -381,6 +382,7 @@ class Trainer:
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
         if not self.strategy.is_global_zero or not metrics:
             return
+        metrics = settle(dict(metrics))
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step if step is None else step)
 
@@ -614,9 +616,11 @@ class Trainer:
         flag = self._preempt_flag
         if flag is None:
             return False
-        requested = flag.requested
-        if self.world_size > 1:
-            requested = bool(self.strategy.reduce(float(requested), "max").item())
+        requested, self._preemption_agreed = self._preemption_agreed, None
+        if requested is None:  # no health check this step (non_finite="off"): agree here
+            requested = flag.requested
+            if self.world_size > 1:
+                requested = bool(self.strategy.reduce(float(requested), "max").item())
         if requested and self.preempted is None:
             self.preempted = flag.signal_name or "a preemption signal (on another rank)"
         return requested
@@ -726,21 +730,23 @@ class Trainer:
         args = (batch, batch_idx) if pass_idx else (batch,)
         object.__setattr__(module, "_current_hook", "training_step")
         mark_progress("training_step", state.global_step)
-        # Non-final micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
-        with strategy.no_backward_sync(self.model, enabled=not self.is_last_microbatch):
-            with strategy.autocast():
-                output = strategy.call(self.model, "training_step", *args)
-            loss = _loss_of(output)
-            if loss is not None:
-                if not loss.requires_grad:
-                    raise RuntimeError(
-                        f"training_step returned a loss that does not require grad (step {state.global_step}, "
-                        f"batch {batch_idx}): nothing can be trained from it. It was computed under "
-                        "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
-                        "Return the loss computed from the model's output; return None to skip a batch.")
-                self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
-                mark_progress("backward", state.global_step)
-                strategy.backward(loss / window, self.model)
+
+        def before_backward(loss: torch.Tensor) -> None:
+            if not loss.requires_grad:
+                raise RuntimeError(
+                    f"training_step returned a loss that does not require grad (step {state.global_step}, "
+                    f"batch {batch_idx}): nothing can be trained from it. It was computed under "
+                    "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
+                    "Return the loss computed from the model's output; return None to skip a batch.")
+            self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
+            mark_progress("backward", state.global_step)
+
+        # The step's core is shared with the memory planner's trace (step.py). Non-final
+        # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
+        from shardwise.step import forward_backward
+
+        output, _ = forward_backward(strategy, self.model, args, window=window, last=self.is_last_microbatch,
+                                     before_backward=before_backward)
         state.batch_idx += 1
         if self.is_last_microbatch:
             mark_progress("optimizer_step", state.global_step)
@@ -756,22 +762,20 @@ class Trainer:
             self.should_stop = True  # ModelCheckpoint saves this step in on_train_end
 
     def _optimizer_step(self) -> None:
+        from shardwise.step import optimizer_update
+
         strategy = self.strategy
         losses, self._window_losses = self._window_losses, []
-        for i, optimizer in enumerate(strategy.optimizers):
+
+        def before_step(i: int, optimizer: torch.optim.Optimizer) -> bool:
             self._call("on_before_optimizer_step", optimizer)
             if i == 0 and self.non_finite != "off" and not self._healthy(losses):
-                if self.non_finite == "skip":
-                    for opt in strategy.optimizers:
-                        opt.zero_grad(set_to_none=True)
-                    break
-            if self.gradient_clip_val is not None:
-                if self.gradient_clip_algorithm == "norm":
-                    strategy.clip_gradients(self.model, optimizer, max_norm=self.gradient_clip_val)
-                else:
-                    strategy.clip_gradients(self.model, optimizer, max_value=self.gradient_clip_val)
-            strategy.optimizer_step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+                return self.non_finite != "skip"  # skip: every optimizer's gradients are dropped, no step
+            return True
+
+        # Clip, step and zero each optimizer: the same core the memory planner traces (step.py).
+        optimizer_update(strategy, self.model, strategy.optimizers, gradient_clip_val=self.gradient_clip_val,
+                         gradient_clip_algorithm=self.gradient_clip_algorithm, before_step=before_step)
         self.state.global_step += 1
         self._step_schedulers("step")
 
@@ -786,9 +790,14 @@ class Trainer:
         grad_flag = None if scaled else health.nonfinite_norm_flag([p.grad for p in self.strategy._grads(self.model)])
         if grad_flag is not None:
             flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
-        bad = bool(torch.stack(flags).any()) if flags else False
+        # One read-back for the step: the verdict, agreed across ranks in the same all-reduce that
+        # agrees on a preemption signal (_preemption_requested uses it instead of its own).
+        local = torch.stack(flags).any().float() if flags else torch.zeros(())
+        signalled = self._preempt_flag is not None and self._preempt_flag.requested
+        both = torch.stack([local, torch.tensor(float(signalled), device=local.device)])
         if self.world_size > 1:
-            bad = bool(self.strategy.reduce(float(bad), "max").item())
+            both = self.strategy.reduce(both, "max")
+        bad, self._preemption_agreed = (v > 0 for v in both.tolist())
         if not bad:
             return True
         step = self.global_step + 1

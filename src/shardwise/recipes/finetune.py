@@ -303,6 +303,9 @@ def _module_class():
             self.eval_history: List[Dict[str, float]] = []
             self.load_report: Any = None
             self._window: List[torch.Tensor] = []
+            # (step, lr, this rank's window mean on the device) until the next log line:
+            # reading a loss back to the host every step would stall the device queue.
+            self._unsynced: List[Any] = []
             self._eval_sum = torch.zeros(2)
             self._lr = cfg.learning_rate
             self._t0 = time.time()
@@ -333,7 +336,8 @@ def _module_class():
 
         def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
             loss = self._loss(batch)
-            self._eval_sum += torch.stack([loss.detach().float().cpu(), torch.ones(())])
+            self._eval_sum = self._eval_sum.to(loss.device)
+            self._eval_sum += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
             self.log("val_loss", loss, sync_dist=True)
 
         def on_validation_epoch_start(self) -> None:
@@ -353,20 +357,36 @@ def _module_class():
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self._window.append(loss.detach().float().cpu())
+            self._window.append(loss.detach().float())
             if not self.trainer.is_last_microbatch:
                 return
-            # Mean over the accumulation window and over all ranks: the loss of
-            # the whole global batch, comparable across world sizes and layouts.
-            local = torch.stack(self._window).mean()
-            self._window = []
-            step_loss = float(ops.reduce(local, "mean"))
             step = self.trainer.global_step
-            self.history.append({"step": step, "loss": step_loss, "lr": self._lr})
-            if self.trainer.is_global_zero and (step % self.cfg.logging_steps == 0 or step == 1):
-                rate = step / max(1e-9, time.time() - self._t0)
-                print(f"[finetune] step {step}: loss {step_loss:.4f} lr {self._lr:.3g} ({rate:.2f} steps/s)",
-                      flush=True)
+            self._unsynced.append((step, self._lr, torch.stack(self._window).mean()))
+            self._window = []
+            if step % self.cfg.logging_steps == 0 or step == 1:
+                self._sync_history()
+                entry = self.history[-1]
+                if self.trainer.is_global_zero:
+                    rate = step / max(1e-9, time.time() - self._t0)
+                    print(f"[finetune] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} "
+                          f"({rate:.2f} steps/s)", flush=True)
+
+        def on_train_end(self) -> None:
+            self._sync_history()
+
+        def _sync_history(self) -> None:
+            """Move the losses since the last log line into history: one all-reduce, one host read.
+
+            Each is the mean over the accumulation window and over all ranks: the loss of the
+            whole global batch, comparable across world sizes and layouts. Every rank calls this
+            at the same steps (log steps and the end of training), so the collectives match.
+            """
+            if not self._unsynced:
+                return
+            means = ops.reduce(torch.stack([m for _, _, m in self._unsynced]), "mean").tolist()
+            self.history.extend({"step": step, "loss": loss, "lr": lr}
+                                for (step, lr, _), loss in zip(self._unsynced, means))
+            self._unsynced = []
 
         def configure_optimizers(self) -> Any:
             cfg = self.cfg
