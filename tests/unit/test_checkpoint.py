@@ -285,3 +285,55 @@ def test_commit_last_pointer_and_leftovers(tmp_path):
     make(".b.ckpt.tmp-2", "partial")
     assert layout.remove_leftovers(str(tmp_path)) == [".b.ckpt.tmp-2"]
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "last.ckpt"]
+
+
+# ------------------------------------------------- a full save rank 0 cannot hold
+@pytest.mark.parametrize("strategy", ["single", "fsdp_full_state"])
+def test_a_full_save_too_big_for_the_host_is_saved_sharded_and_resumes_bitwise(tmp_path, strategy, monkeypatch):
+    from shardwise.checkpoint import formats
+    from shardwise.strategies import FSDPStrategy
+
+    def make():
+        return "single" if strategy == "single" else FSDPStrategy(state_dict_type="full")
+
+    _, reference = fit(tmp_path / "ref", 9, make())
+    budgets = []
+    real_budget = formats._full_state_budget
+
+    def small_host(model, optimizers):
+        needed, _ = real_budget(model, optimizers)
+        budgets.append((needed, weights_and_state_bytes(model, optimizers)))
+        return needed, needed / 2  # rank 0 could hold half of it
+
+    monkeypatch.setattr(formats, "_full_state_budget", small_host)
+    with pytest.warns(UserWarning, match=r"would gather .* GiB .*saved sharded instead"):
+        fit(tmp_path / "run", 6, make(), checkpoint=ModelCheckpoint(every_n_train_steps=3, save_top_k=1))
+    assert budgets and all(needed == exact for needed, exact in budgets)  # the estimate is the exact size
+    directory = tmp_path / "run" / "checkpoints"
+    kept = [n for n in os.listdir(directory) if n != "last.ckpt"]
+    assert kept == ["epoch=0-step=6.ckpt"]  # the step-3 directory was pruned like a file would be
+    assert os.path.isdir(directory / kept[0])
+    assert layout.read_manifest(str(directory / kept[0]))["checkpoint_format"] == "sharded"
+    monkeypatch.setattr(formats, "_full_state_budget", real_budget)  # enough memory again: one file
+    _, resumed = fit(tmp_path / "run", 9, make(), ckpt_path="last", seed=11,
+                     checkpoint=ModelCheckpoint(every_n_train_steps=3, save_top_k=1))
+    assert {s: resumed[s] for s in (7, 8, 9)} == {s: reference[s] for s in (7, 8, 9)}
+    assert os.path.isfile(directory / "epoch=0-step=9.ckpt")
+
+
+def weights_and_state_bytes(model, optimizers):
+    """What a full checkpoint's tensors take, measured on the gathered state itself."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    states = [get_model_state_dict(model, options=options)]
+    states += [get_optimizer_state_dict(model, opt, options=options)["state"] for opt in optimizers]
+
+    def count(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(count(v) for v in obj.values())
+        return 0
+
+    return sum(count(s) for s in states)

@@ -10,7 +10,9 @@ strategy:
 - "full": every rank takes part in gathering the state to rank 0 one tensor
   at a time (cpu_offload=True, so an accelerator never holds more than one
   full tensor), and rank 0 writes one torch file. Loading maps the file
-  (mmap) on every rank; FSDP keeps only its local slices.
+  (mmap) on every rank; FSDP keeps only its local slices. When rank 0's host
+  could not hold the gathered state, that step is saved "sharded" instead,
+  with a warning, rather than the kernel killing the run.
 - "sharded": torch.distributed.checkpoint (DCP) writes one file per rank plus
   `.metadata`; nothing is gathered. Loading asks DCP for exactly the tensors
   the running model holds, so a checkpoint written by 2 ranks loads on 1, on
@@ -45,6 +47,7 @@ from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_ch
 from shardwise.checkpoint.layout import (MANIFEST_NAME, load_torch, read_manifest, read_trainer_state,
                                          save_torch_durably, write_trainer_state)
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner, plain_state
+from shardwise.distributed import ops
 
 BUILTIN_FORMATS = ("full", "sharded")
 _DCP_METADATA = ".metadata"
@@ -115,10 +118,77 @@ def save_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
                               async_save: bool = False) -> Optional[Future]:
     """Write model + optimizers + trainer `state` at `path` (collective: call on every rank)."""
     if checkpoint_format == "full":
-        return _save_full(model, optimizers, path, state)
+        needed, available = _full_state_budget(model, optimizers)
+        if available is None or needed <= _HOST_SHARE * available:
+            return _save_full(model, optimizers, path, state)
+        # Gathering would run rank 0's host out of memory and the kernel would kill the run with
+        # everything since the last checkpoint. Save this step sharded (nothing is gathered);
+        # the manifest says so, and every strategy resumes from either format.
+        if _rank() == 0:
+            warnings.warn(
+                f"state_dict_type='full': this checkpoint would gather {_gib(needed)} (model and optimizer "
+                f"state) in rank 0's host memory, which has {_gib(available)} available; {path} is saved "
+                "sharded instead (a directory, one file per rank). It resumes like a full one; "
+                f"`shardwise convert {path} weights.safetensors` writes the weights as one file. Use "
+                "state_dict_type='sharded' to choose this yourself.", stacklevel=3)
+        state = {**state, "shardwise": {**state["shardwise"], "checkpoint_format": "sharded"}}
+        return _save_sharded(model, optimizers, path, state, async_save)
     if checkpoint_format == "sharded":
         return _save_sharded(model, optimizers, path, state, async_save)
     raise CheckpointFormatError(f"Unknown checkpoint format {checkpoint_format!r}; built in: {BUILTIN_FORMATS}.")
+
+
+_HOST_SHARE = 0.9  # of rank 0's available host memory a full gather may take
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def available_host_bytes() -> Optional[int]:
+    """Host memory this process can still take: MemAvailable, capped by a cgroup (container) limit.
+
+    None where neither can be read (not Linux)."""
+    found: List[int] = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as fh:
+                limit = fh.read().strip()
+            with open(usage_file) as fh:
+                usage = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
+            found.append(max(0, int(limit) - usage))
+    return min(found) if found else None
+
+
+def _full_state_budget(model: torch.nn.Module,
+                       optimizers: List[torch.optim.Optimizer]) -> Tuple[int, Optional[float]]:
+    """(bytes a full save gathers on rank 0, rank 0's available host bytes), the same on every rank.
+
+    A DTensor's numel() is its global size, so every rank computes the same total without
+    communicating; rank 0's free memory is shared in one all-reduce (a collective: every rank calls).
+    """
+    tensors = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    for opt in optimizers:
+        for per_param in opt.state.values():
+            tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    free = available_host_bytes() if _rank() == 0 else None
+    if _world() > 1:  # -1 stands for "unknown", and for every rank but 0
+        free = float(ops.reduce(torch.tensor(-1.0 if free is None else float(free), dtype=torch.float64), "max"))
+        free = None if free < 0 else free
+    return needed, free
 
 
 def _failed(exc: BaseException) -> Future:
@@ -149,16 +219,21 @@ def _save_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     return None
 
 
-def _checkpoint_group() -> Any:
-    """A separate gloo group for DCP's background collectives, so they never interleave with training's.
+def checkpoint_group() -> Any:
+    """A separate gloo group for checkpoint writing: DCP's background collectives, and the commit.
 
-    Created once per default process group (collectively, at the first async
-    save, which every rank reaches); a new world gets a new one.
+    Background collectives on it never interleave with training's. Its timeout
+    is long because ranks wait on it while rank 0 writes a full checkpoint (tens
+    of minutes for a large model), which the training timeout must not cut short;
+    a rank that dies meanwhile is still caught by the launcher. Created once per
+    default process group (collectively, at the first use, which every rank reaches).
     """
+    import datetime
+
     global _async_group
     world = dist.group.WORLD
     if _async_group is None or _async_group[0] is not world:
-        _async_group = (world, dist.new_group(backend="gloo"))
+        _async_group = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6)))
     return _async_group[1]
 
 
@@ -180,7 +255,7 @@ def _save_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     if async_save:
         # Staging copies this rank's shards to host memory now; the writing
         # (and DCP's own collectives, on a private group) runs in a thread.
-        response = dcp.async_save(payload, storage_writer=writer, process_group=_checkpoint_group())
+        response = dcp.async_save(payload, storage_writer=writer, process_group=checkpoint_group())
         return _hash_when_written(response, path, error)
     try:
         dcp.save(payload, storage_writer=writer)

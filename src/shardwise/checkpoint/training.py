@@ -20,8 +20,9 @@ from concurrent.futures import Future
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from shardwise.checkpoint import layout
+from shardwise.checkpoint import formats, layout
 from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
 from shardwise.checkpoint.formats import check_format_readable
 from shardwise.checkpoint.integrity import merge_checksum_parts
@@ -53,7 +54,9 @@ class PendingCheckpoint:
         except BaseException as exc:  # reported to every rank below, so none waits forever
             error = f"rank {self.strategy.global_rank}: {type(exc).__name__}: {exc}"
             errno_ = getattr(exc, "errno", None)
-        reports = [r for r in ops.all_gather_object((error, errno_)) if r[0]]
+        # On the checkpoint group: the other ranks wait here while rank 0 writes a full checkpoint.
+        group = formats.checkpoint_group() if dist.is_available() and dist.is_initialized() else None
+        reports = [r for r in ops.all_gather_object((error, errno_), group=group) if r[0]]
         if reports:
             if self.strategy.is_global_zero:
                 layout.remove_checkpoint(self.tmp)

@@ -119,9 +119,9 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object(obj: Any) -> List[Any]:
+def all_gather_object(obj: Any, group: Any = None) -> List[Any]:
     if not is_initialized():
         return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
