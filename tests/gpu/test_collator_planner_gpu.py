@@ -64,10 +64,13 @@ def test_collator_batch_is_moved_to_the_gpu_with_its_type():
 def test_planner_device_memory_auto_against_max_memory_reserved():
     if DEVICE_TYPE != "cuda":
         pytest.skip("device_memory='auto' and max_memory_reserved are CUDA's")
-    from shardwise.plan.advice import resolve_device_memory
+    from shardwise.plan.advice import auto_device_budget, resolve_device_memory
 
     total = resolve_device_memory("auto", "cuda")
-    assert total == torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    device_total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    assert total == auto_device_budget(device_total, 1)[0] < device_total
+    free, _ = torch.cuda.mem_get_info()  # after this process's context: the budget must fit in it
+    assert total <= free + torch.cuda.memory_reserved(), (total, free)
     loader = DataLoader(token_data(), batch_size=8)
     batch = next(iter(loader))
     plan = shardwise.plan(TinyGPT(), example_batch=batch, batch_size=8, devices=1, device_memory=total,

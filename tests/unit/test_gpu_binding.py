@@ -119,3 +119,22 @@ def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch
     strategy._owns_process_group = False
     (args, kwargs), = calls
     assert args[0] == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)
+
+
+def test_device_memory_auto_leaves_the_memory_outside_the_allocator(monkeypatch):
+    """'auto' is the device's total less the CUDA context and (with peers) NCCL's buffers, and says so."""
+    import types
+
+    from shardwise.plan import advice
+
+    total = 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=total))
+    alone = advice.resolve_device_memory("auto", "cuda", world_size=1)
+    with_peers = advice.resolve_device_memory("auto", "cuda", world_size=16)
+    assert alone == total - advice.CUDA_CONTEXT_BYTES
+    assert with_peers == alone - advice.NCCL_BYTES
+    assert advice.resolve_device_memory("auto", "cpu", world_size=16) is None  # unknown: nothing is judged
+    assert advice.resolve_device_memory("40GiB", "cuda", world_size=16) == 40 * 2**30  # a given size is kept
+    note = advice._auto_note(16)
+    assert "80.0 GiB" in note and "CUDA context" in note and "NCCL" in note

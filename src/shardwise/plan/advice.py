@@ -30,8 +30,40 @@ from shardwise.plan.presets import PlanError
 CHOICE_ENV = "SHARDWISE_PLAN_CHOICE"
 
 
-def resolve_device_memory(value: Any, accelerator: str) -> Optional[int]:
-    """None | "auto" (the current CUDA device's total memory; unknown on CPU) | "80GiB" | bytes -> bytes."""
+# Device memory the caching allocator never sees, which "auto" leaves free: the CUDA context
+# with its loaded kernels and cuBLAS/cuDNN handles (0.3-0.8 GiB with CUDA 12's lazy module
+# loading), and NCCL's per-communicator buffers (channels x peers x NCCL_BUFFSIZE, a few hundred
+# MiB each; a run has the world's communicator plus subgroups for hybrid meshes and
+# point-to-point pairs). What the allocator itself holds beyond the trace (fragmentation, the
+# largest transient block) is the planner's allocator model, not this.
+CUDA_CONTEXT_BYTES = 768 * 2**20
+NCCL_BYTES = 1024 * 2**20
+
+
+def auto_device_budget(total: int, world_size: int) -> Tuple[int, str]:
+    """The bytes the caching allocator can use on a device of `total` bytes, and how they were found."""
+    nccl = NCCL_BYTES if world_size > 1 else 0
+    budget = total - CUDA_CONTEXT_BYTES - nccl
+    parts = f"{format_bytes(CUDA_CONTEXT_BYTES)} CUDA context and libraries"
+    if nccl:
+        parts += f", {format_bytes(nccl)} NCCL buffers"
+    return budget, f"device_memory='auto': {format_bytes(total)} on the device - {parts} = {format_bytes(budget)}"
+
+
+def _auto_note(world_size: int) -> str:
+    import torch
+
+    return auto_device_budget(int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory),
+                              world_size)[1]
+
+
+def resolve_device_memory(value: Any, accelerator: str, world_size: int = 1) -> Optional[int]:
+    """None | "auto" | "80GiB" | bytes -> the bytes the planner may fill.
+
+    "auto" is the current CUDA device's total memory less what lives outside the caching
+    allocator (auto_device_budget); unknown (None) on the CPU. A size given by the user is
+    taken as the allocator's budget as it is.
+    """
     if value is None:
         return None
     if value == "auto":
@@ -39,7 +71,8 @@ def resolve_device_memory(value: Any, accelerator: str) -> Optional[int]:
             return None
         import torch
 
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        return auto_device_budget(total, world_size)[0]
     try:
         return parse_bytes(value)
     except (ValueError, TypeError) as exc:
@@ -65,7 +98,8 @@ def candidate_for(strategy: Any) -> Optional[Candidate]:
 
 def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
     """Called by Trainer.fit before anything starts: choose (strategy="auto"), warn, or do nothing."""
-    device_memory = resolve_device_memory(getattr(trainer, "device_memory", None), trainer.accelerator)
+    world = trainer.devices * trainer.num_nodes
+    device_memory = resolve_device_memory(getattr(trainer, "device_memory", None), trainer.accelerator, world)
     if device_memory is None:
         return
     auto = bool(getattr(trainer.strategy, "is_auto", False))
@@ -104,6 +138,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
             c = best.candidate
             os.environ[CHOICE_ENV] = f"{c.name}:{names}:{c.micro_batch}x{c.accumulation}"
             reason = result.reason.rstrip(".") + split + "." if split else result.reason
+            if trainer.device_memory == "auto":
+                reason += f" ({_auto_note(world)})"
             _install(trainer, best.candidate, blocks=result.block_classes, reason=reason)
             return
         if current is None:
@@ -120,7 +156,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
     warnings.warn(
         f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
         f"needs {format_bytes(mine.reserved)} per device (allocated {format_bytes(mine.allocated)}; "
-        f"{result.fits_uses}), the device has {format_bytes(device_memory)}. {change}", stacklevel=3)
+        f"{result.fits_uses}), the device has {format_bytes(device_memory)}"
+        f"{' (' + _auto_note(world) + ')' if trainer.device_memory == 'auto' else ''}. {change}", stacklevel=3)
 
 
 def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:
