@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import collections
 import threading
+import types
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch._guards import active_fake_mode
@@ -94,6 +95,12 @@ def _op_info(func) -> tuple[str | None, bool]:
     return role, aliasing
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _storages(t: torch.Tensor) -> list:
     # Wrapper subclasses (DTensor, FSDP's extensions) own no memory themselves; the
     # bytes live in the inner tensors they flatten to.
@@ -145,16 +152,38 @@ class MemoryTracker:
     optimizers)`` so memory that existed before tracking started is counted and
     categorised. After ``stop()`` the peak numbers stay readable; current numbers
     freeze at their value when tracking stopped.
+
+    For callers that need more than one peak (the memory planner records an
+    envelope per training phase) there are four more public pieces:
+
+    - ``on_change(counts)``: called after every op the tracker sees and every
+      storage resize, whether or not the counts changed, with the live bytes per
+      category as a read-only mapping (copy it to keep it). It runs on the
+      tracking thread, outside the tracker's lock.
+    - ``ignore_op()``: asked before each op is counted; True means the op's
+      outputs are not memory (the planner: DTensor's sharding propagation, which
+      runs ops on global-shape fake tensors to learn output metadata). Neither
+      counted nor reported to on_change.
+    - ``begin_transient_window()`` / ``largest_transient_bytes``: the largest
+      single storage that is born after the call and then freed, or that
+      shrinks (FSDP2 frees unsharded parameters by resizing their storage to 0).
+    - ``relabel(category, from_categories)``: re-label live storages whose role
+      the caller knows better than the tracker.
     """
 
-    def __init__(self, count_fake: bool | None = None):
+    def __init__(self, count_fake: bool | None = None,
+                 on_change: Callable[[Mapping[str, int]], None] | None = None,
+                 ignore_op: Callable[[], bool] | None = None):
         # count_fake: count FakeTensor (meta) storages, for the memory planner;
         # None = decide at start() from whether a FakeTensorMode is active then.
         self._count_fake_arg, self._count_meta, self._fake_mode = count_fake, False, None
+        self._on_change, self._ignore_op = on_change, ignore_op
+        self._transient_from = -1  # birth counter at begin_transient_window(); -1: not measuring
+        self._largest_transient = 0
         self._lock = threading.RLock()
         self._entries: dict[int, _Entry] = {}  # StorageImpl address -> entry
         self._pending: collections.deque = collections.deque()  # freed, not yet subtracted
-        self._cur, self._total = dict.fromkeys(CATEGORIES, 0), 0
+        self._set_counts(dict.fromkeys(CATEGORIES, 0), 0)
         self._peak_snap, self._peak_total = dict.fromkeys(CATEGORIES, 0), 0
         self._peak_id = 0  # bumps whenever a new peak moment is recorded
         self._peak_limit = 0  # entries with born <= this were alive at the peak moment
@@ -205,6 +234,42 @@ class MemoryTracker:
             self._drain()
             self._new_peak()
 
+    def begin_transient_window(self) -> None:
+        """Start measuring ``largest_transient_bytes`` from now (restarts it at 0)."""
+        with self._lock:
+            self._transient_from, self._largest_transient = self._seq, 0
+
+    @property
+    def largest_transient_bytes(self) -> int:
+        """Since begin_transient_window(): the largest storage born and then freed, or shrunk.
+
+        A shrink counts the size before it whenever the storage was born: FSDP2
+        keeps one storage per unsharded parameter and resizes it to full size
+        and back to 0 around each use. 0 if the window was never started.
+        """
+        return self._largest_transient
+
+    def relabel(self, category: str, from_categories: Iterable[str] = ("activations", "other")) -> int:
+        """Count every live storage now in one of `from_categories` as `category`; return the bytes moved.
+
+        For roles the caller knows and no hook can see: after a micro-batch's
+        backward without gradient sync, FSDP2 keeps each unit's unsharded
+        gradient on its unsharded parameter, and what is still alive then is
+        accumulated gradient, not activations. The peak's breakdown follows
+        (as for any re-labelling) when those storages were alive at the peak.
+        """
+        if category not in CATEGORIES:
+            raise ValueError(f"Unknown category {category!r}; use one of {', '.join(CATEGORIES)}.")
+        sources = frozenset(from_categories)
+        moved = 0
+        with self._lock:
+            self._drain()
+            for e in list(self._entries.values()):
+                if e.cat in sources and e.cat != category:
+                    moved += e.nbytes
+                    self._recat(e, category)
+        return moved
+
     def register(self, module: torch.nn.Module | None = None, optimizers: Any = ()) -> MemoryTracker:
         """Attach a model and optimizers so their tensors are counted and categorised."""
         if isinstance(optimizers, torch.optim.Optimizer) or hasattr(optimizers, "param_groups"):
@@ -238,7 +303,7 @@ class MemoryTracker:
         with self._lock:
             # Current accounting restarts from what is reachable now; a previous run's
             # peak is kept (those bytes are already in it, hence retro=False).
-            self._cur, self._total = dict.fromkeys(CATEGORIES, 0), 0
+            self._set_counts(dict.fromkeys(CATEGORIES, 0), 0)
             self._scan_registered(retro=False)
             self._maybe_peak()
         return self
@@ -286,7 +351,13 @@ class MemoryTracker:
     # ----------------------------------------------------------- accounting core
     # All mutation happens under self._lock in the thread running ops; weakref
     # callbacks (which may fire on any thread, even mid-update) only queue the entry.
+    def _set_counts(self, cur: dict, total: int) -> None:
+        self._cur, self._total = cur, total
+        self._cur_view = types.MappingProxyType(cur)  # what on_change callbacks see
+
     def _on_free(self, entry: _Entry) -> None:
+        if self._transient_from >= 0 and entry.born > self._transient_from and entry.nbytes > self._largest_transient:
+            self._largest_transient = entry.nbytes
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
         self._pending.append(entry)
@@ -334,6 +405,8 @@ class MemoryTracker:
         e.cat = cat
 
     def _resize(self, e: _Entry, n: int) -> None:
+        if self._transient_from >= 0 and e.nbytes > n and e.nbytes > self._largest_transient:
+            self._largest_transient = e.nbytes  # shrunk away: FSDP2 frees unsharded parameters this way
         if e.born <= self._peak_limit and e.peak_mark != self._peak_id:
             e.peak_mark, e.peak_nbytes = self._peak_id, e.nbytes  # remember its size at the peak
         delta, e.nbytes = n - e.nbytes, n
@@ -380,7 +453,11 @@ class MemoryTracker:
             self._awaiting_backward = False
 
     def _after_op(self, func, args, kwargs, out) -> None:
+        if self._ignore_op is not None and self._ignore_op():
+            return
         if self._fake_mode is not None and active_fake_mode() is not self._fake_mode:
+            if self._on_change is not None:
+                self._on_change(self._cur_view)
             return  # a nested fake mode (DTensor sharding propagation): not real memory
         info = self._op_cache.get(func)
         if info is None:
@@ -411,6 +488,8 @@ class MemoryTracker:
             if role is not None:
                 self._apply_role(role, args, kwargs, out)
             self._maybe_peak()
+        if self._on_change is not None:
+            self._on_change(self._cur_view)
 
     def _apply_role(self, role: str, args, kwargs, out) -> None:
         in_backward = torch._C._current_graph_task_id() != -1
@@ -435,6 +514,8 @@ class MemoryTracker:
             elif st.nbytes() != e.nbytes:
                 self._resize(e, st.nbytes())
             self._maybe_peak()
+        if self._on_change is not None:
+            self._on_change(self._cur_view)
 
     # --------------------------------------------------------- roles from objects
     def _scan_registered(self, retro: bool = True) -> None:
@@ -468,7 +549,12 @@ class MemoryTracker:
     def _hook_grad(self, p: torch.Tensor) -> None:
         # A gradient is born as an anonymous backward output; the hook fires right
         # after it lands in .grad so it is re-labelled before it can skew the split.
-        if not p.requires_grad or p in self._grad_hooked or type(p) is not torch.nn.Parameter:
+        # Fake parameters (a FakeTensor, not an nn.Parameter, once built under a
+        # FakeTensorMode) are hooked too when fake storages count; DTensor
+        # parameters are not (FSDP2 assigns their sharded .grad itself).
+        if not p.requires_grad or p in self._grad_hooked:
+            return
+        if type(p) is not torch.nn.Parameter and not (self._count_meta and _is_fake(p)):
             return
 
         def hook(param: torch.Tensor) -> None:
