@@ -3,15 +3,17 @@
 One trace = what rank 0 of a `world`-rank job does, with nothing allocated: a
 fake process group (torch's "fake" backend: collectives return at once),
 FakeTensorMode (tensors carry shape, dtype and device, no data), and the
-strategy object the Trainer would run -- `FSDPStrategy.setup_module` applies
-activation checkpointing, `select_units` and `fully_shard` exactly as in
-training (only materialisation is replaced: fake tensors instead of
-allocate-and-initialise) -- followed by the Trainer's own sequence for one
-optimizer step: micro-batches under `no_backward_sync`, forward through
-`strategy.call`, `strategy.backward`, `optimizer_step`, `zero_grad`. Memory
-is counted by shardwise.memory's tracker (the one the accuracy test measures
-real runs with), in count-fake mode. DDP is traced unwrapped; see
-`_strategy_kind` for why and how its buckets are accounted.
+strategy object the Trainer would run, set up through its public planning
+entry (`Strategy.setup_fake_environment`: rank 0 of the planned world, and
+fake tensors of the same shapes and shards where training would allocate and
+initialise) -- `FSDPStrategy.setup_module` then applies activation
+checkpointing, `select_units` and `fully_shard` exactly as in training --
+followed by one optimizer step through the Trainer's own step functions
+(shardwise/step.py: `forward_backward` per micro-batch, `optimizer_update`).
+Memory is counted by shardwise.memory's tracker (the one the accuracy test
+measures real runs with), in count-fake mode, through its public hooks. DDP
+is traced unwrapped; see `_strategy_kind` for why and how its buckets are
+accounted.
 
 Corrections that make fake-mode numbers mean what real ones do:
 - DTensor derives each new op's output metadata by running it on global-shape
@@ -21,9 +23,10 @@ Corrections that make fake-mode numbers mean what real ones do:
   Allocations made while the sharding propagator runs are ignored (see
   fake_world: only the first trace in a process ran them, as the propagator
   caches each op schema).
-- Gradients of fake parameters are labelled as they land (the base tracker
-  hooks only plain Parameters), and what survives a non-final micro-batch is
-  labelled carried gradient state, so activations can be told apart.
+- Gradients of fake parameters are labelled as they land (the tracker hooks
+  fake parameters when it counts fake storages), and what survives a
+  non-final micro-batch is labelled carried gradient state
+  (`MemoryTracker.relabel`), so activations can be told apart.
 - Only phases are recorded, not one global peak: for every phase (forward /
   backward of each micro-batch, optimizer step) we keep the upper envelope
   of a few "views" of the category totals, evaluated at several activation
@@ -40,15 +43,15 @@ import copy
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwise.memory import MemoryTracker
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec, PlanError, spec_batch
+from shardwise import step
 
 
 
@@ -106,16 +109,13 @@ class Trace:
     largest_transient: int = 0  # the largest single block allocated and released within the step
 
 
-class _PlanTracker(MemoryTracker):
-    """The shardwise tracker, plus per-phase envelopes and blindness to DTensor's metadata runs."""
+class _PhaseRecorder:
+    """Per-phase envelopes of the tracker's category totals; `sample` is the tracker's on_change hook."""
 
     def __init__(self, views: Dict[str, View], scales: Sequence[float], optimizer_scale: float = 1.0) -> None:
-        super().__init__(count_fake=True)
         # Resident fraction of the optimizer state on the device: 1 for torch's optimizers, 0.25 for
         # 8-bit state (traced as fp32), the configured fraction for paged state.
         self.optimizer_scale = optimizer_scale
-        self.largest_transient = 0
-        self._step_start = -1
         self.views = dict(views)
         for name, view in views.items():
             if view.buckets:
@@ -124,63 +124,23 @@ class _PlanTracker(MemoryTracker):
         self.phase: Optional[str] = None
         self.envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
 
-    def _after_op(self, func, args, kwargs, out) -> None:
-        if getattr(_PROPAGATING, "depth", 0):
-            return  # DTensor's sharding propagation on global-shape fake tensors (see fake_world)
-        super()._after_op(func, args, kwargs, out)
-        if self.phase is not None:
-            self._sample()
+    def tracker(self) -> MemoryTracker:
+        """A fake-counting tracker that reports to this recorder and skips DTensor's metadata runs."""
+        return MemoryTracker(count_fake=True, on_change=self.sample, ignore_op=_propagating)
 
-    def _on_resize(self, st) -> None:
-        super()._on_resize(st)
-        if self.phase is not None:
-            self._sample()
+    def label(self, phase: str) -> Callable[..., None]:
+        """A step hook (step.py's before_backward) that starts `phase`."""
+        def start(*_: Any) -> None:
+            self.phase = phase
+        return start
 
-    def begin_step(self) -> None:
-        """From here on, a block that is allocated and then released (or resized away) is transient."""
-        self._step_start = self._seq
-
-    def _on_free(self, entry) -> None:
-        if self._step_start >= 0 and entry.born > self._step_start:
-            self.largest_transient = max(self.largest_transient, entry.nbytes)
-        super()._on_free(entry)
-
-    def _resize(self, e, n: int) -> None:
-        if self._step_start >= 0 and n < e.nbytes:  # FSDP2 frees unsharded parameters by resizing to 0
-            self.largest_transient = max(self.largest_transient, e.nbytes)
-        super()._resize(e, n)
-
-    def _hook_grad(self, p: torch.Tensor) -> None:
-        # The base tracker hooks only plain Parameters; ours are fake. Without the hook a
-        # fresh gradient would count as an activation until the optimizer step, and the
-        # ZeRO views need gradients and activations apart during the backward.
-        if not p.requires_grad or p in self._grad_hooked or _is_dtensor(p):
+    def sample(self, cur: Mapping[str, int]) -> None:
+        phase = self.phase
+        if phase is None:
             return
-
-        def hook(param: torch.Tensor) -> None:
-            with self._lock:
-                self._claim(param.grad, "gradients")
-
-        self._grad_hooked[p] = p.register_post_accumulate_grad_hook(hook)
-
-    def relabel_leftovers(self) -> None:
-        """After a non-final micro-batch's backward, what is still alive is carried gradient state.
-
-        FSDP2 keeps the unsharded gradients of a no-sync micro-batch on its own
-        unsharded parameters, which no hook labels; born in the backward they
-        would count as activations and be scaled with the micro-batch.
-        """
-        with self._lock:
-            self._drain()
-            for e in list(self._entries.values()):
-                if e.cat in ("activations", "other"):
-                    self._recat(e, "gradients")
-
-    def _sample(self) -> None:
-        cur = self._cur
         p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"] * self.optimizer_scale, cur["buffers"]
         a = cur["activations"] + cur["other"]
-        env, phase = self.envelope, self.phase
+        env = self.envelope
         for name, view in self.views.items():
             for r in self.scales:
                 value = view(p, g, o, b, a, r)
@@ -209,10 +169,9 @@ class _PlanTracker(MemoryTracker):
             del self.envelope[key]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+def _propagating() -> bool:
+    """Whether DTensor's sharding propagation is running on this thread (see fake_world)."""
+    return bool(getattr(_PROPAGATING, "depth", 0))
 
 
 @contextlib.contextmanager
@@ -313,25 +272,16 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
     from shardwise.plan.kernels import target_attention
     from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
     from shardwise.strategies.ddp import DDPStrategy
-    from shardwise.strategies.fsdp import build_device_mesh
 
     if not isinstance(optimizer, OptimizerChoice):
         optimizer = resolve_optimizer(optimizer, foreach=foreach, target=target)
     traced = _strategy_kind(cand)
     strategy = _build_traced_strategy(cand, traced, spec)
     strategy.connect("cpu", _trace_precision(precision), num_nodes=num_nodes, devices=world_size // num_nodes)
-    strategy.env = _rank0_env(world_size, num_nodes) if traced.kind == "fsdp" else _rank0_env(1, 1)
-    if traced.kind == "fsdp":
-        strategy.mesh = build_device_mesh(traced.sharding, world_size, num_nodes, "cpu",
-                                          getattr(strategy, "device_mesh_arg", None))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def materialize(module: nn.Module, device: object = None) -> None:
-        # Instead of allocating and initialising: fake tensors of the same shapes (and shards).
-        with fake if not _fake_active(fake) else contextlib.nullcontext():
-            module.to_empty(device=torch.device("cpu"))
-
-    strategy.materialize = materialize  # the one step of set-up that would allocate
+    # The one step of set-up that would allocate -- materialisation -- gives fake tensors instead.
+    env = _rank0_env(world_size, num_nodes) if traced.kind == "fsdp" else _rank0_env(1, 1)
+    strategy.setup_fake_environment(env, fake)
     module = _fresh_module(spec, depth, optimizer)
     with strategy.module_init_context():
         module.configure_model()
@@ -342,16 +292,13 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
         apply_activation_checkpointing(module, set(spec.block_classes))
     result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
     buckets = traced.kind == "ddp" and world_size > 1
-    tracker = _PlanTracker(views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales,
-                           optimizer_scale=optimizer.state_scale)
+    recorder = _PhaseRecorder(views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales,
+                              optimizer_scale=optimizer.state_scale)
+    tracker = recorder.tracker()
     try:
+        # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
         with fake if isinstance(strategy, DDPStrategy) else contextlib.nullcontext():
-            # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
-            module.to = lambda *a, **k: module  # type: ignore[method-assign]  # fake tensors cannot be swapped
-            try:
-                model = strategy.setup_module(module)
-            finally:
-                del module.to
+            model = strategy.setup_module(module)
         with fake, target_attention(target):
             opt_config = module.configure_optimizers()
             optimizers = opt_config if isinstance(opt_config, (list, tuple)) else [
@@ -362,50 +309,44 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
             with tracker:
                 result.params = tracker.current_breakdown["parameters"]
                 result.buffers = tracker.current_breakdown["buffers"]
-                tracker.begin_step()
-                _train_step(strategy, model, module, batches, tracker, optimizers, result)
-                tracker.phase = None
-            tracker.synthesize_second_step(result.grads, result.optimizer)
+                tracker.begin_transient_window()
+                _train_step(strategy, model, module, batches, tracker, recorder, optimizers, result)
+            recorder.synthesize_second_step(result.grads, result.optimizer)
     except (PlanError, TraceFailed):
         raise
     except Exception as exc:  # data-dependent shapes, ops without fake kernels, ...
         raise TraceFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    result.envelope = tracker.envelope
+    result.envelope = recorder.envelope
     result.units = list(getattr(strategy, "units", []))
-    result.largest_transient = tracker.largest_transient
+    result.largest_transient = tracker.largest_transient_bytes
     return result
 
 
-def _fake_active(fake: Any) -> bool:
-    from torch._guards import active_fake_mode
+def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any], tracker: MemoryTracker,
+                recorder: _PhaseRecorder, optimizers: List[Any], result: Trace) -> None:
+    """The first optimizer step, through the Trainer's own step functions (shardwise/step.py).
 
-    return active_fake_mode() is fake
-
-
-def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any], tracker: _PlanTracker,
-                optimizers: List[Any], result: Trace) -> None:
-    """The Trainer's _train_batch / _optimizer_step sequence for the first optimizer step."""
+    Only what the Trainer does around them differs: phase labels instead of
+    callbacks and progress marks, no health check or clipping, logs dropped
+    after each micro-batch's backward.
+    """
     window = len(batches)
     for i, batch in enumerate(batches):
         last = i == window - 1
-        with strategy.no_backward_sync(model, enabled=not last):
-            tracker.phase = f"fwd1.{i}"
-            with strategy.autocast():
-                out = strategy.call(model, "training_step", batch)
-            loss = out["loss"] if isinstance(out, dict) else out
-            tracker.phase = f"bwd1.{i}"
-            strategy.backward(loss / window, model)
-            del out, loss
+        recorder.phase = f"fwd1.{i}"
+        step.forward_backward(strategy, model, (batch,), window=window, last=last,
+                              before_backward=recorder.label(f"bwd1.{i}"))
         module._drain_logs()
         if not last:
-            tracker.relabel_leftovers()
+            # FSDP2 keeps a no-sync micro-batch's unsharded gradients on its own unsharded
+            # parameters, which no hook labels; born in the backward they would count as
+            # activations and be scaled with the micro-batch.
+            tracker.relabel("gradients", ("activations", "other"))
     result.grads = tracker.current_breakdown["gradients"]
-    tracker.phase = "opt"
-    for opt in optimizers:
-        strategy.optimizer_step(opt)
-        opt.zero_grad(set_to_none=True)
-    result.optimizer = int(tracker.current_breakdown["optimizer"] * tracker.optimizer_scale)
-    tracker.phase = None
+    recorder.phase = "opt"
+    step.optimizer_update(strategy, model, optimizers)
+    result.optimizer = int(tracker.current_breakdown["optimizer"] * recorder.optimizer_scale)
+    recorder.phase = None
 
 
 def extrapolate(a: Trace, b: Trace, depth: int) -> Trace:

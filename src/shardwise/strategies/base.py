@@ -105,6 +105,9 @@ class Strategy:
         self.lr_schedulers: List[Dict[str, Any]] = []
         self.grad_scaler: Optional[torch.amp.GradScaler] = None
         self._owns_process_group = False
+        # Materialisation mode: None = allocate and initialise (training); a FakeTensorMode =
+        # fake tensors of the same shapes and shards under it (planning; setup_fake_environment).
+        self.fake_mode: Any = None
 
     # ------------------------------------------------------------------ set-up
     def connect(self, accelerator: str = "auto", precision: Union[str, Precision, None] = None,
@@ -167,6 +170,21 @@ class Strategy:
             atexit.register(_destroy_process_group)
         self.grad_scaler = self.precision.grad_scaler(self.root_device)
 
+    def setup_fake_environment(self, env: DistEnv, fake_mode: Any) -> None:
+        """Instead of setup_environment, for the memory planner: be rank `env.global_rank` of `env`'s world
+        without joining it, and materialise fake tensors under `fake_mode` instead of allocating.
+
+        Everything else -- setup_module's wrapping, sharding and checkpointing, the
+        steps -- then runs the code training runs. Collectives need a process group:
+        the planner creates a fake one (torch's "fake" backend) before calling this.
+        No device is selected, no thread count changed, no fault handler installed.
+        """
+        if self.precision is None:
+            self.connect()
+        self.env = env
+        self.root_device = device_for(self.accelerator, env.local_rank)
+        self.fake_mode = fake_mode
+
     # ------------------------------------------------------------ properties
     @property
     def world_size(self) -> int:
@@ -214,7 +232,17 @@ class Strategy:
         return module
 
     def materialize(self, module: nn.Module, device: Optional[torch.device] = None) -> None:
-        """Allocate and initialise meta tensors on `device` (default: this rank's), the same weights under every strategy."""
+        """Allocate and initialise meta tensors on `device` (default: this rank's), the same weights under every strategy.
+
+        In fake mode (setup_fake_environment) every tensor becomes a fake one of the same
+        shape instead: nothing is allocated and no initialisation runs.
+        """
+        if self.fake_mode is not None:
+            from torch._guards import active_fake_mode
+
+            with self.fake_mode if active_fake_mode() is not self.fake_mode else contextlib.nullcontext():
+                module.to_empty(device=device or self.root_device)
+            return
         if has_meta_tensors(module):
             init_weights = getattr(module, "init_weights", None)
             materialize_module(module, device or self.root_device, global_seed(),
@@ -229,7 +257,8 @@ class Strategy:
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self._prepare(module)
         self.materialize(module)
-        module = module.to(self.root_device)
+        if self.fake_mode is None:  # fake tensors are made on root_device and cannot be swapped by .to
+            module = module.to(self.root_device)
         self.module = module
         return module
 

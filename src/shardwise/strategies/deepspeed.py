@@ -250,6 +250,13 @@ class DeepSpeedStrategy(Strategy):
         self.config = self._build_config()
         self.grad_scaler = None  # DeepSpeed scales fp16 losses itself
 
+    def setup_fake_environment(self, env: Any, fake_mode: Any) -> None:
+        # The engine allocates its flat buffers and partitions in C++ and Python outside the
+        # module's materialisation, so there is no fake mode to honour; the planner traces a
+        # ZeRO stage as DDP and applies ZeRO's partitioning analytically (plan/analytic.py).
+        raise NotImplementedError("DeepSpeedStrategy cannot be set up on fake tensors; the memory planner traces "
+                                  "ZeRO stages as DDP and partitions the states analytically.")
+
     @contextlib.contextmanager
     def module_init_context(self) -> Iterator[None]:
         """Stages 0-2: the meta device (materialised later, as DDP). Stage 3: zero.Init shards as it builds."""

@@ -322,6 +322,12 @@ class FSDPStrategy(Strategy):
                           "host memory. It offloads parameters, gradients and optimizer state on CUDA.",
                           stacklevel=2)
 
+    def setup_fake_environment(self, env: Any, fake_mode: Any) -> None:
+        """Planning (base.Strategy.setup_fake_environment): the mesh of `env`'s world on the existing fake group."""
+        super().setup_fake_environment(env, fake_mode)
+        self.mesh = build_device_mesh(self.sharding_strategy, env.world_size, getattr(self, "num_nodes", 1) or 1,
+                                      self.root_device.type, self.device_mesh_arg)
+
     def _fsdp_kwargs(self) -> dict:
         kwargs: dict = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
         if self.precision.mixed:
