@@ -43,18 +43,37 @@ def seed_001_plan():
                 optimizer="adam", candidates=[_lightning_strategy(n) for n in SEED_001], workers=1)
 
 
-# SHARD_GRAD_OP is predicted 15.1% low (9,991 vs 11,772 MiB): the seed ran Lightning 2.1's FSDP1, whose
-# SHARD_GRAD_OP holds about one more sharded-gradient copy (2.1 GiB here) at its peak than FSDP2's
-# reshard_after_forward=False, which is what shardwise runs and traces. Kept visible, not loosened.
-_FSDP1_GAP = pytest.mark.xfail(strict=True, reason="FSDP1 (seed) vs FSDP2 (traced) SHARD_GRAD_OP: -15.1%")
+# SHARD_GRAD_OP is predicted 15.1% low (9,991 vs 11,772 MiB). Measured cause (CPU/gloo, 2 ranks, the seed's layer
+# types at 2 and 4 layer pairs, extrapolated to 32; /work/notes/planner_p.md): Lightning's automatic optimization
+# calls zero_grad after training_step's forward (its Closure runs step_fn, zero_grad_fn, backward_fn), so the
+# previous step's sharded gradients (1,924 MiB here) are alive through the forward, and with SHARD_GRAD_OP the
+# forward's end is the peak (every unit stays gathered). In that loop order FSDP1 (as Lightning 2.1 ran it:
+# use_orig_params, fp32 MixedPrecision) extrapolates to 11,697 MiB and FSDP2 to 11,818; in shardwise's order (zero_grad
+# right after the step, which the planner traces) to 9,772 and 9,895. FSDP1 vs FSDP2 is not the cause. The planner
+# models shardwise's Trainer, so the row stays a visible failure rather than a loosened tolerance.
+_LOOP_ORDER_GAP = pytest.mark.xfail(strict=True, reason="Lightning zeroes gradients after the forward; shardwise "
+                                    "after the step (measured: one sharded gradient copy, -15.1%)")
 
 
-@pytest.mark.parametrize("name", [n if n != "SHARD_GRAD_OP" else pytest.param(n, marks=_FSDP1_GAP) for n in SEED_001])
+@pytest.mark.parametrize("name", [n if n != "SHARD_GRAD_OP" else pytest.param(n, marks=_LOOP_ORDER_GAP) for n in SEED_001])
 def test_seed_001_sharding_strategy_table(seed_001_plan, name):
     row = seed_001_plan.estimates[list(SEED_001).index(name)]
     published = SEED_001[name] * MIB
     assert row.allocated == pytest.approx(published, rel=0.15), (name, row.allocated / MIB, SEED_001[name])
     assert row.fits  # all four ran on 40 GB
+
+
+def test_seed_001_shard_grad_op_gap_is_one_sharded_gradient_copy(seed_001_plan):
+    """The published SHARD_GRAD_OP figure is the prediction plus the previous step's sharded fp32 gradients.
+
+    That copy is what Lightning's loop order (zero_grad between forward and backward) keeps alive at the
+    forward's end; with it the row is within 2% (measured on CPU: +242 MiB at 2 layer pairs, +354 at 4,
+    exactly the sharded gradient bytes). If the SHARD_GRAD_OP prediction moves, this says so.
+    """
+    row = seed_001_plan.estimates[list(SEED_001).index("SHARD_GRAD_OP")]
+    sharded_grads = seed_001_plan.params * 4 / seed_001_plan.world_size
+    assert row.breakdown["gradients"] < 0.1 * sharded_grads  # the peak is where the new gradients have not built up
+    assert row.allocated + sharded_grads == pytest.approx(SEED_001["SHARD_GRAD_OP"] * MIB, rel=0.02)
 
 
 def test_seed_001_order_matches(seed_001_plan):
