@@ -97,12 +97,12 @@ def _one_process_load(model_dir, export_dir):
 def test_rank0_load_matches_from_pretrained_and_sharded_export_round_trips(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from shardwise.recipes.hf_model import SAFE_INDEX, iter_files
+    from shardwise.checkpoint.hf_shards import SAFE_INDEX, weight_files
 
     model_dir = build_model_folder(str(tmp_path / "tied"), chat_records(20), tie=True)
     export_dir = str(tmp_path / "export")
     _one_process_load(model_dir, export_dir)
-    files = list(iter_files(export_dir))
+    files = weight_files(export_dir)
     assert len(files) > 1 and os.path.exists(os.path.join(export_dir, SAFE_INDEX))  # small shards -> index
     assert os.path.exists(os.path.join(export_dir, "tokenizer.json"))
     reference = AutoModelForCausalLM.from_pretrained(model_dir)

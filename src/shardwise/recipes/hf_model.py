@@ -26,7 +26,7 @@ and `AutoModelForCausalLM.from_pretrained` loads it.
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
 import os
 import shutil
 import warnings
@@ -35,8 +35,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
+from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.materialize import canonical_name
@@ -46,15 +48,8 @@ try:
 except ImportError:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment]
 
-SAFE_SINGLE = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
 
 class ModelFolderError(ValueError):
     """The model folder cannot be loaded (missing config or weights, unsupported format)."""
@@ -89,8 +84,7 @@ def inspect_model_folder(path: str) -> ModelFolder:
         raise ModelFolderError(f"{path!r} has no config.json, so the architecture is unknown. Files there: "
                                f"{present or 'none'}. Save the model with save_pretrained().")
     if SAFE_INDEX in present:
-        with open(os.path.join(path, SAFE_INDEX)) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
+        files = weight_files(path)
         missing = [f for f in files if f not in present]
         if missing:
             raise ModelFolderError(f"{path!r}: {SAFE_INDEX} lists {missing} but those files are missing.")
@@ -218,30 +212,6 @@ def shard_slices(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: 
     return tuple(slice(a, b) for a, b in bounds)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _broadcast_object(obj: Any) -> Any:
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _comm_device() -> torch.device:
-    # NCCL moves CUDA tensors only, gloo CPU ones. The local shard's device is
-    # not the answer: under FSDP cpu_offload and ZeRO-3 offload the shards are
-    # CPU tensors while the group is NCCL's, so every slice travels through a
-    # staging copy on this device (one piece of at most CHUNK_BYTES at a time).
-    return ops.collective_device()
-
-
 def is_zero3_param(t: torch.Tensor) -> bool:
     """A parameter partitioned by DeepSpeed ZeRO-3 (built under deepspeed.zero.Init)."""
     return hasattr(t, "ds_id")
@@ -253,17 +223,13 @@ def full_shape(t: torch.Tensor) -> torch.Size:
 
 
 # ------------------------------------------------------------------ reading
-def read_safetensors_plan(path: str, files: Sequence[str]) -> List[Tuple[str, str, List[int], str]]:
-    """(file, key, shape, dtype) of every tensor, in file order: only headers are read."""
+def read_safetensors_plan(path: str, files: Sequence[str]) -> List[Tuple[str, str, List[int]]]:
+    """(file, key, shape) of every tensor, in the order of the bytes in each file: only headers are read."""
     plan = []
     for fname in files:
-        with open(os.path.join(path, fname), "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size))
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            plan.append((fname, key, list(info["shape"]), info["dtype"]))
+        with safe_open(os.path.join(path, fname), framework="pt") as handle:
+            for key in handle.offset_keys():
+                plan.append((fname, key, list(handle.get_slice(key).get_shape())))
     return plan
 
 
@@ -302,11 +268,11 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     from the broadcast header plan, before any tensor moves: no rank is left
     waiting in a send that never comes.
     """
-    rank = _rank()
+    rank = ops.rank()
     report = LoadReport(rss_before=current_rss_bytes(), peak_before=peak_rss_bytes())
     reset_peak_rss()  # VmHWM from here on is the loading phase's own peak
-    plan = _broadcast_object(read_safetensors_plan(path, files) if rank == 0 else None)
-    by_key = {key: (fname, shape, dtype) for fname, key, shape, dtype in plan}
+    plan = ops.broadcast_object(read_safetensors_plan(path, files) if rank == 0 else None)
+    by_key = {key: (fname, shape) for fname, key, shape in plan}
     targets = _targets(model)
     order: List[Tuple[str, str, torch.Tensor]] = []  # (file, key, tensor)
     missing, mismatched, used = [], [], set()
@@ -326,7 +292,7 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
             + (f"missing {len(missing)} tensor(s) {missing[:8]}; " if missing else "")
             + (f"shape mismatch {mismatched[:8]}" if mismatched else ""))
     report.unexpected = sorted(set(by_key) - used)
-    position = {key: i for i, (_, key, _, _) in enumerate(plan)}
+    position = {key: i for i, (_, key, _) in enumerate(plan)}
     order.sort(key=lambda item: position[item[1]])  # file by file, in file order: sequential reads
 
     current_file, handle, stack, scratch = None, None, contextlib.ExitStack(), _Scratch()
@@ -337,8 +303,6 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
                 if fname != current_file:
                     # Close the previous file: its mapped pages leave this process's RSS.
                     stack.close()
-                    from safetensors import safe_open
-
                     handle = stack.enter_context(safe_open(os.path.join(path, fname), framework="pt"))
                     current_file = fname
                 full = handle.get_tensor(key)
@@ -422,7 +386,7 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
                     local.copy_(part.reshape(local.shape))
                     continue
                 for rows in _row_chunks(part.shape, part.element_size()):
-                    dist.send(part[rows].contiguous().to(_comm_device()), dst=dst)
+                    dist.send(part[rows].contiguous().to(ops.collective_device()), dst=dst)
         if 0 in shape:
             return
         view = local.view(shape)
@@ -430,7 +394,7 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
             for rows in _row_chunks(shape, local.element_size()):
                 # Received into a small scratch piece, then copied: copy_ also marks
                 # the tensor as written for the strategy's initialisation check.
-                piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device())
+                piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, ops.collective_device())
                 dist.recv(piece, src=0)
                 view[rows].copy_(piece)
         for d in replicated:
@@ -442,17 +406,17 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
             group = mesh.get_group(d)
             for rows in _row_chunks(shape, local.element_size()):
                 if rank == src:
-                    dist.broadcast(view[rows].to(_comm_device()), src=src, group=group)
+                    dist.broadcast(view[rows].to(ops.collective_device()), src=src, group=group)
                 else:
-                    piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, _comm_device())
+                    piece = scratch.get([rows.stop - rows.start, *shape[1:]], local.dtype, ops.collective_device())
                     dist.broadcast(piece, src=src, group=group)
                     view[rows].copy_(piece)
         return
     # A plain tensor is replicated (DDP, single device, buffers under FSDP).
     if rank == 0:
         tensor.copy_(full.to(dtype=tensor.dtype))
-    if _world() > 1:
-        device = _comm_device()
+    if ops.world_size() > 1:
+        device = ops.collective_device()
         buf = (tensor.contiguous().to(device) if rank == 0
                else torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
         dist.broadcast(buf, src=0)
@@ -465,10 +429,10 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
     part = param.ds_tensor.data.view(-1)
     n, numel = part.numel(), int(param.ds_numel)
     group = getattr(param, "ds_process_group", None)
-    members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))] if _world() > 1 else [0]
+    members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))] if ops.world_size() > 1 else [0]
     step = max(1, CHUNK_BYTES // part.element_size())
-    rank = _rank()
-    if len(members) != _world():
+    rank = ops.rank()
+    if len(members) != ops.world_size():
         # Partitioned over a subgroup (MiCS, hierarchical partitioning): every
         # group needs its own copy, so let DeepSpeed gather and re-partition.
         import deepspeed
@@ -488,12 +452,12 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
                 part[: max(0, hi - lo)].copy_(flat[lo:hi])
                 continue
             for start in range(lo, hi, step):
-                dist.send(flat[start:min(start + step, hi)].contiguous().to(_comm_device()), dst=dst)
+                dist.send(flat[start:min(start + step, hi)].contiguous().to(ops.collective_device()), dst=dst)
         return
     lo, hi = bounds(members.index(rank))
     for start in range(lo, hi, step):
         stop = min(start + step, hi)
-        piece = scratch.get([stop - start], part.dtype, _comm_device())
+        piece = scratch.get([stop - start], part.dtype, ops.collective_device())
         dist.recv(piece, src=0)
         part[start - lo:stop - lo].copy_(piece)
 
@@ -542,55 +506,22 @@ def export_hf_folder(model: nn.Module, out_dir: str, *, config: Any, tokenizer: 
     (at most `max_shard_size` bytes) and writes it before starting the next.
     Returns out_dir on rank 0, None elsewhere.
     """
-    from safetensors.torch import save_file
-
-    rank = _rank()
+    rank = ops.rank()
     items = _export_items(model, config)
-    shards: List[Tuple[str, List[str], int]] = []  # (temp file, keys, bytes)
-    current: Dict[str, torch.Tensor] = {}
-    current_bytes = 0
-    total = 0
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        for stale in os.listdir(out_dir):  # a previous export's shards must not mix with these
-            if stale.startswith("model") and (stale.endswith(".safetensors") or stale == SAFE_INDEX):
-                os.remove(os.path.join(out_dir, stale))
-
-    def flush() -> None:
-        nonlocal current, current_bytes
-        if not current:
-            return
-        tmp = f".export-{len(shards):05d}.safetensors"
-        save_file(current, os.path.join(out_dir, tmp), metadata={"format": "pt"})
-        shards.append((tmp, list(current), current_bytes))
-        current, current_bytes = {}, 0
-
+    writer = ShardWriter(out_dir, max_shard_size) if rank == 0 else None
     for name, tensor in items:
         with gathered(tensor) as full:  # a collective: every rank, same order
-            if rank == 0:
+            if writer is not None:
                 value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
                 if value.data_ptr() == full.data_ptr() and not isinstance(tensor, DTensor):
                     value = value.clone()  # never alias a live (or soon re-partitioned) tensor
-                size = value.numel() * value.element_size()
-                if current and current_bytes + size > max_shard_size:
-                    flush()
-                current[name] = value
-                current_bytes += size
-                total += size
+                writer.add(name, value)
             del full
-    if rank != 0:
-        _barrier()
+    if writer is None:
+        ops.barrier()
         return None
-    flush()
-    weight_map = {}
-    for i, (tmp, keys, _) in enumerate(shards):
-        final = SAFE_SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
-        weight_map.update({k: final for k in keys})
-    if len(shards) > 1:
-        with open(os.path.join(out_dir, SAFE_INDEX), "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
-    config = _copy_config(config)
+    writer.close()
+    config = copy.deepcopy(config)
     if dtype is not None or items:
         config.dtype = dtype or items[0][1].dtype
     config.save_pretrained(out_dir)
@@ -602,26 +533,5 @@ def export_hf_folder(model: nn.Module, out_dir: str, *, config: Any, tokenizer: 
         for fname in TOKENIZER_FILES:
             if os.path.exists(os.path.join(source_dir, fname)):
                 shutil.copy2(os.path.join(source_dir, fname), out_dir)
-    _barrier()
+    ops.barrier()
     return out_dir
-
-
-def _copy_config(config: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(config)
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
-
-
-def iter_files(out_dir: str) -> Iterator[str]:
-    """The weight files of an exported folder (tests and tools)."""
-    index = os.path.join(out_dir, SAFE_INDEX)
-    if os.path.exists(index):
-        with open(index) as fh:
-            yield from sorted(set(json.load(fh)["weight_map"].values()))
-    else:
-        yield SAFE_SINGLE
