@@ -55,14 +55,6 @@ _MODEL, _OPTIMIZERS = "model", "optimizers"
 _async_group: Optional[Any] = None
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -124,7 +116,7 @@ def save_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
         # Gathering would run rank 0's host out of memory and the kernel would kill the run with
         # everything since the last checkpoint. Save this step sharded (nothing is gathered);
         # the manifest says so, and every strategy resumes from either format.
-        if _rank() == 0:
+        if ops.rank() == 0:
             warnings.warn(
                 f"state_dict_type='full': this checkpoint would gather {_gib(needed)} (model and optimizer "
                 f"state) in rank 0's host memory, which has {_gib(available)} available; {path} is saved "
@@ -184,8 +176,8 @@ def _full_state_budget(model: torch.nn.Module,
         for per_param in opt.state.values():
             tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
     needed = sum(t.numel() * t.element_size() for t in tensors)
-    free = available_host_bytes() if _rank() == 0 else None
-    if _world() > 1:  # -1 stands for "unknown", and for every rank but 0
+    free = available_host_bytes() if ops.rank() == 0 else None
+    if ops.world_size() > 1:  # -1 stands for "unknown", and for every rank but 0
         free = float(ops.reduce(torch.tensor(-1.0 if free is None else float(free), dtype=torch.float64), "max"))
         free = None if free < 0 else free
     return needed, free
@@ -206,7 +198,7 @@ def _save_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optim_states = [get_optimizer_state_dict(model, opt, options=options) for opt in optimizers]
-    if _rank() == 0:
+    if ops.rank() == 0:
         body = {**plain_state({k: v for k, v in state.items() if k != "shardwise"}, "trainer state"),
                 "state_dict": model_state, "optimizer_states": optim_states}
         # The file cannot hold its own hash: record one over every tensor's bytes instead (integrity.py).
@@ -244,7 +236,7 @@ def _save_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
     error: Optional[BaseException] = None
-    if _rank() == 0:
+    if ops.rank() == 0:
         try:
             write_trainer_state(path, state)  # creates the directory
         except (OSError, CheckpointError) as exc:
@@ -267,11 +259,11 @@ def _save_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     sums: Dict[str, Any] = {}
     if error is None:
         try:
-            sums = hash_files(path, _own_files(path, _rank()))
+            sums = hash_files(path, _own_files(path, ops.rank()))
         except OSError as exc:
             error = write_error(exc, path)
-    gathered = _all_gather((sums, None if error is None else str(error)))
-    if error is None and _rank() == 0 and not any(e for _, e in gathered):
+    gathered = ops.all_gather_object((sums, None if error is None else str(error)))
+    if error is None and ops.rank() == 0 and not any(e for _, e in gathered):
         try:
             record_checksums(path, {k: v for part, _ in gathered for k, v in part.items()})
         except (OSError, CheckpointError) as exc:
@@ -285,14 +277,6 @@ def _own_files(path: str, rank: int) -> List[str]:
     return sorted(names) + ([_DCP_METADATA] if rank == 0 else [])
 
 
-def _all_gather(obj: Any) -> List[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _hash_when_written(response: Any, path: str, error: Optional[BaseException]) -> Future:
     """A Future completing once DCP's background write is done AND this rank's files are hashed.
 
@@ -302,7 +286,7 @@ def _hash_when_written(response: Any, path: str, error: Optional[BaseException])
     """
     inner = getattr(response, "upload_completion", response)
     done: Future = Future()
-    rank = _rank()
+    rank = ops.rank()
 
     def finish(fut: Any) -> None:
         try:
@@ -366,13 +350,13 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     # One digest covers the file's tensors; rank 0 checks it (reading the
     # mapped pages once) and every rank raises together.
     problem = None
-    if _rank() == 0:
+    if ops.rank() == 0:
         try:
             verify_tensor_digest(path, payload.get("shardwise", {}),
                                  {k: v for k, v in payload.items() if k != "shardwise"})
         except CheckpointError as exc:
             problem = str(exc)
-    problem = _all_gather(problem)[0]
+    problem = ops.all_gather_object(problem)[0]
     if problem:
         from shardwise.checkpoint.errors import ChecksumMismatchError
 
@@ -443,7 +427,7 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     data_files = {rel for rel in sums if rel.endswith(".distcp")}
     # Small files first (each rank a share, all raise together); the data
     # files are hashed while DCP reads them (dcp_io.py): one pass, not two.
-    verify_directory(path, manifest, _rank(), _world(), gather=_all_gather, only=set(sums) - data_files)
+    verify_directory(path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=set(sums) - data_files)
     state = read_trainer_state(path)
     metadata = read_dcp_metadata(path)
     _check_model(path, _prefixed_shapes(metadata, _MODEL + "."), model)
@@ -471,7 +455,7 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
             f"Reading {path} failed; a data file may be corrupt: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}"))
         error.__cause__ = exc
-    verdicts = _all_gather((None if error is None else f"{type(error).__name__}: {error}", sorted(reader.verified)))
+    verdicts = ops.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", sorted(reader.verified)))
     if error is not None:
         raise error
     failed = [v for v, _ in verdicts if v]
@@ -480,7 +464,7 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     # Data files no rank read to the end (a partial or resharded read): hash them now.
     covered = set().union(*[set(v) for _, v in verdicts])
     if data_files - covered:
-        verify_directory(path, manifest, _rank(), _world(), gather=_all_gather, only=data_files - covered)
+        verify_directory(path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=data_files - covered)
     set_model_state_dict(model, payload[_MODEL])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, payload[_OPTIMIZERS][str(i)])

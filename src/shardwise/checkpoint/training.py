@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from shardwise.checkpoint import formats, layout
 from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
@@ -55,7 +54,7 @@ class PendingCheckpoint:
             error = f"rank {self.strategy.global_rank}: {type(exc).__name__}: {exc}"
             errno_ = getattr(exc, "errno", None)
         # On the checkpoint group: the other ranks wait here while rank 0 writes a full checkpoint.
-        group = formats.checkpoint_group() if dist.is_available() and dist.is_initialized() else None
+        group = formats.checkpoint_group() if ops.is_initialized() else None
         reports = [r for r in ops.all_gather_object((error, errno_), group=group) if r[0]]
         if reports:
             if self.strategy.is_global_zero:
