@@ -14,14 +14,8 @@ from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError,
 from shardwise.checkpoint.integrity import check_writable
 from shardwise.checkpoint.lock import CheckpointDirectoryBusyError
 from shardwise.checkpoint.layout import FORMAT_VERSION, LAST_NAME, latest_checkpoint, list_checkpoints
+from shardwise.checkpoint.reader import open_checkpoint
 from shardwise.checkpoint.training import load_training_checkpoint, save_training_checkpoint
-
-
-def open_checkpoint(path: str):
-    """A reader over the checkpoint at `path` (see reader.py); imported lazily, it is only for tools."""
-    from shardwise.checkpoint.reader import open_checkpoint as _open
-
-    return _open(path)
 
 
 __all__ = [

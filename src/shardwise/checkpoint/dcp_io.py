@@ -19,10 +19,12 @@ import hashlib
 import io
 import mmap
 import os
+import sys
 import warnings
 from typing import Any, Dict, List, Optional, Set
 
 import torch
+from torch import _weights_only_unpickler
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed._shard._utils import narrow_tensor_by_index  # what DCP itself uses
 
@@ -77,7 +79,7 @@ class VerifyingReader(SafeFileSystemReader):
                 # (info.offset < pos: the same item requested twice, already hashed)
                 try:
                     self._decode(req, info, buf, planner, path)
-                except CheckpointError as exc:
+                except CheckpointError:
                     if hasher is None:
                         raise
                     # Undecodable bytes: if the file differs from its recorded sum, say that instead.
@@ -198,10 +200,6 @@ def decode_tensor(buf: Any) -> torch.Tensor:
     the tensor around `torch.frombuffer` views of the records instead. The
     view keeps `buf` alive; DCP copies it into the target right after.
     """
-    import sys
-
-    from torch import _weights_only_unpickler
-
     mapped = isinstance(buf, _MappedItem)
     memory = buf.view if mapped else buf
     archive = torch._C.PyTorchFileReader(buf if mapped else io.BytesIO(buf))

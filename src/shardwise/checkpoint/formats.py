@@ -26,6 +26,7 @@ a list of differences rather than a failure deep inside a copy.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 from concurrent.futures import Future
@@ -37,9 +38,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
 from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                         CorruptCheckpointError)
+                                         ChecksumMismatchError, CorruptCheckpointError)
 from shardwise.checkpoint.dcp_io import VerifyingReader
 from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_checksums, recorded_checksums,
                                             tensor_digest, verify_directory, verify_enabled, verify_tensor_digest,
@@ -56,8 +58,6 @@ _async_group: Optional[Any] = None
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -220,8 +220,6 @@ def checkpoint_group() -> Any:
     a rank that dies meanwhile is still caught by the launcher. Created once per
     default process group (collectively, at the first use, which every rank reaches).
     """
-    import datetime
-
     global _async_group
     world = dist.group.WORLD
     if _async_group is None or _async_group[0] is not world:
@@ -358,8 +356,6 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
             problem = str(exc)
     problem = ops.all_gather_object(problem)[0]
     if problem:
-        from shardwise.checkpoint.errors import ChecksumMismatchError
-
         raise ChecksumMismatchError(problem)
     _check_model(path, shapes_of(payload["state_dict"]), model)
     optim_states = payload.get("optimizer_states", [])

@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.reader import TensorInfo, open_checkpoint
 
 
@@ -91,8 +92,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--limit", type=int, default=50, help="tensors to list (0: all)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    from shardwise.checkpoint.errors import CheckpointError
-
     try:
         summary = describe(args.ckpt)
     except CheckpointError as exc:

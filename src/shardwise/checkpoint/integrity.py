@@ -28,6 +28,9 @@ import torch
 
 from shardwise.checkpoint.errors import (ChecksumMismatchError, CheckpointWriteError, CorruptCheckpointError)
 
+# The manifest's file name. It lives here, not in layout.py (which re-exports it), because
+# layout.py writes checkpoints through this module, and this module rewrites the manifest.
+MANIFEST_NAME = "shardwise.json"
 ALGORITHM = "sha256"
 VERIFY_ENV = "SHARDWISE_VERIFY_CHECKSUMS"
 PART_PREFIX = ".checksums-rank"
@@ -91,8 +94,6 @@ def tensor_digest(tree: Any, tensors: Optional[Iterable[torch.Tensor]] = None) -
 
 # ---------------------------------------------------------------- manifests
 def _manifest_path(directory: str) -> str:
-    from shardwise.checkpoint.layout import MANIFEST_NAME
-
     return os.path.join(directory, MANIFEST_NAME)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import difflib
 import json
 import os
 import shutil
@@ -28,12 +29,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from shardwise._version import __version__
 from shardwise.checkpoint.errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError
+from shardwise.checkpoint.integrity import (MANIFEST_NAME, RecordingWriter, file_digest, write_error,
+                                            write_json_durably)
+from shardwise.checkpoint.safety import plain_state, safe_torch_load
 
 #: Version of the on-disk layout. Bump it when a change makes old checkpoints
 #: unreadable, and teach load() to read the old one or say how to convert it.
 FORMAT_VERSION = 1
-MANIFEST_NAME = "shardwise.json"
 TRAINER_STATE_NAME = "trainer_state.pt"
 SUFFIX = ".ckpt"
 LAST_NAME = "last" + SUFFIX
@@ -57,10 +61,6 @@ def is_hidden_leftover(name: str) -> bool:
 
 # ---------------------------------------------------------------- manifest
 def build_manifest(checkpoint_format: str, strategy: str, world_size: int, train_state: Dict[str, Any]) -> Dict[str, Any]:
-    try:
-        from shardwise import __version__ as version
-    except ImportError:  # pragma: no cover - partial installs
-        version = "unknown"
     return {
         "format_version": FORMAT_VERSION,
         "checkpoint_format": checkpoint_format,
@@ -70,7 +70,7 @@ def build_manifest(checkpoint_format: str, strategy: str, world_size: int, train
         "global_step": int(train_state.get("global_step", 0)),
         "batch_idx": int(train_state.get("batch_idx", 0)),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "shardwise_version": version,
+        "shardwise_version": __version__,
         "torch_version": str(torch.__version__),  # TorchVersion is a class; the manifest holds plain data
     }
 
@@ -108,8 +108,6 @@ def save_torch_durably(obj: Any, path: str) -> None:
     and raises CheckpointWriteError with the real errno: torch's zip writer
     would otherwise report only "unexpected pos N vs M".
     """
-    from shardwise.checkpoint.integrity import RecordingWriter, write_error
-
     writer = None
     try:
         with open(path, "wb") as fh:
@@ -134,9 +132,6 @@ def write_trainer_state(directory: str, state: Dict[str, Any]) -> None:
     `Strategy.save_checkpoint` so that every directory checkpoint is
     recognised, inspected and resumed the same way.
     """
-    from shardwise.checkpoint.integrity import file_digest, write_error, write_json_durably
-    from shardwise.checkpoint.safety import plain_state
-
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
@@ -156,8 +151,6 @@ def read_trainer_state(directory: str) -> Dict[str, Any]:
 def load_torch(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """torch.load of tensors and plain data only (safety.py): a file that asks to run code is refused
     (UnsafeCheckpointError) and a damaged one is CorruptCheckpointError; both name the file."""
-    from shardwise.checkpoint.safety import safe_torch_load
-
     if not os.path.exists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete.")
     return safe_torch_load(path, map_location=map_location, mmap=mmap)
@@ -342,8 +335,6 @@ def describe_available(directories: List[str], wanted: Optional[str] = None) -> 
 
     With `wanted` (the mistyped path), the closest names come first.
     """
-    import difflib
-
     lines = []
     for directory in dict.fromkeys(os.path.abspath(d) for d in directories):
         names = candidate_names(directory)

@@ -18,17 +18,20 @@ the allow-lists of safety.py. Other directory formats (DeepSpeed) plug in with
 """
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from shardwise.checkpoint import layout
 from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
                                         CorruptCheckpointError)
+from shardwise.checkpoint.formats import read_dcp_metadata
+from shardwise.checkpoint.integrity import iter_tensors, verify_directory, verify_enabled, verify_tensor_digest
+from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,6 @@ class FullFileReader(CheckpointReader):
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         if not self._verified:  # the recorded digest covers every tensor: check it once, a tensor at a time
-            from shardwise.checkpoint.integrity import iter_tensors, verify_enabled, verify_tensor_digest
-
             if verify_enabled():
                 body = {k: v for k, v in self._meta.items() if k != "shardwise"}
                 with open(self.path, "rb") as fh:
@@ -163,8 +164,6 @@ class ShardedDirReader(CheckpointReader):
     _OPTIM = "optimizers."
 
     def __init__(self, path: str, manifest: Dict[str, Any]) -> None:
-        from shardwise.checkpoint.formats import read_dcp_metadata
-
         super().__init__(path, manifest)
         self.metadata = read_dcp_metadata(path)
         self._verified = False
@@ -186,15 +185,8 @@ class ShardedDirReader(CheckpointReader):
         return layout.read_trainer_state(self.path)
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
-
         metadata = self.metadata  # read once (safely), not once per tensor
-
-        from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
-
         if not self._verified:  # once, before the first tensor is handed out (SHARDWISE_VERIFY_CHECKSUMS=0 skips)
-            from shardwise.checkpoint.integrity import verify_directory
-
             verify_directory(self.path, self.manifest)
             self._verified = True
         info = {t.name: t for t in self.tensors()}
@@ -212,14 +204,12 @@ class ShardedDirReader(CheckpointReader):
         return {k[len(self._MODEL):]: v for k, v in target.items()}
 
 
+# Directory formats other than "sharded" register here from their strategy's module (DeepSpeed's
+# from strategies/deepspeed_checkpoint.py, which the package root imports), so nothing in
+# checkpoint/ imports a strategy.
 _READERS: Dict[str, Callable[[str, Dict[str, Any]], CheckpointReader]] = {
     "sharded": ShardedDirReader,
 }
-
-
-# Formats whose reader lives with their strategy, imported on first use (so
-# `shardwise convert` works on them without the caller importing anything).
-_READER_MODULES = {"deepspeed": "shardwise.strategies.deepspeed_checkpoint"}
 
 
 def register_reader(checkpoint_format: str, factory: Callable[[str, Dict[str, Any]], CheckpointReader]) -> None:
@@ -248,10 +238,7 @@ def open_checkpoint(path: str, check_version: bool = True) -> CheckpointReader:
         reader: CheckpointReader = FullFileReader(path)
     else:
         manifest = layout.read_manifest(path)
-        fmt = manifest.get("checkpoint_format", "")
-        if fmt not in _READERS and fmt in _READER_MODULES:
-            importlib.import_module(_READER_MODULES[fmt])  # registers its reader
-        factory = _READERS.get(fmt)
+        factory = _READERS.get(manifest.get("checkpoint_format", ""))
         if factory is None:
             raise CheckpointFormatError(
                 f"{path} is in format {manifest.get('checkpoint_format')!r}, which no reader is registered for "

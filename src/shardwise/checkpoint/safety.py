@@ -16,14 +16,19 @@ checkpoints always load.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
+import pickletools
 import warnings
+import zipfile
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._nested_dict import set_element  # DCP's own helper
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from shardwise.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 
@@ -38,8 +43,6 @@ def _first_line(exc: BaseException) -> str:
 
 def _pickle_globals(data: bytes) -> list:
     """Every global a pickle names, found by reading its opcodes (pickletools runs nothing)."""
-    import pickletools
-
     found, strings, memo = [], [], {}
     try:
         for op, arg, _ in pickletools.genops(data):
@@ -67,8 +70,6 @@ def unsafe_globals(path: str, allowed: Iterable[str] = ()) -> list:
 
 def _unsafe_names(source: Any) -> list:
     """The globals a torch file names beyond the allow-list (read with pickletools: nothing runs)."""
-    import zipfile
-
     if not isinstance(source, (str, os.PathLike)):
         return []
     try:
@@ -160,8 +161,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.label = label
 
     def find_class(self, module: str, name: str) -> Any:
-        import importlib
-
         if (module, name) in _ALLOWED or module in _DCP_MODULES or module == "torch":
             obj = getattr(importlib.import_module(module), name, None)
             if module in _DCP_MODULES and isinstance(obj, type):
@@ -198,8 +197,6 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if self._metadata is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata = load_dcp_metadata(os.path.join(str(self.path), ".metadata"))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -214,8 +211,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, unpickling 'bytes' items with weights_only=True instead of False."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._nested_dict import set_element  # noqa: F401 (DCP's own helper)
-
         obj = safe_loads_bytes(value, f"{read_item.dest_index.fqn!r} in a sharded checkpoint")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

@@ -27,6 +27,7 @@ from shardwise.checkpoint.formats import check_format_readable
 from shardwise.checkpoint.integrity import merge_checksum_parts
 from shardwise.checkpoint.rng import capture_rng_states
 from shardwise.checkpoint.safety import safe_torch_load
+from shardwise.data import find_sampler
 from shardwise.distributed import ops
 
 
@@ -110,8 +111,6 @@ def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 def collect_state(trainer: Any) -> Dict[str, Any]:
     """Everything but the model and optimizers, identical on every rank (collective: gathers RNG states)."""
-    from shardwise.data import find_sampler
-
     strategy, module = trainer.strategy, trainer.lightning_module
     position = _resume_position(trainer)
     # During validation the generators run on a copy; save training's own.
@@ -193,8 +192,6 @@ def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
 
 def _restore_position(trainer: Any, state: Dict[str, Any]) -> None:
     """Progress counters and the data position, re-expressed for this world size and batch size."""
-    from shardwise.data import find_sampler
-
     position = dict(state["train_state"])
     loader = trainer.train_dataloader
     sampler = find_sampler(loader)

@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -57,10 +58,6 @@ def full_tensor(tensor: Any, device: Optional[torch.device] = None) -> Any:
     the collective device. The result is on `device` if given, else where the
     local shard lives. Anything that is not a DTensor comes back unchanged.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return tensor
     if not isinstance(tensor, DTensor):
         return tensor
     local = tensor.to_local()

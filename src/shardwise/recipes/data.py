@@ -35,6 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from shardwise.distributed import ops
+from shardwise.distributed.env import detect_env
+
 CACHE_VERSION = 1
 CHAT_FORMATS = ("auto", "tags", "tokenizer", "none")
 PACKING_MODES = ("attention", "loss")
@@ -341,9 +344,6 @@ class PreparedData:
 
 def prepare_data(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData:
     """Build the cache on global rank 0 (then on any node that cannot see it), load it everywhere."""
-    from shardwise.distributed import ops
-    from shardwise.distributed.env import detect_env
-
     env = detect_env()
     rank, local_rank = (env.global_rank, env.local_rank) if env is not None else (0, 0)
     folder = os.path.join(cache_dir, cache_key(spec, tokenizer))

@@ -13,9 +13,16 @@ name lives in shardwise/compat.py (README "Coming from ...").
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import yaml
+
+from shardwise.recipes.finetune import FinetuneConfig
+from shardwise.strategies.fsdp_compat import NOTHING_TO_DO, sharding_strategy_name, state_dict_type_name
 
 # Same meaning, another name (HF TrainingArguments / the seed script -> FinetuneConfig).
 RENAMED = {
@@ -74,19 +81,11 @@ def _pairs(argv: Sequence[str]) -> List[Tuple[str, Optional[str]]]:
 
 
 def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+    return torch.cuda.is_available()
 
 
 def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(argv in our names, notes): HF / Accelerate spellings mapped; each unhonoured one named once."""
-    from shardwise.recipes.finetune import FinetuneConfig
-    import dataclasses
-
     ours = {f.name for f in dataclasses.fields(FinetuneConfig)}
     values: List[Tuple[str, Any]] = []  # (our field, value), later ones win
     notes: List[str] = []
@@ -191,8 +190,6 @@ def _fsdp_flag(value: str) -> Tuple[Dict[str, Any], List[str]]:
 
 def read_accelerate_config(path: str) -> Tuple[Dict[str, Any], List[str]]:
     """Our options from an Accelerate config yaml (or a TrainingArguments fsdp_config json/yaml)."""
-    import yaml
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"FSDP config file {path!r} does not exist.")
     with open(path) as fh:
@@ -203,8 +200,6 @@ def read_accelerate_config(path: str) -> Tuple[Dict[str, Any], List[str]]:
 
 
 def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[Dict[str, Any], List[str]]:
-    from shardwise.strategies.fsdp_compat import NOTHING_TO_DO, sharding_strategy_name, state_dict_type_name
-
     out: Dict[str, Any] = {}
     notes: List[str] = []
     options: Dict[str, Any] = {}

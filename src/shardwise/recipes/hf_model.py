@@ -29,6 +29,7 @@ import contextlib
 import copy
 import os
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -37,16 +38,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.materialize import canonical_name
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover
-    DTensor = ()  # type: ignore[assignment]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -129,8 +126,6 @@ def build_meta_model(folder: ModelFolder, attn_implementation: str = "sdpa",
 
 
 def _zero_init_active() -> bool:
-    import sys
-
     if "deepspeed" not in sys.modules:
         return False
     from deepspeed.runtime.zero import partition_parameters
