@@ -46,8 +46,8 @@ from shardwise.checkpoint.dcp_io import VerifyingReader
 from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_checksums, recorded_checksums,
                                             tensor_digest, verify_directory, verify_enabled, verify_tensor_digest,
                                             write_checksum_part, write_error)
-from shardwise.checkpoint.layout import (MANIFEST_NAME, load_torch, read_manifest, read_trainer_state,
-                                         save_torch_durably, write_trainer_state)
+from shardwise.checkpoint.layout import (load_torch, read_manifest, read_trainer_state, save_torch_durably,
+                                         write_trainer_state)
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner, plain_state
 from shardwise.distributed import ops
 
@@ -474,7 +474,3 @@ def _our_error(exc: BaseException) -> Optional[CheckpointError]:
         if isinstance(inner, CheckpointError):
             return inner
     return None
-
-
-def is_directory_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST_NAME))
