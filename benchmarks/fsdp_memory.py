@@ -10,12 +10,12 @@ in BENCHMARKS.md.
 import datetime
 import sys
 
-from shardwise.demo_cli import LABELS, SEED_TABLE, demo
+from shardwise.cli.demo import LABELS, GUIDE_TABLE, demo
 from shardwise.memory import format_bytes
 
 
 def seed_ratio(seed):
-    return f"{seed[0] / SEED_TABLE['ddp'][0]:.2f}x" if seed else "-"
+    return f"{seed[0] / GUIDE_TABLE['ddp'][0]:.2f}x" if seed else "-"
 
 
 def main(argv=None):
@@ -31,7 +31,7 @@ def main(argv=None):
           "seed A100 MB | seed vs DDP | seed it/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        b, seed = r["breakdown"], SEED_TABLE.get(r["name"])
+        b, seed = r["breakdown"], GUIDE_TABLE.get(r["name"])
         print(f"| {LABELS[r['name']]} | {format_bytes(r['peak'])} | {r['peak'] / ddp['peak']:.2f}x | "
               f"{format_bytes(b.get('parameters', 0))} | {format_bytes(b.get('gradients', 0))} | "
               f"{format_bytes(b.get('optimizer', 0))} | {format_bytes(b.get('activations', 0) + b.get('other', 0))} | "

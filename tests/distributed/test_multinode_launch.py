@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from shardwise.distributed import launch_cli
+from shardwise.cli import launch as launch_cli
+from shardwise.cli import main as shardwise_main
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
 
@@ -37,15 +38,14 @@ def test_resolve_command(tmp_path):
         launch_cli.resolve_command("no-such-command-xyz", [], False)
 
 
-def test_argument_errors(capsys):
-    with pytest.raises(SystemExit):
-        launch_cli.main(["--nnodes", "2", "--node-rank", "2", "--master-port", "1234", "x.py"])
-    assert "outside [0, 2)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        launch_cli.main(["--nnodes", "2", "--node-rank", "0", sys.executable])
+def test_argument_errors_are_one_line_with_exit_status_2(capsys):
+    assert shardwise_main(["launch", "--nnodes", "2", "--node-rank", "2", "--master-port", "1234", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "outside [0, 2)" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert shardwise_main(["launch", "--nnodes", "2", "--node_rank", "0", sys.executable]) == 2
     assert "--master-port is required" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        launch_cli.main(["--nproc-per-node", "zero", "x.py"])
+    assert shardwise_main(["launch", "--nproc-per-node", "zero", "x.py"]) == 2
+    assert "zero" in capsys.readouterr().err
 
 
 def _run(tmp_path, *extra):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hf_fixtures import build_model_folder, chat_records, write_jsonl
-from shardwise.recipes.finetune import FinetuneConfig, build_parser, validate_config
+from shardwise.cli.finetune import parser as build_parser
+from shardwise.recipes.finetune import FinetuneConfig, validate_config
 from shardwise.recipes.hf_args import map_accelerate_config, translate_argv
 
 # What `accelerate config` writes for the two-node Llama recipe (FSDP, bf16, 2 x 8 GPUs).

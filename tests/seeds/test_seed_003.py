@@ -22,7 +22,10 @@ pytest.importorskip("bitsandbytes")
 
 @pytest.mark.slow
 def test_seed_003_command_line(tmp_path, capsys):
-    from shardwise.recipes.finetune import main
+    from shardwise.cli import main as shardwise_main
+
+    def main(argv):
+        return shardwise_main(["finetune", *argv])
 
     model = build_model_folder(str(tmp_path / "Llama-2-70b-chat-hf"), chat_records(20), max_positions=64)
     data = write_jsonl(str(tmp_path / "code-chat-assistant-v1.jsonl"), seed_records(40))

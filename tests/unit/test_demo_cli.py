@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from shardwise.demo_cli import demo
+from shardwise.cli.demo import demo
 
 
 def test_demo_defaults_to_auto_and_prints_its_table(tmp_path, capsys):

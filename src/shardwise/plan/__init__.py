@@ -25,7 +25,7 @@ class _CallablePackage(types.ModuleType):
     """`shardwise.plan(...)` calls plan() while `shardwise.plan.core` etc. stay importable.
 
     Binding the function to the name `shardwise.plan` would shadow this
-    package, and `import shardwise.plan.cli` would then fail; a callable
+    package, and `import shardwise.plan.core` would then fail; a callable
     package has both.
     """
 

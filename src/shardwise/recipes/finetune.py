@@ -28,10 +28,9 @@ import functools
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -44,7 +43,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 @dataclass
 class FinetuneConfig:
-    """Options of `shardwise finetune` (the seed recipe's names where it had one).
+    """Options of `shardwise finetune` (named as in the Hugging Face Llama FSDP recipe where it has one).
 
     Args:
         model_path: local Hugging Face folder: config.json, *.safetensors, tokenizer files
@@ -393,7 +392,7 @@ def _module_class():
             decay, no_decay = [], []
             for p in self.parameters():
                 if p.requires_grad:
-                    # Biases and norm weights (1-D) are not decayed, as in the seed recipe's trainer.
+                    # Biases and norm weights (1-D) are not decayed, as in the Hugging Face Trainer.
                     # A ZeRO-3 partition is flat: judge by the parameter's full shape.
                     (decay if len(hf_model.full_shape(p)) >= 2 else no_decay).append(p)
             # No empty group: DeepSpeed drops those, and the LR scheduler would then
@@ -628,42 +627,3 @@ def coerce_config(config: Union[FinetuneConfig, Dict[str, Any], str]) -> Finetun
     if unknown:
         raise ValueError(f"unknown finetune option(s) {unknown}; valid: {sorted(names)}")
     return FinetuneConfig(**config)
-
-
-def build_parser() -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(prog="shardwise finetune", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
-    parser.add_class_arguments(FinetuneConfig, fail_untyped=False)
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from shardwise.recipes.hf_args import translate_argv
-
-    parser = build_parser()
-    try:
-        # The HF recipe's flags and an Accelerate FSDP config, in our names (hf_args.py).
-        argv, notes = translate_argv(list(sys.argv[1:] if argv is None else argv))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"shardwise finetune: error: {exc}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK", "0") == "0":
-        for note in notes:
-            print(f"shardwise finetune: note: {note}", file=sys.stderr)
-    ns = parser.parse_args(argv)
-    values = {k: v for k, v in ns.as_dict().items() if k != "config"}
-    try:
-        result = finetune(FinetuneConfig(**values))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"shardwise finetune: error: {exc}", file=sys.stderr)
-        return 2
-    if result is not None and result.losses and os.environ.get("RANK", "0") == "0":
-        print(f"[finetune] done: {len(result.losses)} steps, final loss {result.losses[-1]['loss']:.4f}; "
-              f"Hugging Face folder in {result.output_dir}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

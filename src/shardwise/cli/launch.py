@@ -32,38 +32,44 @@ import threading
 import uuid
 from typing import Any, List, Optional, Sequence, Tuple
 
+from jsonargparse import ArgumentParser
+
 from shardwise.distributed import faults
 from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
 from shardwise.distributed.progress import RUN_DIR_ENV
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardwise launch",
+PASSTHROUGH = True  # the program's own arguments are passed on as given
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
         description="Start this node's workers (torchrun's elastic agent). Run once per node.",
         epilog="examples:\n"
                "  shardwise launch --nproc-per-node 8 train.py --lr 1e-4\n"
                "  shardwise launch --nnodes 2 --node-rank $NODE_RANK --master-addr node0 --master-port 29500 \\\n"
                "      --nproc-per-node 8 shardwise finetune --config llama70b.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (launchers) in the job")
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=None,
-                        help="this node's index in [0, nnodes); default $NODE_RANK / $SLURM_NODEID / 0")
-    parser.add_argument("--master-addr", "--master_addr", default=None,
-                        help="address of node 0 (default $MASTER_ADDR or 127.0.0.1)")
-    parser.add_argument("--master-port", "--master_port", type=int, default=None,
-                        help="free TCP port on node 0 (default $MASTER_PORT, or a free port for one node)")
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", default="auto",
-                        help="workers on this node: a number, or 'auto' (one per GPU, else 1)")
-    parser.add_argument("--rdzv-backend", default="static", choices=("static", "c10d"),
-                        help="static (fixed node ranks, like torchrun --node-rank) or c10d (elastic)")
-    parser.add_argument("--run-id", default=None, help="rendezvous id for c10d (default: $SLURM_JOB_ID or random)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
-    parser.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr in this folder")
-    parser.add_argument("-m", dest="module", action="store_true", help="run the program as a module (python -m)")
-    parser.add_argument("program", help="script.py, module name (with -m), or a command such as `shardwise`")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the program")
-    return parser
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (launchers) in the job")
+    p.add_argument("--node_rank", type=Optional[int], default=None,
+                   help="this node's index in [0, nnodes); default $NODE_RANK / $SLURM_NODEID / 0")
+    p.add_argument("--master_addr", type=Optional[str], default=None,
+                   help="address of node 0 (default $MASTER_ADDR or 127.0.0.1)")
+    p.add_argument("--master_port", type=Optional[int], default=None,
+                   help="free TCP port on node 0 (default $MASTER_PORT, or a free port for one node)")
+    p.add_argument("--nproc_per_node", type=str, default="auto",
+                   help="workers on this node: a number, or 'auto' (one per GPU, else 1)")
+    p.add_argument("--rdzv_backend", type=str, default="static", choices=("static", "c10d"),
+                   help="static (fixed node ranks, like torchrun --node-rank) or c10d (elastic)")
+    p.add_argument("--run_id", type=Optional[str], default=None,
+                   help="rendezvous id for c10d (default: $SLURM_JOB_ID or random)")
+    p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times on failure")
+    p.add_argument("--log_dir", type=Optional[str], default=None,
+                   help="keep each worker's stdout/stderr in this folder")
+    p.add_argument("-m", dest="module", action="store_true", help="run the program as a module (python -m)")
+    p.add_argument("program", help="script.py, module name (with -m), or a command such as `shardwise`")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the program")
+    return p
 
 
 def resolve_nproc(value: str) -> int:
@@ -105,30 +111,25 @@ def _env_int(*names: str) -> Optional[int]:
     return None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+def run(ns: Any) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from shardwise.distributed.env import find_free_port
 
     if ns.nnodes < 1:
-        parser.error(f"--nnodes={ns.nnodes}: use 1 or more.")
+        raise ValueError(f"--nnodes={ns.nnodes}: use 1 or more.")
     node_rank = ns.node_rank if ns.node_rank is not None else (_env_int("NODE_RANK", "SLURM_NODEID") or 0)
     if not 0 <= node_rank < ns.nnodes:
-        parser.error(f"--node-rank={node_rank} is outside [0, {ns.nnodes}).")
+        raise ValueError(f"--node-rank={node_rank} is outside [0, {ns.nnodes}).")
     addr = ns.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = ns.master_port or _env_int("MASTER_PORT")
     if port is None:
         if ns.nnodes > 1:
-            parser.error("--master-port is required with --nnodes > 1 (every node must name the same port).")
+            raise ValueError("--master-port is required with --nnodes > 1 (every node must name the same port).")
         port = find_free_port()
-    try:
-        nproc = resolve_nproc(ns.nproc_per_node)
-        entrypoint, args = resolve_command(ns.program, ns.args, ns.module)
-    except (ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
+    nproc = resolve_nproc(ns.nproc_per_node)
+    entrypoint, args = resolve_command(ns.program, ns.args, ns.module)
     rdzv_configs = {"rank": node_rank} if ns.rdzv_backend == "static" else {}
     run_id = ns.run_id or os.environ.get("SLURM_JOB_ID") or ("shardwise" if ns.rdzv_backend == "static"
                                                                else uuid.uuid4().hex[:8])
@@ -254,6 +255,3 @@ class _PreemptForwarder:
         self.killed = True
         self._send(signal.SIGKILL)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

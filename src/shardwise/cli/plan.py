@@ -3,19 +3,17 @@
     shardwise plan --model llama-2-70b --devices 8 --num-nodes 2 --device-memory 80GiB \\
         --precision bf16-mixed --batch-size 1 --seq-len 2048 [--cpu-memory 1TiB] [--json] [--plot plan.png]
 
-The function signature below is the option schema (jsonargparse reads it and
-its docstring); options are accepted with dashes or underscores, and the
-boolean flags without a value. Errors the user can fix -- an unknown preset,
-a config.json that is not a causal LM, an unparsable memory size, a layout
-the sharding cannot split -- print one message and exit with status 2.
+The signature of `plan_command` is the option schema (its docstring gives the
+help texts). Mistakes the user can fix -- an unknown preset, a config.json that
+is not a causal LM, an unparsable memory size, a layout the sharding cannot
+split -- are a PlanError (a ValueError): one line, exit status 2.
 """
 from __future__ import annotations
 
 import json as _json
-import sys
-from typing import List, Optional
+from typing import Any, Optional
 
-_FLAGS = ("--json", "--all", "--all_micro_batches", "--expandable_segments")
+from jsonargparse import ArgumentParser
 
 
 def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory: Optional[str] = None,
@@ -111,36 +109,14 @@ def _strategy(value: str) -> object:
     return obj if isinstance(obj, Strategy) else obj()
 
 
-def _normalise(argv: List[str]) -> List[str]:
-    """--device-memory -> --device_memory; a bare boolean flag -> flag true."""
-    out: List[str] = []
-    for i, arg in enumerate(argv):
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            arg = "--" + name[2:].replace("-", "_") + eq + value
-            out.append(arg)
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if arg in _FLAGS and (nxt is None or nxt.lower() not in ("true", "false")):
-                out.append("true")
-        else:
-            out.append(arg)
-    return out
+def parser() -> ArgumentParser:
+    from shardwise.plan.presets import preset_names
+
+    p = ArgumentParser(description="Predict per-device memory for each training configuration and pick the "
+                                   "fastest that fits. Presets: " + ", ".join(preset_names()) + ".")
+    p.add_function_arguments(plan_command, as_group=False)
+    return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from jsonargparse import CLI
-
-    from shardwise.plan.presets import PlanError, preset_names
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print("Presets: " + ", ".join(preset_names()) + "\n")
-    try:
-        return int(CLI(plan_command, args=_normalise(argv), as_positional=False, prog="shardwise plan") or 0)
-    except PlanError as exc:
-        print(f"shardwise plan: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run(cfg: Any) -> int:
+    return plan_command(**cfg.as_dict())

@@ -1,25 +1,25 @@
-"""`shardwise demo`: the seed's FSDP example, run for real on this machine.
+"""`shardwise demo`: a Transformer language model trained with FSDP on this machine, then compared.
 
-Trains the seed's Transformer language model on the bundled text (or a local
-WikiText-2 folder) with FSDP across local processes, then re-runs a few steps
-under each strategy from the seed's comparison table -- DDP, NO_SHARD,
-SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD with activation checkpointing -- and
-prints per-rank peak tracked tensor memory and speed for each, beside the
-seed's A100 figures. Memory is measured on the first steps (where the peak
-occurs: the optimizer state appears at the first step), speed on the
-following untracked steps, so tracking does not slow the timed steps.
+Trains the Transformer of Lightning's FSDP guide (smaller by default) on the
+bundled text, or a local WikiText-2 folder, with FSDP across local processes;
+then runs a few steps under each strategy of the guide's comparison table --
+DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD with activation
+checkpointing -- and prints each one's peak tracked tensor memory per rank and
+speed beside the guide's A100 figures. Memory is measured over the first steps
+(the optimizer state appears at the first step, so the peak is there), speed on
+the untracked steps after them.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Dict, List, Optional
 
-# The seed's A100 40GB table (Lightning 2.1, PyTorch 2.1, 1B Transformer): MB per GPU, it/s.
-SEED_TABLE = {
-    "ddp": (23125, 4.31), "fsdp_no_shard": (19296, 3.04), "fsdp_grad_op": (11772, 3.61), "fsdp": (9627, 3.19),
+# Lightning's FSDP guide, A100 40GB, Lightning 2.1 / PyTorch 2.1, its 1B Transformer: MB per GPU, it/s.
+GUIDE_TABLE = {
+    "ddp": (23125, 4.31), "fsdp_no_shard": (19296, 3.04), "fsdp_shard_grad_op": (11772, 3.61), "fsdp": (9627, 3.19),
 }
 LABELS = {
-    "ddp": "DDP", "fsdp_no_shard": "FSDP NO_SHARD", "fsdp_grad_op": "FSDP SHARD_GRAD_OP",
+    "ddp": "DDP", "fsdp_no_shard": "FSDP NO_SHARD", "fsdp_shard_grad_op": "FSDP SHARD_GRAD_OP",
     "fsdp": "FSDP FULL_SHARD", "fsdp_ac": "FULL_SHARD + act. ckpt",
 }
 TRACKED_STEPS = 2
@@ -69,7 +69,7 @@ def _strategy(name: str):
     return {
         "ddp": "ddp",
         "fsdp_no_shard": FSDPStrategy(auto_wrap_policy=layers, sharding_strategy="NO_SHARD"),
-        "fsdp_grad_op": FSDPStrategy(auto_wrap_policy=layers, sharding_strategy="SHARD_GRAD_OP"),
+        "fsdp_shard_grad_op": FSDPStrategy(auto_wrap_policy=layers, sharding_strategy="SHARD_GRAD_OP"),
         "fsdp": FSDPStrategy(auto_wrap_policy=layers),
         "fsdp_ac": FSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers),
     }[name]
@@ -93,7 +93,7 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
             enable_progress_bar=main_run, logger=main_run, enable_checkpointing=False,
             log_every_n_steps=5, default_root_dir=cfg["root_dir"])
         if main_run:
-            trainer.print(f"Training the seed Transformer ({cfg['nlayers']} layers, ninp {cfg['ninp']}, nhid "
+            trainer.print(f"Training a Transformer ({cfg['nlayers']} layers, ninp {cfg['ninp']}, nhid "
                           f"{cfg['nhid']}) on {type(dataset).__name__} ({len(dataset)} blocks of "
                           f"{cfg['block_size']} tokens, vocab {dataset.vocab_size}) with {LABELS[name]} on "
                           f"{cfg['devices']} processes...")
@@ -120,20 +120,20 @@ def _table(rows: List[Dict[str, Any]], devices: int) -> None:
 
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
     table = Table(title=f"Peak tracked tensor memory per rank and speed, {where} "
-                        "(seed: A100 40GB, 1B model)")
+                        "(guide: Lightning's FSDP guide, A100 40GB, 1B model)")
     for col in ("strategy", "peak/rank", "vs DDP", "params", "grads", "optim", "activ.",
-                "it/s", "seed MB", "seed vs DDP", "seed it/s"):
+                "it/s", "guide MB", "guide vs DDP", "guide it/s"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in rows:
         b = r["breakdown"]
-        seed = SEED_TABLE.get(r["name"])
+        guide = GUIDE_TABLE.get(r["name"])
         table.add_row(
             LABELS[r["name"]], format_bytes(r["peak"]),
             f"{r['peak'] / ddp['peak']:.2f}x" if ddp and ddp["peak"] else "-",
             format_bytes(b.get("parameters", 0)), format_bytes(b.get("gradients", 0)),
             format_bytes(b.get("optimizer", 0)), format_bytes(b.get("activations", 0) + b.get("other", 0)),
-            f"{r['its']:.2f}", f"{seed[0]:,}" if seed else "-",
-            f"{seed[0] / SEED_TABLE['ddp'][0]:.2f}x" if seed else "-", f"{seed[1]:.2f}" if seed else "-")
+            f"{r['its']:.2f}", f"{guide[0]:,}" if guide else "-",
+            f"{guide[0] / GUIDE_TABLE['ddp'][0]:.2f}x" if guide else "-", f"{guide[1]:.2f}" if guide else "-")
     console = Console()
     if not console.is_terminal:  # CI logs and pipes: keep the table on one line per row
         console = Console(width=170)
@@ -144,20 +144,28 @@ def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int
          ninp: int = 128, nhead: int = 4, batch_size: int = 4, block_size: int = 32, lr: float = 1e-3,
          precision: str = "32-true", data_dir: Optional[str] = None, root_dir: str = "shardwise_demo",
          strategies: Optional[List[str]] = None, accelerator: str = "auto") -> List[Dict[str, Any]]:
-    """Train the seed Transformer with FSDP on `devices` local processes, then compare strategies.
+    """Train a Transformer language model with FSDP on `devices` local processes, then compare strategies.
 
     Args:
         devices: local processes (CPU) or GPUs.
         steps: optimizer steps of the main FSDP run.
         compare_steps: steps of each comparison run (the first 2 are measured for memory).
-        nlayers, nhid, ninp, nhead: Transformer size (the seed's 1B is 32, 4096, 1024, 64).
+        nlayers: Transformer layers (the guide's 1B model: 32).
+        nhid: feed-forward width (1B: 4096).
+        ninp: embedding width (1B: 1024).
+        nhead: attention heads (1B: 64).
+        batch_size: sequences per process per step.
+        block_size: tokens per sequence.
+        lr: learning rate.
+        precision: 32-true, bf16-mixed, ...
+        root_dir: where the main run writes its logs.
         data_dir: a local WikiText-2 folder; default: text that ships with Python.
-        strategies: which of fsdp, ddp, fsdp_no_shard, fsdp_grad_op, fsdp_ac to run (first = main run).
+        strategies: which of fsdp, ddp, fsdp_no_shard, fsdp_shard_grad_op, fsdp_ac to run (first = main run).
         accelerator: auto (CUDA when visible, else CPU processes with gloo), cuda or cpu.
     """
     import shardwise
 
-    strategies = strategies or ["fsdp", "ddp", "fsdp_no_shard", "fsdp_grad_op", "fsdp_ac"]
+    strategies = strategies or ["fsdp", "ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_ac"]
     unknown = [s for s in strategies if s not in LABELS]
     if unknown:
         raise ValueError(f"Unknown demo strategies {unknown}; choose from {', '.join(LABELS)}.")
@@ -170,14 +178,20 @@ def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int
                nhead=nhead, batch_size=batch_size, block_size=block_size, lr=lr, precision=precision,
                data_dir=data_dir, root_dir=root_dir, strategies=strategies, accelerator=accelerator)
     rows = shardwise.launch(_worker, cfg, devices=devices)[0]
-    order = {"ddp": 0, "fsdp_no_shard": 1, "fsdp_grad_op": 2, "fsdp": 3, "fsdp_ac": 4}
+    order = {"ddp": 0, "fsdp_no_shard": 1, "fsdp_shard_grad_op": 2, "fsdp": 3, "fsdp_ac": 4}
     rows.sort(key=lambda r: order[r["name"]])
     _table(rows, devices)
     return rows
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from jsonargparse import CLI
+def parser() -> Any:
+    from jsonargparse import ArgumentParser
 
-    CLI(demo, args=argv, as_positional=False)
+    p = ArgumentParser(description=demo.__doc__.split("\n")[0])
+    p.add_function_arguments(demo, as_group=False)
+    return p
+
+
+def run(cfg: Any) -> int:
+    demo(**cfg.as_dict())
     return 0

@@ -1,0 +1,29 @@
+"""`shardwise convert CKPT OUT`: a checkpoint's model weights as safetensors or one torch file.
+
+Reads any checkpoint shardwise wrote (full, sharded, DeepSpeed), one tensor at a
+time, so a model larger than host memory converts into a folder of shards.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from jsonargparse import ArgumentParser
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(description="Write a checkpoint's model weights as safetensors or one torch file.")
+    p.add_argument("ckpt", help="a checkpoint (file or directory), or a checkpoint directory (uses its last)")
+    p.add_argument("out", help="output directory, or a .safetensors / .pt / .bin file")
+    p.add_argument("--dtype", type=str, default="keep", help="cast floating tensors: keep, fp32, bf16, fp16")
+    p.add_argument("--max_shard_size", type=str, default="5GB",
+                   help="split larger outputs into shards with an index (directory output only)")
+    p.add_argument("--format", type=Optional[Literal["safetensors", "torch"]], default=None,
+                   help="output format (default: from OUT's suffix, else safetensors)")
+    return p
+
+
+def run(cfg: Any) -> int:
+    from shardwise.checkpoint.convert import convert
+
+    convert(cfg.ckpt, cfg.out, dtype=cfg.dtype, max_shard_size=cfg.max_shard_size, fmt=cfg.format)
+    return 0

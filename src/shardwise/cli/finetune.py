@@ -1,0 +1,44 @@
+"""`shardwise finetune`: the fine-tuning recipe (recipes/finetune.py) from a YAML config and flags.
+
+The options are the fields of `FinetuneConfig`. The flags of the Hugging Face
+recipe (`--per_device_train_batch_size`, `--fsdp_config`, an Accelerate
+config, ...) are also accepted and translated to ours (recipes/hf_args.py),
+with a note for each one that changes meaning.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, List
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+
+def parser() -> ArgumentParser:
+    from shardwise.recipes.finetune import FinetuneConfig
+
+    p = ArgumentParser(description="Fine-tune a local Hugging Face causal LM (full fine-tuning, 1 to N nodes).")
+    p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+    p.add_class_arguments(FinetuneConfig, fail_untyped=False)
+    return p
+
+
+def translate(argv: List[str]) -> List[str]:
+    """The Hugging Face recipe's flags in our names; the notes go to stderr once (rank 0)."""
+    from shardwise.recipes.hf_args import translate_argv
+
+    argv, notes = translate_argv(argv)
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"shardwise finetune: note: {note}", file=sys.stderr)
+    return argv
+
+
+def run(cfg: Any) -> int:
+    from shardwise.recipes.finetune import FinetuneConfig, finetune
+
+    result = finetune(FinetuneConfig(**{k: v for k, v in cfg.as_dict().items() if k != "config"}))
+    if result is not None and result.losses and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] done: {len(result.losses)} steps, final loss {result.losses[-1]['loss']:.4f}; "
+              f"Hugging Face folder in {result.output_dir}")
+    return 0
