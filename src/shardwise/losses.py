@@ -1,10 +1,12 @@
-# Losses for language models whose logits are too large to treat casually.
-# With a 128k vocabulary, (batch * seq) x vocab logits in bf16 are already
-# gigabytes, and `F.cross_entropy` on them upcast to float32 keeps a float32
-# log-softmax of the same shape alive until backward. `chunked_cross_entropy`
-# computes the same mean loss chunk by chunk in float32 and recomputes each
-# chunk's softmax during backward, so float32 temporaries never exceed one
-# chunk and nothing logits-sized is saved beyond the logits themselves.
+"""Cross entropy for language models whose logits are too large for a float32 copy.
+
+With a 128k vocabulary, (batch * seq) x vocab logits in bf16 are already
+gigabytes, and `F.cross_entropy` on them upcast to float32 keeps a float32
+log-softmax of the same shape alive until backward. `chunked_cross_entropy`
+computes the same mean loss chunk by chunk in float32 and recomputes each
+chunk's softmax during backward, so nothing logits-sized is saved beyond the
+logits themselves.
+"""
 from __future__ import annotations
 
 import torch

@@ -1,17 +1,12 @@
 """Reading DCP shard files in one pass: each byte read once, checksummed on the way, decoded safely.
 
-DCP's own FileSystemReader reads every item through a Python file view (a
-few dozen small `readinto` calls per tensor, in plan order) and unpickles
-non-tensor items with weights_only=False. Verifying the manifest's sha256
-before that would read every shard file a second time. `VerifyingReader`
-instead sorts each file's items by offset, reads each item with ONE read
-into a buffer, feeds the same bytes (and any gaps between items) to the
-file's hash, decodes tensors with the weights_only loader and bytes items
-through SafeLoadPlanner. When it has read a file to its end the digest is
-compared with the manifest; a mismatch raises ChecksumMismatchError naming
-the file (DCP carries it to every rank inside its CheckpointException,
-formats.py unwraps it). Files no rank read in full are verified separately
-afterwards (`verified` says which ones this rank covered).
+DCP's own FileSystemReader unpickles non-tensor items with weights_only=False,
+and hashing the files separately would read them twice. `VerifyingReader`
+reads each file's items in offset order with one read per item, feeds the
+same bytes (and the gaps between items) to the file's sha256, and decodes
+through the weights_only loader. A file read to its end is compared with the
+manifest (ChecksumMismatchError names it); `verified` lists those files, so
+the caller hashes the ones no rank read in full.
 """
 from __future__ import annotations
 

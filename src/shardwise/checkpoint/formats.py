@@ -1,28 +1,14 @@
-"""The two built-in formats for a model and its optimizers: "full" and "sharded".
+"""The two built-in formats for a model and its optimizers, "full" and "sharded", saved and loaded.
 
-Both go through torch.distributed.checkpoint.state_dict's get/set functions,
-which give the same canonical parameter names for a plain module, DDP and
-FSDP2 (wrapper prefixes such as `module.` or `_checkpoint_wrapped_module.`
-removed) and key optimizer state by those names instead of by parameter
-position. That shared naming is what lets any format load under any
-strategy:
-
-- "full": every rank takes part in gathering the state to rank 0 one tensor
-  at a time (cpu_offload=True, so an accelerator never holds more than one
-  full tensor), and rank 0 writes one torch file. Loading maps the file
-  (mmap) on every rank; FSDP keeps only its local slices. When rank 0's host
-  could not hold the gathered state, that step is saved "sharded" instead,
-  with a warning, rather than the kernel killing the run.
-- "sharded": torch.distributed.checkpoint (DCP) writes one file per rank plus
-  `.metadata`; nothing is gathered. Loading asks DCP for exactly the tensors
-  the running model holds, so a checkpoint written by 2 ranks loads on 1, on
-  4, or under DDP (each rank then reads whole tensors).
-
-Strategies call `save_model_and_optimizers` / `load_model_and_optimizers`
-from `Strategy.save_checkpoint` / `load_checkpoint` (see strategies/base.py
-for the contract). Before loading, the checkpoint's parameter names and
-shapes are compared with the running model's, so a mismatch is reported as
-a list of differences rather than a failure deep inside a copy.
+Both use torch.distributed.checkpoint.state_dict's get/set functions, whose
+parameter names are the same for a plain module, DDP and FSDP2, so any format
+loads under any strategy. "full" gathers the state to rank 0 one tensor at a
+time and writes one torch file (or, when rank 0's host could not hold it,
+saves that step "sharded" with a warning); "sharded" is DCP: one file per rank
+plus `.metadata`, loadable at another world size. Strategies call
+`save_model_and_optimizers` / `load_model_and_optimizers` (the contract is in
+strategies/base.py); a load first compares names and shapes with the running
+model and reports the differences.
 """
 from __future__ import annotations
 
@@ -121,7 +107,7 @@ def save_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
                 f"state_dict_type='full': this checkpoint would gather {_gib(needed)} (model and optimizer "
                 f"state) in rank 0's host memory, which has {_gib(available)} available; {path} is saved "
                 "sharded instead (a directory, one file per rank). It resumes like a full one; "
-                f"`shardwise convert {path} weights.safetensors` writes the weights as one file. Use "
+                f"`shardwise convert {path} weights/` writes the weights in Hugging Face's layout. Use "
                 "state_dict_type='sharded' to choose this yourself.", stacklevel=3)
         state = {**state, "shardwise": {**state["shardwise"], "checkpoint_format": "sharded"}}
         return _save_sharded(model, optimizers, path, state, async_save)

@@ -71,7 +71,7 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
         what = f"sha256 of {len(files)} file(s)" if files else "sha256 of the tensor data"
         lines.append(f"integrity    {what}, verified on load (SHARDWISE_VERIFY_CHECKSUMS=0 skips)")
     else:
-        lines.append("integrity    no checksums recorded (written before shardwise recorded them)")
+        lines.append("integrity    no checksums in the manifest: nothing is verified on load")
     if summary["hyper_parameters"]:
         lines.append("hparams      " + ", ".join(f"{k}={v}" for k, v in summary["hyper_parameters"].items()))
     lines.append("files")

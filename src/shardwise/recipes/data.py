@@ -1,26 +1,14 @@
 """Chat / text records -> token blocks for causal-LM fine-tuning, tokenised once and cached on disk.
 
-Records come from a local jsonl / json / parquet file or a `datasets`
-folder written by `save_to_disk`. A record's text field is either a plain
-string (already formatted text) or a list of chat messages
-(`{"role", "content"}`, or ShareGPT's `{"from", "value"}`), which is
-rendered with the tokenizer's own chat template when it has one, or with
-the tagged format the Llama-2-70B chat recipe trained on:
-
-    <|system|> ... <|endoftext|> <|prompter|> ... <|endoftext|> <|assistant|> ... <|endoftext|>
-
-With packing, documents are concatenated into fixed-length blocks (no
-padding, every token trains). Two documents sharing a block must not leak
-into each other: the first token of every document gets label -100 (it
-would otherwise be "predicted" from the previous document's end), and in
-the default `packing="attention"` mode the position ids restart at each
-document, which Hugging Face models turn into a block-diagonal causal mask
-(and flash-attention into varlen boundaries) -- no token attends across a
-document boundary. `packing="loss"` keeps plain causal attention across
-documents (the seed recipe's behaviour) and only masks the boundary labels.
-Tokenisation runs once: global rank 0 writes the arrays to a cache folder
-keyed by everything that changes them, the other ranks wait and memory-map
-the same files (a node without the shared folder builds its own copy).
+Records come from a local jsonl / json / parquet file or a `save_to_disk`
+folder; chat messages are rendered with the tokenizer's chat template, or
+else with the tagged format (`<|system|> ... <|endoftext|> <|prompter|> ...`).
+With packing, documents share fixed-length blocks without leaking into each
+other: each document's first label is -100, and under `packing="attention"`
+(the default) position ids restart per document, which Hugging Face models
+turn into a block-diagonal mask; `packing="loss"` masks only the boundary
+labels. Global rank 0 writes the token arrays to a cache folder keyed by
+everything that changes them; the other ranks memory-map the same files.
 """
 from __future__ import annotations
 
@@ -145,7 +133,7 @@ def _normalise_messages(value: Any) -> List[Dict[str, str]]:
 
 
 def format_tags(messages: Sequence[Dict[str, str]]) -> str:
-    """The seed recipe's tagged chat format, one `<|endoftext|>` after every turn."""
+    """The tagged chat format (used when the tokenizer has no chat template), one `<|endoftext|>` per turn."""
     return " ".join(f"{ROLE_TAGS[m['role']]} {m['content']} {END_TAG}" for m in messages)
 
 

@@ -1,15 +1,11 @@
-"""The Hugging Face recipe's command line and Accelerate's FSDP config file, read as `shardwise finetune` options.
+"""Hugging Face TrainingArguments flags and Accelerate FSDP config files, read as `shardwise finetune` options.
 
-The Llama-2-70B FSDP write-up trains with `accelerate launch --config_file
-fsdp_config.yaml train.py --model_name ... --bf16 True --use_flash_attn True
---evaluation_strategy steps ...` (HF TrainingArguments names plus the
-script's own). `translate_argv` turns such an argument list into ours before
-jsonargparse sees it: renamed flags are renamed, `--fsdp_config` /
-`--config_file` (an Accelerate yaml, or a TrainingArguments fsdp_config) is
-mapped key by key, and every name it cannot honour yields one note saying so
-and why -- nothing is dropped silently. Flags that already have our name
-pass through unchanged, so both spellings can be mixed. The table of every
-name lives in shardwise/compat.py (README "Coming from ...").
+`translate_argv` turns an `accelerate launch ... train.py --bf16 True
+--evaluation_strategy steps ...` argument list into ours before jsonargparse
+sees it: renamed flags are renamed, `--fsdp_config` / `--config_file` is
+mapped key by key, and every name it cannot honour yields one note saying
+why, so nothing is dropped silently. Our own spellings pass through, so the
+two can be mixed. Every name is listed in shardwise/compat.py.
 """
 from __future__ import annotations
 

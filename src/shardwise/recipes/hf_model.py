@@ -1,27 +1,15 @@
-"""Hugging Face causal LMs in and out of a sharded model, without a RAM explosion.
+"""Hugging Face causal LMs into and out of a sharded model, holding at most one tensor beyond the shards.
 
-Loading a 70B checkpoint the naive way costs (ranks per node) x (model size)
-of host RAM, because every process reads the whole file. Here every rank
-builds the model on the meta device (free), the strategy shards it and
-allocates only the local shards, and then only global rank 0 opens the
-safetensors files: tensor by tensor it reads one full tensor, cuts it into
-the slices each rank owns (the DTensor placements say which rows) and sends
-each rank exactly its slice. A receiving rank therefore never holds more
-than its own shards plus one slice in flight -- not a full tensor, as a
-broadcast would need (torch's `set_model_state_dict(broadcast_from_rank0=True)`
-sends every full tensor to every rank; for a 128k-vocabulary embedding that
-is GBs on each rank). Rank 0 holds at most one tensor beyond its shards plus
-the pages of the file it is reading. Non-persistent buffers (RoPE's
-`inv_freq`), which no checkpoint contains, are recomputed by the model's own
-initialiser, so the strategy's uninitialised-tensor check passes honestly.
-DeepSpeed ZeRO-3 parameters (partitioned by zero.Init, not DTensors) are
-filled in place: each rank's partition is a fixed range of the flattened
-parameter, and rank 0 sends each rank its range; nothing is gathered.
-Export is the mirror image: one tensor is gathered at a time, rank 0 appends
-it to the current safetensors shard and writes the shard once it reaches
-`max_shard_size`, so no process ever holds the whole model; the folder gets
-the config, an index when there is more than one shard, and tokenizer files,
-and `AutoModelForCausalLM.from_pretrained` loads it.
+Every rank builds the model in the strategy's init context (meta device, or
+deepspeed.zero.Init), the strategy allocates only the local shards, and only
+global rank 0 reads the safetensors files: tensor by tensor it cuts out the
+slice each rank owns (a DTensor's placements, or a ZeRO-3 partition's flat
+range) and sends it, in bounded pieces. A broadcast of full tensors
+(`set_model_state_dict(broadcast_from_rank0=True)`) would put every full
+tensor on every rank: GBs for a 128k-token embedding. Non-persistent buffers
+(RoPE's `inv_freq`) are recomputed by the model's own initialiser. Export
+gathers one tensor at a time into checkpoint/hf_shards.py's writer on rank 0
+and adds the config and tokenizer files, so `from_pretrained` loads the folder.
 """
 from __future__ import annotations
 
@@ -315,6 +303,8 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
 
 # A slice travels in pieces of at most this many bytes, so a receiving rank's
 # scratch space is bounded however large one tensor (a 128k-token embedding) is.
+# Pieces travel on ops.collective_device(), not where the shard lives: under
+# cpu_offload the shards are CPU tensors while the group may be NCCL's.
 CHUNK_BYTES = 16 * 2**20
 
 
