@@ -33,6 +33,7 @@ from shardwise.distributed.launch import launch_script
 from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule
 from shardwise.state import TrainState
+from shardwise import step as shared_step  # looked up at call time, like the planner's trace
 from shardwise.strategies import Strategy, build_strategy
 
 _MAX_EPOCHS_DEFAULT = 1000  # Lightning's default when neither max_epochs nor max_steps is set
@@ -69,14 +70,6 @@ def _limit(limit: Union[int, float, None], available: float) -> float:
             raise ValueError("A fractional limit_*_batches needs a DataLoader with a length.")
         return int(available * limit)
     return min(int(limit), available)
-
-
-def _loss_of(output: Any) -> Optional[torch.Tensor]:
-    if output is None or isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
-    raise TypeError("training_step must return a loss tensor, a dict with a 'loss' key, or None (skip the batch).")
 
 
 # Lightning 1.x spelled the strategy as an accelerator ("ddp") or a plugin.
@@ -743,10 +736,8 @@ class Trainer:
 
         # The step's core is shared with the memory planner's trace (step.py). Non-final
         # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
-        from shardwise.step import forward_backward
-
-        output, _ = forward_backward(strategy, self.model, args, window=window, last=self.is_last_microbatch,
-                                     before_backward=before_backward)
+        output, _ = shared_step.forward_backward(strategy, self.model, args, window=window,
+                                                 last=self.is_last_microbatch, before_backward=before_backward)
         state.batch_idx += 1
         if self.is_last_microbatch:
             mark_progress("optimizer_step", state.global_step)
@@ -762,8 +753,6 @@ class Trainer:
             self.should_stop = True  # ModelCheckpoint saves this step in on_train_end
 
     def _optimizer_step(self) -> None:
-        from shardwise.step import optimizer_update
-
         strategy = self.strategy
         losses, self._window_losses = self._window_losses, []
 
@@ -774,8 +763,9 @@ class Trainer:
             return True
 
         # Clip, step and zero each optimizer: the same core the memory planner traces (step.py).
-        optimizer_update(strategy, self.model, strategy.optimizers, gradient_clip_val=self.gradient_clip_val,
-                         gradient_clip_algorithm=self.gradient_clip_algorithm, before_step=before_step)
+        shared_step.optimizer_update(strategy, self.model, strategy.optimizers,
+                                     gradient_clip_val=self.gradient_clip_val,
+                                     gradient_clip_algorithm=self.gradient_clip_algorithm, before_step=before_step)
         self.state.global_step += 1
         self._step_schedulers("step")
 
