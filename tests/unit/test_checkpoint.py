@@ -251,6 +251,18 @@ def test_convert_reads_one_tensor_at_a_time(tmp_path, saved, monkeypatch):
     assert load_file(tmp_path / "m.safetensors").keys() == {i.name for i in infos}
 
 
+def test_convert_refuses_one_file_the_host_cannot_hold_but_writes_a_folder(tmp_path, saved, monkeypatch):
+    monkeypatch.setattr(convert_mod, "available_host_bytes", lambda: 100)  # bytes: less than the model
+    with pytest.raises(ValueError, match="give a folder as OUT"):
+        convert_mod.convert(saved["sharded"][0], str(tmp_path / "m.safetensors"), quiet=True)
+    assert not (tmp_path / "m.safetensors").exists()
+    written = convert_mod.convert(saved["sharded"][0], str(tmp_path / "out"), max_shard_size="300B", quiet=True)
+    assert len([w for w in written if w.endswith(".safetensors")]) > 1
+    # A second export into the same folder replaces the first one's shards instead of mixing with them.
+    again = convert_mod.convert(saved["sharded"][0], str(tmp_path / "out"), quiet=True)
+    assert sorted(os.listdir(tmp_path / "out")) == sorted({os.path.basename(w) for w in again} | {"hparams.json"})
+
+
 def test_inspect_lists_format_progress_and_tensors(saved, capsys):
     assert inspect_mod.main([saved["sharded"][0]]) == 0
     out = capsys.readouterr().out
