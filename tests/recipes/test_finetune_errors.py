@@ -11,7 +11,8 @@ import torch
 
 from hf_fixtures import build_model_folder, chat_records, write_jsonl
 from shardwise.recipes.data import DatasetFieldError
-from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, lr_lambda, main, validate_config
+from shardwise.cli import main as shardwise_main
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, lr_lambda, validate_config
 from shardwise.recipes.hf_model import ModelFolderError
 
 
@@ -95,7 +96,7 @@ def test_other_option_errors(assets):
 def test_cli_reports_the_error_and_exits_2(assets, capsys, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(f"model_path: {assets['model']}\ndataset: {assets['data']}\nmax_seq_len: 32\n")
-    assert main(["--config", str(config), "--dataset_text_field", "prompt"]) == 2
+    assert shardwise_main(["finetune", "--config", str(config), "--dataset_text_field", "prompt"]) == 2
     assert "fields are ['messages', 'id']" in capsys.readouterr().err
 
 

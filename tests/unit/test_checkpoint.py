@@ -24,6 +24,7 @@ from shardwise.callbacks import ModelCheckpoint
 from shardwise.checkpoint import (CheckpointMismatchError, CheckpointNotFoundError, CheckpointVersionError,
                                   CorruptCheckpointError, layout)
 from shardwise.checkpoint import convert as convert_mod
+from shardwise.cli import main as cli_main
 from shardwise.checkpoint import inspect as inspect_mod
 
 
@@ -220,12 +221,12 @@ def test_convert_round_trip_loads_into_plain_module(tmp_path, saved, fmt):
     path, trained = saved[fmt]
     plain = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Dropout(0.2), nn.Linear(16, 3))
     # One safetensors file.
-    assert convert_mod.main([path, str(tmp_path / "one")]) == 0
+    assert cli_main(["convert", path, str(tmp_path / "one")]) == 0
     state = {k.removeprefix("net."): v for k, v in load_file(tmp_path / "one" / "model.safetensors").items()}
     plain.load_state_dict(state)
     assert all(torch.equal(plain.state_dict()[k], trained["net." + k]) for k in state)
     # Sharded output with an index, cast to bf16.
-    assert convert_mod.main([path, str(tmp_path / "split"), "--dtype", "bf16", "--max-shard-size", "300B"]) == 0
+    assert cli_main(["convert", path, str(tmp_path / "split"), "--dtype", "bf16", "--max-shard-size", "300B"]) == 0
     index = json.load(open(tmp_path / "split" / "model.safetensors.index.json"))
     merged = {}
     for shard in set(index["weight_map"].values()):
@@ -264,21 +265,21 @@ def test_convert_refuses_one_file_the_host_cannot_hold_but_writes_a_folder(tmp_p
 
 
 def test_inspect_lists_format_progress_and_tensors(saved, capsys):
-    assert inspect_mod.main([saved["sharded"][0]]) == 0
+    assert cli_main(["inspect", saved["sharded"][0]]) == 0
     out = capsys.readouterr().out
     assert "format       sharded (layout version 1)" in out and "global step 6" in out
     assert "net.0.weight" in out and "__0_0.distcp" in out and "RNG states of 1 rank(s)" in out
-    assert inspect_mod.main([saved["full"][0], "--json"]) == 0
+    assert cli_main(["inspect", saved["full"][0], "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["manifest"]["checkpoint_format"] == "full" and summary["model_params"] == 227
 
 
 def test_cli_reports_missing_checkpoint(tmp_path, saved, capsys):
     directory = os.path.dirname(saved["full"][0])
-    assert convert_mod.main([os.path.join(directory, "missing.ckpt"), str(tmp_path / "out")]) == 1
+    assert cli_main(["convert", os.path.join(directory, "missing.ckpt"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "does not exist" in err and os.path.basename(saved["full"][0]) in err
-    assert inspect_mod.main([directory]) == 0  # a checkpoint directory means its last.ckpt
+    assert cli_main(["inspect", directory]) == 0  # a checkpoint directory means its last.ckpt
     assert "global step 6" in capsys.readouterr().out
 
 

@@ -13,19 +13,16 @@ written, so it is refused up front when the host cannot hold it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.formats import available_host_bytes
 from shardwise.checkpoint.hf_shards import ShardWriter, save_durably
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, open_checkpoint
-from shardwise.dtypes import CAST_CHOICES, cast_dtype
+from shardwise.dtypes import cast_dtype
 from shardwise.memory import parse_bytes
 
 
@@ -115,27 +112,3 @@ def convert(ckpt: str, out: str, dtype: str = "keep", max_shard_size: str = "5GB
         for path in written:
             print(f"  {path}")
     return written
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    # argparse rather than jsonargparse: the documented flags are dashed
-    # (--max-shard-size), which jsonargparse's function CLI cannot spell.
-    parser = argparse.ArgumentParser(prog="shardwise convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="a checkpoint (file or directory), or a checkpoint directory (uses its last)")
-    parser.add_argument("out", help="output directory, or a .safetensors / .pt / .bin file")
-    parser.add_argument("--dtype", default="keep", choices=CAST_CHOICES, help="cast floating tensors")
-    parser.add_argument("--max-shard-size", "--max_shard_size", default="5GB",
-                        help="split larger outputs into shards with an index (directory output only)")
-    parser.add_argument("--format", dest="fmt", choices=("safetensors", "torch"), default=None,
-                        help="output format (default: from OUT's suffix, else safetensors)")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        convert(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt)
-    except (CheckpointError, ValueError) as exc:
-        print(f"shardwise convert: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

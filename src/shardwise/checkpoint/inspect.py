@@ -12,12 +12,8 @@ on a file of unknown origin.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.reader import TensorInfo, open_checkpoint
 
 
@@ -84,25 +80,3 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
     if len(summary["tensors"]) > limit:
         lines.append(f"  ... {len(summary['tensors']) - limit} more (--limit 0 lists all)")
     return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardwise inspect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="a checkpoint (file or directory), or a checkpoint directory (uses its last)")
-    parser.add_argument("--limit", type=int, default=50, help="tensors to list (0: all)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        summary = describe(args.ckpt)
-    except CheckpointError as exc:
-        print(f"shardwise inspect: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(summary, indent=2, default=str))
-    else:
-        print(render(summary, limit=args.limit or len(summary["tensors"])))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,12 +9,14 @@ from typing import Any, Literal, Optional
 
 from jsonargparse import ArgumentParser
 
+from shardwise.dtypes import CAST_CHOICES
+
 
 def parser() -> ArgumentParser:
     p = ArgumentParser(description="Write a checkpoint's model weights as safetensors or one torch file.")
     p.add_argument("ckpt", help="a checkpoint (file or directory), or a checkpoint directory (uses its last)")
     p.add_argument("out", help="output directory, or a .safetensors / .pt / .bin file")
-    p.add_argument("--dtype", type=str, default="keep", help="cast floating tensors: keep, fp32, bf16, fp16")
+    p.add_argument("--dtype", type=str, default="keep", choices=CAST_CHOICES, help="cast floating tensors")
     p.add_argument("--max_shard_size", type=str, default="5GB",
                    help="split larger outputs into shards with an index (directory output only)")
     p.add_argument("--format", type=Optional[Literal["safetensors", "torch"]], default=None,
