@@ -32,13 +32,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
+from shardwise.dtypes import DTYPES, cast_dtype
+
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
 # The DeepSpeed names are the strategy registry's own (strategies/deepspeed.py NAMED).
 BASE_STRATEGIES = ("fsdp", "ddp", "single", "auto")
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
 
 
 @dataclass
@@ -250,8 +250,8 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
                              "bitsandbytes), or use optim='adamw'.") from exc
     if cfg.optim == "adamw_torch_fused" and not _has_cuda(cfg):
         raise ValueError("optim='adamw_torch_fused' is the CUDA fused kernel; use optim='adamw' here.")
-    if cfg.export_dtype is not None and cfg.export_dtype not in _DTYPES:
-        raise ValueError(f"export_dtype={cfg.export_dtype!r}: use one of {sorted(set(_DTYPES.values()))}.")
+    if cfg.export_dtype is not None and cfg.export_dtype not in DTYPES:
+        raise ValueError(f"export_dtype={cfg.export_dtype!r}: use one of {', '.join(DTYPES)}.")
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
     _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
     return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
@@ -573,7 +573,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     ckpt = cfg.resume_from_checkpoint
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     # The consolidated Hugging Face folder, gathered one tensor at a time.
-    export_dtype = getattr(torch, _DTYPES[cfg.export_dtype]) if cfg.export_dtype else None
+    export_dtype = cast_dtype(cfg.export_dtype)
     export_hf_folder(module.model, cfg.output_dir, config=folder.config, tokenizer=tokenizer,
                      source_dir=cfg.model_path, max_shard_size=parse_bytes(cfg.max_shard_size), dtype=export_dtype)
     result = FinetuneResult(output_dir=os.path.abspath(cfg.output_dir), losses=module.history,
