@@ -15,14 +15,11 @@ warning in the summary; any other failure in it fails the test.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 import warnings
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import chaos_script as chaos  # noqa: E402
+import chaos_script as chaos
 
 # name -> (seed, overrides). Together: single / DDP / FSDP / DeepSpeed, SIGKILL and SIGTERM, kills after a step,
 # between micro-batches, inside a save (written, committed-not-`last`), in validation and at epoch end, aimed at

@@ -20,43 +20,15 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import FSDPStrategy, Trainer, TrainModule
+from helpers.checkpoints import Net, assert_same_state, full_state, loader
+from shardwise import FSDPStrategy, Trainer
 
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
-    "momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
-}
 FORMATS = ("ddp.ckpt", "fsdp-sharded.ckpt", "fsdp-full.ckpt")
+OPTIMIZERS = ("sgd", "momentum", "adam")
 STEPS = 2
-
-
-class Net(TrainModule):
-    def __init__(self, optimizer: str = "adam") -> None:
-        super().__init__()
-        self.optimizer = optimizer
-
-    def configure_model(self) -> None:
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return OPTIMIZERS[self.optimizer](self.parameters())
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)),
-                      batch_size=4, shuffle=True)
 
 
 def _trainer(strategy, root, devices, max_steps=STEPS):
@@ -65,35 +37,22 @@ def _trainer(strategy, root, devices, max_steps=STEPS):
                    enable_progress_bar=False, enable_checkpointing=False, default_root_dir=root)
 
 
-def _values(trainer):
-    """Model and optimizer state as full CPU tensors, plus hyper-parameters (collective)."""
-    options = StateDictOptions(full_state_dict=True)
-    model = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(trainer.model, options=options).items()}
-    osd = get_optimizer_state_dict(trainer.model, trainer.optimizers[0], options=options)
-    optim = {f"{fqn}/{k}": v.detach().cpu().clone() for fqn, s in osd["state"].items() for k, v in s.items()
-             if isinstance(v, torch.Tensor)}
-    # Loading a full file under FSDP hands `betas` back as a list: the same values, compared as lists.
-    group = {k: list(v) if isinstance(v, tuple) else v
-             for k, v in trainer.optimizers[0].param_groups[0].items() if k != "params"}
-    return {"model": model, "optim": optim, "group": repr(sorted(group.items())), "step": trainer.global_step}
-
-
 def write_and_resume(root):
     """2 processes: per optimizer, save in every format, then resume each under DDP and FSDP."""
     saved, resumed = {}, {}
     for opt in OPTIMIZERS:
         shardwise.seed_everything(0)
         trainer = _trainer("ddp", root, 2)
-        trainer.fit(Net(opt), _loader())
+        trainer.fit(Net(opt), loader())
         trainer.save_checkpoint(os.path.join(root, opt, "ddp.ckpt"))
-        saved[(opt, "ddp.ckpt")] = _values(trainer)
+        saved[(opt, "ddp.ckpt")] = full_state(trainer)
         shardwise.seed_everything(0)
         trainer = _trainer("fsdp", root, 2)
-        trainer.fit(Net(opt), _loader())
+        trainer.fit(Net(opt), loader())
         trainer.save_checkpoint(os.path.join(root, opt, "fsdp-sharded.ckpt"))
         trainer.strategy.state_dict_type = "full"  # the same run, written the other way
         trainer.save_checkpoint(os.path.join(root, opt, "fsdp-full.ckpt"))
-        saved[(opt, "fsdp-sharded.ckpt")] = saved[(opt, "fsdp-full.ckpt")] = _values(trainer)
+        saved[(opt, "fsdp-sharded.ckpt")] = saved[(opt, "fsdp-full.ckpt")] = full_state(trainer)
     resumed.update(resume(root, ["ddp", "fsdp", "fsdp_full"], 2))
     return saved, resumed
 
@@ -107,21 +66,11 @@ def resume(root, strategies, devices):
                     continue  # loading does not depend on the strategy's own save format: one case suffices
                 shardwise.seed_everything(123)  # nothing may come from the seed
                 trainer = _trainer(strategy, root, devices)
-                trainer.fit(Net(opt), _loader(), ckpt_path=os.path.join(root, opt, fmt))
-                out[(opt, fmt, f"{strategy} x{devices}")] = _values(trainer)
+                trainer.fit(Net(opt), loader(), ckpt_path=os.path.join(root, opt, fmt))
+                out[(opt, fmt, f"{strategy} x{devices}")] = full_state(trainer)
                 if devices == 1 and dist.is_initialized():
                     dist.destroy_process_group()
     return out
-
-
-def _assert_same(expected, got, what):
-    assert got["step"] == expected["step"] and got["group"] == expected["group"], what
-    assert expected["model"].keys() == got["model"].keys(), what
-    for key in expected["model"]:
-        assert torch.equal(expected["model"][key], got["model"][key]), (what, key)
-    assert expected["optim"].keys() == got["optim"].keys(), what
-    for key in expected["optim"]:
-        assert torch.equal(expected["optim"][key], got["optim"][key]), (what, key)
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +86,7 @@ def test_every_format_resumes_under_every_strategy_and_optimizer(tmp_path):
     resumed.update(resume(root, ["single", "fsdp"], 1))  # this process: one device
     assert len(resumed) == 3 * (3 * 2 + 1) + 3 * 3 * 2  # 39 resumes
     for (opt, fmt, strategy), got in resumed.items():
-        _assert_same(saved[(opt, fmt)], got, (opt, fmt, strategy))
+        assert_same_state(saved[(opt, fmt)], got, (opt, fmt, strategy))
     assert saved[("momentum", "ddp.ckpt")]["optim"] and not saved[("sgd", "ddp.ckpt")]["optim"]
 
 
@@ -155,7 +104,7 @@ def deepspeed_save(root):
 
     shardwise.seed_everything(0)
     trainer = _trainer(DeepSpeedStrategy(stage=2), root, 2)
-    trainer.fit(Net("adam"), _loader())
+    trainer.fit(Net("adam"), loader())
     trainer.save_checkpoint(os.path.join(root, "ds.ckpt"))
     return trainer.global_step
 

@@ -12,38 +12,15 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import FSDPStrategy, Trainer, TrainModule
+from helpers.checkpoints import Net, assert_same_state, full_state, loader
+from shardwise import FSDPStrategy, Trainer
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.checkpoint import layout
 
 STEPS = 3
-
-
-class Net(TrainModule):
-    def configure_model(self) -> None:
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)),
-                      batch_size=4, shuffle=True)
 
 
 def _strategy(name):
@@ -56,37 +33,27 @@ def _trainer(name, root, devices, max_steps=STEPS, callbacks=(), checkpointing=F
                    callbacks=list(callbacks))
 
 
-def _values(trainer):
-    """Model and optimizer state as full CPU tensors (collective)."""
-    options = StateDictOptions(full_state_dict=True)
-    model = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(trainer.model, options=options).items()}
-    osd = get_optimizer_state_dict(trainer.model, trainer.optimizers[0], options=options)
-    optim = {f"{fqn}/{k}": v.detach().cpu().clone() for fqn, s in osd["state"].items() for k, v in s.items()}
-    lr = trainer.optimizers[0].param_groups[0]["lr"]
-    return {"model": model, "optim": optim, "lr": lr, "step": trainer.global_step}
-
-
 def write_checkpoints(root):
     """2 processes: train 3 steps under FSDP and DDP, save in every format."""
     out = {}
     shardwise.seed_everything(0)
     trainer = _trainer("fsdp", root, 2)
-    trainer.fit(Net(), _loader())
+    trainer.fit(Net(scheduler=True), loader())
     trainer.save_checkpoint(os.path.join(root, "fsdp-sharded.ckpt"))
     trainer.strategy.state_dict_type = "full"  # the same run, written the other way
     trainer.save_checkpoint(os.path.join(root, "fsdp-full.ckpt"))
-    out["fsdp"] = _values(trainer)
+    out["fsdp"] = full_state(trainer)
     shardwise.seed_everything(0)
     trainer = _trainer("ddp", root, 2)
-    trainer.fit(Net(), _loader())
+    trainer.fit(Net(scheduler=True), loader())
     trainer.save_checkpoint(os.path.join(root, "ddp.ckpt"))
-    out["ddp"] = _values(trainer)
+    out["ddp"] = full_state(trainer)
     # Async: the write overlaps training and is committed at the next save / at the end.
     shardwise.seed_everything(0)
     ckpt = ModelCheckpoint(dirpath=os.path.join(root, "async"), every_n_train_steps=2, save_top_k=1)
     trainer = _trainer("fsdp_async", root, 2, max_steps=4, callbacks=[ckpt], checkpointing=True)
-    trainer.fit(Net(), _loader())
-    out["async"] = _values(trainer)
+    trainer.fit(Net(scheduler=True), loader())
+    out["async"] = full_state(trainer)
     out["async_files"] = sorted(os.listdir(os.path.join(root, "async")))
     # Across strategies, in the same processes: FSDP sharded -> DDP, DDP full -> FSDP.
     out["cross"] = load_checkpoints(root, [("ddp", "fsdp-sharded.ckpt"), ("fsdp", "ddp.ckpt")])
@@ -100,19 +67,9 @@ def load_checkpoints(root, jobs):
         shardwise.seed_everything(123)  # nothing may come from the seed
         step = layout.read_manifest(os.path.join(root, path))["global_step"]
         trainer = _trainer(name, root, int(os.environ.get("WORLD_SIZE", 1)), max_steps=step)
-        trainer.fit(Net(), _loader(), ckpt_path=os.path.join(root, path))
-        out[(name, path)] = _values(trainer)
+        trainer.fit(Net(scheduler=True), loader(), ckpt_path=os.path.join(root, path))
+        out[(name, path)] = full_state(trainer)
     return out
-
-
-def _assert_same(expected, got, what):
-    assert got["step"] == expected["step"] and got["lr"] == expected["lr"], what
-    assert expected["model"].keys() == got["model"].keys(), what
-    for key in expected["model"]:
-        assert torch.equal(expected["model"][key], got["model"][key]), (what, key)
-    assert expected["optim"].keys() == got["optim"].keys(), what
-    for key in expected["optim"]:
-        assert torch.equal(expected["optim"][key], got["optim"][key]), (what, key)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +102,7 @@ def test_two_to_one_process(written):
             ("single", "async/last.ckpt")]
     got = load_checkpoints(root, jobs)  # in this process: a world of one
     for name, path in jobs:
-        _assert_same(ref["async" if path.startswith("async") else "fsdp"], got[(name, path)], (name, path))
+        assert_same_state(ref["async" if path.startswith("async") else "fsdp"], got[(name, path)], (name, path))
 
 
 @pytest.mark.slow
@@ -154,11 +111,11 @@ def test_two_to_four_processes(written):
     jobs = [("fsdp", "fsdp-sharded.ckpt"), ("fsdp", "fsdp-full.ckpt"), ("fsdp", "ddp.ckpt")]
     got = shardwise.launch(load_checkpoints, root, jobs, devices=4)[0]
     for name, path in jobs:
-        _assert_same(ref["ddp" if path == "ddp.ckpt" else "fsdp"], got[(name, path)], (name, path))
+        assert_same_state(ref["ddp" if path == "ddp.ckpt" else "fsdp"], got[(name, path)], (name, path))
 
 
 def test_fsdp_to_ddp_and_back(written):
     root, ref = written
     got = ref["cross"]
-    _assert_same(ref["fsdp"], got[("ddp", "fsdp-sharded.ckpt")], "fsdp -> ddp")
-    _assert_same(ref["ddp"], got[("fsdp", "ddp.ckpt")], "ddp -> fsdp")
+    assert_same_state(ref["fsdp"], got[("ddp", "fsdp-sharded.ckpt")], "fsdp -> ddp")
+    assert_same_state(ref["ddp"], got[("fsdp", "ddp.ckpt")], "ddp -> fsdp")

@@ -2,7 +2,7 @@
 
 NCCL moves only CUDA tensors; `self.log(..., sync_dist=True)` values,
 epoch accumulators and the recipe's loss reductions are CPU tensors or
-Python numbers. On 2 gloo processes, tests/strict_device.py makes the
+Python numbers. On 2 gloo processes, tests/helpers/strict_device.py makes the
 collectives behave like NCCL's (anything not on "cuda:0" is refused; the
 fake CUDA tensors hold CPU data), and the real code paths run under it:
 the Trainer's metric reduction (step and epoch, mean / max / sum, tensors
@@ -10,21 +10,16 @@ and numbers, training and validation) and `shardwise finetune`'s per-step
 and evaluation losses. Before the fix, ops.reduce passed its CPU tensor
 straight to dist.all_reduce, which the strict check refuses.
 """
-import os
-import sys
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes"))
-
-import shardwise  # noqa: E402
-from shardwise import FSDPStrategy, Trainer, TrainModule  # noqa: E402
-from shardwise.distributed import ops  # noqa: E402
-from strict_device import strict_cuda_collectives  # noqa: E402
+import shardwise
+from shardwise import FSDPStrategy, Trainer, TrainModule
+from shardwise.distributed import ops
+from helpers.strict_device import strict_cuda_collectives
 
 
 class Logs(TrainModule):
@@ -90,7 +85,7 @@ def test_sync_dist_metrics_reduce_on_the_collective_device(metrics):
 
 @pytest.mark.slow
 def test_finetune_loss_reductions_run_on_the_collective_device(tmp_path):
-    from hf_fixtures import build_model_folder, chat_records, write_jsonl
+    from helpers.hf import build_model_folder, chat_records, write_jsonl
 
     records = chat_records(64)
     model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)

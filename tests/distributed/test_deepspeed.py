@@ -14,61 +14,21 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import shardwise
-from shardwise import TrainModule, Trainer
-from shardwise.models import GPT, Block, gpt_config
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lm_fixtures import StepLosses  # noqa: E402
+from shardwise import Trainer
+from shardwise.models import Block
+from helpers.lm import GPT_TINY, StepLosses, TinyGPT, token_data
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.deepspeed
 
 STEPS = 20
-CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, tie_embeddings=False)
-
-
-class TinyGPT(TrainModule):
-    def __init__(self, lr: float = 1e-3, freeze_positions: bool = False, optimizer: str = "adamw") -> None:
-        super().__init__()
-        self.optimizer = optimizer
-        # A frozen parameter is the case zero_to_fp32 stores apart from the optimizer's partitions.
-        self.freeze_positions = freeze_positions
-        self.cfg = gpt_config("gpt-tiny", **CONFIG)
-        self.lr = lr
-        self.model: Optional[GPT] = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = GPT(self.cfg)
-            if self.freeze_positions:
-                self.model.wpe.weight.requires_grad_(False)
-
-    def training_step(self, batch):
-        (tokens,) = batch
-        logits = self.model(tokens[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-
-    def configure_optimizers(self):
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if self.optimizer == "sgd":  # no per-element normalisation: fp32 noise stays fp32 noise
-            return torch.optim.SGD(trainable, lr=self.lr)
-        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0)
-
-
-def token_data(n: int = 512, seq: int = 17, vocab: int = 128) -> TensorDataset:
-    # Learnable structure: each sequence counts up from a random start, so the loss falls quickly.
-    g = torch.Generator().manual_seed(0)
-    start = torch.randint(0, vocab, (n, 1), generator=g)
-    return TensorDataset((start + torch.arange(seq)) % vocab)
 
 
 def build_strategy(name: str):
@@ -95,7 +55,7 @@ def fit(name: str, steps: int = STEPS, accumulate: int = 2, clip: Optional[float
                       accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                       callbacks=[recorder, *extra_callbacks], enable_progress_bar=False, logger=False,
                       enable_checkpointing=False, default_root_dir=root)
-    trainer.fit(module, DataLoader(token_data(), batch_size=batch_size, shuffle=True), ckpt_path=ckpt_path)
+    trainer.fit(module, DataLoader(token_data(512), batch_size=batch_size, shuffle=True), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "trainer": trainer}
 
 
@@ -244,7 +204,7 @@ def test_zero3_with_optimizer_and_parameter_offload_trains():
     losses = result["losses"]
     assert result["offload"] == (True, True)
     assert result["optimizer"] == "DeepSpeedCPUAdam"  # torch AdamW was swapped for it
-    assert result["checkpointed"] == CONFIG["n_layer"]  # both blocks run through deepspeed.checkpointing
+    assert result["checkpointed"] == GPT_TINY["n_layer"]  # both blocks run through deepspeed.checkpointing
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
 

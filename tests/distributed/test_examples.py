@@ -7,10 +7,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import shardwise  # noqa: E402
-from strategy_without_trainer import train  # noqa: E402
+import shardwise
+from strategy_without_trainer import train
 
 
 def test_hand_written_loop_fsdp_equals_ddp():

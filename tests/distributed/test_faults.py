@@ -1,12 +1,17 @@
 """Faults during training (issue 11): no 30-minute hang, the guilty rank named.
 
-Each multi-process test starts a real 2-rank run (fault_script.py) that goes
+Each multi-process scenario starts a real 2-rank run (fault_script.py) that goes
 wrong on purpose, through one of the launchers users have: the Trainer's own
 supervisor (`python script.py`), `shardwise launch` (torch's elastic agent),
 and `shardwise.launch(fn)`. They assert the exit code, what the verdict on
 stderr names, and a wall-time bound that is generous for a shared, slow
 machine (collective timeout 10 s; bound = timeout + start-up + 60 s or more).
-The in-process tests check the verdict logic and the cheap pieces directly.
+
+The scenarios run as subprocesses, two at a time, started by one module fixture
+when the first of their tests asks: a hung rank spends most of its run waiting
+for the collective timeout, and another scenario's start-up uses that time. Each
+test then checks its own scenario's outcome. The in-process tests (the verdict
+logic, `shardwise.launch(fn)` failures) run after them, alone.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,10 +34,15 @@ SRC = os.path.abspath(os.path.join(HERE, "..", "..", "src"))
 TIMEOUT_S = 10
 # Start-up of two ranks (imports, process group) plus teardown, on a loaded 2-core machine.
 SLACK_S = 90
+# Scenarios at once: one waiting out a timeout while another starts; more would slow the start-ups
+# (CPU-bound) toward the collective timeout.
+LANES = 2
 
 
 def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in (progress.RUN_DIR_ENV, "RANK", "WORLD_SIZE")}
+    # Nothing the pytest process set for its own runs (rank, run directory, collective checks) leaks in.
+    dropped = (progress.RUN_DIR_ENV, "RANK", "WORLD_SIZE", faults.CHECK_COLLECTIVES_ENV, "TORCH_DISTRIBUTED_DEBUG")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONPATH"] = os.pathsep.join([SRC, HERE, env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
@@ -51,13 +62,59 @@ def _run(launcher: str, mode: str, strategy: str, out_dir):
     return proc, time.monotonic() - start
 
 
+def _start_and_wait_ready(command, out_dir, **env):
+    proc = subprocess.Popen(command, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(os.path.join(out_dir, f"ready.{r}")) for r in (0, 1)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "workers never became ready"
+        time.sleep(0.1)
+    return proc
+
+
+def _signal_when_ready(launcher: str, mode: str, signum: int, out_dir, **env):
+    """Start a preemption scenario, signal the launcher once both workers are up; (returncode, stderr, seconds
+    from the signal to the exit)."""
+    proc = _start_and_wait_ready(_command(launcher, mode, "ddp", out_dir), out_dir, **env)
+    start = time.monotonic()
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def scenarios(request, tmp_path_factory):
+    """Every subprocess scenario the selected tests need, submitted at once to LANES threads: name -> future."""
+    wanted = {item.callspec.params.get("scenario") if hasattr(item, "callspec") else None
+              for item in request.session.items if item.module is request.module}
+    jobs = {
+        "hang-script-ddp": lambda d: _run("script", "hang", "ddp", d),
+        "hang-shardwise-launch-fsdp": lambda d: _run("shardwise-launch", "hang", "fsdp", d),
+        "hang-script-deepspeed": lambda d: _run("script", "hang", "deepspeed", d),
+        "kill": lambda d: _run("script", "kill", "fsdp", d),
+        "raise0": lambda d: _run("shardwise-launch", "raise0", "fsdp", d),
+        "preempt-script-SIGTERM": lambda d: _signal_when_ready("script", "preempt", signal.SIGTERM, d),
+        "preempt-shardwise-launch-SIGUSR1": lambda d: _signal_when_ready("shardwise-launch", "preempt",
+                                                                         signal.SIGUSR1, d),
+        "ignore": lambda d: _signal_when_ready("script", "ignore", signal.SIGTERM, d, SHARDWISE_PREEMPT_GRACE_S="3"),
+    }
+    pool = ThreadPoolExecutor(max_workers=LANES)
+    dirs = {name: tmp_path_factory.mktemp(name) for name in jobs if name in wanted}
+    # A hang beside a scenario that is starting up: the hang's waiting is what the other's start-up fills.
+    order = ["hang-script-ddp", "kill", "hang-shardwise-launch-fsdp", "raise0", "hang-script-deepspeed",
+             "preempt-script-SIGTERM", "preempt-shardwise-launch-SIGUSR1", "ignore"]
+    futures = {name: pool.submit(jobs[name], dirs[name]) for name in order if name in dirs}
+    yield {name: (future, dirs[name]) for name, future in futures.items()}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 # ------------------------------------------------------------------ hangs
-@pytest.mark.parametrize("launcher,strategy", [
-    ("script", "ddp"), ("shardwise-launch", "fsdp"),
+@pytest.mark.parametrize("scenario", [
+    "hang-script-ddp", "hang-shardwise-launch-fsdp",
     # ZeRO's own process groups used to keep torch's 30-minute default timeout.
-    pytest.param("script", "deepspeed", marks=pytest.mark.slow)])
-def test_hung_rank_is_named_with_its_hook_step_and_stack(tmp_path, launcher, strategy):
-    proc, elapsed = _run(launcher, "hang", strategy, tmp_path)
+    pytest.param("hang-script-deepspeed", marks=pytest.mark.slow)])
+def test_hung_rank_is_named_with_its_hook_step_and_stack(scenarios, scenario):
+    proc, elapsed = scenarios[scenario][0].result()
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
     assert "UNREACHABLE" not in proc.stdout
@@ -70,8 +127,9 @@ def test_hung_rank_is_named_with_its_hook_step_and_stack(tmp_path, launcher, str
 
 
 # ---------------------------------------------------------------- killed
-def test_killed_rank_names_the_signal_and_the_oom_killer(tmp_path):
-    proc, elapsed = _run("script", "kill", "fsdp", tmp_path)
+@pytest.mark.parametrize("scenario", ["kill"])
+def test_killed_rank_names_the_signal_and_the_oom_killer(scenarios, scenario):
+    proc, elapsed = scenarios[scenario][0].result()
     err = proc.stderr
     assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "rank 1 was killed by SIGKILL" in err, err[-3000:]
@@ -84,8 +142,9 @@ def test_killed_rank_names_the_signal_and_the_oom_killer(tmp_path):
 
 
 # ------------------------------------------------------ first failure wins
-def test_first_failure_wins_over_a_peers_closed_connection_under_shardwise_launch(tmp_path):
-    proc, elapsed = _run("shardwise-launch", "raise0", "fsdp", tmp_path)
+@pytest.mark.parametrize("scenario", ["raise0"])
+def test_first_failure_wins_over_a_peers_closed_connection_under_shardwise_launch(scenarios, scenario):
+    proc, elapsed = scenarios[scenario][0].result()
     err = proc.stderr
     assert proc.returncode == 1, err[-3000:]
     verdict = err[err.index("[shardwise launch] node 0:"):]
@@ -95,6 +154,28 @@ def test_first_failure_wins_over_a_peers_closed_connection_under_shardwise_launc
     assert elapsed < SLACK_S, elapsed
 
 
+# ------------------------------------------------------------- preemption
+@pytest.mark.parametrize("scenario", ["preempt-script-SIGTERM", "preempt-shardwise-launch-SIGUSR1"])
+def test_launcher_forwards_preemption_waits_and_exits_75(scenarios, scenario):
+    future, out_dir = scenarios[scenario]
+    returncode, err, _ = future.result()
+    assert returncode == 75, err[-3000:]
+    # Every worker got the signal itself (and had the second it takes to "save").
+    signum = signal.SIGTERM if scenario.endswith("SIGTERM") else signal.SIGUSR1
+    for rank in (0, 1):
+        assert (out_dir / f"signal.{rank}").read_text() == signal.Signals(signum).name
+    assert "exited with 75" in err
+
+
+@pytest.mark.parametrize("scenario", ["ignore"])
+def test_worker_ignoring_preemption_is_killed_after_the_grace_period(scenarios, scenario):
+    returncode, err, after_signal = scenarios[scenario][0].result()
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "did not exit within the 3 s grace period" in err
+    assert 3 <= after_signal < 60
+
+
+# --------------------------------------------- shardwise.launch(fn), in-process
 def _raise_on_rank0_after_peer_sees_closed_connection() -> None:
     import datetime
 
@@ -126,40 +207,6 @@ def test_first_failure_wins_over_a_peers_closed_connection_in_launch_fn():
     assert err.value.rank == 0
     assert "after it: rank 1" in message  # the consequence is still mentioned, after the cause
     assert time.monotonic() - start < SLACK_S
-
-
-# ------------------------------------------------------------- preemption
-def _start_and_wait_ready(command, out_dir, **env):
-    proc = subprocess.Popen(command, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not all(os.path.exists(os.path.join(out_dir, f"ready.{r}")) for r in (0, 1)):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "workers never became ready"
-        time.sleep(0.1)
-    return proc
-
-
-@pytest.mark.parametrize("launcher,signum", [("script", signal.SIGTERM), ("shardwise-launch", signal.SIGUSR1)])
-def test_launcher_forwards_preemption_waits_and_exits_75(tmp_path, launcher, signum):
-    proc = _start_and_wait_ready(_command(launcher, "preempt", "ddp", tmp_path), tmp_path)
-    proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-3000:]
-    # Every worker got the signal itself (and had the second it takes to "save").
-    for rank in (0, 1):
-        assert (tmp_path / f"signal.{rank}").read_text() == signal.Signals(signum).name
-    assert "exited with 75" in err
-
-
-def test_worker_ignoring_preemption_is_killed_after_the_grace_period(tmp_path):
-    proc = _start_and_wait_ready(_command("script", "ignore", "ddp", tmp_path), tmp_path,
-                                 SHARDWISE_PREEMPT_GRACE_S="3")
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "did not exit within the 3 s grace period" in err
-    assert 3 <= time.monotonic() - start < 60
 
 
 # ---------------------------------------------------------- in-process parts

@@ -12,8 +12,6 @@ and the replicate-dimension path (a (2, 1) mesh: reduce-scatter now,
 all-reduce deferred), accumulate the same gradients.
 """
 import contextlib
-import os
-import sys
 
 import pytest
 import torch
@@ -21,14 +19,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
-import shardwise  # noqa: E402
-from lm_fixtures import LAYERS  # noqa: E402
-from shardwise import FSDPStrategy, Trainer  # noqa: E402
-from shardwise.demos import LanguageModel, PythonDocsText  # noqa: E402
-from shardwise.distributed import ops  # noqa: E402
-from shardwise.memory import active_tracker, start_tracking, stop_tracking  # noqa: E402
+import shardwise
+from helpers.lm import LAYERS
+from shardwise import FSDPStrategy, Trainer
+from shardwise.demos import LanguageModel, PythonDocsText
+from shardwise.distributed import ops
+from shardwise.memory import active_tracker, start_tracking, stop_tracking
 
 SIZES = dict(nlayers=6, nhid=1024, ninp=128, nhead=4)  # ~4.2M parameters with the bundled vocabulary
 POLICY = LAYERS | {nn.Embedding}

@@ -6,8 +6,6 @@ peak is at most 0.6x DDP's, SHARD_GRAD_OP sits between them (it keeps
 parameters gathered from forward to backward), and activation checkpointing
 lowers activation memory.
 """
-import os
-import sys
 
 import pytest
 import torch
@@ -15,13 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
-import shardwise  # noqa: E402
-from lm_fixtures import LAYERS, LanguageModel  # noqa: E402
-from shardwise import FSDPStrategy, Trainer  # noqa: E402
-from shardwise.demos import PythonDocsText  # noqa: E402
-from shardwise.memory import start_tracking, stop_tracking  # noqa: E402
+import shardwise
+from helpers.lm import LAYERS, LanguageModel
+from shardwise import FSDPStrategy, Trainer
+from shardwise.demos import PythonDocsText
+from shardwise.memory import start_tracking, stop_tracking
 
 SIZES = dict(nlayers=8, nhid=1024, ninp=128, nhead=4)
 

@@ -13,7 +13,6 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "recipes"))
 SRC = os.path.join(HERE, "..", "..", "src")
 
 
@@ -59,7 +58,7 @@ def _losses(out):
 
 @pytest.mark.slow
 def test_two_launchers_hybrid_shard_match_one_node(tmp_path):
-    from hf_fixtures import build_model_folder, chat_records, write_jsonl
+    from helpers.hf import build_model_folder, chat_records, write_jsonl
 
     from shardwise.distributed.env import find_free_port
 

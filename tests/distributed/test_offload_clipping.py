@@ -3,23 +3,19 @@
 Under `cpu_offload=True` the gradients (and so their per-shard norms) are CPU
 DTensors on an NCCL mesh; `total.full_tensor()` then hands NCCL a CPU
 tensor. Clipping now stages the partial norm on `ops.collective_device()`
-(`ops.full_tensor`). On 2 gloo processes tests/strict_device.py makes
+(`ops.full_tensor`). On 2 gloo processes tests/helpers/strict_device.py makes
 `DTensor.full_tensor()` refuse shards not on "cuda:0", as NCCL would; every
 gradient here is a CPU tensor, as under offload on a GPU. The clipped step
 must equal a plain single-process clip of the same gradients.
 """
-import os
-import sys
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
-import shardwise  # noqa: E402
-from shardwise import FSDPStrategy, Trainer, TrainModule  # noqa: E402
-from strict_device import strict_cuda_collectives  # noqa: E402
+import shardwise
+from shardwise import FSDPStrategy, Trainer, TrainModule
+from helpers.strict_device import strict_cuda_collectives
 
 
 class Net(TrainModule):

@@ -5,15 +5,11 @@ fp32 on CPU. Every strategy starts from the same weights (sharding-invariant
 init) and sees the same global batch, so per-step losses must agree with the
 single-device run to within 1e-4 relative.
 """
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
-import shardwise  # noqa: E402
-from lm_fixtures import train_losses, train_many  # noqa: E402
+import shardwise
+from helpers.lm import train_losses, train_many
 
 STEPS = 20
 

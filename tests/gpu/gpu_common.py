@@ -6,31 +6,24 @@ Tests that need more than one rank use `world()` = min(2, GPUs visible): on
 one GPU they still run, as one rank. DEVICE_TYPE is the one switch between
 the GPU and a CPU dry run of the same test bodies (set it to "cpu" to
 exercise the code on a CPU-only machine; the suite ships with "cuda").
-Module-level, so the worker processes shardwise.launch starts can import it.
+Module-level, so the worker processes shardwise.launch starts can import it. The
+recorder, the tiny GPT and its data are tests/helpers/lm.py's, shared with the CPU suite.
 """
 from __future__ import annotations
 
 import math
-import os
-import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for path in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "recipes")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import shardwise  # noqa: E402
-from shardwise import FSDPStrategy, Trainer, TrainModule  # noqa: E402
-from shardwise.models import GPT, Block, gpt_config  # noqa: E402
+import shardwise
+from shardwise import FSDPStrategy, Trainer
+from shardwise.models import Block
+from helpers.lm import StepLosses, TinyGPT, token_data  # noqa: F401  (token_data, TinyGPT: used by the GPU tests)
 
 DEVICE_TYPE = "cuda"
-GPT_CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, tie_embeddings=False)
 
 
 def skip_without_gpu() -> None:
@@ -51,55 +44,6 @@ def deterministic_math() -> None:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-
-
-class StepLosses:
-    """Callback: each optimizer step's loss, averaged over its micro-batches and all ranks."""
-
-    def __init__(self) -> None:
-        self.losses: List[float] = []
-        self._window: List[torch.Tensor] = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self._window.append(outputs.detach().float())
-        if trainer.is_last_microbatch:
-            mean = torch.stack(self._window).mean()
-            self.losses.append(float(trainer.strategy.reduce(mean, "mean")))
-            self._window = []
-
-
-class TinyGPT(TrainModule):
-    """The shipped GPT, tiny, on counting sequences (the loss falls within a few steps)."""
-
-    def __init__(self, lr: float = 1e-3) -> None:
-        super().__init__()
-        self.cfg = gpt_config("gpt-tiny", **GPT_CONFIG)
-        self.lr = lr
-        self.model: Optional[GPT] = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = GPT(self.cfg)
-
-    def _loss(self, batch) -> torch.Tensor:
-        (tokens,) = batch
-        logits = self.model(tokens[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-
-    def training_step(self, batch):
-        return self._loss(batch)
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
-
-
-def token_data(n: int = 256, seq: int = 17, vocab: int = 128, seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab, (n, 1), generator=g)
-    return TensorDataset((start + torch.arange(seq)) % vocab)
 
 
 def strategy_for(name: str) -> Any:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import shardwise
 from gpu_common import DEVICE_TYPE, TinyGPT, gpu_trainer, skip_without_gpu, token_data
-from hf_fixtures import build_tokenizer
+from helpers.hf import build_tokenizer
 
 skip_without_gpu()
 pytestmark = pytest.mark.gpu

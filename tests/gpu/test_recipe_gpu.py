@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_common import DEVICE_TYPE, deterministic_math, finite, skip_without_gpu, world
-from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 skip_without_gpu()
 pytestmark = pytest.mark.gpu

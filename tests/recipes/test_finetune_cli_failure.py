@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 
 def test_rank_0s_own_error_is_what_the_cli_shows(tmp_path):

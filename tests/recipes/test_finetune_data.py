@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_fixtures import build_tokenizer, chat_records, write_jsonl
+from helpers.hf import build_tokenizer, chat_records, write_jsonl
 from shardwise.recipes import data as D
 
 

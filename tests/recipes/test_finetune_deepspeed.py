@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
 
 

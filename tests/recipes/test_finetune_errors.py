@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 from shardwise.recipes.data import DatasetFieldError
 from shardwise.cli import main as shardwise_main
 from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, lr_lambda, validate_config

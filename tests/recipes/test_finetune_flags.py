@@ -10,90 +10,10 @@ import json
 import pytest
 import torch
 
-from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from helpers.hf import ACCELERATE_FSDP_YAML, build_model_folder, chat_records, seed_records, train_args, write_jsonl
 from shardwise.cli.finetune import parser as build_parser
 from shardwise.recipes.finetune import FinetuneConfig, validate_config
 from shardwise.recipes.hf_args import map_accelerate_config, translate_argv
-
-# What `accelerate config` writes for the two-node Llama recipe (FSDP, bf16, 2 x 8 GPUs).
-ACCELERATE_FSDP_YAML = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_backward_prefetch_policy: BACKWARD_PRE
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_forward_prefetch: false
-  fsdp_offload_params: false
-  fsdp_sharding_strategy: 1
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_sync_module_states: true
-  fsdp_use_orig_params: true
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: {machines}
-num_processes: {processes}
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
-
-
-def seed_records(n=40):
-    """The recipe's dataset shape: one `content` string per conversation, already formatted."""
-    out = []
-    for r in chat_records(n):
-        tags = {"system": "<|system|>", "user": "<|prompter|>", "assistant": "<|assistant|>"}
-        out.append({"content": " ".join(f"{tags[m['role']]} {m['content']} <|endoftext|>" for m in r["messages"])})
-    return out
-
-
-def train_args(model, data, output_dir, *, max_steps=2, eval_steps=1, save_steps=2, logging_steps=1, max_seq_len=32):
-    """train.py's flags exactly as the recipe prints them; only model, data, paths and sizes scaled down."""
-    return [
-        "--seed", "100",
-        "--model_name", model,
-        "--dataset_name", data,
-        "--chat_template_format", "none",
-        "--add_special_tokens", "False",
-        "--append_concat_token", "False",
-        "--splits", "train,test",
-        "--max_seq_len", str(max_seq_len),
-        "--max_steps", str(max_steps),
-        "--logging_steps", str(logging_steps),
-        "--log_level", "info",
-        "--eval_steps", str(eval_steps),
-        "--save_steps", str(save_steps),
-        "--logging_strategy", "steps",
-        "--evaluation_strategy", "steps",
-        "--save_strategy", "steps",
-        "--push_to_hub",
-        "--hub_private_repo", "True",
-        "--hub_strategy", "every_save",
-        "--bf16", "True",
-        "--packing", "True",
-        "--learning_rate", "5e-5",
-        "--lr_scheduler_type", "cosine",
-        "--weight_decay", "0.01",
-        "--warmup_ratio", "0.03",
-        "--max_grad_norm", "1.0",
-        "--output_dir", output_dir,
-        "--per_device_train_batch_size", "1",
-        "--per_device_eval_batch_size", "1",
-        "--gradient_accumulation_steps", "1",
-        "--gradient_checkpointing", "True",
-        "--use_reentrant", "False",
-        "--dataset_text_field", "content",
-        "--use_flash_attn", "True",
-        "--ddp_timeout", "5400",
-        "--optim", "paged_adamw_32bit",
-    ]
 
 
 @pytest.fixture(scope="module")

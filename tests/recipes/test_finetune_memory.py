@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_fixtures import build_model_folder, chat_records
+from helpers.hf import build_model_folder, chat_records
 
 
 def load_and_report(model_dir):

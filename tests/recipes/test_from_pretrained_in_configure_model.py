@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from hf_fixtures import build_model_folder, chat_records
+from helpers.hf import build_model_folder, chat_records
 from shardwise import Trainer, TrainModule
 
 

@@ -5,7 +5,7 @@ tensors while the group is NCCL's, which moves only CUDA tensors. Before the
 fix, hf_model sent/received/broadcast each slice on the shard's own device
 (`_comm_device(t) == t.device`) and export called `DTensor.full_tensor()` on
 CPU shards; now each slice goes through a staging copy on
-`ops.collective_device()`. On 2 gloo processes tests/strict_device.py makes
+`ops.collective_device()`. On 2 gloo processes tests/helpers/strict_device.py makes
 send / recv / broadcast / DTensor.full_tensor refuse anything not on
 "cuda:0" (the fakes hold CPU data), as NCCL would; on CPU every shard is a
 CPU tensor, exactly as under offload on a GPU.
@@ -16,16 +16,12 @@ CPU tensor, exactly as under offload on a GPU.
   CPU partitions as under offload_param) filled by `_place_zero3`.
 """
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.dirname(__file__))
-
-import shardwise  # noqa: E402
-from strict_device import strict_cuda_collectives  # noqa: E402
+import shardwise
+from helpers.strict_device import strict_cuda_collectives
 
 
 def run_recipe(model_dir, data, out):
@@ -41,7 +37,7 @@ def run_recipe(model_dir, data, out):
 
 
 def test_fsdp_offload_recipe_loads_and_exports_through_the_collective_device(tmp_path):
-    from hf_fixtures import build_model_folder, chat_records, write_jsonl
+    from helpers.hf import build_model_folder, chat_records, write_jsonl
     from safetensors.torch import load_file
 
     records = chat_records(32)

@@ -6,14 +6,7 @@ calls on this CPU machine). Code that needs two processes runs under
 shardwise.launch(fn, devices=2): Trainer(devices=2) in a pytest process does
 not start its own workers.
 """
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))  # hf_fixtures, test_finetune_flags
-
-from seed_fixtures import write_wikitext  # noqa: E402,F401  (re-exported)
 
 
 @pytest.fixture

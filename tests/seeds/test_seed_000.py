@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import shardwise
-from seed_fixtures import write_wikitext
+from helpers.seeds import write_wikitext
 
 TINY = dict(nlayers=2, nhid=64, ninp=32, nhead=4)  # the seed: nlayers=64, nhid=4096, ninp=1024, nhead=64
 # The blog's Trainers set no limit, so they run Lightning's (and our) default of 1000 epochs; a size, scaled.

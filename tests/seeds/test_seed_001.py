@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import shardwise
-from seed_fixtures import write_wikitext
+from helpers.seeds import write_wikitext
 
 TINY = dict(nlayers=2, nhid=64, ninp=32, nhead=4)  # the guide: nlayers=32, nhid=4096, ninp=1024, nhead=64
 ONE_EPOCH = dict(max_epochs=1)

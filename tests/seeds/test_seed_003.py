@@ -13,8 +13,7 @@ import os
 
 import pytest
 
-from test_finetune_flags import ACCELERATE_FSDP_YAML, seed_records, train_args
-from hf_fixtures import build_model_folder, chat_records, write_jsonl
+from helpers.hf import ACCELERATE_FSDP_YAML, build_model_folder, chat_records, seed_records, train_args, write_jsonl
 
 pytest.importorskip("transformers")
 pytest.importorskip("bitsandbytes")

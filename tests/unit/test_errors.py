@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -164,12 +163,13 @@ CRASH_SCRIPT = textwrap.dedent("""
 def test_crash_in_one_rank_stops_all(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    # The timeout only keeps a hang from blocking the suite; what is asserted is how rank 0 stopped.
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "RuntimeError: boom from rank 1" in proc.stderr  # the original traceback is shown
     assert "rank 1 exited with code" in proc.stderr
     assert "UNREACHABLE" not in proc.stdout
-    assert elapsed < 60, elapsed
+    # Rank 0 was stopped by its peer's death (its collective failed at once), not by a collective timeout.
+    assert "rank 0 lost a peer" in proc.stderr, proc.stderr[-3000:]
+    assert "timed out" not in proc.stderr.lower() and "timeout" not in proc.stderr.lower(), proc.stderr[-3000:]

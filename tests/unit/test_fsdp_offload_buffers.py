@@ -5,21 +5,17 @@ never moves them. shardwise materialises an offloaded model on the host, so
 without the fix RoPE frequencies / norm statistics stayed on the CPU and the
 first forward on a GPU mixed devices. On this CPU-only machine the rank's
 compute device is patched to cuda:0 after the (CPU) mesh is built, so the
-offload policy really applies, and tests/strict_device.py turns copies to
+offload policy really applies, and tests/helpers/strict_device.py turns copies to
 cuda:0 into fake CUDA tensors holding CPU data.
 """
-import os
-import sys
 import warnings
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
-from shardwise import FSDPStrategy  # noqa: E402
-from strict_device import FAKE_CUDA, fake_cuda_copies  # noqa: E402
+from shardwise import FSDPStrategy
+from helpers.strict_device import FAKE_CUDA, fake_cuda_copies
 
 
 class Block(nn.Module):

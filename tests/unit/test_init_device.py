@@ -5,18 +5,14 @@ seed. FSDP with `cpu_offload` initialises on the host, FSDP / DDP / ZeRO-3
 without it on the GPU, so "every strategy starts from the same weights"
 broke on GPUs. `reset_parameters()` now runs on CPU temporaries (the GPU
 keeps a copy); here a parameter on cuda:0 is simulated by
-tests/strict_device.py's fake CUDA tensor (CPU data that says cuda:0).
+tests/helpers/strict_device.py's fake CUDA tensor (CPU data that says cuda:0).
 """
-import os
-import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
-from shardwise.strategies.materialize import _reset_own, rng_devices  # noqa: E402
-from strict_device import FAKE_CUDA, FakeCudaTensor, fake_cuda_copies  # noqa: E402
+from shardwise.strategies.materialize import _reset_own, rng_devices
+from helpers.strict_device import FAKE_CUDA, FakeCudaTensor, fake_cuda_copies
 
 
 class Recorded(nn.Linear):

@@ -110,7 +110,7 @@ def _strict(name: str, original, calls: Dict[str, int]):
         for t in tensors:
             if t.device.type != "cuda":
                 raise ValueError(f"dist.{name} got a tensor on {t.device}; the group's backend (NCCL, "
-                                 "simulated by tests/strict_device.py) only moves CUDA tensors")
+                                 "simulated by tests/helpers/strict_device.py) only moves CUDA tensors")
         calls[name] = calls.get(name, 0) + 1
         unwrap = [t.cpu_data if isinstance(t, FakeCudaTensor) else t for t in (tensor, *args)]
         return original(*unwrap, **kwargs)
@@ -168,7 +168,7 @@ def _patch_dtensor(calls: Dict[str, int]):
     def strict_full_tensor(self, *args, **kwargs):
         if not getattr(self, "_strict_on_cuda", False):
             raise ValueError(f"DTensor.full_tensor() on a shard on {self._local_tensor.device}; the mesh's backend "
-                             "(NCCL, simulated by tests/strict_device.py) only moves CUDA tensors")
+                             "(NCCL, simulated by tests/helpers/strict_device.py) only moves CUDA tensors")
         calls["full_tensor"] = calls.get("full_tensor", 0) + 1
         return FakeCudaTensor(full_tensor(self, *args, **kwargs))
 
