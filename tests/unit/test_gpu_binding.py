@@ -68,6 +68,20 @@ def test_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch, visible, loca
     assert strategy.root_device == torch.device(expected)
     assert len(calls) == 1 and calls[0]["backend"] == "nccl"
     assert calls[0]["device_id"] == torch.device(expected)
+    assert calls[0]["init_method"] == "tcp://127.0.0.1:29999" and calls[0]["rank"] == local_rank
+
+
+def test_ddp_alone_makes_no_process_group(monkeypatch):
+    # One process without a launcher: DDP has nothing to communicate (FSDP and DeepSpeed make a group of one).
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    strategy = DDPStrategy()
+    strategy.connect("cpu")
+    strategy.setup_environment()
+    assert calls == [] and not strategy._owns_process_group
 
 
 def test_gloo_process_group_has_no_device_id(monkeypatch):
@@ -110,15 +124,18 @@ def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch
         monkeypatch.delenv(name, raising=False)
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(dist, "get_world_size", lambda *args: 1)
     monkeypatch.setattr(fsdp, "build_device_mesh", lambda *args: None)
-    strategy = FSDPStrategy()
+    strategy = FSDPStrategy(timeout_s=42.0)
     strategy.connect("cuda")
     strategy.setup_environment()
     strategy._owns_process_group = False
-    (args, kwargs), = calls
-    assert args[0] == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)
+    kwargs, = calls
+    assert kwargs["backend"] == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)
+    assert (kwargs["rank"], kwargs["world_size"]) == (0, 1)
+    assert kwargs["init_method"].startswith("tcp://127.0.0.1:")
+    assert kwargs["timeout"].total_seconds() == 42.0  # the strategy's timeout, as for a launched world
 
 
 def test_device_memory_auto_leaves_the_memory_outside_the_allocator(monkeypatch):

@@ -40,8 +40,9 @@ from torch import nn
 from torch.distributed.fsdp.wrap import enable_wrap
 
 from shardwise.distributed import faults, ops
-from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
-                                       set_cpu_threads, single_process_env, tune_cpu_allocator)
+from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, find_free_port,
+                                       resolve_accelerator, set_cpu_threads, single_process_env,
+                                       tune_cpu_allocator)
 from shardwise.precision import Precision, build_precision
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
 
@@ -92,6 +93,9 @@ class Strategy:
     name = "single"
     #: build configure_model on the meta device and materialise after wrapping
     init_on_meta = True
+    #: create a private process group of one when no launcher started this process
+    #: (FSDP2's device mesh and DeepSpeed's comm layer cannot run without one)
+    needs_process_group = False
 
     def __init__(self, precision: Union[str, Precision, None] = None, timeout_s: float = 1800.0) -> None:
         self._precision_arg = precision
@@ -155,20 +159,27 @@ class Strategy:
             # stopped responding (distributed/faults.py).
             faults.install_worker(collective_timeout_s=self.timeout_s)
             faults.apply_collective_timeout(self.timeout_s)  # also for groups made later (ZeRO, hybrid shard)
-        if self.env.is_distributed and not dist.is_initialized():
-            faults.maybe_check_collectives(self.name)
-            dist.init_process_group(
-                backend=backend_for(self.root_device.type), rank=self.env.global_rank,
-                world_size=self.env.world_size, timeout=datetime.timedelta(seconds=self.timeout_s),
-                init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
-                # NCCL bound to this rank's GPU: communicators are created eagerly on it,
-                # and mesh subgroups / point-to-point pairs split from it instead of each
-                # building its own (the recipe's loader would otherwise add W-1 on rank 0).
-                device_id=self.root_device if self.root_device.type == "cuda" else None,
-            )
-            self._owns_process_group = True
-            atexit.register(_destroy_process_group)
+        if not dist.is_initialized():
+            if self.env.is_distributed:
+                faults.maybe_check_collectives(self.name)
+                self._init_process_group(self.env.global_rank, self.env.world_size,
+                                         self.env.master_addr, self.env.master_port)
+            elif self.needs_process_group:
+                self._init_process_group(0, 1, "127.0.0.1", find_free_port())
         self.grad_scaler = self.precision.grad_scaler(self.root_device)
+
+    def _init_process_group(self, rank: int, world_size: int, addr: str, port: int) -> None:
+        """The one place shardwise creates the default process group (and destroys it at exit)."""
+        dist.init_process_group(
+            backend=backend_for(self.root_device.type), rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=self.timeout_s), init_method=f"tcp://{addr}:{port}",
+            # NCCL bound to this rank's GPU: communicators are created eagerly on it,
+            # and mesh subgroups / point-to-point pairs split from it instead of each
+            # building its own (the recipe's loader would otherwise add W-1 on rank 0).
+            device_id=self.root_device if self.root_device.type == "cuda" else None,
+        )
+        self._owns_process_group = True
+        atexit.register(_destroy_process_group)
 
     def setup_fake_environment(self, env: DistEnv, fake_mode: Any) -> None:
         """Instead of setup_environment, for the memory planner: be rank `env.global_rank` of `env`'s world

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.strategies.base import Strategy, _destroy_process_group, global_seed
+from shardwise.strategies.base import Strategy, global_seed
 from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, build_config,
                                                    cpu_adam_problem, load_config, size_limits)
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
@@ -128,6 +128,7 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
+    needs_process_group = True  # DeepSpeed's collectives assume a group, even for one process
 
     def __init__(self, stage: Optional[int] = None, offload_optimizer: Optional[bool] = None,
                  offload_parameters: Optional[bool] = None, partition_activations: Optional[bool] = None,
@@ -216,17 +217,6 @@ class DeepSpeedStrategy(Strategy):
             self.connect()
         ensure_accelerator_env(self.accelerator)
         super().setup_environment()
-        if not dist.is_initialized():
-            # One process still needs a group: DeepSpeed's collectives assume one.
-            from shardwise.distributed.env import find_free_port
-
-            dist.init_process_group("gloo" if self.root_device.type == "cpu" else "nccl", rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{find_free_port()}",
-                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
-            self._owns_process_group = True
-            import atexit
-
-            atexit.register(_destroy_process_group)
         # DeepSpeed reads these even when the group exists (device choice, logging).
         for key, value in (("RANK", self.global_rank), ("LOCAL_RANK", self.local_rank),
                            ("WORLD_SIZE", self.world_size), ("LOCAL_WORLD_SIZE", self.env.local_world_size)):

@@ -18,7 +18,6 @@ has nothing to switch.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import inspect
 import warnings
@@ -34,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shardwise.distributed import ops
-from shardwise.strategies.base import Strategy, _destroy_process_group
+from shardwise.strategies.base import Strategy
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 from shardwise.strategies import selective_ac
 from shardwise.strategies.fsdp_compat import (note_accepted, offload_flag, precision_from_mixed_precision,
@@ -222,6 +221,9 @@ class FSDPStrategy(Strategy):
     """
 
     name = "fsdp"
+    # One process still shards over a world of one (planning, tests, one GPU); its group uses
+    # the device's backend, since gloo cannot reduce-scatter the CUDA tensors of a CUDA mesh.
+    needs_process_group = True
 
     def __init__(self, auto_wrap_policy: Policy = None, activation_checkpointing_policy: Policy = None,
                  sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
@@ -299,18 +301,6 @@ class FSDPStrategy(Strategy):
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
         super().setup_environment()
-        if not dist.is_initialized():
-            # One process: FSDP still works on a world of one (useful for
-            # planning and tests); give it a private group of the device's
-            # backend (gloo cannot reduce-scatter CUDA tensors for a CUDA mesh).
-            from shardwise.distributed.env import backend_for, find_free_port
-
-            cuda = self.root_device.type == "cuda"
-            dist.init_process_group(backend_for(self.root_device.type), rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{find_free_port()}",
-                                    device_id=self.root_device if cuda else None)
-            self._owns_process_group = True
-            atexit.register(_destroy_process_group)
         self.mesh = build_device_mesh(self.sharding_strategy, dist.get_world_size(),
                                       getattr(self, "num_nodes", 1) or 1, self.root_device.type, self.device_mesh_arg)
         if self.precision.needs_grad_scaler:  # CUDA fp16: inf checks must agree across shards
