@@ -48,8 +48,8 @@ def seed_001_plan():
 # calls zero_grad after training_step's forward (its Closure runs step_fn, zero_grad_fn, backward_fn), so the
 # previous step's sharded gradients (1,924 MiB here) are alive through the forward, and with SHARD_GRAD_OP the
 # forward's end is the peak (every unit stays gathered). In that loop order FSDP1 (as Lightning 2.1 ran it:
-# use_orig_params, fp32 MixedPrecision) extrapolates to 11,697 MiB and FSDP2 to 11,818; in shardwise's order (zero_grad
-# right after the step, which the planner traces) to 9,772 and 9,895. FSDP1 vs FSDP2 is not the cause. The planner
+# use_orig_params, fp32 MixedPrecision) extrapolates to 11,702 MiB and FSDP2 to 11,818; in shardwise's order (zero_grad
+# right after the step, which the planner traces) to 9,778 and 9,895. FSDP1 vs FSDP2 is not the cause. The planner
 # models shardwise's Trainer, so the row stays a visible failure rather than a loosened tolerance.
 _LOOP_ORDER_GAP = pytest.mark.xfail(strict=True, reason="Lightning zeroes gradients after the forward; shardwise "
                                     "after the step (measured: one sharded gradient copy, -15.1%)")
