@@ -1,0 +1,243 @@
+"""Run this node's workers under torch's elastic agent and say why they failed.
+
+Every shardwise launcher comes here: `shardwise launch` (one per node), the
+Trainer's `python train.py` with devices=N, and `shardwise.launch(fn)`
+(launch.py). torch's `elastic_launch` starts the workers, gives them
+RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR, and stops them all when one
+fails. shardwise adds three things around it: a run directory where each
+worker keeps its progress and error records (progress.py, faults.py), so the
+verdict names the first failing rank with its own traceback instead of
+torch's second-resolution guess; preemption (SIGTERM / SIGINT / SIGUSR1
+forwarded to every worker, which get SHARDWISE_PREEMPT_GRACE_S to save and
+exit 75, as the launcher then does); and workers that die with a SIGKILLed
+launcher.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shardwise.distributed import faults
+from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
+from shardwise.distributed.progress import RUN_DIR_ENV
+
+LAUNCHED_ENV = "SHARDWISE_LAUNCHED"
+_PR_SET_PDEATHSIG = 1
+# torch's agent handles these itself (it stops the workers); the preemption signals are ours.
+_AGENT_SIGNALS = ("SIGHUP", "SIGQUIT")
+
+# A command worker is started through this prelude, which asks the kernel to SIGKILL it when
+# the launcher dies and then becomes the command (exec keeps the pid torch's agent watches).
+# torch's agent has no pre-exec hook and leaves its workers running when it is SIGKILLed (a
+# node's OOM killer, a scheduler's kill): they would wait in a collective until the timeout.
+_DIE_WITH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    f"    ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL)\n"
+    "    if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """In a function worker (no exec prelude): the same request, for the same reason."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher_pid:  # the launcher died before the request was made
+            os._exit(1)
+
+
+@dataclass
+class Result:
+    """How a launch ended. `exitcode`: 0; 75 (preempted); 128+signal (killed after the grace period);
+    else the root cause's (1 for an exception). `message`: the verdict for stderr ('' on success).
+    `preempted`: a preemption signal was forwarded, or a worker left with 75."""
+
+    exitcode: int
+    message: str = ""
+    rank: Optional[int] = None
+    return_values: Optional[Dict[int, Any]] = None
+    preempted: bool = False
+
+
+def run(entrypoint: Union[str, Callable], args: Sequence[Any], nproc: int, *, nnodes: int = 1,
+        node_rank: int = 0, addr: str = "127.0.0.1", port: int, rdzv_backend: str = "static",
+        run_id: str = "shardwise", max_restarts: int = 0, log_dir: Optional[str] = None,
+        who: str = "[shardwise]") -> Result:
+    """Run `entrypoint(*args)` -- a command, or a function importable by reference -- on this node's
+    `nproc` workers, torchrun's "static" rendezvous (fixed node ranks) unless told otherwise."""
+    if isinstance(entrypoint, str):
+        pids = _new_sessions()
+        entrypoint, args = sys.executable, ["-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), entrypoint, *args]
+    else:
+        pids = _new_spawned()
+    with _run_dir() as run_dir, _Forwarder(pids, who) as forwarder:
+        # Without a log_dir the agent's own files (error files) go in the run directory, not a new /tmp folder.
+        logs_specs = DefaultLogsSpecs(log_dir=log_dir or os.path.join(run_dir, "agent"),
+                                      **(dict(redirects=Std.ALL, tee=Std.ALL) if log_dir else {}))
+        config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, rdzv_backend=rdzv_backend,
+                              rdzv_endpoint=f"{addr}:{port}",
+                              rdzv_configs={"rank": node_rank} if rdzv_backend == "static" else {},
+                              run_id=run_id, max_restarts=max_restarts, monitor_interval=0.1, logs_specs=logs_specs,
+                              start_method="spawn", local_addr=addr if nnodes == 1 else None,
+                              signals_to_handle=",".join(_AGENT_SIGNALS))
+        try:
+            values = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as exc:
+            result = _verdict(exc, range(node_rank * nproc, (node_rank + 1) * nproc), run_dir, forwarder, who)
+        else:
+            result = Result(0, return_values=values)
+    result.preempted = result.preempted or forwarder.received is not None
+    return result
+
+
+@contextlib.contextmanager
+def _run_dir() -> Iterator[str]:
+    """A fresh run directory for the workers' records, in the environment they inherit (restored after)."""
+    run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
+    keys = (RUN_DIR_ENV, LAUNCHED_ENV, "TORCHELASTIC_SIGNALS_TO_HANDLE")
+    before = {k: os.environ.get(k) for k in keys}
+    os.environ.update({RUN_DIR_ENV: run_dir, LAUNCHED_ENV: "1"})
+    try:
+        yield run_dir
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarder: "_Forwarder",
+             who: str) -> Result:
+    """The root cause from the workers' own records, and the exit code that goes with it."""
+    codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    if forwarder.killed:
+        return Result(128 + forwarder.received, preempted=True, message=(
+            f"{who}: worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
+            f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
+            "longer)."))
+    # Preempted: a worker saved and left with 75; the agent then stops any peer still on its way out.
+    stopping = (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
+    if PREEMPTED_EXIT_CODE in codes.values() and all(code in stopping for code in codes.values()):
+        return Result(PREEMPTED_EXIT_CODE, preempted=True, message=(
+            f"{who}: the workers saved and exited with {PREEMPTED_EXIT_CODE} (preempted): resubmit the job "
+            "to resume."))
+    records = faults.read_records(run_dir)
+    # Once one worker failed, the agent stops the others: SIGTERM, and SIGKILL 30 s later. Such a
+    # rank without a record is a consequence -- unless every failure is of that kind (a user's
+    # `kill`), or, for SIGKILL, no recorded failure caused it (then it is likely the OOM killer).
+    caused = any(r["shardwise"]["kind"] in ("primary", "timeout") for r in records.values())
+    other = any(code != -signal.SIGTERM or rank in records for rank, code in codes.items())
+    outcomes = []
+    for rank in ranks:
+        record = records.get(rank)
+        if rank in codes:
+            code = codes[rank]
+            stopped = record is None and forwarder.received is None and (
+                (code == -signal.SIGTERM and other) or (code == -signal.SIGKILL and caused))
+            outcomes.append(faults.Outcome(rank=rank, exitcode=code, seen_at=float(exc.failures[rank].timestamp),
+                                           stopped_by_launcher=stopped, record=record))
+        else:
+            # torch reports only the first failed function worker; the others were stopped (SIGTERM).
+            outcomes.append(faults.Outcome(rank=rank, exitcode=-signal.SIGTERM if record else None, record=record,
+                                           stopped_by_launcher=record is None))
+    root = faults.root_cause(outcomes)
+    message = faults.diagnose(outcomes, run_dir).rstrip()
+    if not message:
+        message = exc.format_msg() if exc is not None else "the workers failed"
+    if root is None or not root.exitcode or root.record is not None:
+        exitcode = 1  # an uncaught exception, even if the agent stopped the rank while it unwound
+    else:
+        exitcode = root.exitcode if root.exitcode > 0 else 128 - root.exitcode
+    return Result(exitcode, message=message, rank=root.rank if root is not None else None)
+
+
+def _new_spawned() -> Callable[[], List[int]]:
+    """A function listing the multiprocessing children started from now on: the agent's function workers."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    return lambda: [p.pid for p in multiprocessing.active_children() if p.pid not in before]
+
+
+def _new_sessions() -> Callable[[], List[int]]:
+    """A function listing the session-leading children started from now on: the agent's command workers."""
+    me = str(os.getpid())
+
+    def children() -> set:
+        pids = set()
+        for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    state, ppid, pgrp, session = fh.read().rsplit(")", 1)[1].split()[:4]
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == me and session == name:
+                pids.add(int(name))
+        return pids
+
+    before = children()
+    return lambda: sorted(children() - before)
+
+
+class _Forwarder:
+    """SIGTERM / SIGINT / SIGUSR1: forward to every worker, SIGKILL them after the grace period."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, pids: Callable[[], List[int]], who: str) -> None:
+        self.pids, self.who = pids, who
+        self.received: Optional[int] = None
+        self.killed = False
+        self._timer: Optional[threading.Timer] = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Forwarder":
+        if threading.current_thread() is threading.main_thread():
+            # torch's agent installs its handlers and leaves them: restore those too.
+            self._previous = {s: signal.getsignal(s) for s in (*self.SIGNALS, signal.SIGHUP, signal.SIGQUIT)}
+            for s in self.SIGNALS:
+                signal.signal(s, self._forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _send(self, signum: int) -> None:
+        for pid in self.pids():
+            try:
+                # A command worker leads its own session (its DataLoader workers are in it); a spawned one does not.
+                os.killpg(pid, signum) if os.getpgid(pid) == pid else os.kill(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            grace = preempt_grace_s()
+            print(f"{self.who} received {faults.signal_name(signum)}: forwarded to every worker; waiting up to "
+                  f"{grace:.0f} s ({PREEMPT_GRACE_ENV}) for them to save and exit.", file=sys.stderr, flush=True)
+            self._timer = threading.Timer(grace, self._kill)
+            self._timer.daemon = True
+            self._timer.start()
+        self._send(signum)
+
+    def _kill(self) -> None:
+        self.killed = True
+        self._send(signal.SIGKILL)
