@@ -326,3 +326,22 @@ def test_fsdp_reduce_scatters_every_micro_batch_by_default():
     once = step_cost(c, Hardware(), accumulation_sync="none", **kw).comm_bytes
     ring = 7 / 8
     assert every - once == pytest.approx(3 * ring * 1e9 * 4)  # three more fp32 reduce-scatters
+
+
+def test_forked_workers_get_the_fsdp_jobs_of_one_depth_together():
+    """FSDP traces at one depth share their sharded parameter layout (and a process's op caches): one worker."""
+    from shardwise.plan.jobs import TraceJob, _cost, _shares
+
+    fsdp = [Candidate("fsdp", sharding=s, activation_checkpointing=ac)
+            for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") for ac in (False, True)]
+    ddp = [Candidate("ddp"), Candidate("ddp", activation_checkpointing=True)]
+    jobs = [TraceJob(c.config_key, "bf16-mixed", 1, 1, d, (1.0,), ()) for c in fsdp + ddp for d in (3, 4)]
+    shares = _shares(jobs, 2)
+    assert sorted(sum(shares, []), key=repr) == sorted(jobs, key=repr)  # every job exactly once
+    depths = [{j.depth for j in s if j.traced.kind == "fsdp"} for s in shares]
+    assert sorted(depths, key=min) == [{3}, {4}]
+    loads = [sum(_cost(j) for j in s) for s in shares]
+    assert max(loads) <= 1.1 * sum(loads) / 2  # DDP jobs even the two out
+    # One depth (a user's module): the FSDP group is larger than a fair share, so it is split.
+    one = [TraceJob(c.config_key, "bf16-mixed", 1, 1, None, (1.0,), ()) for c in fsdp]
+    assert [len(s) for s in _shares(one, 2)] == [3, 3]
