@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from jsonargparse import ArgumentParser
 
 from shardwise.distributed import agent
-from shardwise.distributed.env import PREEMPTED_EXIT_CODE, find_free_port
+from shardwise.distributed.env import find_free_port
 
 
 PASSTHROUGH = True  # the program's own arguments are passed on as given
@@ -117,8 +117,8 @@ def run(ns: Any) -> int:
                        log_dir=ns.log_dir, who=who)
     if result.exitcode == 0:
         return 0
-    if result.exitcode == PREEMPTED_EXIT_CODE or (result.preempted and result.exitcode > 128):
-        print(result.message, file=sys.stderr)  # saved and left, or killed after the grace period
+    if not result.verdict:  # preempted: saved and left (75), or killed after the grace period
+        print(result.message, file=sys.stderr)
         return result.exitcode
     print(f"{who}:\n{result.message}", file=sys.stderr)
     return 1

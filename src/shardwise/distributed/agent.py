@@ -63,14 +63,15 @@ def die_with_launcher(launcher_pid: int) -> None:
 @dataclass
 class Result:
     """How a launch ended. `exitcode`: 0; 75 (preempted); 128+signal (killed after the grace period);
-    else the root cause's (1 for an exception). `message`: the verdict for stderr ('' on success).
-    `preempted`: a preemption signal was forwarded, or a worker left with 75."""
+    else the root cause's (1 for an exception). `message`: for stderr, '' on success; with
+    `verdict`, the root cause (faults.diagnose). `signalled`: a preemption signal was forwarded."""
 
     exitcode: int
     message: str = ""
     rank: Optional[int] = None
     return_values: Optional[Dict[int, Any]] = None
-    preempted: bool = False
+    verdict: bool = False
+    signalled: bool = False
 
 
 def run(entrypoint: Union[str, Callable], args: Sequence[Any], nproc: int, *, nnodes: int = 1,
@@ -100,7 +101,7 @@ def run(entrypoint: Union[str, Callable], args: Sequence[Any], nproc: int, *, nn
             result = _verdict(exc, range(node_rank * nproc, (node_rank + 1) * nproc), run_dir, forwarder, who)
         else:
             result = Result(0, return_values=values)
-    result.preempted = result.preempted or forwarder.received is not None
+    result.signalled = forwarder.received is not None
     return result
 
 
@@ -127,14 +128,14 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
     """The root cause from the workers' own records, and the exit code that goes with it."""
     codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     if forwarder.killed:
-        return Result(128 + forwarder.received, preempted=True, message=(
+        return Result(128 + forwarder.received, message=(
             f"{who}: worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
             f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
             "longer)."))
     # Preempted: a worker saved and left with 75; the agent then stops any peer still on its way out.
-    stopping = (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
+    stopping = (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
     if PREEMPTED_EXIT_CODE in codes.values() and all(code in stopping for code in codes.values()):
-        return Result(PREEMPTED_EXIT_CODE, preempted=True, message=(
+        return Result(PREEMPTED_EXIT_CODE, message=(
             f"{who}: the workers saved and exited with {PREEMPTED_EXIT_CODE} (preempted): resubmit the job "
             "to resume."))
     records = faults.read_records(run_dir)
@@ -158,13 +159,13 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
                                            stopped_by_launcher=record is None))
     root = faults.root_cause(outcomes)
     message = faults.diagnose(outcomes, run_dir).rstrip()
-    if not message:
-        message = exc.format_msg() if exc is not None else "the workers failed"
+    if not message:  # no rank left a record or a code we can read: torch's own summary
+        message = exc.format_msg()
     if root is None or not root.exitcode or root.record is not None:
         exitcode = 1  # an uncaught exception, even if the agent stopped the rank while it unwound
     else:
         exitcode = root.exitcode if root.exitcode > 0 else 128 - root.exitcode
-    return Result(exitcode, message=message, rank=root.rank if root is not None else None)
+    return Result(exitcode, message=message, rank=root.rank if root is not None else None, verdict=True)
 
 
 def _new_spawned() -> Callable[[], List[int]]:
@@ -182,7 +183,7 @@ def _new_sessions() -> Callable[[], List[int]]:
         for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
             try:
                 with open(f"/proc/{name}/stat") as fh:
-                    state, ppid, pgrp, session = fh.read().rsplit(")", 1)[1].split()[:4]
+                    _, ppid, _, session = fh.read().rsplit(")", 1)[1].split()[:4]
             except (OSError, IndexError, ValueError):
                 continue
             if ppid == me and session == name:

@@ -117,7 +117,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int = 2, num_nodes: int 
         raise ValueError("launch(num_nodes>1) needs master_port: every node must name the same one.")
     result = agent.run(_worker, (fn, args, os.getpid()), devices, nnodes=num_nodes, node_rank=node_rank,
                        addr=master_addr, port=master_port or find_free_port())
-    if result.preempted and (result.exitcode != 0 or result.return_values is None):
+    if result.exitcode == PREEMPTED_EXIT_CODE or (result.signalled and result.exitcode != 0):
         if result.message:
             sys.stderr.write(result.message + "\n")
         raise SystemExit(result.exitcode)
