@@ -117,10 +117,10 @@ def checkpoint_runs(names: List[str], root: str) -> Dict[str, Any]:
     return out
 
 
-def resume_on_one_process(name: str, root: str) -> List[float]:
+def resume_on_one_process(names: List[str], root: str) -> Dict[str, List[float]]:
     # Half the ranks, double the micro-batch: the same global batch, so the same curve.
-    path = os.path.join(root, name + ".ckpt")
-    return fit(name, steps=10, root=root, ckpt_path=path, freeze_positions=True, devices=1, batch_size=8)["losses"]
+    return {name: fit(name, steps=10, root=root, ckpt_path=os.path.join(root, name + ".ckpt"), freeze_positions=True,
+                      devices=1, batch_size=8)["losses"] for name in names}
 
 
 def fit_twice_with_teardown() -> List[List[float]]:
@@ -177,30 +177,89 @@ def _rel(a: List[float], b: List[float]) -> float:
 
 
 # ------------------------------------------------------------ multi-process
-def test_a_second_run_in_the_same_process_after_teardown():
+# Starting ranks with DeepSpeed costs more than most of these runs, so the runs the selected tests need
+# share one launch per world size (module fixtures); each test checks its own part. Runs in one process
+# one after another are also what a sweep does: nothing may leak from one engine into the next.
+ZERO_NAMES = ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
+BF16_NAMES = ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
+CHECKPOINT_NAMES = ["deepspeed_stage_2", "deepspeed_stage_3"]
+
+
+def two_rank_runs(parts: List[str], root: str) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    if "curves" in parts:
+        out["curves"] = run_many(ZERO_NAMES)
+    if "bf16" in parts:
+        out["bf16"] = bf16_runs(BF16_NAMES)
+    if "checkpoints" in parts:
+        out["checkpoints"] = checkpoint_runs(CHECKPOINT_NAMES, root)
+    if "offload" in parts:  # last: it swaps in DeepSpeedCPUAdam
+        out["offload"] = offload_run()
+    return out
+
+
+def one_rank_runs(parts: List[str], root: str) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    if "teardown" in parts:
+        out["teardown"] = fit_twice_with_teardown()
+    if "zero3" in parts:  # after: it makes DeepSpeed's accelerator report no fp16
+        out["zero3"] = zero3_against_ddp(root)
+    return out
+
+
+def _parts(request, by_test: Dict[str, str]) -> List[str]:
+    """The parts of a shared launch that the selected tests of this module need."""
+    parts = set()
+    for item in request.session.items:
+        if item.module is not request.module or item.originalname not in by_test:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("devices", 1) != 1:
+            continue  # the 3-rank case starts its own ranks
+        parts.add(by_test[item.originalname])
+    return sorted(parts)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    parts = _parts(request, {"test_zero_stages_follow_ddp_loss_curve": "curves",
+                             "test_bf16_maps_to_deepspeed_bf16_and_follows_ddp": "bf16",
+                             "test_checkpoint_round_trip_convert_and_resume_at_another_world_size": "checkpoints",
+                             "test_zero3_with_optimizer_and_parameter_offload_trains": "offload"})
+    root = tmp_path_factory.mktemp("deepspeed-2")
+    return root, shardwise.launch(two_rank_runs, parts, str(root), devices=2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(request, tmp_path_factory):
+    parts = _parts(request, {"test_a_second_run_in_the_same_process_after_teardown": "teardown",
+                             "test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports": "zero3"})
+    return shardwise.launch(one_rank_runs, parts, str(tmp_path_factory.mktemp("deepspeed-1")), devices=1)[0]
+
+
+def test_a_second_run_in_the_same_process_after_teardown(one_rank):
     # A sweep or a notebook: the first run's teardown destroyed its process group,
     # and DeepSpeed's cached groups derived from it must not reach the second run.
-    first, second = shardwise.launch(fit_twice_with_teardown, devices=1)[0]
+    first, second = one_rank["teardown"]
     assert len(first) == 3 and second == first
 
 
 @pytest.mark.slow
-def test_zero_stages_follow_ddp_loss_curve():
-    names = ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
-    results = shardwise.launch(run_many, names, devices=2)
-    curves = results[0]
-    assert results[1] == curves  # every rank saw the same reduced curve
+def test_zero_stages_follow_ddp_loss_curve(two_ranks):
+    _, results = two_ranks
+    curves = results[0]["curves"]
+    assert results[1]["curves"] == curves  # every rank saw the same reduced curve
     ddp = curves["ddp"]
     assert len(ddp) == STEPS and ddp[-1] < ddp[0]
-    for name in names[1:]:
+    for name in ZERO_NAMES[1:]:
         assert len(curves[name]) == STEPS, name
         assert _rel(curves[name], ddp) < 1e-3, (name, curves[name], ddp)
 
 
 @pytest.mark.slow
-def test_zero3_with_optimizer_and_parameter_offload_trains():
+def test_zero3_with_optimizer_and_parameter_offload_trains(two_ranks):
     # Includes compiling DeepSpeedCPUAdam's op on a fresh machine (about 3 minutes on 2 cores, then cached).
-    result = shardwise.launch(offload_run, devices=2)[0]
+    result = two_ranks[1][0]["offload"]
     losses = result["losses"]
     assert result["offload"] == (True, True)
     assert result["optimizer"] == "DeepSpeedCPUAdam"  # torch AdamW was swapped for it
@@ -210,8 +269,8 @@ def test_zero3_with_optimizer_and_parameter_offload_trains():
 
 
 @pytest.mark.slow
-def test_bf16_maps_to_deepspeed_bf16_and_follows_ddp():
-    results = shardwise.launch(bf16_runs, ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"], devices=2)[0]
+def test_bf16_maps_to_deepspeed_bf16_and_follows_ddp(two_ranks):
+    results = dict(two_ranks[1][0]["bf16"])
     ddp, _ = results.pop("ddp")  # autocast over fp32 weights
     for name, (losses, dtype) in results.items():
         assert dtype == "torch.bfloat16", name  # DeepSpeed's bf16 section: bf16 weights, fp32 master copy
@@ -220,32 +279,35 @@ def test_bf16_maps_to_deepspeed_bf16_and_follows_ddp():
 
 
 @pytest.mark.slow
-def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(tmp_path):
-    names = ["deepspeed_stage_2", "deepspeed_stage_3"]
-    results = shardwise.launch(checkpoint_runs, names, str(tmp_path), devices=2)[0]
-    for name in names:
+def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(two_ranks):
+    root, ranks = two_ranks
+    results = ranks[0]["checkpoints"]
+    for name in CHECKPOINT_NAMES:
         r = results[name]
         # The resumed run continues exactly where the saved one was.
         assert r["resumed"] == r["first"][6:], (name, r)
         live_keys, converted_keys, exported_keys = r["keys"]
         assert live_keys == converted_keys == exported_keys, name  # nothing dropped (the frozen wpe included)
         assert r["unequal"] == [], name  # fp32 master weights equal the live weights bit for bit
-        manifest = json.loads((tmp_path / f"{name}.ckpt" / "shardwise.json").read_text())
+        manifest = json.loads((root / f"{name}.ckpt" / "shardwise.json").read_text())
         assert manifest["checkpoint_format"] == "deepspeed" and manifest["world_size"] == 2
     # Saved by 2 ranks, resumed on 1 through DeepSpeed's universal checkpoint (stage 2 needed
     # DeepSpeed's universal_checkpoint_info injected; found by the chaos harness).
-    for name in names:
-        one = shardwise.launch(resume_on_one_process, name, str(tmp_path), devices=1)[0]
-        assert _rel(one, results[name]["first"][6:]) < 1e-5, (name, one)
-        assert (tmp_path / f"{name}.ckpt" / "universal").is_dir()
+    resumed = shardwise.launch(resume_on_one_process, CHECKPOINT_NAMES, str(root), devices=1)[0]
+    for name in CHECKPOINT_NAMES:
+        assert _rel(resumed[name], results[name]["first"][6:]) < 1e-5, (name, resumed[name])
+        assert (root / f"{name}.ckpt" / "universal").is_dir()
 
 
 @pytest.mark.parametrize("devices", [1, 3])
-def test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports(tmp_path, devices):
+def test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports(request, tmp_path, devices):
     # The fresh-machine failure: on an accelerator without fp16, ZeRO-3 trained an fp32
     # run in bf16 and exported weights 2e-4 away from DDP's. Three ranks partition
     # unevenly (padding), one rank not at all: two layouts beside the 2-rank tests.
-    result = shardwise.launch(zero3_against_ddp, str(tmp_path), devices=devices)[0]
+    if devices == 1:
+        result = request.getfixturevalue("one_rank")["zero3"]
+    else:
+        result = shardwise.launch(zero3_against_ddp, str(tmp_path), devices=devices)[0]
     ddp, zero3 = result["losses"]
     assert _rel(zero3, ddp) < 1e-5, (ddp, zero3)
     for kind in ("live", "converted", "exported"):

@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-from helpers.lm import LAYERS
+from helpers.lm import LAYERS, PeakOfSteps
 from shardwise import FSDPStrategy, Trainer
 from shardwise.demos import LanguageModel, PythonDocsText
 from shardwise.distributed import ops
-from shardwise.memory import active_tracker, start_tracking, stop_tracking
+from shardwise.memory import active_tracker
 
 SIZES = dict(nlayers=6, nhid=1024, ninp=128, nhead=4)  # ~4.2M parameters with the bundled vocabulary
 POLICY = LAYERS | {nn.Embedding}
@@ -45,15 +45,6 @@ class SGDLanguageModel(LanguageModel):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-class PeakOfSteps:
-    def on_train_start(self, trainer, module):
-        start_tracking(trainer.strategy.module, trainer.strategy.optimizers)
-
-    def on_train_end(self, trainer, module):
-        tracker = stop_tracking()
-        self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
 
 
 def _peak(accumulate, sync, batch_size=2, block_size=32):

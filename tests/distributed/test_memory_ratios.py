@@ -14,23 +14,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-from helpers.lm import LAYERS, LanguageModel
+from helpers.lm import LAYERS, LanguageModel, PeakOfSteps
 from shardwise import FSDPStrategy, Trainer
 from shardwise.demos import PythonDocsText
-from shardwise.memory import start_tracking, stop_tracking
 
 SIZES = dict(nlayers=8, nhid=1024, ninp=128, nhead=4)
-
-
-class PeakOfSteps:
-    """Track from train start through the first optimizer steps (the optimizer state appears at step 1)."""
-
-    def on_train_start(self, trainer, module):
-        start_tracking(trainer.strategy.module, trainer.strategy.optimizers)
-
-    def on_train_end(self, trainer, module):
-        tracker = stop_tracking()
-        self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
 
 
 def _strategy(name):

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.demos import LanguageModel, PythonDocsText
+from shardwise.memory import start_tracking, stop_tracking
 from shardwise.models import GPT, gpt_config
 
 LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
@@ -34,6 +35,17 @@ class StepLosses:
             mean = torch.stack(self._window).mean()
             self.losses.append(float(trainer.strategy.reduce(mean, "mean")))
             self._window = []
+
+
+class PeakOfSteps:
+    """Callback: tracked tensor memory from train start to train end (peak and its breakdown by category)."""
+
+    def on_train_start(self, trainer, module):
+        start_tracking(trainer.strategy.module, trainer.strategy.optimizers)
+
+    def on_train_end(self, trainer, module):
+        tracker = stop_tracking()
+        self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
 
 
 def strategy_for(name: str):
