@@ -111,7 +111,7 @@ def run(ns: Any) -> int:
     entrypoint, args = resolve_command(ns.program, ns.args, ns.module)
     run_id = ns.run_id or os.environ.get("SLURM_JOB_ID") or ("shardwise" if ns.rdzv_backend == "static"
                                                                else uuid.uuid4().hex[:8])
-    who = f"[shardwise launch] node {node_rank}"
+    who = f"[shardwise launch] node {node_rank}:"
     result = agent.run(entrypoint, args, nproc, nnodes=ns.nnodes, node_rank=node_rank, addr=addr, port=port,
                        rdzv_backend=ns.rdzv_backend, run_id=run_id, max_restarts=ns.max_restarts,
                        log_dir=ns.log_dir, who=who)
@@ -120,5 +120,5 @@ def run(ns: Any) -> int:
     if not result.verdict:  # preempted: saved and left (75), or killed after the grace period
         print(result.message, file=sys.stderr)
         return result.exitcode
-    print(f"{who}:\n{result.message}", file=sys.stderr)
+    print(f"{who}\n{result.message}", file=sys.stderr)
     return 1

@@ -129,14 +129,14 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
     codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     if forwarder.killed:
         return Result(128 + forwarder.received, message=(
-            f"{who}: worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
+            f"{who} worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
             f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
             "longer)."))
     # Preempted: a worker saved and left with 75; the agent then stops any peer still on its way out.
     stopping = (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
     if PREEMPTED_EXIT_CODE in codes.values() and all(code in stopping for code in codes.values()):
         return Result(PREEMPTED_EXIT_CODE, message=(
-            f"{who}: the workers saved and exited with {PREEMPTED_EXIT_CODE} (preempted): resubmit the job "
+            f"{who} the workers saved and exited with {PREEMPTED_EXIT_CODE} (preempted): resubmit the job "
             "to resume."))
     records = faults.read_records(run_dir)
     # Once one worker failed, the agent stops the others: SIGTERM, and SIGKILL 30 s later. Such a

@@ -71,23 +71,29 @@ def _worker(fn: Callable, args: tuple, launcher_pid: int) -> Any:
     agent.die_with_launcher(launcher_pid)
     faults.install_worker()
     try:
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if code != 0:
+                _leave(code)  # e.g. preempted: saved, exiting with 75
+            result = None  # the agent waits for a value from every rank that exits 0
         ForkingPickler.dumps(result)  # as the agent's queue will: an unpicklable result fails this rank, named
         _shutdown_process_group()
-        # The agent has the result once this returns. Skip the interpreter's teardown of torch
-        # (2-3 s per worker on a busy machine, measured) and the exit-time destructors of
-        # communication objects, which have aborted finished workers.
-        atexit.register(os._exit, 0)
-        return result
-    except SystemExit as exc:  # e.g. preempted: saved, exiting with 75
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException as exc:
         faults.record_exception(exc)
         faults.print_worker_exception(exc)
-        code = 1
         if faults.classify(f"{type(exc).__name__}: {exc}") == "secondary":
             time.sleep(_SECONDARY_WAIT_S)  # the agent stops this rank once the first failure exits
-    # The error is on record: leave at once, for the same reasons.
+        _leave(1)
+    # The agent has the result once this returns; then skip the interpreter's teardown.
+    atexit.register(os._exit, 0)
+    return result
+
+
+def _leave(code: int) -> None:
+    """Exit now, without the interpreter's teardown of torch (2-3 s per worker on a busy machine,
+    measured) or the exit-time destructors of communication objects, which have aborted workers."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
