@@ -7,21 +7,11 @@ from shardwise.module import DataModule, TrainModule
 from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise.precision import PRECISIONS
 from shardwise.seed import seed_everything
-from shardwise.strategies import (STRATEGY_NAMES, DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy,
-                                  build_strategy, wrap)
-# Registers the reader of DeepSpeed's checkpoint directories with checkpoint/reader.py, so
-# `shardwise convert` / `inspect` read them; the module does not import deepspeed itself.
-from shardwise.strategies import deepspeed_checkpoint as _deepspeed_checkpoint  # noqa: F401
+from shardwise.strategies import (STRATEGY_NAMES, DDPStrategy, DeepSpeedStrategy, FSDPStrategy,
+                                  SingleDeviceStrategy, Strategy, build_strategy, wrap)
 from shardwise.trainer import Trainer
 
-
-def __getattr__(name: str):
-    # DeepSpeed is an optional extra: import it only when asked for.
-    if name in ("DeepSpeedStrategy", "DeepSpeedPlugin"):  # DeepSpeedPlugin: Lightning 1.x's name
-        from shardwise.strategies.deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy
-    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+DeepSpeedPlugin = DeepSpeedStrategy  # Lightning 1.x's name
 
 
 __all__ = [

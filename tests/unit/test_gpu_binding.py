@@ -90,19 +90,19 @@ def test_gloo_process_group_has_no_device_id(monkeypatch):
 
 
 def test_inherited_ds_accelerator_cpu_with_a_cuda_model_is_an_error(monkeypatch):
-    from shardwise.strategies import deepspeed as ds
+    from shardwise.strategies import deepspeed as ds, deepspeed_env
 
-    monkeypatch.setattr(ds, "_DS_ACCELERATOR_SET_HERE", False)
+    monkeypatch.setattr(deepspeed_env, "_DS_ACCELERATOR_SET_HERE", False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     with pytest.raises(ds.DeepSpeedConfigError, match=r"DS_ACCELERATOR='cpu'.*CUDA"):
-        ds.ensure_accelerator_env("cuda")
+        deepspeed_env.ensure_accelerator_env("cuda")
     fake_gpus(monkeypatch, 1)
     with pytest.raises(ds.DeepSpeedConfigError, match="DS_ACCELERATOR"):
         ds.DeepSpeedStrategy(stage=2).connect("cuda")  # when the Trainer connects it, before any worker
 
 
 def test_ds_accelerator_set_by_an_earlier_cpu_run_is_dropped_for_cuda(monkeypatch):
-    from shardwise.strategies import deepspeed as ds
+    from shardwise.strategies import deepspeed_env as ds
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setattr(ds, "_DS_ACCELERATOR_SET_HERE", False)
@@ -134,7 +134,7 @@ def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch
     kwargs, = calls
     assert kwargs["backend"] == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)
     assert (kwargs["rank"], kwargs["world_size"]) == (0, 1)
-    assert kwargs["init_method"].startswith("tcp://127.0.0.1:")
+    assert kwargs["init_method"] is None and isinstance(kwargs["store"], dist.HashStore)  # no port, no agent
     assert kwargs["timeout"].total_seconds() == 42.0  # the strategy's timeout, as for a launched world
 
 

@@ -2,26 +2,25 @@
 
 `Trainer(strategy="fsdp")` and `Trainer(strategy=FSDPStrategy(...))` both end
 here; an unknown name fails with the list of valid ones before any process
-is started. DeepSpeed is imported only when asked for (it is an extra).
+is started. Importing the strategies does not import DeepSpeed (an extra): only
+building or running a DeepSpeedStrategy does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Union
+import functools
+from typing import Callable, Dict, Union
 
+from shardwise.checkpoint.reader import register_reader
+from shardwise.strategies import deepspeed_checkpoint
 from shardwise.strategies.base import Strategy, wrap
 from shardwise.strategies.ddp import DDPStrategy
+from shardwise.strategies.deepspeed import NAMED as _DEEPSPEED_NAMED, DeepSpeedStrategy
 from shardwise.strategies.fsdp import FSDPStrategy
 from shardwise.strategies.single import SingleDeviceStrategy
 
-
-def _deepspeed(name: str) -> Callable[[], Strategy]:
-    def build() -> Strategy:
-        from shardwise.strategies.deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy.from_name(name)
-
-    return build
-
+# `shardwise convert` / `inspect` read DeepSpeed's checkpoint directories through this reader;
+# checkpoint/ names no strategy, so the strategy side registers it.
+register_reader(deepspeed_checkpoint.FORMAT, deepspeed_checkpoint.DeepSpeedReader)
 
 _REGISTRY: Dict[str, Callable[[], Strategy]] = {
     "single": SingleDeviceStrategy,
@@ -31,9 +30,7 @@ _REGISTRY: Dict[str, Callable[[], Strategy]] = {
     "fsdp_no_shard": lambda: FSDPStrategy(sharding_strategy="NO_SHARD"),
     "fsdp_hybrid_shard": lambda: FSDPStrategy(sharding_strategy="HYBRID_SHARD"),
     "fsdp_cpu_offload": lambda: FSDPStrategy(cpu_offload=True),
-    **{name: _deepspeed(name) for name in (
-        "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
-        "deepspeed_stage_3", "deepspeed_stage_3_offload")},
+    **{name: functools.partial(DeepSpeedStrategy.from_name, name) for name in _DEEPSPEED_NAMED},
 }
 _ALIASES = {"single_device": "single", "dp": "ddp", "fsdp2": "fsdp", "fsdp_full_shard": "fsdp"}
 
@@ -58,5 +55,5 @@ def build_strategy(strategy: Union[str, Strategy], world_size: int = 1) -> Strat
     return _REGISTRY[key]()
 
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "build_strategy",
+__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
            "STRATEGY_NAMES", "wrap"]

@@ -40,9 +40,8 @@ from torch import nn
 from torch.distributed.fsdp.wrap import enable_wrap
 
 from shardwise.distributed import faults, ops
-from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, find_free_port,
-                                       resolve_accelerator, set_cpu_threads, single_process_env,
-                                       tune_cpu_allocator)
+from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
+                                       set_cpu_threads, single_process_env, tune_cpu_allocator)
 from shardwise.precision import Precision, build_precision
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
 
@@ -163,16 +162,20 @@ class Strategy:
             if self.env.is_distributed:
                 faults.maybe_check_collectives(self.name)
                 self._init_process_group(self.env.global_rank, self.env.world_size,
-                                         self.env.master_addr, self.env.master_port)
+                                         init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}")
             elif self.needs_process_group:
-                self._init_process_group(0, 1, "127.0.0.1", find_free_port())
+                # A world of one rendezvous with itself: an in-process store, no port. (A tcp://
+                # rendezvous under torch's elastic agent, which sets TORCHELASTIC_USE_AGENT_STORE,
+                # would wait for the agent's store at that address instead of serving one.)
+                self._init_process_group(0, 1, store=dist.HashStore())
         self.grad_scaler = self.precision.grad_scaler(self.root_device)
 
-    def _init_process_group(self, rank: int, world_size: int, addr: str, port: int) -> None:
+    def _init_process_group(self, rank: int, world_size: int, init_method: Optional[str] = None,
+                            store: Optional[dist.Store] = None) -> None:
         """The one place shardwise creates the default process group (and destroys it at exit)."""
         dist.init_process_group(
             backend=backend_for(self.root_device.type), rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=self.timeout_s), init_method=f"tcp://{addr}:{port}",
+            timeout=datetime.timedelta(seconds=self.timeout_s), init_method=init_method, store=store,
             # NCCL bound to this rank's GPU: communicators are created eagerly on it,
             # and mesh subgroups / point-to-point pairs split from it instead of each
             # building its own (the recipe's loader would otherwise add W-1 on rank 0).

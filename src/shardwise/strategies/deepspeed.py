@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import os
 import warnings
@@ -32,8 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.strategies.base import Strategy, global_seed
+from shardwise.strategies.deepspeed_checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, build_config,
                                                    cpu_adam_problem, load_config, size_limits)
+from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
 from shardwise.strategies.materialize import _reset_fn, _reset_own, module_seed, rng_devices
 
@@ -46,77 +49,6 @@ NAMED = {
     "deepspeed_stage_3": dict(stage=3),
     "deepspeed_stage_3_offload": dict(stage=3, offload_optimizer=True, offload_parameters=True),
 }
-
-
-# ------------------------------------------------------------------- import
-_DS_ACCELERATOR_SET_HERE = False  # DS_ACCELERATOR=cpu came from an earlier CPU run in this process
-
-
-def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
-    """Point DeepSpeed at the right accelerator before it is imported (it picks one once, at import).
-
-    Without CUDA, or when the user asked for accelerator='cpu', DeepSpeed must
-    use its CPU accelerator; an already-imported DeepSpeed on another
-    accelerator is switched, since its choice is a process-wide singleton.
-    Training on CUDA, an inherited DS_ACCELERATOR other than cuda (a job
-    script's `export DS_ACCELERATOR=cpu`) would put DeepSpeed's buffers and
-    collectives on the CPU while the model is on the GPU: an error naming it.
-    """
-    global _DS_ACCELERATOR_SET_HERE
-    import sys
-
-    if accelerator == "cuda":
-        inherited = os.environ.get("DS_ACCELERATOR")
-        if inherited == "cpu" and _DS_ACCELERATOR_SET_HERE:
-            del os.environ["DS_ACCELERATOR"]  # ours, from a CPU run earlier in this process
-            _DS_ACCELERATOR_SET_HERE = False
-        elif inherited not in (None, "cuda"):
-            raise DeepSpeedConfigError(
-                f"DS_ACCELERATOR={inherited!r} is set in the environment but the model trains on CUDA: DeepSpeed "
-                "would keep its buffers and collectives on that accelerator. Unset DS_ACCELERATOR (or set it "
-                "to cuda) for GPU runs.")
-        if "deepspeed" in sys.modules:
-            from deepspeed.accelerator import get_accelerator, set_accelerator
-
-            if get_accelerator().device_name() == "cpu":
-                from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
-
-                set_accelerator(CUDA_Accelerator())
-        return
-    want_cpu = accelerator == "cpu" or (accelerator is None and not torch.cuda.is_available())
-    if not want_cpu:
-        return
-
-    if "deepspeed" not in sys.modules:
-        if "DS_ACCELERATOR" not in os.environ:
-            os.environ["DS_ACCELERATOR"] = "cpu"
-            _DS_ACCELERATOR_SET_HERE = True
-        if os.environ["DS_ACCELERATOR"] != "cpu":
-            raise DeepSpeedConfigError(f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']!r} but training runs on "
-                                       "the CPU; unset it or set DS_ACCELERATOR=cpu.")
-        return
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-
-
-def import_deepspeed(accelerator: Optional[str] = None, log_level: int = logging.WARNING):
-    ensure_accelerator_env(accelerator)
-    try:
-        import deepspeed
-    except ImportError as exc:  # pragma: no cover - the extra is missing
-        raise ImportError("strategy='deepspeed' needs DeepSpeed: pip install 'shardwise[deepspeed]'.") from exc
-    from deepspeed.utils import logger
-
-    logger.setLevel(log_level)  # its INFO lines would bury the progress bar
-    # DeepSpeed calls torch collectives that torch has deprecated; the warning
-    # repeats every step and names nothing the user can change.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-    return deepspeed
 
 
 class DeepSpeedStrategy(Strategy):
@@ -225,8 +157,6 @@ class DeepSpeedStrategy(Strategy):
         # DeepSpeed's comm layer compiles a shared-memory all-reduce op on first use
         # (minutes on a fresh machine); it serves only inference_all_reduce, which
         # training never calls, so skip building it.
-        import importlib
-
         ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # the attribute is shadowed by torch
         if getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None) is None and \
                 hasattr(ds_torch_comm, "build_shm_op"):
@@ -447,14 +377,10 @@ class DeepSpeedStrategy(Strategy):
 
     def save_checkpoint(self, path: str, state: Dict[str, Any]) -> None:
         """The engine's sharded files + trainer state + parameter list (see deepspeed_checkpoint.py)."""
-        from shardwise.strategies.deepspeed_checkpoint import save_engine_checkpoint
-
         save_engine_checkpoint(self, path, state)
 
     def load_checkpoint(self, path: str, checkpoint_format: str = "deepspeed") -> Dict[str, Any]:
         """Load through the engine; another world size goes through DeepSpeed's universal checkpoint."""
-        from shardwise.strategies.deepspeed_checkpoint import load_engine_checkpoint
-
         return load_engine_checkpoint(self, path, checkpoint_format)
 
     def teardown(self) -> None:

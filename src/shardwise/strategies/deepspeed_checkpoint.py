@@ -24,6 +24,7 @@ and verified before loading or converting.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -36,10 +37,12 @@ from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError,
                                          CorruptCheckpointError)
 from shardwise.checkpoint.integrity import (hash_files, record_checksums, verify_directory, write_error,
                                             write_json_durably)
-from shardwise.checkpoint.layout import MANIFEST_NAME
-from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, register_reader
+from shardwise.checkpoint.layout import (MANIFEST_NAME, read_manifest, read_trainer_state, remove_checkpoint,
+                                         write_trainer_state)
+from shardwise.checkpoint.reader import CheckpointReader, TensorInfo
 from shardwise.checkpoint.safety import iter_files, safe_torch_load, unsafe_error, unsafe_globals
 from shardwise.distributed import ops
+from shardwise.strategies.deepspeed_env import ensure_accelerator_env
 
 FORMAT = "deepspeed"
 #: What DeepSpeed 0.19's ZeRO files pickle besides tensors and plain data (found by scanning stages 0-3).
@@ -85,8 +88,6 @@ def read_params(path: str) -> Dict[str, Any]:
 # --------------------------------------------------------------- save / load
 def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> None:
     """Every rank writes its ZeRO shard through the engine; rank 0 adds trainer state and the parameter list."""
-    from shardwise.checkpoint.layout import write_trainer_state
-
     engine = strategy._engine()
     if strategy.is_global_zero:
         os.makedirs(path, exist_ok=True)
@@ -125,8 +126,6 @@ def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> N
         # Every rank knows and raises together (no rank left waiting); the
         # temporary directory is removed here since no commit will follow.
         if strategy.is_global_zero:
-            from shardwise.checkpoint.layout import remove_checkpoint
-
             remove_checkpoint(path)
         raise CheckpointError(f"Saving the DeepSpeed checkpoint {path} failed: " + "; ".join(errors))
 
@@ -147,8 +146,6 @@ def check_engine_files(path: str) -> None:
 
 def verify_checkpoint(strategy: Any, path: str) -> None:
     """Checksums (a share per rank, verdicts shared) and the global scan, before DeepSpeed reads anything."""
-    from shardwise.checkpoint.layout import read_manifest
-
     verify_directory(path, read_manifest(path), strategy.global_rank, strategy.world_size,
                      gather=ops.all_gather_object)
     check_engine_files(path)
@@ -156,8 +153,6 @@ def verify_checkpoint(strategy: Any, path: str) -> None:
 
 def load_engine_checkpoint(strategy: Any, path: str, checkpoint_format: str = FORMAT,
                            load_optimizer_states: bool = True) -> Dict[str, Any]:
-    from shardwise.checkpoint.layout import read_trainer_state
-
     if checkpoint_format != FORMAT:
         raise CheckpointFormatError(
             f"{path} is a {checkpoint_format!r} checkpoint, which the DeepSpeed engine cannot load. Convert it to "
@@ -208,8 +203,6 @@ def _universal_for(strategy: Any, path: str, info: Dict[str, Any]) -> str:
 
 def to_universal(engine_dir: str, output_dir: str) -> None:
     """DeepSpeed's ds_to_universal on one checkpoint tag, in this process (no worker pools)."""
-    import argparse
-
     from deepspeed.checkpoint import ds_to_universal
 
     # inject_missing_state: stages 1-2 need a universal_checkpoint_info entry that only tensor-parallel
@@ -228,8 +221,6 @@ def consolidate(path: str, names: Optional[Iterable[str]] = None) -> Dict[str, t
     if info["stage"] == 0:
         state = _stage0_state(path)
     else:
-        from shardwise.strategies.deepspeed import ensure_accelerator_env
-
         ensure_accelerator_env(None)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -279,17 +270,11 @@ class DeepSpeedReader(CheckpointReader):
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         if self._state is None:
-            from shardwise.checkpoint.layout import read_manifest
-
             verify_directory(self.path, read_manifest(self.path))
             check_engine_files(self.path)
             self._state = consolidate(self.path)
         return {n: self._state[n] for n in names}
 
     def trainer_state(self) -> Dict[str, Any]:
-        from shardwise.checkpoint.layout import read_trainer_state
-
         return read_trainer_state(self.path)
 
-
-register_reader(FORMAT, DeepSpeedReader)
