@@ -9,13 +9,30 @@ not on the user.
 """
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_USER_CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_USER_CACHE, "torch_extensions"))
+
+def _compiled_ops_dir() -> str:
+    """Where torch keeps compiled C++ ops for this user and build: with TORCH_EXTENSIONS_DIR unset,
+    the user cache's torch_extensions/py<ver>_<accelerator> (a set TORCH_EXTENSIONS_DIR is used as is)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{version}_{accelerator}")
+
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", _compiled_ops_dir())  # before HOME moves: the user's cache
 SESSION_HOME = tempfile.mkdtemp(prefix="shardwise-tests-home-")
 os.environ.update({
     "HOME": SESSION_HOME,
