@@ -152,7 +152,7 @@ def _shares(jobs: Sequence[TraceJob], workers: int) -> list:
     FSDP, DTensor's sharding propagation (about a quarter of a cold plan's time, mostly the
     optimizer's foreach ops over the sharded parameter lists, which differ by depth). FSDP
     configurations traced at the same depth have the same sharded parameters, so they go to the
-    same worker and pay once (8% less CPU than round-robin over the 12 presets, same results).
+    same worker and pay once (6% less CPU than round-robin over the 12 presets, same results).
     DDP jobs use no DTensor and fill in to balance. A group larger than a fair share is split,
     so one-depth models still use every worker.
     """
