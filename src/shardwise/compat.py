@@ -8,8 +8,14 @@ says) and asserts that README.md carries `render_table()` verbatim between
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional
+
+import torch.distributed.fsdp as torch_fsdp
+
+from shardwise.recipes.hf_args import map_accelerate_config, translate_argv
+from shardwise.strategies import FSDPStrategy
 
 MARK_START, MARK_END = "<!-- compat-table -->", "<!-- /compat-table -->"
 
@@ -24,37 +30,25 @@ class Row:
 
 
 def _fsdp(**kw):
-    import warnings
-
-    from shardwise.strategies import FSDPStrategy
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the once-per-process notes
         return FSDPStrategy(**kw)
 
 
 def _argv(*args: str) -> List[str]:
-    from shardwise.recipes.hf_args import translate_argv
-
     return translate_argv(list(args))[0]
 
 
 def _notes(*args: str) -> List[str]:
-    from shardwise.recipes.hf_args import translate_argv
-
     return translate_argv(list(args))[1]
 
 
 def _accel(fsdp: dict, **top):
-    from shardwise.recipes.hf_args import map_accelerate_config
-
     return map_accelerate_config({"distributed_type": "FSDP", **top, "fsdp_config": fsdp})
 
 
 def _torch(name: str):
-    import torch.distributed.fsdp as fsdp
-
-    return getattr(fsdp, name)
+    return getattr(torch_fsdp, name)
 
 
 NOTHING = "accepted; FSDP2 has nothing to do for it (said once)"

@@ -44,6 +44,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.modules import module as nn_module
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import (
     TorchDispatchMode, is_traceable_wrapper_subclass, is_traceable_wrapper_subclass_type,
 )
@@ -96,8 +99,6 @@ def _op_info(func) -> tuple[str | None, bool]:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor)
 
 
@@ -565,9 +566,6 @@ class MemoryTracker:
 
     # ------------------------------------------------------------- global hooks
     def _install_hooks(self) -> None:
-        from torch.nn.modules import module as nn_module
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         def fwd_pre(module, args):
             self._fwd_depth += 1
 

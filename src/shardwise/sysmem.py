@@ -9,6 +9,7 @@ fine-tuning recipe's loading benchmark.
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 # ----------------------------------------------------------- whole-process RSS
@@ -53,8 +54,7 @@ def peak_rss_bytes() -> int:
     if value is not None:
         return value
     try:  # not Linux: ru_maxrss is the never-reset peak (bytes on macOS, kB elsewhere)
-        import resource
-        import sys
+        import resource  # Unix only
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024

@@ -25,16 +25,23 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from shardwise.distributed import ops
+from shardwise import health
+from shardwise import step as shared_step  # looked up at call time, like the planner's trace
+from shardwise.callbacks import ModelCheckpoint, RichProgressBar
+from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
+from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
+from shardwise.distributed import ops, preempt
 from shardwise.distributed.device import move_to_device
-from shardwise.distributed.progress import mark as mark_progress
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch_script
+from shardwise.distributed.progress import mark as mark_progress
+from shardwise.loggers import CSVLogger
 from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule
+from shardwise.plan.advice import check_before_fit
 from shardwise.state import TrainState
-from shardwise import step as shared_step  # looked up at call time, like the planner's trace
 from shardwise.strategies import Strategy, build_strategy
+from shardwise.strategies.materialize import watch_meta_writes
 
 _MAX_EPOCHS_DEFAULT = 1000  # Lightning's default when neither max_epochs nor max_steps is set
 
@@ -274,18 +281,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- wiring
     def _default_callbacks(self, callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
-        from shardwise import callbacks as cb
-
         if progress and not any(hasattr(c, "is_progress_bar") for c in callbacks):
-            callbacks.append(cb.RichProgressBar())
-        model_ckpt = getattr(cb, "ModelCheckpoint", None)
-        if checkpointing and model_ckpt is not None and not any(isinstance(c, model_ckpt) for c in callbacks):
-            callbacks.append(model_ckpt())
+            callbacks.append(RichProgressBar())
+        if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            callbacks.append(ModelCheckpoint())
         return callbacks
 
     def _build_loggers(self, logger: Any) -> List[Any]:
-        from shardwise.loggers import CSVLogger
-
         if logger is True:
             return [CSVLogger(self.default_root_dir)]
         if logger in (False, None):
@@ -420,8 +422,6 @@ class Trainer:
         self._call("setup", stage="fit")
         # 1. configure_model under the strategy's init context (meta device),
         # 2. the strategy wraps, shards and materialises it.
-        from shardwise.strategies.materialize import watch_meta_writes
-
         with strategy.module_init_context(), watch_meta_writes() as writes:
             try:
                 self._call_module("configure_model")
@@ -539,8 +539,6 @@ class Trainer:
                             f"train_dataloader() method on {type(module).__name__}.")
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
-            from shardwise.plan.advice import check_before_fit
-
             check_before_fit(self, module, train_dataloaders)
         # Before any worker starts: a strategy whose engine owns accumulation,
         # clipping and the micro-batch size (DeepSpeed) checks them against its
@@ -586,18 +584,14 @@ class Trainer:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
         if self.preempted is not None:
-            from shardwise.distributed.preempt import exit_preempted
-
             saved = [getattr(cb, "last_model_path", "") for cb in self.callbacks if hasattr(cb, "last_model_path")]
             where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
-            exit_preempted(f"{self.preempted} at step {self.global_step}: {where}")
+            preempt.exit_preempted(f"{self.preempted} at step {self.global_step}: {where}")
 
     def _install_preemption(self) -> Dict[int, Any]:
         """Turn the preemption signals into a flag the loop reads between optimizer steps."""
         if not self.preemption_signals or threading.current_thread() is not threading.main_thread():
             return {}
-        from shardwise.distributed import preempt
-
         previous = {sig: signal.getsignal(sig) for sig in self.preemption_signals}
         self._preempt_flag = preempt.install(self.preemption_signals)
         self._preempt_flag.signal = None  # a flag left from an earlier fit in this process
@@ -619,8 +613,6 @@ class Trainer:
         return requested
 
     def _restore(self, ckpt_path: str) -> None:
-        from shardwise.checkpoint import load_training_checkpoint
-
         load_training_checkpoint(self, ckpt_path)
 
     def save_checkpoint(self, path: str) -> str:
@@ -628,8 +620,6 @@ class Trainer:
 
         Call it on every rank (it is collective). The checkpoint appears at
         `path` atomically, once every rank has written its part."""
-        from shardwise.checkpoint import save_training_checkpoint
-
         return save_training_checkpoint(self, path)
 
     def _done(self) -> bool:
@@ -699,8 +689,6 @@ class Trainer:
         end-of-epoch one, so the resumed run restores after, respectively
         before, creating its iterator, and then draws the same numbers.
         """
-        from shardwise.checkpoint.rng import restore_rng_states
-
         pending, self.state.pending_rng = self.state.pending_rng, None
         if pending is not None and self.state.batch_idx == 0:
             restore_rng_states(pending)
@@ -771,8 +759,6 @@ class Trainer:
 
     def _healthy(self, losses: List[Tuple[int, torch.Tensor]]) -> bool:
         """Whether this step's losses and gradients are finite on every rank; acts on non_finite if not."""
-        from shardwise import health
-
         flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
         # With fp16 loss scaling, inf gradients are the scaler's overflow signal (it skips the step
         # and lowers the scale): only the loss is this check's business then.
@@ -866,8 +852,6 @@ class Trainer:
         # Validation draws from the generators too (its DataLoader's seed, user
         # code); run it on a copy so that training's random stream, and so a
         # resumed run, does not depend on when or how often validation runs.
-        from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
-
         self.state.rng_outside_validation = capture_rng_states()
         was_training = self.model.training
         self.model.eval()

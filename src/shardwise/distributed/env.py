@@ -10,6 +10,7 @@ request for eight GPUs on a laptop fails before anything is started.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import socket
@@ -218,8 +219,6 @@ def tune_cpu_allocator(threshold_bytes: int = 1 << 30) -> bool:
     if _MALLOC_TUNED or os.environ.get("SHARDWISE_CPU_MALLOC", "1") == "0":
         return _MALLOC_TUNED
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes) == 1 and ok

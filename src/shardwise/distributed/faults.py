@@ -18,6 +18,7 @@ progress, from the progress records (progress.py), and shows its stack.
 """
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
@@ -26,8 +27,12 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from shardwise.distributed import progress
 from shardwise.distributed.env import PREEMPTED_EXIT_CODE
@@ -199,10 +204,6 @@ def apply_collective_timeout(timeout_s: float) -> None:
     with timeout_s=10 was still blocked after 280 s). torch reads these
     module globals each time it creates a group.
     """
-    import datetime
-
-    from torch.distributed import distributed_c10d
-
     value = datetime.timedelta(seconds=timeout_s)
     distributed_c10d.default_pg_timeout = value
     if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
@@ -224,14 +225,10 @@ def maybe_check_collectives(strategy_name: str = "") -> bool:
     if os.environ.get(CHECK_COLLECTIVES_ENV, "0") in ("", "0"):
         return False
     if strategy_name == "ddp":
-        import warnings
-
         warnings.warn(f"{CHECK_COLLECTIVES_ENV}=1 is ignored under DDP: torch's collective checks "
                       "(TORCH_DISTRIBUTED_DEBUG=DETAIL) crash DistributedDataParallel on torch 2.13. "
                       "Use strategy='fsdp' (or DeepSpeed) to check a mismatched collective.", stacklevel=2)
         return False
-    import torch.distributed as dist
-
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()
     return True

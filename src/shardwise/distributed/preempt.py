@@ -18,6 +18,7 @@ import signal
 import sys
 from typing import Iterable, Optional
 
+from shardwise.distributed import faults, progress
 from shardwise.distributed.env import PREEMPTED_EXIT_CODE
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -42,8 +43,6 @@ class PreemptFlag:
         if signum != signal.SIGUSR1 and _peer_failed():
             # Not a preemption: a rank failed and the launcher is stopping the
             # others. Saving now would wait on a dead peer; leave at once, by the signal.
-            from shardwise.distributed import faults
-
             faults.die_by_signal(signum, _frame)
             return
         self.count += 1
@@ -62,8 +61,6 @@ _FLAG: Optional[PreemptFlag] = None
 
 def _peer_failed() -> bool:
     """Whether another rank of this job has recorded a failure (faults.record_exception)."""
-    from shardwise.distributed import progress
-
     directory = progress.run_dir()
     try:
         return bool(directory) and any(name.startswith("error.") for name in os.listdir(directory))
@@ -88,8 +85,6 @@ def flag() -> Optional[PreemptFlag]:
 
 def exit_preempted(message: str = "") -> None:
     """Leave with PREEMPTED_EXIT_CODE after the checkpoint is saved, telling the launcher why."""
-    from shardwise.distributed import progress
-
     directory = progress.run_dir()
     if directory and os.path.isdir(directory):
         try:

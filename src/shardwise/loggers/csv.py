@@ -16,6 +16,8 @@ import re
 from argparse import Namespace
 from typing import Any, Mapping
 
+import torch.distributed as dist
+
 __all__ = ["CSVLogger"]
 
 METRICS_FILE = "metrics.csv"
@@ -24,13 +26,8 @@ HPARAMS_FILE = "hparams.yaml"
 
 def rank_zero() -> bool:
     """True on global rank 0 (or when not distributed): the only rank that writes logs."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
-    except ImportError:
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
 

@@ -37,8 +37,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed.fsdp.wrap import enable_wrap
 
+from shardwise.checkpoint.formats import load_model_and_optimizers, save_model_and_optimizers
+from shardwise.data import distribute_dataloader
 from shardwise.distributed import faults, ops
 from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
                                        set_cpu_threads, single_process_env, tune_cpu_allocator)
@@ -252,8 +255,6 @@ class Strategy:
         shape instead: nothing is allocated and no initialisation runs.
         """
         if self.fake_mode is not None:
-            from torch._guards import active_fake_mode
-
             with self.fake_mode if active_fake_mode() is not self.fake_mode else contextlib.nullcontext():
                 module.to_empty(device=device or self.root_device)
             return
@@ -281,8 +282,6 @@ class Strategy:
         return optimizer
 
     def setup_dataloader(self, dataloader, shuffle: Optional[bool] = None, seed: Optional[int] = None):
-        from shardwise.data import distribute_dataloader
-
         return distribute_dataloader(dataloader, self.world_size, self.global_rank,
                                      seed=global_seed() if seed is None else seed, shuffle=shuffle)
 
@@ -407,14 +406,10 @@ class Strategy:
         return "full"
 
     def save_checkpoint(self, path: str, state: Dict[str, Any]) -> Optional[Any]:
-        from shardwise.checkpoint.formats import save_model_and_optimizers
-
         return save_model_and_optimizers(self.module, self.optimizers, path, state, self.checkpoint_format,
                                          async_save=bool(getattr(self, "async_save", False)))
 
     def load_checkpoint(self, path: str, checkpoint_format: str) -> Dict[str, Any]:
-        from shardwise.checkpoint.formats import load_model_and_optimizers
-
         return load_model_and_optimizers(self.module, self.optimizers, path, checkpoint_format)
 
     def model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:

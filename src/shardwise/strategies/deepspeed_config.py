@@ -12,8 +12,10 @@ contradiction surfaces in the user's process before a worker starts.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
+import shutil
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -87,8 +89,6 @@ def cpu_adam_problem() -> Optional[str]:
 
     builder = CPUAdamBuilder()
     try:
-        import importlib
-
         importlib.import_module(builder.absolute_name())
         return None  # installed prebuilt (DS_BUILD_CPU_ADAM=1)
     except ImportError:
@@ -96,13 +96,13 @@ def cpu_adam_problem() -> Optional[str]:
     if not builder.is_compatible(verbose=False):
         return "DeepSpeed reports its cpu_adam op as incompatible with this machine"
     try:
+        # Here, not at the top: torch.utils.cpp_extension imports setuptools (~40 ms), and this
+        # module is imported with shardwise; only a diagnosis of DeepSpeed's CPU Adam build needs it.
         from torch.utils.cpp_extension import verify_ninja_availability
 
         verify_ninja_availability()
     except RuntimeError:
         return "ninja is not installed (pip install ninja), so the op cannot be compiled"
-    import shutil
-
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ / $CXX) is on PATH, so the op cannot be compiled"
     return None

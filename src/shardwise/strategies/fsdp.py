@@ -31,6 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
                                                                          checkpoint_wrapper)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardwise.distributed import ops
 from shardwise.strategies.base import Strategy
@@ -304,8 +305,6 @@ class FSDPStrategy(Strategy):
         self.mesh = build_device_mesh(self.sharding_strategy, dist.get_world_size(),
                                       getattr(self, "num_nodes", 1) or 1, self.root_device.type, self.device_mesh_arg)
         if self.precision.needs_grad_scaler:  # CUDA fp16: inf checks must agree across shards
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             self.grad_scaler = ShardedGradScaler()
         if self.cpu_offload and self.root_device.type == "cpu":
             warnings.warn("FSDPStrategy(cpu_offload=True) does nothing on CPU: parameters already live in "

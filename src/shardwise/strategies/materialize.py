@@ -21,6 +21,8 @@ children-first, matching eager construction, where a parent's own init code
 """
 from __future__ import annotations
 
+import os
+import sys
 import zlib
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -245,8 +247,6 @@ class watch_meta_writes(torch.overrides.TorchFunctionMode):
 
     @staticmethod
     def _in_construction() -> bool:
-        import sys
-
         frame = sys._getframe(2)
         while frame is not None:
             if frame.f_code.co_name in _INIT_FRAMES and isinstance(frame.f_locals.get("self"), nn.Module):
@@ -256,9 +256,6 @@ class watch_meta_writes(torch.overrides.TorchFunctionMode):
 
     @staticmethod
     def _user_frame() -> str:
-        import os
-        import sys
-
         frame = sys._getframe(2)
         torch_dir = os.path.dirname(torch.__file__)
         here = os.path.dirname(os.path.dirname(__file__))

@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any, Dict, Optional, Union
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MODES = ("full", "selective")
 
@@ -54,8 +55,6 @@ def normalize(mode: str, option: Union[str, int, None]) -> tuple:
 
 
 def _op_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     counts: Dict[str, int] = defaultdict(int)
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
