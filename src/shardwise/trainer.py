@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise import health
 from shardwise import step as shared_step  # looked up at call time, like the planner's trace
@@ -127,7 +128,7 @@ def _check_refit(module: TrainModule, trainer: "Trainer") -> set:
     if previous is None or previous is trainer:
         return set()
     params = list(module.parameters())
-    if any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in params) or \
+    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or \
             getattr(previous.strategy, "name", "") in ("fsdp", "deepspeed"):
         raise RuntimeError(
             f"This {type(module).__name__} was already set up and trained by another Trainer's "
@@ -274,10 +275,15 @@ class Trainer:
         self.num_training_batches: float = float("inf")
         self.num_val_batches: float = 0
         self.model: Optional[nn.Module] = None
-        self.lightning_module: Optional[TrainModule] = None
+        self.module: Optional[TrainModule] = None  # the TrainModule being trained; `model` is its wrapped form
         self.train_dataloader: Any = None
         self.val_dataloaders: Any = None
         self._set_up = False
+
+    @property
+    def lightning_module(self) -> Optional[TrainModule]:
+        """Lightning's name for `module`, kept so Lightning code and callbacks run unchanged."""
+        return self.module
 
     # ---------------------------------------------------------------- wiring
     def _default_callbacks(self, callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
@@ -299,10 +305,10 @@ class Trainer:
         for callback in self.callbacks:
             fn = getattr(callback, hook, None)
             if callable(fn):
-                fn(self, self.lightning_module, *args, **kwargs)
+                fn(self, self.module, *args, **kwargs)
 
     def _call_module(self, hook: str, *args: Any) -> Any:
-        module = self.lightning_module
+        module = self.module
         fn = getattr(module, hook, None)
         if not callable(fn):
             return None
@@ -405,8 +411,10 @@ class Trainer:
                 f"num_nodes={self.num_nodes}) expects {world}. Make them agree (devices='auto' follows the launcher).")
 
     # -------------------------------------------------------------------- set-up
-    def _setup(self, module: TrainModule) -> None:
-        if self._set_up and self.lightning_module is module:
+    def _setup(self, module: TrainModule, need_train_data: bool = True) -> None:
+        if self._set_up and self.module is module:
+            if need_train_data and self._resolved_data[0] is None:  # a fit after validate()
+                self._resolve_data(module, need_train_data=True)
             self._call("setup", stage="fit")  # a second fit: callbacks take their resources again
             return
         if not isinstance(module, TrainModule):
@@ -416,9 +424,9 @@ class Trainer:
         if self.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         trained = _check_refit(module, self)
-        self.lightning_module = module
+        self.module = module
         module._attach(self)
-        self._resolve_data(module)
+        self._resolve_data(module, need_train_data)
         self._call("setup", stage="fit")
         # 1. configure_model under the strategy's init context (meta device),
         # 2. the strategy wraps, shards and materialises it.
@@ -456,8 +464,11 @@ class Trainer:
         strategy.lr_schedulers = schedulers
         self._set_up = True
 
-    def _resolve_data(self, module: TrainModule) -> None:
-        """In the workers, with the process group up: the loaders from the datamodule or the module's hooks."""
+    def _resolve_data(self, module: TrainModule, need_train_data: bool = True) -> None:
+        """In the workers, with the process group up: the loaders from the datamodule or the module's hooks.
+
+        validate() passes need_train_data=False: it must not build (or require) training data.
+        """
         train, val, datamodule = getattr(self, "_data_sources", (None, None, None))
         if datamodule is not None:
             if self.strategy.local_rank == 0 and callable(getattr(datamodule, "prepare_data", None)):
@@ -468,7 +479,7 @@ class Trainer:
             owner = datamodule
         else:
             owner = module
-        if train is None and callable(getattr(owner, "train_dataloader", None)):
+        if train is None and need_train_data and callable(getattr(owner, "train_dataloader", None)):
             train = owner.train_dataloader()
         if val is None and callable(getattr(owner, "val_dataloader", None)):
             val = owner.val_dataloader()
@@ -488,7 +499,7 @@ class Trainer:
             if hasattr(logger, "_version"):
                 logger._version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
             if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
-                logger.log_hyperparams(dict(self.lightning_module.hparams))
+                logger.log_hyperparams(dict(self.module.hparams))
 
     def _parse_optimizers(self, config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dict[str, Any]]]:
         def scheduler_entry(s: Any) -> Dict[str, Any]:
@@ -636,7 +647,7 @@ class Trainer:
         if self.num_training_batches == 0:
             raise ValueError(f"limit_train_batches={self.limit_train_batches!r} leaves none of the train "
                              f"DataLoader's {int(length)} batches: raise it, or leave it None for all.")
-        step_fn = self.lightning_module.training_step
+        step_fn = self.module.training_step
         pass_idx = _takes_batch_idx(step_fn)
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
             self.should_stop = True
@@ -698,7 +709,7 @@ class Trainer:
         return iterator
 
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
-        strategy, state, module = self.strategy, self.state, self.lightning_module
+        strategy, state, module = self.strategy, self.state, self.module
         batch_idx = state.batch_idx
         batch = move_to_device(batch, strategy.root_device)
         self._call("on_train_batch_start", batch, batch_idx)
@@ -823,10 +834,10 @@ class Trainer:
                  ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
         """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
         self._launch_if_needed()
-        module = module or self.lightning_module
+        module = module or self.module
         if module is None:
             raise ValueError("validate() needs a module (or a previous fit()).")
-        self._setup(module)
+        self._setup(module, need_train_data=False)
         if dataloaders is None and self.val_dataloaders is None:
             dataloaders = self._resolved_data[1]  # the module's or datamodule's val_dataloader()
         if dataloaders is not None:
@@ -840,7 +851,7 @@ class Trainer:
 
     @torch.no_grad()
     def _run_validation(self) -> Dict[str, float]:
-        module, strategy = self.lightning_module, self.strategy
+        module, strategy = self.module, self.strategy
         if not callable(getattr(module, "validation_step", None)):
             return {}
         loader = self.val_dataloaders

@@ -153,6 +153,33 @@ def test_fractional_limit_and_validate():
     assert "val_loss" in result[0]
 
 
+def test_validate_needs_no_training_data():
+    class EvalOnly(Classifier):  # a val_dataloader and no train_dataloader
+        def train_dataloader(self):
+            raise AssertionError("validate() built the training data")
+
+        def val_dataloader(self):
+            return DataLoader(_data(16), batch_size=8)
+
+    module = EvalOnly()
+    trainer = _trainer()
+    result = trainer.validate(module)
+    assert "val_loss" in result[0]
+    assert trainer.module is module and trainer.lightning_module is module  # Lightning's name, same object
+
+    class NoTrainData(Classifier):
+        def val_dataloader(self):
+            return DataLoader(_data(16), batch_size=8)
+
+    assert "val_loss" in _trainer().validate(NoTrainData())[0]
+    # A fit after validate() on the same Trainer still finds its training data.
+    trainer = _trainer(max_steps=2)
+    module = NoTrainData()
+    trainer.validate(module)
+    trainer.fit(module, DataLoader(_data(), batch_size=8))
+    assert trainer.global_step == 2
+
+
 def test_meta_init_is_the_same_across_runs_and_seeded():
     class Lazy(TrainModule):
         def configure_model(self):

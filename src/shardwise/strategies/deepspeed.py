@@ -52,7 +52,7 @@ NAMED = {
 
 
 class DeepSpeedStrategy(Strategy):
-    """ZeRO data parallelism through DeepSpeed's engine. See docs/deepspeed.md for every knob.
+    """ZeRO data parallelism through DeepSpeed's engine. See README "DeepSpeed ZeRO" for every knob.
 
     Arguments left as None take the config's value, else the default (stage 2,
     no offload, no activation partitioning); arguments that are set must agree
@@ -76,7 +76,7 @@ class DeepSpeedStrategy(Strategy):
                     f"The DeepSpeed config has a {key!r} section, but shardwise takes the optimizer and LR "
                     f"scheduler from configure_optimizers(). Remove the section and return the optimizer "
                     "there (DeepSpeedCPUAdam for offloaded training, or torch Adam/AdamW).")
-        if cpu_offload is not None:  # the seed's DeepSpeedPlugin(cpu_offload=True)
+        if cpu_offload is not None:  # Lightning 1.x's DeepSpeedPlugin(cpu_offload=True)
             offload_optimizer = cpu_offload if offload_optimizer is None else offload_optimizer
             if (stage if stage is not None else self.user_config.get("zero_optimization", {}).get("stage")) == 3:
                 offload_parameters = cpu_offload if offload_parameters is None else offload_parameters

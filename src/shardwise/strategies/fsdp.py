@@ -42,7 +42,6 @@ from shardwise.strategies.fsdp_compat import (note_accepted, offload_flag, preci
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
-STATE_DICT_TYPES = ("sharded", "full")
 
 Policy = Union[None, Set[Type[nn.Module]], Sequence[Type[nn.Module]], Callable[..., bool], str, Sequence[str]]
 
@@ -54,7 +53,7 @@ def _inner(module: nn.Module) -> nn.Module:
 def build_policy_fn(policy: Policy, what: str) -> Optional[Callable[[nn.Module, int], bool]]:
     """Normalise a wrap / checkpoint policy to `fn(module, unwrapped_numel) -> bool`.
 
-    Accepted forms: a set of module classes (the seed's `{Block}`), class
+    Accepted forms: a set of module classes (`{Block}`), class
     names as strings (Hugging Face's `_no_split_modules`), a callable
     `module -> bool`, or an FSDP1-style policy such as
     `partial(size_based_auto_wrap_policy, min_num_params=...)`.
@@ -293,7 +292,7 @@ class FSDPStrategy(Strategy):
         # Stage this rank's shards to host memory, then write them in a background thread.
         self.async_save = bool(async_save)
         self.device_mesh_arg = device_mesh
-        self.limit_all_gathers = limit_all_gathers  # FSDP2 always limits; kept for the seed's code
+        self.limit_all_gathers = limit_all_gathers  # accepted for FSDP1 code; FSDP2 always limits
         self.reshard_after_forward = (sharding_strategy != "SHARD_GRAD_OP"
                                       if reshard_after_forward is None else reshard_after_forward)
         self.mesh: Optional[DeviceMesh] = None
