@@ -24,7 +24,6 @@ class TrainState:
     epoch: int = 0            # current epoch (0-based)
     global_step: int = 0      # optimizer steps taken
     batch_idx: int = 0        # batches consumed in the current epoch
-    stage: str = "idle"       # "fit" | "validate" | "idle"
     # One id per run, kept across its resumes: tells this run's checkpoints from another's in a
     # directory (os.urandom, so no training RNG is drawn).
     run_id: str = field(default_factory=lambda: os.urandom(6).hex())

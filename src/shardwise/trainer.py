@@ -559,7 +559,6 @@ class Trainer:
             gradient_clip_algorithm=self.gradient_clip_algorithm,
             micro_batch_size=getattr(self._data_sources[0], "batch_size", None))  # the planner may re-batch
         self._launch_if_needed()
-        self.state.stage = "fit"
         previous_handlers = self._install_preemption()
         try:
             self._setup(module)
@@ -587,7 +586,6 @@ class Trainer:
                     logger.finalize("failed")
             raise
         finally:
-            self.state.stage = "idle"
             self._call("teardown", stage="fit")
             datamodule = self._data_sources[2]
             if datamodule is not None and callable(getattr(datamodule, "teardown", None)):

@@ -28,12 +28,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-
-try:  # DTensor is what FSDP2 parameters are
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover
-    DTensor = ()  # type: ignore[assignment]
+from torch.distributed.tensor import DTensor  # what FSDP2 parameters are
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Wrapper names that must not change a module's identity (and so its seed).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -88,7 +84,7 @@ def _fill_sentinel(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).max)
 
 
-def _slice_for(full: torch.Tensor, dt: "DTensor") -> torch.Tensor:
+def _slice_for(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return full[index]
