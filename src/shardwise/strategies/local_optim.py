@@ -1,31 +1,12 @@
 """Step optimizers whose kernels do not understand DTensor on each rank's local shards.
 
-Under FSDP2 every parameter is a DTensor. torch's optimizers dispatch through
-DTensor's sharding rules, but a third-party kernel (bitsandbytes'
-`optimizer_update_32bit`, a hand-written Python optimizer calling ops DTensor
-has no rule for) fails on them. The update of an element-wise optimizer
-(Adam, AdamW, Lion, SGD, their paged / 8-bit variants) only ever needs the
-rank's own shard of the parameter, its gradient and its state, so the step
-can run on plain local tensors.
-
-`apply_local_shard_step(optimizer)` makes the optimizer's `step` do that, for
-every caller (the Trainer, a hand-written loop, torch.distributed.checkpoint's
-state initialisation before a load):
-- for the duration of `step`, each DTensor parameter in `param_groups` is
-  replaced by a detached view of its local shard (same storage: the update
-  lands in the sharded parameter) whose `.grad` is the local gradient shard,
-  and the optimizer's state for it is re-keyed and unwrapped to local tensors;
-- afterwards everything is put back: state tensors shaped like the shard
-  become DTensors with the parameter's placements again, so
-  `optimizer.state_dict()`, torch.distributed.checkpoint and resharding on a
-  resume work exactly as for a torch optimizer. The optimizer object, its
-  param-group dicts (LR schedulers, `on_train_batch_start` LR changes) and
-  hooks are untouched.
-State that is not shaped like the shard (8-bit optimizers' per-block absmax)
-is genuinely per-rank and has no global layout, so saving such an optimizer
-is refused with a clear error rather than written wrongly (DCP would keep one
-rank's copy). Global-norm based optimizers (LAMB's trust ratio, Adafactor's
-factored rows) would compute per-shard norms here: they need DTensor support.
+Under FSDP2 every parameter is a DTensor. torch's optimizers handle it, but a
+third-party kernel (bitsandbytes, a hand-written optimizer calling ops DTensor
+has no rule for) fails on it. An element-wise optimizer (Adam, AdamW, Lion, SGD,
+their paged / 8-bit variants) needs only the rank's own shard of a parameter, its
+gradient and its state, so its step can run on plain local tensors. Optimizers
+whose update needs a global norm (LAMB, Adafactor) are not element-wise and need
+DTensor support instead.
 """
 from __future__ import annotations
 
@@ -45,7 +26,18 @@ def wants_local_step(optimizer: torch.optim.Optimizer, setting: Optional[bool]) 
 
 
 def apply_local_shard_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make `optimizer.step` run on local shards (idempotent); returns the same object."""
+    """Make `optimizer.step` run on local shards (idempotent); returns the same object.
+
+    Every caller gets it (the Trainer, a hand-written loop, torch.distributed.checkpoint's state
+    initialisation before a load). During `step`, each DTensor parameter in `param_groups` is replaced
+    by a detached view of its local shard (same storage, so the update lands in the sharded parameter)
+    whose `.grad` is the local gradient shard, and its optimizer state is re-keyed and unwrapped to
+    local tensors. Afterwards everything is put back: state shaped like the shard becomes DTensors with
+    the parameter's placements again, so `state_dict()`, DCP and resharding on resume work as for a
+    torch optimizer; the optimizer object, its param-group dicts (LR schedulers) and hooks are untouched.
+    State not shaped like the shard (8-bit optimizers' per-block absmax) is per rank and has no global
+    layout: saving such an optimizer is refused with an error instead of being written wrongly.
+    """
     if getattr(optimizer, "_shardwise_local_step", False):
         return optimizer
     inner_step = optimizer.step  # possibly already wrapped by an LR scheduler: keep its bookkeeping
