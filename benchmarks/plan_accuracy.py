@@ -26,8 +26,8 @@ from typing import List, Tuple
 
 SECTION = "## Memory planner (issue 6)"
 MODELS = ("gpt", "transformer")
-FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard", "fsdp_no_shard_ac",
-        "fsdp_shard_grad_op_ac", "fsdp_full_shard_ac", "zero1", "zero2", "zero3", "zero3_ac"]
+FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp", "fsdp_no_shard_ac",
+        "fsdp_shard_grad_op_ac", "fsdp_ac", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_ac"]
 PLAN_70B = ["--model", "llama-2-70b", "--devices", "8", "--num-nodes", "2", "--device-memory", "80GiB",
             "--precision", "bf16-mixed", "--batch-size", "1", "--seq-len", "4096"]
 
@@ -45,7 +45,7 @@ def accuracy(quick: bool) -> Tuple[List[str], float]:
     for name in MODELS:
         spec, seq = accuracy_models()[name]
         for devices in (1, 2):
-            cands = FULL if not quick else ["ddp", "fsdp_full_shard_ac", "zero2", "zero3"]
+            cands = FULL if not quick else ["ddp", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"]
             for r in compare(spec, seq, devices, cands):
                 worst = max(worst, abs(r["error"]))
                 lines.append(f"| {r['model']} | {devices} | {r['config']} | {mib(r['predicted'])} | "
@@ -59,7 +59,7 @@ def raw_deepspeed_limits() -> List[str]:
     spec, seq = accuracy_models()["gpt"]
     lines = ["| configuration (DeepSpeed's uncapped limits) | predicted MiB | measured MiB | error |",
              "|---|---:|---:|---:|"]
-    for r in compare(spec, seq, 2, ["zero1", "zero2", "zero3"], deepspeed_config=DEEPSPEED_RAW_DEFAULTS):
+    for r in compare(spec, seq, 2, ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"], deepspeed_config=DEEPSPEED_RAW_DEFAULTS):
         lines.append(f"| {r['config']} | {mib(r['predicted'])} | {mib(r['measured'])} | {r['error']:+.1%} |")
     return lines
 

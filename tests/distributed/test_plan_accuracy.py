@@ -17,11 +17,11 @@ import pytest
 from shardwise.plan.measure import accuracy_models, compare
 
 TOLERANCE = 0.10
-FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp_full_shard", "fsdp_no_shard_ac",
-        "fsdp_shard_grad_op_ac", "fsdp_full_shard_ac", "zero1", "zero2", "zero3", "zero3_ac"]
+FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp", "fsdp_no_shard_ac",
+        "fsdp_shard_grad_op_ac", "fsdp_ac", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_ac"]
 QUICK = {
-    ("gpt", 2): ["ddp", "fsdp_shard_grad_op", "fsdp_full_shard_ac", "zero2", "zero3"],
-    ("transformer", 1): ["fsdp_no_shard", "fsdp_full_shard", "zero1"],
+    ("gpt", 2): ["ddp", "fsdp_shard_grad_op", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"],
+    ("transformer", 1): ["fsdp_no_shard", "fsdp", "deepspeed_stage_1"],
 }
 
 

@@ -36,7 +36,7 @@ def test_llama_70b_example_fits_two_nodes_of_eight_80gb_gpus():
     plan = shardwise.plan("llama-2-70b", batch_size=cfg["per_device_train_batch_size"]
                           * cfg.get("gradient_accumulation_steps", 1), seq_len=cfg["max_seq_len"],
                           devices=8, num_nodes=2, device_memory="80GiB", precision=cfg["precision"],
-                          candidates=["fsdp_full_shard_ac"], optimizer=RECIPE_OPTIM_ON_CUDA[cfg["optim"]])
+                          candidates=["fsdp_ac"], optimizer=RECIPE_OPTIM_ON_CUDA[cfg["optim"]])
     (estimate,) = [e for e in plan.estimates if e.fits] or plan.estimates[:1]
     assert estimate.fits and estimate.reserved <= 80 * GIB, (estimate.label, estimate.allocated / GIB,
                                                              estimate.reserved / GIB, plan.reason)

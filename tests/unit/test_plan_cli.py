@@ -22,7 +22,7 @@ from shardwise.models import GPT, Block, gpt_config
 def test_cli_table_json_and_plot(tmp_path, capsys):
     png = tmp_path / "plan.png"
     code = shardwise_main(["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "2GiB",
-                           "--batch-size", "2", "--seq-len", "32", "--only", "ddp,fsdp_full_shard_ac,zero3",
+                           "--batch-size", "2", "--seq-len", "32", "--only", "ddp,fsdp_ac,deepspeed_stage_3",
                            "--workers", "1", "--plot", str(png)])
     out = capsys.readouterr().out
     assert code == 0
@@ -43,7 +43,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     (["--model", "llama-9"], "Unknown model preset 'llama-9'. Presets: "),
     (["--model", "gpt-tiny", "--device-memory", "lots"], "is not a memory size"),
     (["--model", "gpt-tiny", "--devices", "8", "--only", "fsdp_hybrid_shard"], "HYBRID_SHARD"),
-    (["--model", "gpt-tiny", "--only", "fsdp_quarter_shard"], "Unknown FSDP sharding"),
+    (["--model", "gpt-tiny", "--only", "fsdp_quarter_shard"], "Unknown strategy 'fsdp_quarter_shard'. Valid names: single, ddp"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert shardwise_main(["plan", *argv, "--workers", "1"]) == 2
@@ -222,7 +222,7 @@ class MyModule(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 batch = (torch.randint(0, 256, (4, 33)),)
-kw = dict(example_batch=batch, batch_size=4, devices=2, accelerator="cpu", candidates=["ddp", "fsdp_full_shard"])
+kw = dict(example_batch=batch, batch_size=4, devices=2, accelerator="cpu", candidates=["ddp", "fsdp"])
 a = shardwise.plan(MyModule(), workers=2, **kw)
 b = shardwise.plan(MyModule(), workers=1, **kw)
 with shardwise.track_memory():

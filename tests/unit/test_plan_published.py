@@ -89,7 +89,7 @@ def test_seed_001_order_matches(seed_001_plan):
 # optimizer from bitsandbytes is required".
 def _llama70b(num_nodes: int, optimizer: str, **kwargs):
     p = plan("llama-2-70b", devices=8, num_nodes=num_nodes, device_memory="80GiB", precision="bf16-mixed",
-             batch_size=1, seq_len=2048, candidates=["fsdp_full_shard_ac"], optimizer=optimizer, workers=1, **kwargs)
+             batch_size=1, seq_len=2048, candidates=["fsdp_ac"], optimizer=optimizer, workers=1, **kwargs)
     return p.estimates[0]
 
 

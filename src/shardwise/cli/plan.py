@@ -39,7 +39,7 @@ def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory
             gradient accumulation when the whole batch does not fit).
         seq_len: tokens per sequence (default: the model's context length).
         cpu_memory: host memory per node, e.g. 1TiB (checked against offload and loading needs).
-        only: comma-separated configurations to plan, e.g. ddp,fsdp_full_shard_ac,zero3_offload.
+        only: comma-separated configurations to plan, e.g. ddp,fsdp_ac,deepspeed_stage_3_offload.
         accelerator: cuda (plan for GPUs) or cpu.
         gpu: a100, h100, h200, a10g, l4, v100 (step-time model only).
         interconnect: nvlink, nvlink4, pcie4, pcie5 (inside a node).

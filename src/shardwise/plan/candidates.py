@@ -1,6 +1,6 @@
 """The configurations the planner compares, and how each becomes a real strategy object.
 
-A `Candidate` is what a user would try, in the seed's order of recipes: DDP;
+A `Candidate` is what a user would try, from the least to the most sharded: DDP;
 FSDP NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, each with and
 without activation checkpointing; FULL_SHARD with CPU offload; DeepSpeed
 ZeRO-1/2/3 and ZeRO-3 offload; each at a micro-batch size with gradient
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from shardwise.plan.presets import PlanError, divisors
+from shardwise.strategies.names import AC_SUFFIX, name_for, resolve
 
 FSDP_SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
@@ -54,10 +55,18 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """The short name parse_candidate() reads back: ddp, fsdp_full_shard_ac, zero3_offload, ..."""
-        base = "ddp" if self.kind == "ddp" else (f"fsdp_{self.sharding.lower()}" if self.kind == "fsdp"
-                                                 else f"zero{self.stage}")
-        return base + ("_offload" if self.offload else "") + ("_ac" if self.activation_checkpointing else "")
+        """The strategy table's name (strategies/names.py), `_ac` for checkpointing: what --only reads back."""
+        if self.kind == "ddp":
+            return "ddp" + (AC_SUFFIX if self.activation_checkpointing else "")
+        if self.kind == "fsdp":
+            options = {"sharding_strategy": self.sharding, "cpu_offload": self.offload}
+        else:
+            options = {"stage": self.stage, "offload_optimizer": self.offload,
+                       "offload_parameters": self.offload and self.stage == 3}
+        try:
+            return name_for(self.kind, options, self.activation_checkpointing)
+        except ValueError:  # a user's strategy object with no name (e.g. HYBRID_SHARD + offload)
+            return "custom"
 
     @property
     def label(self) -> str:
@@ -108,7 +117,7 @@ class Candidate:
 
 
 def default_candidates(world_size: int, num_nodes: int, include_deepspeed: bool = True) -> List[Candidate]:
-    """The seed's order of recipes (micro-batch filled in later)."""
+    """Every configuration, from the least to the most sharded (micro-batch filled in later)."""
     # DDPStrategy has no checkpointing knob, so "DDP + AC" is not something a user selects.
     out: List[Candidate] = [Candidate("ddp")]
     for sharding in FSDP_SHARDINGS:
@@ -128,26 +137,23 @@ def default_candidates(world_size: int, num_nodes: int, include_deepspeed: bool 
 
 
 def parse_candidate(name: str) -> Candidate:
-    """'ddp', 'fsdp_full_shard_ac', 'zero2', 'zero3_offload_ac', ... -> Candidate (for --only)."""
-    key = name.lower().replace("-", "_").strip()
-    ac = key.endswith("_ac")
-    key = key[:-3] if ac else key
-    offload = key.endswith("_offload")
-    key = key[: -len("_offload")] if offload else key
-    if key == "ddp":
+    """A strategy name (strategies/names.py), optionally + '_ac' -> Candidate (for --only).
+
+    fsdp_ac, fsdp_shard_grad_op, deepspeed_stage_3_offload_ac, ...; the older spellings
+    (fsdp_full_shard_ac, zero3_offload) are aliases in the same table.
+    """
+    try:
+        named = resolve(name, allow_ac=True)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    ac, options = named.activation_checkpointing, named.options
+    if named.kind in ("single", "ddp"):
         return Candidate("ddp", activation_checkpointing=ac)
-    if key.startswith("fsdp"):
-        sharding = (key[5:] or "full_shard").upper()
-        if sharding not in FSDP_SHARDINGS:
-            raise PlanError(f"Unknown FSDP sharding in {name!r}; use one of {', '.join(FSDP_SHARDINGS)}.")
-        return Candidate("fsdp", sharding=sharding, offload=offload, activation_checkpointing=ac)
-    if key.startswith(("zero", "deepspeed_stage_")):
-        stage = int(key[-1])
-        if stage not in (1, 2, 3):
-            raise PlanError(f"ZeRO stage in {name!r} must be 1, 2 or 3.")
-        return Candidate("deepspeed", stage=stage, offload=offload, activation_checkpointing=ac)
-    raise PlanError(f"Unknown configuration {name!r}: use ddp, fsdp_<sharding>, zero<1|2|3>, with optional "
-                    "_offload and _ac suffixes (e.g. fsdp_full_shard_ac, zero3_offload).")
+    if named.kind == "fsdp":
+        return Candidate("fsdp", sharding=options.get("sharding_strategy", "FULL_SHARD"),
+                         offload=bool(options.get("cpu_offload")), activation_checkpointing=ac)
+    return Candidate("deepspeed", stage=options["stage"], offload=bool(options.get("offload_optimizer")),
+                     activation_checkpointing=ac)
 
 
 def batch_splits(batch_size: int) -> List[tuple]:

@@ -133,7 +133,7 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
         devices, num_nodes: devices per node and nodes.
         device_memory: e.g. "80GiB"; without it nothing is judged to fit or not.
         cpu_memory: host memory per node, checked against offload and loading needs.
-        candidates: names like "ddp", "fsdp_full_shard_ac", "zero3_offload", or Strategy objects
+        candidates: names like "ddp", "fsdp_ac", "deepspeed_stage_3_offload", or Strategy objects
             (default: all, seed order).
         accelerator: "cuda" (GPU target: its attention kernels, optimizer defaults, caching allocator) or "cpu".
         reserved_factor: a flat reserved / allocated ratio instead of the allocator model.
