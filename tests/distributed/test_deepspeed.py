@@ -36,11 +36,11 @@ def build_strategy(name: str):
 
     if name == "ddp":
         return "ddp"
-    if name == "zero3_offload_ac":
+    if name == "deepspeed_stage_3_offload_ac":
         return DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
                                  partition_activations=True, cpu_checkpointing=True,
                                  activation_checkpointing_policy={Block})
-    return DeepSpeedStrategy.from_name(name)
+    return shardwise.strategies.build_strategy(name)
 
 
 def fit(name: str, steps: int = STEPS, accumulate: int = 2, clip: Optional[float] = 1.0, lr: float = 1e-3,
@@ -72,7 +72,7 @@ def bf16_runs(names: List[str]) -> Dict[str, Any]:
 
 
 def offload_run() -> Dict[str, Any]:
-    result = fit("zero3_offload_ac", steps=12, lr=3e-3)
+    result = fit("deepspeed_stage_3_offload_ac", steps=12, lr=3e-3)
     strategy = result["trainer"].strategy
     return {"losses": result["losses"], "optimizer": type(strategy.engine.optimizer.optimizer).__name__,
             "checkpointed": strategy.num_checkpointed, "offload": (strategy.offload_optimizer,
@@ -350,7 +350,7 @@ def test_offload_without_cpu_adam_fails_early(monkeypatch):
 
     monkeypatch.setattr(ds, "cpu_adam_problem", lambda: "ninja is not installed")
     with pytest.raises(ds.DeepSpeedConfigError, match="DeepSpeedCPUAdam.*ninja is not installed"):
-        ds.DeepSpeedStrategy.from_name("deepspeed_stage_3_offload")
+        shardwise.strategies.build_strategy("deepspeed_stage_3_offload")
     monkeypatch.undo()
     # An optimizer DeepSpeed cannot step on the host is refused by name (no engine needed to tell).
     strategy = _strategy(stage=2, offload_optimizer=True)

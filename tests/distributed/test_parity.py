@@ -1,6 +1,6 @@
 """Loss parity: one TrainModule, the strategy changed by one argument, the same loss curve.
 
-20 optimizer steps of the seed Transformer, accumulation 2, clipping 0.5, in
+20 optimizer steps of a small Transformer language model, accumulation 2, clipping 0.5, in
 fp32 on CPU. Every strategy starts from the same weights (sharding-invariant
 init) and sees the same global batch, so per-step losses must agree with the
 single-device run to within 1e-4 relative.
@@ -25,9 +25,13 @@ def _rel(a, b):
 
 
 def test_two_process_strategies_match_single_device(reference):
-    names = ["ddp", "fsdp", "fsdp_full", "fsdp_grad_op", "fsdp_no_shard", "fsdp_full_ac"]
-    results = shardwise.launch(train_many, [dict(name=n, devices=2, batch_size=4, steps=STEPS) for n in names],
-                               devices=2)
+    # Strategy-table names, FSDP wrapping the Transformer's layers; and "fsdp" as one unit, as a bare
+    # Trainer(strategy="fsdp") shards a model without a wrap policy.
+    configs = [dict(name=n, devices=2, batch_size=4, steps=STEPS)
+               for n in ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_ac")]
+    configs.append(dict(key="fsdp, one unit", name="fsdp", wrap=False, devices=2, batch_size=4, steps=STEPS))
+    names = [c.get("key", c["name"]) for c in configs]
+    results = shardwise.launch(train_many, configs, devices=2)
     for rank_result in results:  # every rank saw the same reduced curve
         assert rank_result == results[0]
     assert len(reference) == STEPS
@@ -40,12 +44,13 @@ def test_two_process_strategies_match_single_device(reference):
 
 @pytest.mark.slow
 def test_hybrid_shard_2x2_matches_single_device(reference):
-    losses = shardwise.launch(train_losses, "fsdp_hybrid_2x2", 4, 2, STEPS, devices=4)[0]
+    config = dict(name="fsdp_hybrid_shard", devices=4, batch_size=2, steps=STEPS, device_mesh=(2, 2))
+    losses = shardwise.launch(train_many, [config], devices=4)[0]["fsdp_hybrid_shard"]
     assert _rel(losses, reference) < 1e-4, (losses, reference)
 
 
 def test_bf16_mixed_and_true_train():
-    configs = [dict(key=p, name="fsdp_full", devices=2, batch_size=4, steps=12, precision=p, lr=3e-3)
+    configs = [dict(key=p, name="fsdp", devices=2, batch_size=4, steps=12, precision=p, lr=3e-3)
                for p in ("bf16-mixed", "bf16-true")]
     results = shardwise.launch(train_many, configs, devices=2)[0]
     for precision, losses in results.items():

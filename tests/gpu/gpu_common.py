@@ -19,8 +19,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardwise
-from shardwise import FSDPStrategy, Trainer
+from shardwise import Trainer
 from shardwise.models import Block
+from shardwise.strategies import build_strategy
 from helpers.lm import StepLosses, TinyGPT, token_data  # noqa: F401  (token_data, TinyGPT: used by the GPU tests)
 
 DEVICE_TYPE = "cuda"
@@ -47,21 +48,8 @@ def deterministic_math() -> None:
 
 
 def strategy_for(name: str) -> Any:
-    """Names of the parity runs -> strategies (FSDP wraps the GPT's Blocks)."""
-    from shardwise.strategies.deepspeed import DeepSpeedStrategy
-
-    blocks = {Block}
-    table = {
-        "fsdp_full": lambda: FSDPStrategy(auto_wrap_policy=blocks),
-        "fsdp_full_ac": lambda: FSDPStrategy(auto_wrap_policy=blocks, activation_checkpointing_policy=blocks),
-        "fsdp_grad_op": lambda: FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="SHARD_GRAD_OP"),
-        "fsdp_no_shard": lambda: FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="NO_SHARD"),
-        "fsdp_offload": lambda: FSDPStrategy(auto_wrap_policy=blocks, cpu_offload=True),
-        "zero1": lambda: DeepSpeedStrategy(stage=1),
-        "zero2": lambda: DeepSpeedStrategy(stage=2),
-        "zero3": lambda: DeepSpeedStrategy(stage=3),
-    }
-    return table[name]() if name in table else name
+    """A strategy-table name for the GPT (FSDP wraps its Blocks; `_ac` checkpoints them)."""
+    return build_strategy(name, blocks={Block})
 
 
 def gpu_trainer(**kwargs: Any) -> Trainer:

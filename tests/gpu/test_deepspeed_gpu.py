@@ -23,7 +23,7 @@ def zero_bf16(names):
 
 
 def test_zero_stages_1_to_3_train_in_bf16():
-    results = shardwise.launch(zero_bf16, ["zero1", "zero2", "zero3"], devices=world())[0]
+    results = shardwise.launch(zero_bf16, ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"], devices=world())[0]
     for name, (losses, dtype) in results.items():
         assert len(losses) == 8 and finite(losses), (name, losses)
         assert losses[-1] < losses[0], (name, losses)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def bf16_fsdp(root):
-    result = fit_gpt("fsdp_full", devices=world(), precision="bf16-mixed", steps=8, accumulate=2, clip=0.5,
+    result = fit_gpt("fsdp", devices=world(), precision="bf16-mixed", steps=8, accumulate=2, clip=0.5,
                      root=root, val=True)
     params = list(result["trainer"].model.parameters())
     return result["losses"], result["val_loss"], str(params[0].to_local().device.type)
@@ -37,8 +37,8 @@ def test_fsdp_bf16_mixed_clipping_accumulation_and_sync_dist_validation(tmp_path
 
 
 def offload_and_not(root):
-    plain = fit_gpt("fsdp_full", devices=world(), steps=6, root=root)["losses"]
-    result = fit_gpt("fsdp_offload", devices=world(), steps=6, root=root)
+    plain = fit_gpt("fsdp", devices=world(), steps=6, root=root)["losses"]
+    result = fit_gpt("fsdp_cpu_offload", devices=world(), steps=6, root=root)
     model = result["trainer"].model
     where = {"params": sorted({p.to_local().device.type for p in model.parameters()}),
              "buffers": sorted({b.device.type for b in model.buffers()})}

@@ -14,7 +14,7 @@ skip_without_gpu()
 pytestmark = pytest.mark.gpu
 
 STEPS = 8
-NAMES = ["ddp", "fsdp_full", "fsdp_full_ac", "fsdp_grad_op", "fsdp_no_shard", "zero3"]
+NAMES = ["ddp", "fsdp", "fsdp_ac", "fsdp_shard_grad_op", "fsdp_no_shard", "deepspeed_stage_3"]
 
 
 def single():

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import FSDPStrategy, Trainer, TrainModule
+from shardwise import Trainer, TrainModule
+from shardwise.strategies import build_strategy
 from shardwise.demos import LanguageModel, PythonDocsText
 from shardwise.memory import start_tracking, stop_tracking
 from shardwise.models import GPT, gpt_config
@@ -48,26 +49,19 @@ class PeakOfSteps:
         self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
 
 
-def strategy_for(name: str):
-    if name == "fsdp_full":
-        return FSDPStrategy(auto_wrap_policy=LAYERS)
-    if name == "fsdp_full_ac":
-        return FSDPStrategy(auto_wrap_policy=LAYERS, activation_checkpointing_policy=LAYERS)
-    if name == "fsdp_grad_op":
-        return FSDPStrategy(auto_wrap_policy=LAYERS, sharding_strategy="SHARD_GRAD_OP")
-    if name == "fsdp_no_shard":
-        return FSDPStrategy(auto_wrap_policy=LAYERS, sharding_strategy="NO_SHARD")
-    if name == "fsdp_hybrid_2x2":
-        return FSDPStrategy(auto_wrap_policy=LAYERS, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))
-    return name
+def strategy_for(name: str, wrap: bool = True, **options):
+    """A strategy-table name for the small Transformer: FSDP wraps its layers unless `wrap=False`."""
+    return build_strategy(name, blocks=LAYERS if wrap else None, **options)
 
 
 def train_losses(name: str, devices: int, batch_size: int, steps: int = 20, precision: str = "32-true",
-                 accumulate: int = 2, clip: float = 0.5, lr: float = 1e-3) -> List[float]:
+                 accumulate: int = 2, clip: float = 0.5, lr: float = 1e-3, wrap: bool = True,
+                 **strategy_options: Any) -> List[float]:
     shardwise.seed_everything(1234)
     data = PythonDocsText(block_size=16)
     recorder = StepLosses()
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy_for(name), precision=precision,
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy_for(name, wrap, **strategy_options),
+                      precision=precision,
                       max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                       callbacks=[recorder], enable_progress_bar=False, logger=False, enable_checkpointing=False)
     trainer.fit(LanguageModel(data.vocab_size, lr=lr, **SMALL), DataLoader(data, batch_size=batch_size))

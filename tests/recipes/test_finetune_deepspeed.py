@@ -185,16 +185,28 @@ def _cfg(assets, **changes):
                           output_dir=assets["out"], **changes)
 
 
-def test_deepspeed_names_and_options_are_accepted(assets):
+def test_every_strategy_name_of_the_table_is_accepted(assets):
     from shardwise.recipes.finetune import _build_strategy
-    from shardwise.strategies.deepspeed import NAMED, DeepSpeedStrategy
+    from shardwise.strategies import CLASSES, FSDPStrategy
+    from shardwise.strategies.deepspeed import DeepSpeedStrategy
+    from shardwise.strategies.names import STRATEGIES
 
     folder = validate_config(_cfg(assets))["folder"]
-    for name in NAMED:
-        if "offload" in name:  # the constructor would need DeepSpeed's CPU Adam op built
+    for name, (kind, options) in STRATEGIES.items():
+        if options.get("offload_optimizer"):  # the constructor would need DeepSpeed's CPU Adam op built
             continue
         strategy = _build_strategy(_cfg(assets, strategy=name), folder)
-        assert isinstance(strategy, DeepSpeedStrategy) and strategy.stage == NAMED[name]["stage"]
+        assert isinstance(strategy, CLASSES[kind]), name
+        if kind == "deepspeed":
+            assert strategy.stage == options["stage"]
+        if kind == "fsdp":
+            assert strategy.sharding_strategy == options.get("sharding_strategy", "FULL_SHARD")
+            assert strategy.cpu_offload == options.get("cpu_offload", False)
+    assert isinstance(_build_strategy(_cfg(assets, strategy="zero3"), folder), DeepSpeedStrategy)  # an alias
+    with pytest.raises(ValueError, match="contradicts strategy='fsdp_hybrid_shard'"):
+        _build_strategy(_cfg(assets, strategy="fsdp_hybrid_shard", sharding_strategy="SHARD_GRAD_OP"), folder)
+    assert isinstance(_build_strategy(_cfg(assets, strategy="fsdp_no_shard", sharding_strategy="NO_SHARD"), folder),
+                      FSDPStrategy)
     strategy = _build_strategy(_cfg(assets, strategy="deepspeed", strategy_options={
         "stage": 3, "config": {"zero_optimization": {"stage3_max_live_parameters": 1000}}}), folder)
     assert strategy.stage == 3 and strategy.config["zero_optimization"]["stage3_max_live_parameters"] == 1000
@@ -204,9 +216,9 @@ def test_deepspeed_names_and_options_are_accepted(assets):
 
 
 def test_unknown_strategy_lists_the_valid_names(assets):
-    with pytest.raises(ValueError, match=r"strategy='zero3' is not a fine-tuning strategy\. Valid: fsdp, ddp, "
-                                         r"single, auto, deepspeed, deepspeed_stage_1, .*deepspeed_stage_3_offload"):
-        finetune(_cfg(assets, strategy="zero3", devices=2))
+    with pytest.raises(ValueError, match=r"strategy='zero4' is not a fine-tuning strategy\. Valid: auto, single, "
+                                         r"ddp, fsdp, .*deepspeed_stage_3_offload"):
+        finetune(_cfg(assets, strategy="zero4", devices=2))
 
 
 def test_strategy_options_are_checked_before_any_worker_starts(assets):

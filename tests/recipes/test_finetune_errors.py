@@ -85,8 +85,8 @@ def test_paged_adamw_needs_bitsandbytes_not_cuda(assets):
 def test_other_option_errors(assets):
     with pytest.raises(ValueError, match="lr_scheduler_type"):
         validate_config(_cfg(assets, lr_scheduler_type="exponential"))
-    with pytest.raises(ValueError, match="strategy='zero3'.*deepspeed_stage_3"):
-        validate_config(_cfg(assets, strategy="zero3"))
+    with pytest.raises(ValueError, match="strategy='fsdp3'.*deepspeed_stage_3"):
+        validate_config(_cfg(assets, strategy="fsdp3"))
     with pytest.raises(ValueError, match="unknown finetune option"):
         coerce_config({"model_path": "x", "use_flash_atn": True})
     with pytest.raises(RuntimeError, match="shardwise launch --nnodes 2"):

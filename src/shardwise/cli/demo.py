@@ -61,18 +61,12 @@ class _Probe:
 
 
 def _strategy(name: str):
+    """A strategy-table name, FSDP wrapping (and `_ac` checkpointing) the Transformer's layers."""
     from torch import nn
 
-    from shardwise import FSDPStrategy
+    from shardwise.strategies import build_strategy
 
-    layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
-    return {
-        "ddp": "ddp",
-        "fsdp_no_shard": FSDPStrategy(auto_wrap_policy=layers, sharding_strategy="NO_SHARD"),
-        "fsdp_shard_grad_op": FSDPStrategy(auto_wrap_policy=layers, sharding_strategy="SHARD_GRAD_OP"),
-        "fsdp": FSDPStrategy(auto_wrap_policy=layers),
-        "fsdp_ac": FSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers),
-    }[name]
+    return build_strategy(name, blocks={nn.TransformerEncoderLayer, nn.TransformerDecoderLayer})
 
 
 def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:

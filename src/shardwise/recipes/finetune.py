@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from shardwise.dtypes import DTYPES, cast_dtype
+from shardwise.strategies.names import STRATEGIES, resolve
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
-# The DeepSpeed names are the strategy registry's own (strategies/deepspeed.py NAMED).
-BASE_STRATEGIES = ("fsdp", "ddp", "single", "auto")
 
 
 @dataclass
@@ -90,7 +89,8 @@ class FinetuneConfig:
         accelerator: auto | cpu | cuda
         devices: processes per node (auto: what the launcher started, else one per GPU, else 1)
         num_nodes: nodes (one shardwise launch / srun task each)
-        strategy: fsdp | ddp | single | auto | deepspeed | deepspeed_stage_1 | deepspeed_stage_2 |
+        strategy: auto, or a strategy name: fsdp | fsdp_shard_grad_op | fsdp_no_shard | fsdp_hybrid_shard |
+            fsdp_cpu_offload | ddp | single | deepspeed | deepspeed_stage_1 | deepspeed_stage_2 |
             deepspeed_stage_2_offload | deepspeed_stage_3 | deepspeed_stage_3_offload
         strategy_options: more keyword arguments of the chosen strategy's class (FSDPStrategy,
             DeepSpeedStrategy, DDPStrategy), e.g. {limit_all_gathers: true} or {offload_optimizer: true}
@@ -418,10 +418,8 @@ def _module_class():
 
 # ------------------------------------------------------------------ running
 def recipe_strategies() -> tuple:
-    """Every `strategy` name the recipe takes: FSDP, DDP, one device, auto, and the registry's DeepSpeed names."""
-    from shardwise.strategies.deepspeed import NAMED
-
-    return BASE_STRATEGIES + tuple(NAMED)
+    """Every `strategy` name the recipe takes: "auto" and the strategy table's names (strategies/names.py)."""
+    return ("auto", *STRATEGIES)
 
 
 def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixed: Dict[str, Any]) -> Dict[str, Any]:
@@ -460,10 +458,15 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
     from shardwise.recipes.hf_model import model_block_names
     from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
-    names = recipe_strategies()
-    name = cfg.strategy.lower().strip()
-    if name not in names:
-        raise ValueError(f"strategy={cfg.strategy!r} is not a fine-tuning strategy. Valid: {', '.join(names)}.")
+    if cfg.strategy.lower().strip() == "auto":
+        name, kind, implied = "auto", "auto", {}
+    else:
+        try:
+            named = resolve(cfg.strategy)
+        except ValueError:
+            raise ValueError(f"strategy={cfg.strategy!r} is not a fine-tuning strategy. "
+                             f"Valid: {', '.join(recipe_strategies())}.") from None
+        name, kind, implied = named.name, named.kind, named.options
     blocks = model_block_names(folder.config)
     owned = {"precision": "precision", "timeout_s": "timeout_s"}
     checkpointing = {}
@@ -473,18 +476,26 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
         if not checkpointing["activation_checkpointing_policy"]:
             raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
                              "decoder layer to checkpoint; set auto_wrap_policy to the block class name(s).")
-    if name == "fsdp":
+    if kind == "fsdp":
+        # A name like fsdp_hybrid_shard fixes what the recipe's own field would otherwise say.
+        sharding = implied.get("sharding_strategy", cfg.sharding_strategy)
+        offload = implied.get("cpu_offload", cfg.cpu_offload)
+        for field_name, value in (("sharding_strategy", sharding), ("cpu_offload", offload)):
+            if getattr(cfg, field_name) not in (value, FinetuneConfig.__dataclass_fields__[field_name].default):
+                raise ValueError(f"{field_name}={getattr(cfg, field_name)!r} contradicts strategy={cfg.strategy!r}, "
+                                 f"which means {field_name}={value!r}. Use strategy='fsdp' with {field_name}, "
+                                 "or drop it.")
         wrap = cfg.auto_wrap_policy or blocks
         if not wrap:
             raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
                              "transformer block to shard by; set auto_wrap_policy to the block class name(s).")
         owned.update({k: k for k in ("auto_wrap_policy", "sharding_strategy", "cpu_offload", "state_dict_type")})
         options = _strategy_options(cfg, FSDPStrategy, owned, {})
-        return FSDPStrategy(auto_wrap_policy=list(wrap), sharding_strategy=cfg.sharding_strategy,
-                            cpu_offload=cfg.cpu_offload, state_dict_type=cfg.state_dict_type,
+        return FSDPStrategy(auto_wrap_policy=list(wrap), sharding_strategy=sharding,
+                            cpu_offload=offload, state_dict_type=cfg.state_dict_type,
                             timeout_s=cfg.timeout_s, **checkpointing, **options)
-    if name.startswith("deepspeed"):
-        from shardwise.strategies.deepspeed import NAMED, DeepSpeedStrategy
+    if kind == "deepspeed":
+        from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
         fsdp_only = [f for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
                      if getattr(cfg, f) != default]
@@ -493,14 +504,14 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
                              "them. Remove them (DeepSpeed's ZeRO stage comes from the strategy name).")
         owned["cpu_offload"] = "cpu_offload"
         # 'deepspeed' alone leaves the stage to strategy_options / the DeepSpeed config (default 2).
-        fixed = {} if name == "deepspeed" else dict(NAMED[name])
+        fixed = {} if name == "deepspeed" else implied
         options = _strategy_options(cfg, DeepSpeedStrategy, owned, fixed)
         return DeepSpeedStrategy(**{**fixed, **options}, cpu_offload=True if cfg.cpu_offload else None,
                                  timeout_s=cfg.timeout_s, **checkpointing)
     if cfg.gradient_checkpointing:
         raise ValueError("gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
                          "use strategy='fsdp' or a deepspeed one.")
-    if name == "ddp":
+    if kind == "ddp":
         return DDPStrategy(timeout_s=cfg.timeout_s, **_strategy_options(cfg, DDPStrategy, owned, {}))
     if cfg.strategy_options:
         raise ValueError(f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "

@@ -8,7 +8,7 @@ or running a DeepSpeedStrategy does.
 """
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
 from shardwise.checkpoint.reader import register_reader
 from shardwise.strategies import deepspeed_checkpoint
@@ -16,7 +16,7 @@ from shardwise.strategies.base import Strategy, wrap
 from shardwise.strategies.ddp import DDPStrategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
 from shardwise.strategies.fsdp import FSDPStrategy
-from shardwise.strategies.names import AC_SUFFIX, STRATEGIES, resolve, valid_names
+from shardwise.strategies.names import STRATEGIES, resolve, valid_names
 from shardwise.strategies.single import SingleDeviceStrategy
 
 # `shardwise convert` / `inspect` read DeepSpeed's checkpoint directories through this reader;
@@ -29,8 +29,15 @@ CLASSES: Dict[str, type] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy, 
 STRATEGY_NAMES = ("auto", *STRATEGIES)
 
 
-def build_strategy(strategy: Union[str, Strategy], world_size: int = 1) -> Strategy:
-    """Turn a name (or an instance, returned as is) into a strategy."""
+def build_strategy(strategy: Union[str, Strategy], world_size: int = 1, blocks: Optional[Iterable[Any]] = None,
+                   **options: Any) -> Strategy:
+    """Turn a name (or an instance, returned as is) into a strategy.
+
+    `blocks`: the model's block classes, if known. FSDP then wraps each block as
+    a unit (without them it shards the whole model as one, as Lightning's
+    `strategy="fsdp"` does), and a name ending in `_ac` checkpoints them.
+    `options`: further constructor arguments (e.g. `device_mesh=(2, 2)`).
+    """
     if isinstance(strategy, Strategy):
         return strategy
     if not isinstance(strategy, str):
@@ -39,17 +46,22 @@ def build_strategy(strategy: Union[str, Strategy], world_size: int = 1) -> Strat
         chosen = SingleDeviceStrategy() if world_size <= 1 else DDPStrategy()
         chosen.is_auto = True  # Trainer(device_memory=...) may replace it with the memory planner's choice
         return chosen
-    if strategy.lower().strip().endswith(AC_SUFFIX) and strategy.lower().strip() not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: activation checkpointing needs your block class; pass "
-                         "FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}) "
-                         "(or DeepSpeedStrategy(..., activation_checkpointing_policy={Block})).")
     try:
-        named = resolve(strategy)
+        named = resolve(strategy, allow_ac=True)
     except ValueError:
         raise ValueError(f"Unknown strategy {strategy!r}. Valid names: auto, {valid_names()}; or pass a strategy "
                          "object such as FSDPStrategy(...).") from None
-    return CLASSES[named.kind](**named.options)
-
+    kwargs = {**named.options, **options}
+    units = set(blocks) if blocks else None
+    if named.activation_checkpointing:
+        if not units or named.kind not in ("fsdp", "deepspeed"):
+            raise ValueError(f"strategy={strategy!r}: activation checkpointing needs your block class; pass "
+                             "FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}) "
+                             "(or DeepSpeedStrategy(..., activation_checkpointing_policy={Block})).")
+        kwargs["activation_checkpointing_policy"] = units
+    if named.kind == "fsdp" and units:
+        kwargs.setdefault("auto_wrap_policy", units)
+    return CLASSES[named.kind](**kwargs)
 
 __all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
            "STRATEGY_NAMES", "wrap"]

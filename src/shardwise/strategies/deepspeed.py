@@ -40,17 +40,6 @@ from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_de
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
 from shardwise.strategies.materialize import _reset_fn, _reset_own, module_seed, rng_devices
 
-# The names strategies/__init__.py maps to `DeepSpeedStrategy.from_name`.
-NAMED = {
-    "deepspeed": dict(stage=2),
-    "deepspeed_stage_1": dict(stage=1),
-    "deepspeed_stage_2": dict(stage=2),
-    "deepspeed_stage_2_offload": dict(stage=2, offload_optimizer=True),
-    "deepspeed_stage_3": dict(stage=3),
-    "deepspeed_stage_3_offload": dict(stage=3, offload_optimizer=True, offload_parameters=True),
-}
-
-
 class DeepSpeedStrategy(Strategy):
     """ZeRO data parallelism through DeepSpeed's engine. See README "DeepSpeed ZeRO" for every knob.
 
@@ -98,12 +87,6 @@ class DeepSpeedStrategy(Strategy):
                 raise DeepSpeedConfigError(
                     f"offload_optimizer=True steps the optimizer on the host with DeepSpeedCPUAdam, which is "
                     f"required here but unavailable: {problem}. Install it, or set offload_optimizer=False.")
-
-    @classmethod
-    def from_name(cls, name: str) -> "DeepSpeedStrategy":
-        if name not in NAMED:
-            raise ValueError(f"Unknown DeepSpeed strategy {name!r}. Valid: {', '.join(NAMED)}.")
-        return cls(**NAMED[name])
 
     # ------------------------------------------------------------- config
     def _build_config(self) -> Dict[str, Any]:
