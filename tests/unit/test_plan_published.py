@@ -4,7 +4,7 @@ Each test plans the exact published setup (model, devices, precision, batch,
 sequence, checkpointing, optimizer, the strategy object the authors ran) and
 asserts the prediction within 15% of the published per-GPU figure, or the
 published verdict (fits / does not fit). Where each figure comes from, and
-how it is read, is in /work/notes/planner.md (BENCHMARKS.md, "Memory planner").
+how it is read, is in BENCHMARKS.md ("Memory planner against published GPU figures").
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def seed_001_plan():
 
 
 # SHARD_GRAD_OP is predicted 15.1% low (9,991 vs 11,772 MiB). Measured cause (CPU/gloo, 2 ranks, the seed's layer
-# types at 2 and 4 layer pairs, extrapolated to 32; /work/notes/planner_p.md): Lightning's automatic optimization
+# types at 2 and 4 layer pairs, extrapolated to 32; benchmarks/loop_order_memory.py): Lightning's automatic optimization
 # calls zero_grad after training_step's forward (its Closure runs step_fn, zero_grad_fn, backward_fn), so the
 # previous step's sharded gradients (1,924 MiB here) are alive through the forward, and with SHARD_GRAD_OP the
 # forward's end is the peak (every unit stays gathered). In that loop order FSDP1 (as Lightning 2.1 ran it:

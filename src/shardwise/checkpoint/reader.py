@@ -205,7 +205,7 @@ class ShardedDirReader(CheckpointReader):
 
 
 # Directory formats other than "sharded" register here from their strategy's module (DeepSpeed's
-# from strategies/deepspeed_checkpoint.py, which the package root imports), so nothing in
+# from strategies/__init__.py), so nothing in
 # checkpoint/ imports a strategy.
 _READERS: Dict[str, Callable[[str, Dict[str, Any]], CheckpointReader]] = {
     "sharded": ShardedDirReader,

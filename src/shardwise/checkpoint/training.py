@@ -111,7 +111,7 @@ def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 def collect_state(trainer: Any) -> Dict[str, Any]:
     """Everything but the model and optimizers, identical on every rank (collective: gathers RNG states)."""
-    strategy, module = trainer.strategy, trainer.lightning_module
+    strategy, module = trainer.strategy, trainer.module
     position = _resume_position(trainer)
     # During validation the generators run on a copy; save training's own.
     rng = trainer.state.rng_outside_validation or capture_rng_states()
@@ -219,7 +219,7 @@ def _restore_position(trainer: Any, state: Dict[str, Any]) -> None:
 
 
 def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
-    strategy, module = trainer.strategy, trainer.lightning_module
+    strategy, module = trainer.strategy, trainer.module
     _restore_position(trainer, state)
     rng_states = state.get("rng_states") or []
     if len(rng_states) != strategy.world_size:

@@ -216,8 +216,8 @@ def maybe_check_collectives(strategy_name: str = "") -> bool:
     torch's DETAIL debug level wraps each process group so that, before every
     collective, the ranks compare its kind and tensor shapes (over a second
     gloo group) and fail naming the mismatch instead of hanging or reducing
-    the wrong tensors. It costs an extra small collective per collective (see
-    the measurement in /work/notes/faults.md), so it is a debugging switch.
+    the wrong tensors. It costs an extra small collective per collective (below
+    the noise on a CPU machine, not measured on GPUs), so it is a debugging switch.
     Must run before the process group is created. True if enabled.
     Not under DDP: on torch 2.13 (CPU, gloo) building DistributedDataParallel
     at the DETAIL level crashes the process (SIGSEGV, measured).
