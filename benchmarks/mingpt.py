@@ -95,14 +95,14 @@ class EpochStats:
 
 
 def build_strategy(name: str, cpu_offload: bool):
-    if not name.startswith("deepspeed"):
-        return name
-    from shardwise.strategies.deepspeed import NAMED, DeepSpeedStrategy
+    """A strategy-table name; --cpu_offload moves DeepSpeed's optimizer state (and, at stage 3, parameters) to the host."""
+    from shardwise.strategies import build_strategy as from_name
+    from shardwise.strategies.names import resolve
 
-    kwargs = dict(NAMED[name])
-    if cpu_offload:  # the seed's flag: optimizer state (and, at stage 3, parameters) on the host
-        kwargs.update(offload_optimizer=True, offload_parameters=kwargs.get("stage") == 3)
-    return DeepSpeedStrategy(**kwargs)
+    named = resolve(name)
+    if named.kind != "deepspeed" or not cpu_offload:
+        return from_name(name)
+    return from_name(name, offload_optimizer=True, offload_parameters=named.options.get("stage") == 3)
 
 
 def token_data(n: int, block_size: int, vocab_size: int) -> TensorDataset:
