@@ -12,6 +12,7 @@ schedules run, passed, failed, with the seed and schedule of each failure.
 Reproduce one with `--schedules 1 --seed <its seed>`. Reference runs are
 cached by configuration in the work directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,17 @@ def main() -> int:
         seed = args.seed + i
         spec = chaos.generate(seed, **override)
         print(f"[{i + 1}/{args.schedules}] {chaos.describe(spec)}", flush=True)
-        result = chaos.run_schedule(spec, os.path.join(base, f"seed{seed}"), timeout=args.timeout,
-                                    reference_cache=cache)
+        result = chaos.run_schedule(
+            spec, os.path.join(base, f"seed{seed}"), timeout=args.timeout, reference_cache=cache
+        )
         results.append((seed, spec, result))
         status = "PASS" if result["ok"] else "FAIL"
-        print(f"    {status} in {result['seconds']} s" + "".join(f"\n    - {f}" for f in result["failures"])
-              + "".join(f"\n    ~ {w}" for w in result["warnings"]), flush=True)
+        print(
+            f"    {status} in {result['seconds']} s"
+            + "".join(f"\n    - {f}" for f in result["failures"])
+            + "".join(f"\n    ~ {w}" for w in result["warnings"]),
+            flush=True,
+        )
         if result["ok"] and not args.keep:
             import shutil
 
@@ -66,8 +72,10 @@ def main() -> int:
     print()
     print("| schedules | passed | failed | failed only on SIGTERM checks | wall time |")
     print("|---|---|---|---|---|")
-    print(f"| {len(results)} | {len(results) - len(failed)} | {len(failed)} | {len(sigterm_failed)} | "
-          f"{time.monotonic() - start:.0f} s |")
+    print(
+        f"| {len(results)} | {len(results) - len(failed)} | {len(failed)} | {len(sigterm_failed)} | "
+        f"{time.monotonic() - start:.0f} s |"
+    )
     if failed:
         print()
         print("| seed | schedule | first failure |")

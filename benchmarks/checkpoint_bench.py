@@ -19,6 +19,7 @@ before the conversion) is compared with the model's size and its largest
 tensor. Prints a markdown table; with --out, replaces the section
 "## Checkpoints (issue 3)" of that file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,8 +101,14 @@ def run_rank(root: str, layers: int, hidden: int, repeats: int = 3) -> dict:
         state = {"shardwise": build_manifest(fmt, "fsdp", strategy.world_size, {})}
         save_s, save_peak = _measure(lambda: strategy.save_checkpoint(path, state))
         load_s, load_peak = _measure(lambda: strategy.load_checkpoint(path, fmt))
-        results[fmt] = {"save_s": save_s, "save_peak": save_peak, "load_s": load_s, "load_peak": load_peak,
-                        "loads": [], "load_cpu": []}
+        results[fmt] = {
+            "save_s": save_s,
+            "save_peak": save_peak,
+            "load_s": load_s,
+            "load_peak": load_peak,
+            "loads": [],
+            "load_cpu": [],
+        }
     for _ in range(repeats):
         for fmt in ("sharded", "full"):
             wall, cpu = _timed(lambda: strategy.load_checkpoint(os.path.join(root, f"{fmt}.ckpt"), fmt))
@@ -126,8 +133,16 @@ def convert_child(ckpt: str, out: str) -> None:
     start = time.perf_counter()
     convert(ckpt, out, quiet=True)
     seconds = time.perf_counter() - start
-    print(json.dumps({"peak": max(0, peak_rss_bytes() - base), "seconds": seconds,
-                      "model": sum(i.nbytes for i in infos), "largest": max(i.nbytes for i in infos)}))
+    print(
+        json.dumps(
+            {
+                "peak": max(0, peak_rss_bytes() - base),
+                "seconds": seconds,
+                "model": sum(i.nbytes for i in infos),
+                "largest": max(i.nbytes for i in infos),
+            }
+        )
+    )
 
 
 def _size(path: str) -> int:
@@ -180,16 +195,20 @@ def render(ranks, sizes, converts, layers, hidden) -> str:
         "|---|---|---|---|---|---|",
     ]
     for fmt, c in converts.items():
-        lines.append(f"| {fmt} | {c['model'] / MB:.0f} MB | {c['largest'] / MB:.1f} MB | {c['peak'] / MB:.1f} MB | "
-                     f"{c['peak'] / c['model']:.3f} | {c['seconds']:.2f} s |")
+        lines.append(
+            f"| {fmt} | {c['model'] / MB:.0f} MB | {c['largest'] / MB:.1f} MB | {c['peak'] / MB:.1f} MB | "
+            f"{c['peak'] / c['model']:.3f} | {c['seconds']:.2f} s |"
+        )
     return "\n".join(lines)
 
 
 def write_section(path: str, body: str, command: str) -> None:
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     date = datetime.date.today().isoformat()
-    section = (f"{SECTION}\n\nCommand: `{command}` ({date}, {os.cpu_count()} CPU cores, torch "
-               f"{torch.__version__}; timings on a shared machine vary, ratios are what to read).\n\n{body}\n")
+    section = (
+        f"{SECTION}\n\nCommand: `{command}` ({date}, {os.cpu_count()} CPU cores, torch "
+        f"{torch.__version__}; timings on a shared machine vary, ratios are what to read).\n\n{body}\n"
+    )
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     with open(path, "w") as fh:
@@ -212,14 +231,25 @@ def main() -> None:
         sizes = {fmt: _size(os.path.join(root, f"{fmt}.ckpt")) for fmt in ("sharded", "full")}
         converts = {}
         for fmt in ("sharded", "full"):
-            out = subprocess.run([sys.executable, __file__, "--convert-child", os.path.join(root, f"{fmt}.ckpt"),
-                                  os.path.join(root, f"out-{fmt}")], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--convert-child",
+                    os.path.join(root, f"{fmt}.ckpt"),
+                    os.path.join(root, f"out-{fmt}"),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             converts[fmt] = json.loads(out.stdout.strip().splitlines()[-1])
     body = render(ranks, sizes, converts, args.layers, args.hidden)
     print(body)
     if args.out:
         command = "python benchmarks/checkpoint_bench.py" + (
-            "" if (args.layers, args.hidden) == (24, 2048) else f" --layers {args.layers} --hidden {args.hidden}")
+            "" if (args.layers, args.hidden) == (24, 2048) else f" --layers {args.layers} --hidden {args.hidden}"
+        )
         write_section(args.out, body, command + f" --out {os.path.basename(args.out)}")
 
 

@@ -22,6 +22,7 @@ counts the shards themselves, which on a CPU-only machine are host RAM
     python benchmarks/finetune_loading.py --hidden 2048 --layers 8 --nproc 4
     DS_ACCELERATOR=cpu python benchmarks/finetune_loading.py --strategy deepspeed_stage_3 --skip-naive
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,16 @@ def save_model(path: str, hidden: int, layers: int, vocab: int, intermediate: in
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                         max_position_embeddings=2048, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     if not os.path.exists(os.path.join(path, "config.json")):
         with torch.device("cpu"):
             model = LlamaForCausalLM(config)
@@ -74,12 +82,22 @@ def shardwise_worker(path: str, strategy_name: str = "fsdp") -> dict:
     report = module.load_report
     setup_peak = max(report.peak_before, report.rss_before + report.peak_growth) - start
     # This rank's own partition: a DTensor's local shard (FSDP) or a ZeRO-3 partition.
-    local = sum(t.numel() * t.element_size() for t in
-                (getattr(p, "_local_tensor", None) if hasattr(p, "_local_tensor") else getattr(p, "ds_tensor", p)
-                 for p in module.parameters()))
+    local = sum(
+        t.numel() * t.element_size()
+        for t in (
+            getattr(p, "_local_tensor", None) if hasattr(p, "_local_tensor") else getattr(p, "ds_tensor", p)
+            for p in module.parameters()
+        )
+    )
     dist.barrier()
-    return {"rank": dist.get_rank(), "loading_peak": report.peak_growth, "setup_peak": setup_peak,
-            "shards": local, "bytes_read": report.bytes_read, "end_rss": peak_rss_bytes()}
+    return {
+        "rank": dist.get_rank(),
+        "loading_peak": report.peak_growth,
+        "setup_peak": setup_peak,
+        "shards": local,
+        "bytes_read": report.bytes_read,
+        "end_rss": peak_rss_bytes(),
+    }
 
 
 def naive_worker(path: str) -> dict:
@@ -88,8 +106,12 @@ def naive_worker(path: str) -> dict:
 
     from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     dist.barrier()
     reset_peak_rss()
     start = current_rss_bytes()
@@ -113,9 +135,12 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shardwise-bench-loading"))
     parser.add_argument("--skip-naive", action="store_true")
-    parser.add_argument("--strategy", default="fsdp",
-                        help="the recipe's strategy: fsdp (default) or deepspeed_stage_3, whose loader gathers "
-                             "one partitioned parameter at a time")
+    parser.add_argument(
+        "--strategy",
+        default="fsdp",
+        help="the recipe's strategy: fsdp (default) or deepspeed_stage_3, whose loader gathers "
+        "one partitioned parameter at a time",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
     args = parser.parse_args()
 
@@ -127,22 +152,31 @@ def main() -> None:
     ours = sorted(launch(shardwise_worker, path, args.strategy, devices=args.nproc), key=lambda r: r["rank"])
     naive = [] if args.skip_naive else sorted(launch(naive_worker, path, devices=args.nproc), key=lambda r: r["rank"])
 
-    print(f"model: Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "
-          f"safetensors {format_bytes(size)}; {args.nproc} processes; strategy {args.strategy}; "
-          f"{datetime.date.today().isoformat()}")
+    print(
+        f"model: Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "
+        f"safetensors {format_bytes(size)}; {args.nproc} processes; strategy {args.strategy}; "
+        f"{datetime.date.today().isoformat()}"
+    )
     print()
-    print("| rank | shardwise: loading peak growth | shardwise: set-up peak growth (incl. own shards) "
-          "| own shards | naive from_pretrained per rank |")
+    print(
+        "| rank | shardwise: loading peak growth | shardwise: set-up peak growth (incl. own shards) "
+        "| own shards | naive from_pretrained per rank |"
+    )
     print("|---|---|---|---|---|")
     for i, r in enumerate(ours):
         nv = format_bytes(naive[i]["loading_peak"]) if naive else "-"
-        print(f"| {r['rank']} | {format_bytes(r['loading_peak'])} | {format_bytes(r['setup_peak'])} "
-              f"| {format_bytes(r['shards'])} | {nv} |")
+        print(
+            f"| {r['rank']} | {format_bytes(r['loading_peak'])} | {format_bytes(r['setup_peak'])} "
+            f"| {format_bytes(r['shards'])} | {nv} |"
+        )
     base = max(1, ours[0]["loading_peak"])
     others = [r["loading_peak"] / base for r in ours[1:]]
     print()
-    print(f"loading: rank 1..{args.nproc - 1} peak growth / rank 0's = "
-          + ", ".join(f"{x:.1%}" for x in others) + " (target < 25%)")
+    print(
+        f"loading: rank 1..{args.nproc - 1} peak growth / rank 0's = "
+        + ", ".join(f"{x:.1%}" for x in others)
+        + " (target < 25%)"
+    )
     if args.json:
         print(json.dumps({"size": size, "shardwise": ours, "naive": naive}))
 

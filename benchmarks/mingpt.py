@@ -18,6 +18,7 @@ BENCHMARKS.md.
     python benchmarks/mingpt.py --devices 2 --strategy deepspeed_stage_3 --compare_deepspeed
     python benchmarks/mingpt.py --table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import TrainModule, Trainer
+from shardwise import Trainer, TrainModule
 from shardwise.memory import MemoryTracker
 from shardwise.models import GPT, GPTConfig
 
@@ -95,7 +96,7 @@ class EpochStats:
 
 
 def build_strategy(name: str, cpu_offload: bool):
-    """A strategy-table name; --cpu_offload moves DeepSpeed's optimizer state (and, at stage 3, parameters) to the host."""
+    """A strategy-table name; --cpu_offload puts DeepSpeed's optimizer state (stage 3: parameters too) on the host."""
     from shardwise.strategies import build_strategy as from_name
     from shardwise.strategies.names import resolve
 
@@ -130,8 +131,11 @@ class HandDrivenDeepSpeed:
         import deepspeed
 
         ds_config = copy.deepcopy(strategy.config)
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=strategy.stage == 3,
-                                 remote_device="cpu" if strategy.offload_parameters else None):
+        with deepspeed.zero.Init(
+            config_dict_or_path=ds_config,
+            enabled=strategy.stage == 3,
+            remote_device="cpu" if strategy.offload_parameters else None,
+        ):
             model = GPT(self.config)
         if strategy.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -157,10 +161,18 @@ class HandDrivenDeepSpeed:
 def fit_once(args: argparse.Namespace, config: GPTConfig, extra: tuple = ()):
     shardwise.seed_everything(1234)
     stats = EpochStats()
-    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=build_strategy(args.strategy, args.cpu_offload),
-                      precision=args.precision, max_epochs=args.max_epochs,
-                      limit_train_batches=args.limit_train_batches, callbacks=[stats, *extra],
-                      enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=build_strategy(args.strategy, args.cpu_offload),
+        precision=args.precision,
+        max_epochs=args.max_epochs,
+        limit_train_batches=args.limit_train_batches,
+        callbacks=[stats, *extra],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(MinGPT(config), loader_for(args))
     return trainer, stats
 
@@ -171,8 +183,14 @@ def loader_for(args: argparse.Namespace) -> DataLoader:
 
 
 def run(args: argparse.Namespace) -> None:
-    config = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, tie_embeddings=False)
+    config = GPTConfig(
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        tie_embeddings=False,
+    )
     compare = args.compare_deepspeed and args.strategy.startswith("deepspeed")
     hand = HandDrivenDeepSpeed(config) if compare else None
     trainer, stats = fit_once(args, config, (hand,) if compare else ())
@@ -180,8 +198,11 @@ def run(args: argparse.Namespace) -> None:
     rank = trainer.global_rank
     epoch_time = statistics.mean(stats.epoch_times) if stats.epoch_times else float("nan")
     peak = max(stats.peaks) / MIB if stats.peaks else float("nan")
-    print(f"[rank {rank}] model {config.num_params() / 1e6:.1f}M parameters, strategy {args.strategy}"
-          f"{' + cpu_offload' if args.cpu_offload else ''}, {args.devices} process(es)", flush=True)
+    print(
+        f"[rank {rank}] model {config.num_params() / 1e6:.1f}M parameters, strategy {args.strategy}"
+        f"{' + cpu_offload' if args.cpu_offload else ''}, {args.devices} process(es)",
+        flush=True,
+    )
     print(f"[rank {rank}] Average Epoch time: {epoch_time:.2f} seconds", flush=True)
     print(f"[rank {rank}] Average Peak memory {peak:.2f}MiB", flush=True)
     parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in getattr(stats, "breakdown", {}).items() if v)
@@ -192,42 +213,82 @@ def run(args: argparse.Namespace) -> None:
             print(rank, [round(t, 2) for t in ours], [round(t, 2) for t in hand], flush=True)
         # Medians: on a shared machine single steps swing by 30% either way.
         ratio = statistics.median(ours) / statistics.median(hand)
-        print(f"[rank {rank}] Median step time over {len(ours)} steps: shardwise {statistics.median(ours) * 1e3:.0f} ms, "
-              f"DeepSpeed by hand {statistics.median(hand) * 1e3:.0f} ms, ratio {ratio:.3f}", flush=True)
+        print(
+            f"[rank {rank}] Median step time over {len(ours)} steps: shardwise {statistics.median(ours) * 1e3:.0f} ms, "
+            f"DeepSpeed by hand {statistics.median(hand) * 1e3:.0f} ms, ratio {ratio:.3f}",
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------- the table
-TABLE = [("DDP", "ddp", False), ("ZeRO-2", "deepspeed_stage_2", False), ("ZeRO-3", "deepspeed_stage_3", False),
-         ("ZeRO-3 + offload", "deepspeed_stage_3", True)]
+TABLE = [
+    ("DDP", "ddp", False),
+    ("ZeRO-2", "deepspeed_stage_2", False),
+    ("ZeRO-3", "deepspeed_stage_3", False),
+    ("ZeRO-3 + offload", "deepspeed_stage_3", True),
+]
 SEED = {"DDP": "1.7B, 36,149 MiB", "ZeRO-2": "-", "ZeRO-3": "12.8B, 7,797 MiB", "ZeRO-3 + offload": "45B, 4,977 MiB"}
 
 
 def table(args: argparse.Namespace) -> None:
     rows = []
-    base = [sys.executable, os.path.abspath(__file__), "--devices", str(args.devices), "--n_layer", str(args.n_layer),
-            "--n_head", str(args.n_head), "--n_embd", str(args.n_embd), "--vocab_size", str(args.vocab_size),
-            "--block_size", str(args.block_size), "--batch_size", str(args.batch_size), "--precision",
-            args.precision, "--limit_train_batches", str(args.limit_train_batches), "--max_epochs",
-            str(args.max_epochs)]
+    base = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--devices",
+        str(args.devices),
+        "--n_layer",
+        str(args.n_layer),
+        "--n_head",
+        str(args.n_head),
+        "--n_embd",
+        str(args.n_embd),
+        "--vocab_size",
+        str(args.vocab_size),
+        "--block_size",
+        str(args.block_size),
+        "--batch_size",
+        str(args.batch_size),
+        "--precision",
+        args.precision,
+        "--limit_train_batches",
+        str(args.limit_train_batches),
+        "--max_epochs",
+        str(args.max_epochs),
+    ]
     for label, strategy, offload in TABLE:
-        cmd = base + ["--strategy", strategy] + (["--cpu_offload"] if offload else []) + \
-            (["--compare_deepspeed"] if strategy == "deepspeed_stage_3" and not offload else [])
+        cmd = (
+            base
+            + ["--strategy", strategy]
+            + (["--cpu_offload"] if offload else [])
+            + (["--compare_deepspeed"] if strategy == "deepspeed_stage_3" and not offload else [])
+        )
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         sys.stdout.write(out)
         times = [float(x) for x in re.findall(r"Average Epoch time: ([\d.]+)", out)]
         peaks = [float(x) for x in re.findall(r"Average Peak memory ([\d.]+)MiB", out)]
         ratio = re.findall(r"ratio ([\d.]+)", out)
         rows.append((label, times, peaks, ratio))
-    params = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, tie_embeddings=False).num_params()
+    params = GPTConfig(
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        tie_embeddings=False,
+    ).num_params()
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\n{params / 1e6:.1f}M parameters, {args.devices} CPU processes, {os.cpu_count()} cores, "
-          f"load average at the end (1/5/15 min): {load}\n")
+    print(
+        f"\n{params / 1e6:.1f}M parameters, {args.devices} CPU processes, {os.cpu_count()} cores, "
+        f"load average at the end (1/5/15 min): {load}\n"
+    )
     print("| strategy | epoch time per rank (s) | tracked peak per rank (MiB) | seed, 8xA100 (largest model, peak) |")
     print("|---|---|---|---|")
     for label, times, peaks, _ in rows:
-        print(f"| {label} | {' / '.join(f'{t:.2f}' for t in times)} | {' / '.join(f'{p:.1f}' for p in peaks)} "
-              f"| {SEED[label]} |")
+        print(
+            f"| {label} | {' / '.join(f'{t:.2f}' for t in times)} | {' / '.join(f'{p:.1f}' for p in peaks)} "
+            f"| {SEED[label]} |"
+        )
     ratios = [r for row in rows for r in row[3]]
     if ratios:
         print(f"\nZeRO-3 step time, shardwise / DeepSpeed by hand (median step), per rank: {' / '.join(ratios)}")

@@ -11,6 +11,7 @@ alike; the result is the median ratio of steps/second. Prints a markdown row.
 
     python benchmarks/overhead.py [--steps 40] [--repeats 3] [--tiny] [--health]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,9 +95,16 @@ def trainer_loop(steps: int, size: dict, non_finite: str = "error") -> float:
     data = _data()
     clock = _Clock()
     with tempfile.TemporaryDirectory() as root:
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=set(LAYERS)),
-                          max_steps=steps, callbacks=[clock], enable_checkpointing=False, default_root_dir=root,
-                          non_finite=non_finite)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=FSDPStrategy(auto_wrap_policy=set(LAYERS)),
+            max_steps=steps,
+            callbacks=[clock],
+            enable_checkpointing=False,
+            default_root_dir=root,
+            non_finite=non_finite,
+        )
         trainer.fit(LanguageModel(data.vocab_size, **size), DataLoader(data, batch_size=8, shuffle=True))
     return clock.rate
 
@@ -119,30 +127,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true",
-                        help="a model so small that the step is mostly framework overhead: measures the "
-                             "Trainer's own cost per step in milliseconds")
-    parser.add_argument("--health", action="store_true",
-                        help="compare the Trainer with its per-step NaN/inf check against the Trainer without it")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a model so small that the step is mostly framework overhead: measures the "
+        "Trainer's own cost per step in milliseconds",
+    )
+    parser.add_argument(
+        "--health",
+        action="store_true",
+        help="compare the Trainer with its per-step NaN/inf check against the Trainer without it",
+    )
     args = parser.parse_args()
     size = dict(nlayers=1, nhid=32, ninp=16, nhead=2) if args.tiny else SIZE
     rows = shardwise.launch(alternate, args.steps, args.repeats, size, args.health, devices=2)[0]
     if args.health:
         print("(reference = the Trainer with non_finite='off'; compared = the default, non_finite='error')")
-    ref, ours_name = ("Trainer, health off", "Trainer, health on") if args.health else \
-        ("hand-written FSDP2", "shardwise Trainer")
+    ref, ours_name = (
+        ("Trainer, health off", "Trainer, health on") if args.health else ("hand-written FSDP2", "shardwise Trainer")
+    )
     for i, ((hw, hc), (ow, oc)) in enumerate(rows):
-        print(f"run {i}: wall: {ref} {hw:.3f}, {ours_name} {ow:.3f} steps/s (ratio {ow / hw:.3f}); "
-              f"CPU time: {ref} {hc:.3f}, {ours_name} {oc:.3f} steps/CPU-s (ratio {oc / hc:.3f})")
+        print(
+            f"run {i}: wall: {ref} {hw:.3f}, {ours_name} {ow:.3f} steps/s (ratio {ow / hw:.3f}); "
+            f"CPU time: {ref} {hc:.3f}, {ours_name} {oc:.3f} steps/CPU-s (ratio {oc / hc:.3f})"
+        )
     print()
-    print(f"| model | processes | steps timed x runs | clock | {ref} (median) | "
-          f"{ours_name} (median) | ratio of medians |")
+    print(
+        f"| model | processes | steps timed x runs | clock | {ref} (median) | {ours_name} (median) | ratio of medians |"
+    )
     print("|---|---|---|---|---|---|---|")
     for index, clock in ((0, "wall (steps/s)"), (1, "CPU time (steps/CPU-s)")):
         hand = statistics.median(r[0][index] for r in rows)
         ours = statistics.median(r[1][index] for r in rows)
-        print(f"| seed Transformer {size} | 2 | {args.steps - WARMUP} x {args.repeats} | {clock} | "
-              f"{hand:.3f} | {ours:.3f} | {ours / hand:.3f} |")
+        print(
+            f"| seed Transformer {size} | 2 | {args.steps - WARMUP} x {args.repeats} | {clock} | "
+            f"{hand:.3f} | {ours:.3f} | {ours / hand:.3f} |"
+        )
     if args.tiny:
         extra = [1000 * (1 / r[1][0] - 1 / r[0][0]) for r in rows]
         what = "health check" if args.health else "Trainer"

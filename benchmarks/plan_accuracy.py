@@ -16,6 +16,7 @@
    processes together, sampled from /proc) of `shardwise plan` for
    Llama-2-70B across all candidate configurations.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,35 @@ from typing import List, Tuple
 
 SECTION = "## Memory planner (issue 6)"
 MODELS = ("gpt", "transformer")
-FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp", "fsdp_no_shard_ac",
-        "fsdp_shard_grad_op_ac", "fsdp_ac", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_ac"]
-PLAN_70B = ["--model", "llama-2-70b", "--devices", "8", "--num-nodes", "2", "--device-memory", "80GiB",
-            "--precision", "bf16-mixed", "--batch-size", "1", "--seq-len", "4096"]
+FULL = [
+    "ddp",
+    "fsdp_no_shard",
+    "fsdp_shard_grad_op",
+    "fsdp",
+    "fsdp_no_shard_ac",
+    "fsdp_shard_grad_op_ac",
+    "fsdp_ac",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_ac",
+]
+PLAN_70B = [
+    "--model",
+    "llama-2-70b",
+    "--devices",
+    "8",
+    "--num-nodes",
+    "2",
+    "--device-memory",
+    "80GiB",
+    "--precision",
+    "bf16-mixed",
+    "--batch-size",
+    "1",
+    "--seq-len",
+    "4096",
+]
 
 
 def mib(n: float) -> str:
@@ -39,8 +65,7 @@ def mib(n: float) -> str:
 def accuracy(quick: bool) -> Tuple[List[str], float]:
     from shardwise.plan.measure import accuracy_models, compare
 
-    lines = ["| model | procs | configuration | predicted MiB | measured MiB | error |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = ["| model | procs | configuration | predicted MiB | measured MiB | error |", "|---|---|---|---:|---:|---:|"]
     worst = 0.0
     for name in MODELS:
         spec, seq = accuracy_models()[name]
@@ -48,8 +73,10 @@ def accuracy(quick: bool) -> Tuple[List[str], float]:
             cands = FULL if not quick else ["ddp", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"]
             for r in compare(spec, seq, devices, cands):
                 worst = max(worst, abs(r["error"]))
-                lines.append(f"| {r['model']} | {devices} | {r['config']} | {mib(r['predicted'])} | "
-                             f"{mib(r['measured'])} | {r['error']:+.1%} |")
+                lines.append(
+                    f"| {r['model']} | {devices} | {r['config']} | {mib(r['predicted'])} | "
+                    f"{mib(r['measured'])} | {r['error']:+.1%} |"
+                )
     return lines, worst
 
 
@@ -57,9 +84,17 @@ def raw_deepspeed_limits() -> List[str]:
     from shardwise.plan.measure import DEEPSPEED_RAW_DEFAULTS, accuracy_models, compare
 
     spec, seq = accuracy_models()["gpt"]
-    lines = ["| configuration (DeepSpeed's uncapped limits) | predicted MiB | measured MiB | error |",
-             "|---|---:|---:|---:|"]
-    for r in compare(spec, seq, 2, ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"], deepspeed_config=DEEPSPEED_RAW_DEFAULTS):
+    lines = [
+        "| configuration (DeepSpeed's uncapped limits) | predicted MiB | measured MiB | error |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in compare(
+        spec,
+        seq,
+        2,
+        ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"],
+        deepspeed_config=DEEPSPEED_RAW_DEFAULTS,
+    ):
         lines.append(f"| {r['config']} | {mib(r['predicted'])} | {mib(r['measured'])} | {r['error']:+.1%} |")
     return lines
 
@@ -73,24 +108,32 @@ def section(quick: bool) -> str:
     n_candidates = len(default_candidates(16, 2))
     today = datetime.date.today().isoformat()
     lines = [
-        SECTION, "",
-        f"Measured {today} with `python benchmarks/plan_accuracy.py` (2-core CPU, torch 2.13, DeepSpeed 0.19).", "",
+        SECTION,
+        "",
+        f"Measured {today} with `python benchmarks/plan_accuracy.py` (2-core CPU, torch 2.13, DeepSpeed 0.19).",
+        "",
         "**Accuracy.** Predicted (`shardwise.plan`, fake tensors, nothing allocated) vs measured (the same "
         "TrainModule trained for two optimizer steps with the Trainer on CPU, fp32, peak tracked tensor "
         "memory of the worst rank via `shardwise.memory`). GPT: 6 blocks, width 256, vocab 2048, 4 x 64 "
         "tokens; demo Transformer: 6+6 layers, width 128, vocab 2000, 4 x 32 tokens. Both are deeper than the "
         "planner's 3- and 4-block traces, so every prediction is extrapolated. ZeRO runs use shardwise's "
-        f"DeepSpeed configuration. Largest error: {worst:.1%}.", "", *acc, "",
+        f"DeepSpeed configuration. Largest error: {worst:.1%}.",
+        "",
+        *acc,
+        "",
         "The same GPT on 2 processes with DeepSpeed's own, uncapped size limits given as the user's config: "
         "the 5e8-element reduce bucket (2 GB in fp32) is allocated whole at the first backward and ZeRO-3 "
-        "keeps every parameter gathered from the second step on:", "",
-        *raw_deepspeed_limits(), "",
+        "keeps every parameter gathered from the second step on:",
+        "",
+        *raw_deepspeed_limits(),
+        "",
         f"**Planning cost.** `shardwise plan {' '.join(PLAN_70B)}` (all {n_candidates} candidate "
         "configurations of the seed's list, each FSDP/DDP configuration traced at 3 and 4 blocks in two "
         "worker processes): "
         f"{cost['wall']:.1f} s wall, {cost['cpu']:.1f} s CPU, peak resident memory of all planner processes "
         f"together {cost['rss'] / 2**30:.2f} GiB (machine load average {cost['load']:.1f} while measuring). "
-        f"Recommendation: {cost['recommended']}.", "",
+        f"Recommendation: {cost['recommended']}.",
+        "",
     ]
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ default `--size tiny` runs in seconds on a laptop CPU. Each run ends by printing
 the peak tracked tensor memory per rank, as the guide prints
 torch.cuda.max_memory_allocated().
 """
+
 import argparse
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import shardwise
-from shardwise import FSDPStrategy, TrainModule, Trainer
+from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.callbacks import DeviceStatsMonitor
 from shardwise.demos import Transformer, load_text_dataset
 
@@ -79,8 +80,11 @@ def strategy_for(recipe):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="default",
-                        choices=["default", "ddp", "wrap", "grad_op", "no_shard", "ac", "offload", "manual", "foreach"])
+    parser.add_argument(
+        "--recipe",
+        default="default",
+        choices=["default", "ddp", "wrap", "grad_op", "no_shard", "ac", "offload", "manual", "foreach"],
+    )
     parser.add_argument("--size", default="tiny", choices=list(SIZES))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=20)
@@ -90,13 +94,25 @@ def main():
     shardwise.seed_everything(42)
     dataset = load_text_dataset(args.data_dir)
     train_dataloader = DataLoader(dataset, batch_size=8)
-    model = LanguageModel(dataset.vocab_size, size=args.size, manual_wrap=args.recipe == "manual",
-                          foreach=False if args.recipe == "foreach" else None)
-    trainer = Trainer(accelerator="auto", devices=args.devices, strategy=strategy_for(args.recipe),
-                      max_steps=args.max_steps, callbacks=[DeviceStatsMonitor()], enable_checkpointing=False)
+    model = LanguageModel(
+        dataset.vocab_size,
+        size=args.size,
+        manual_wrap=args.recipe == "manual",
+        foreach=False if args.recipe == "foreach" else None,
+    )
+    trainer = Trainer(
+        accelerator="auto",
+        devices=args.devices,
+        strategy=strategy_for(args.recipe),
+        max_steps=args.max_steps,
+        callbacks=[DeviceStatsMonitor()],
+        enable_checkpointing=False,
+    )
     trainer.fit(model, train_dataloader)
-    trainer.print(f"Memory used: {shardwise.max_memory_allocated() / 1e6:.02f} MB per rank "
-                  f"({args.recipe}, {trainer.global_step} steps)")
+    trainer.print(
+        f"Memory used: {shardwise.max_memory_allocated() / 1e6:.02f} MB per rank "
+        f"({args.recipe}, {trainer.global_step} steps)"
+    )
 
 
 if __name__ == "__main__":

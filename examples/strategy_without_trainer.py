@@ -8,6 +8,7 @@ backward, gradient sync during accumulation, clipping and the optimizer step
     python examples/strategy_without_trainer.py            # FSDP on 2 local processes
     python examples/strategy_without_trainer.py ddp
 """
+
 import sys
 
 import torch
@@ -32,8 +33,9 @@ def train(strategy_name: str = "fsdp", steps: int = 12, accumulate: int = 2) -> 
     model = strategy.setup_module(model)  # shard, then materialise and initialise
     optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
 
-    tokens = torch.randint(0, config.vocab_size, (256, config.block_size + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, config.vocab_size, (256, config.block_size + 1), generator=torch.Generator().manual_seed(0)
+    )
     loader = strategy.setup_dataloader(DataLoader(tokens, batch_size=4, shuffle=True))
     losses = []
     for i, batch in enumerate(loader):

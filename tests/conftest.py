@@ -7,6 +7,7 @@ default config, a Hugging Face token) and from writing into their caches. One ca
 C++ ops DeepSpeed compiles (DeepSpeedCPUAdam, minutes on 2 cores), which depend on the torch build,
 not on the user.
 """
+
 import os
 import shutil
 import sys
@@ -34,12 +35,14 @@ def _compiled_ops_dir() -> str:
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", _compiled_ops_dir())  # before HOME moves: the user's cache
 SESSION_HOME = tempfile.mkdtemp(prefix="shardwise-tests-home-")
-os.environ.update({
-    "HOME": SESSION_HOME,
-    "XDG_CACHE_HOME": os.path.join(SESSION_HOME, ".cache"),
-    "XDG_CONFIG_HOME": os.path.join(SESSION_HOME, ".config"),
-    "HF_HOME": os.path.join(SESSION_HOME, ".cache", "huggingface"),
-})
+os.environ.update(
+    {
+        "HOME": SESSION_HOME,
+        "XDG_CACHE_HOME": os.path.join(SESSION_HOME, ".cache"),
+        "XDG_CONFIG_HOME": os.path.join(SESSION_HOME, ".config"),
+        "HF_HOME": os.path.join(SESSION_HOME, ".cache", "huggingface"),
+    }
+)
 
 
 def pytest_unconfigure(config):

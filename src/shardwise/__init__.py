@@ -1,22 +1,47 @@
 """shardwise: one TrainModule, one Trainer argument from one device to DDP, FSDP2 and DeepSpeed ZeRO."""
+
+from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise._version import __version__
 from shardwise.distributed.device import move_to_device
 from shardwise.distributed.launch import launch
 from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
 from shardwise.module import DataModule, TrainModule
-from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise.precision import PRECISIONS
 from shardwise.seed import seed_everything
-from shardwise.strategies import (STRATEGY_NAMES, DDPStrategy, DeepSpeedStrategy, FSDPStrategy,
-                                  SingleDeviceStrategy, Strategy, build_strategy, wrap)
+from shardwise.strategies import (
+    STRATEGY_NAMES,
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+    build_strategy,
+    wrap,
+)
 from shardwise.trainer import Trainer
 
 DeepSpeedPlugin = DeepSpeedStrategy  # Lightning 1.x's name
 
 
 __all__ = [
-    "Trainer", "TrainModule", "DataModule", "seed_everything", "launch", "wrap", "move_to_device",
-    "Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
-    "STRATEGY_NAMES", "PRECISIONS", "max_memory_allocated", "reset_peak_memory_stats", "track_memory", "plan",
+    "Trainer",
+    "TrainModule",
+    "DataModule",
+    "seed_everything",
+    "launch",
+    "wrap",
+    "move_to_device",
+    "Strategy",
+    "SingleDeviceStrategy",
+    "DDPStrategy",
+    "FSDPStrategy",
+    "DeepSpeedStrategy",
+    "build_strategy",
+    "STRATEGY_NAMES",
+    "PRECISIONS",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "track_memory",
+    "plan",
     "__version__",
 ]

@@ -6,6 +6,7 @@ says) and asserts that README.md carries `render_table()` verbatim between
 `<!-- compat-table -->` markers. Edit a row here, then paste the output of
 `python -m shardwise.compat` into README.md.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -55,127 +56,331 @@ NOTHING = "accepted; FSDP2 has nothing to do for it (said once)"
 
 ROWS: List[Row] = [
     # ---------------------------------------------------------------- Lightning
-    Row("Lightning", "`Trainer(accelerator=\"gpu\")`", "`accelerator=\"cuda\"` (both accepted)"),
-    Row("Lightning", "`Trainer(gpus=N)`", "`Trainer(accelerator=\"cuda\", devices=N)`", "accepted with a warning"),
-    Row("Lightning", "`Trainer(accelerator=\"ddp\")` (1.x)", "`strategy=\"ddp\"`", "accepted with a warning"),
-    Row("Lightning", "`plugins=DeepSpeedPlugin(stage=3, cpu_offload=True)`",
-        "`strategy=DeepSpeedStrategy(stage=3, cpu_offload=True)`", "`shardwise.DeepSpeedPlugin` is an alias"),
+    Row("Lightning", '`Trainer(accelerator="gpu")`', '`accelerator="cuda"` (both accepted)'),
+    Row("Lightning", "`Trainer(gpus=N)`", '`Trainer(accelerator="cuda", devices=N)`', "accepted with a warning"),
+    Row("Lightning", '`Trainer(accelerator="ddp")` (1.x)', '`strategy="ddp"`', "accepted with a warning"),
+    Row(
+        "Lightning",
+        "`plugins=DeepSpeedPlugin(stage=3, cpu_offload=True)`",
+        "`strategy=DeepSpeedStrategy(stage=3, cpu_offload=True)`",
+        "`shardwise.DeepSpeedPlugin` is an alias",
+    ),
     Row("Lightning", "`trainer.fit(model)` with `train_dataloader()` / `val_dataloader()`", "the same"),
     Row("Lightning", "`LightningDataModule`, `fit(model, datamodule=dm)`", "`shardwise.DataModule`, the same"),
-    Row("Lightning", "`lightning.pytorch.demos.Transformer`, `WikiText2()`", "`shardwise.demos.Transformer`, "
-        "`WikiText2(data_dir)`", "WikiText2 reads a local folder; shardwise never downloads",
-        lambda: bool(__import__("shardwise.demos", fromlist=["WikiText2"]).WikiText2)),
-    Row("Lightning", "`FSDPStrategy(auto_wrap_policy={Block})`", "the same; also class names, callables and "
-        "`partial(size_based_auto_wrap_policy, ...)`", "",
-        lambda: _fsdp(auto_wrap_policy={_torch("FSDPModule")}).auto_wrap_policy is not None),
-    Row("Lightning", "`activation_checkpointing_policy={Block}`", "the same", "",
-        lambda: _fsdp(activation_checkpointing_policy={_torch("FSDPModule")}).activation_checkpointing_policy
-        is not None),
-    Row("Lightning", "`activation_checkpointing=Block` (2.0)", "`activation_checkpointing_policy={Block}`", "",
-        lambda: _fsdp(activation_checkpointing=_torch("FSDPModule")).activation_checkpointing_policy
-        is _torch("FSDPModule")),
-    Row("Lightning", "`sharding_strategy=\"SHARD_GRAD_OP\"`", "the same (FSDP2 `reshard_after_forward=False`)", "",
-        lambda: _fsdp(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False),
-    Row("Lightning", "`sharding_strategy=\"HYBRID_SHARD\"` on one node", "a 1 x N mesh: trains like FULL_SHARD",
-        "N nodes: an N x devices mesh", lambda: _fsdp(sharding_strategy="HYBRID_SHARD").sharding_strategy ==
-        "HYBRID_SHARD"),
-    Row("Lightning", "`state_dict_type=\"full\"` / `\"sharded\"`", "the same", "our default is \"sharded\" "
-        "(Lightning's is \"full\")", lambda: _fsdp(state_dict_type="full").state_dict_type == "full"),
-    Row("Lightning", "`limit_all_gathers=True`", NOTHING, "FSDP2 always rate-limits its all-gathers",
-        lambda: _fsdp(limit_all_gathers=True) is not None),
-    Row("Lightning", "`precision=16`", "`\"16-mixed\"` (CUDA); use `\"bf16-mixed\"` on CPU", "fp16 on CPU is refused "
-        "before any process starts"),
-    Row("Lightning", "`wrap(layer)` inside `configure_model`", "the same (`torch.distributed.fsdp.wrap.wrap` or "
-        "`shardwise.wrap`)", "a no-op under other strategies"),
+    Row(
+        "Lightning",
+        "`lightning.pytorch.demos.Transformer`, `WikiText2()`",
+        "`shardwise.demos.Transformer`, `WikiText2(data_dir)`",
+        "WikiText2 reads a local folder; shardwise never downloads",
+        lambda: bool(__import__("shardwise.demos", fromlist=["WikiText2"]).WikiText2),
+    ),
+    Row(
+        "Lightning",
+        "`FSDPStrategy(auto_wrap_policy={Block})`",
+        "the same; also class names, callables and `partial(size_based_auto_wrap_policy, ...)`",
+        "",
+        lambda: _fsdp(auto_wrap_policy={_torch("FSDPModule")}).auto_wrap_policy is not None,
+    ),
+    Row(
+        "Lightning",
+        "`activation_checkpointing_policy={Block}`",
+        "the same",
+        "",
+        lambda: (
+            _fsdp(activation_checkpointing_policy={_torch("FSDPModule")}).activation_checkpointing_policy is not None
+        ),
+    ),
+    Row(
+        "Lightning",
+        "`activation_checkpointing=Block` (2.0)",
+        "`activation_checkpointing_policy={Block}`",
+        "",
+        lambda: (
+            _fsdp(activation_checkpointing=_torch("FSDPModule")).activation_checkpointing_policy is _torch("FSDPModule")
+        ),
+    ),
+    Row(
+        "Lightning",
+        '`sharding_strategy="SHARD_GRAD_OP"`',
+        "the same (FSDP2 `reshard_after_forward=False`)",
+        "",
+        lambda: _fsdp(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False,
+    ),
+    Row(
+        "Lightning",
+        '`sharding_strategy="HYBRID_SHARD"` on one node',
+        "a 1 x N mesh: trains like FULL_SHARD",
+        "N nodes: an N x devices mesh",
+        lambda: _fsdp(sharding_strategy="HYBRID_SHARD").sharding_strategy == "HYBRID_SHARD",
+    ),
+    Row(
+        "Lightning",
+        '`state_dict_type="full"` / `"sharded"`',
+        "the same",
+        'our default is "sharded" (Lightning\'s is "full")',
+        lambda: _fsdp(state_dict_type="full").state_dict_type == "full",
+    ),
+    Row(
+        "Lightning",
+        "`limit_all_gathers=True`",
+        NOTHING,
+        "FSDP2 always rate-limits its all-gathers",
+        lambda: _fsdp(limit_all_gathers=True) is not None,
+    ),
+    Row(
+        "Lightning",
+        "`precision=16`",
+        '`"16-mixed"` (CUDA); use `"bf16-mixed"` on CPU',
+        "fp16 on CPU is refused before any process starts",
+    ),
+    Row(
+        "Lightning",
+        "`wrap(layer)` inside `configure_model`",
+        "the same (`torch.distributed.fsdp.wrap.wrap` or `shardwise.wrap`)",
+        "a no-op under other strategies",
+    ),
     # ------------------------------------------------------- torch FSDP1 objects
-    Row("torch FSDP1", "`ShardingStrategy.FULL_SHARD` ... `_HYBRID_SHARD_ZERO2`", "`sharding_strategy=` the same "
-        "name", "_HYBRID_SHARD_ZERO2 = HYBRID_SHARD with `reshard_after_forward=False`",
-        lambda: _fsdp(sharding_strategy=_torch("ShardingStrategy").SHARD_GRAD_OP).sharding_strategy ==
-        "SHARD_GRAD_OP"),
-    Row("torch FSDP1", "`cpu_offload=CPUOffload(offload_params=True)`", "`cpu_offload=True`", "",
-        lambda: _fsdp(cpu_offload=_torch("CPUOffload")(offload_params=True)).cpu_offload is True),
-    Row("torch FSDP1", "`mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)`", "`precision=\"bf16-mixed\"`",
+    Row(
+        "torch FSDP1",
+        "`ShardingStrategy.FULL_SHARD` ... `_HYBRID_SHARD_ZERO2`",
+        "`sharding_strategy=` the same name",
+        "_HYBRID_SHARD_ZERO2 = HYBRID_SHARD with `reshard_after_forward=False`",
+        lambda: _fsdp(sharding_strategy=_torch("ShardingStrategy").SHARD_GRAD_OP).sharding_strategy == "SHARD_GRAD_OP",
+    ),
+    Row(
+        "torch FSDP1",
+        "`cpu_offload=CPUOffload(offload_params=True)`",
+        "`cpu_offload=True`",
+        "",
+        lambda: _fsdp(cpu_offload=_torch("CPUOffload")(offload_params=True)).cpu_offload is True,
+    ),
+    Row(
+        "torch FSDP1",
+        "`mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)`",
+        '`precision="bf16-mixed"`',
         "other reduce/buffer dtypes are named, not honoured",
-        lambda: _fsdp(mixed_precision=_torch("MixedPrecision")(param_dtype=__import__("torch").bfloat16))
-        ._precision_arg == "bf16-mixed"),
-    Row("torch FSDP1", "`StateDictType.SHARDED_STATE_DICT` / `FULL_STATE_DICT`", "`state_dict_type=\"sharded\"` / "
-        "`\"full\"`", "LOCAL_STATE_DICT is refused (no flat parameters in FSDP2)",
-        lambda: _fsdp(state_dict_type=_torch("StateDictType").FULL_STATE_DICT).state_dict_type == "full"),
-    Row("torch FSDP1", "`use_orig_params=True`", NOTHING, "FSDP2 parameters are always the originals (DTensors)",
-        lambda: _fsdp(use_orig_params=True) is not None),
-    Row("torch FSDP1", "`sync_module_states=True`", NOTHING, "every rank materialises or loads its own shard",
-        lambda: _fsdp(sync_module_states=True) is not None),
-    Row("torch FSDP1", "`backward_prefetch=BackwardPrefetch.BACKWARD_PRE`", NOTHING,
+        lambda: (
+            _fsdp(mixed_precision=_torch("MixedPrecision")(param_dtype=__import__("torch").bfloat16))._precision_arg
+            == "bf16-mixed"
+        ),
+    ),
+    Row(
+        "torch FSDP1",
+        "`StateDictType.SHARDED_STATE_DICT` / `FULL_STATE_DICT`",
+        '`state_dict_type="sharded"` / `"full"`',
+        "LOCAL_STATE_DICT is refused (no flat parameters in FSDP2)",
+        lambda: _fsdp(state_dict_type=_torch("StateDictType").FULL_STATE_DICT).state_dict_type == "full",
+    ),
+    Row(
+        "torch FSDP1",
+        "`use_orig_params=True`",
+        NOTHING,
+        "FSDP2 parameters are always the originals (DTensors)",
+        lambda: _fsdp(use_orig_params=True) is not None,
+    ),
+    Row(
+        "torch FSDP1",
+        "`sync_module_states=True`",
+        NOTHING,
+        "every rank materialises or loads its own shard",
+        lambda: _fsdp(sync_module_states=True) is not None,
+    ),
+    Row(
+        "torch FSDP1",
+        "`backward_prefetch=BackwardPrefetch.BACKWARD_PRE`",
+        NOTHING,
         "FSDP2 always prefetches the next unit in backward",
-        lambda: _fsdp(backward_prefetch=_torch("BackwardPrefetch").BACKWARD_PRE) is not None),
-    Row("torch FSDP1", "`forward_prefetch=True`", NOTHING, "no explicit forward prefetch is configured",
-        lambda: _fsdp(forward_prefetch=True) is not None),
-    Row("any", "a non-torch optimizer (bitsandbytes `PagedAdamW32bit`, `AdamW8bit`, your own)", "works under FSDP: "
-        "steps on each rank's local shards", "`FSDPStrategy(optimizer_on_local_shards=...)` forces it on/off; "
-        "8-bit state cannot be checkpointed under FSDP", lambda: _fsdp(optimizer_on_local_shards=True)
-        .optimizer_on_local_shards is True),
-    Row("torchtitan", "`activation_checkpoint.mode = \"selective\"`, `selective_ac_option = \"op\"` or "
-        "`\"2\"`", "`FSDPStrategy(activation_checkpointing_mode=\"selective\", selective_ac_option=\"op\")` or "
-        "`2`", "with `activation_checkpointing_policy={Block}`; \"full\" is the default mode",
-        lambda: _fsdp(activation_checkpointing_mode="selective", selective_ac_option="2").selective_ac_option == 2),
+        lambda: _fsdp(backward_prefetch=_torch("BackwardPrefetch").BACKWARD_PRE) is not None,
+    ),
+    Row(
+        "torch FSDP1",
+        "`forward_prefetch=True`",
+        NOTHING,
+        "no explicit forward prefetch is configured",
+        lambda: _fsdp(forward_prefetch=True) is not None,
+    ),
+    Row(
+        "any",
+        "a non-torch optimizer (bitsandbytes `PagedAdamW32bit`, `AdamW8bit`, your own)",
+        "works under FSDP: steps on each rank's local shards",
+        "`FSDPStrategy(optimizer_on_local_shards=...)` forces it on/off; 8-bit state cannot be checkpointed under FSDP",
+        lambda: _fsdp(optimizer_on_local_shards=True).optimizer_on_local_shards is True,
+    ),
+    Row(
+        "torchtitan",
+        '`activation_checkpoint.mode = "selective"`, `selective_ac_option = "op"` or `"2"`',
+        '`FSDPStrategy(activation_checkpointing_mode="selective", selective_ac_option="op")` or `2`',
+        'with `activation_checkpointing_policy={Block}`; "full" is the default mode',
+        lambda: _fsdp(activation_checkpointing_mode="selective", selective_ac_option="2").selective_ac_option == 2,
+    ),
     # --------------------------------------------------- Accelerate config yaml
-    Row("Accelerate config", "`distributed_type: FSDP`", "`--strategy fsdp`", "DEEPSPEED, MULTI_GPU, MULTI_CPU, NO "
-        "too", lambda: _accel({})[0]["strategy"] == "fsdp"),
-    Row("Accelerate config", "`fsdp_sharding_strategy: 1` (or `FULL_SHARD`)", "`--sharding_strategy FULL_SHARD`",
-        "1-5 as torch's enum", lambda: _accel({"fsdp_sharding_strategy": 2})[0]["sharding_strategy"] ==
-        "SHARD_GRAD_OP"),
-    Row("Accelerate config", "`fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`", "the default: the model's "
-        "`_no_split_modules`", "SIZE_BASED_WRAP / NO_WRAP are named, not honoured",
-        lambda: "auto_wrap_policy" not in _accel({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})[0]),
-    Row("Accelerate config", "`fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer`",
-        "`--auto_wrap_policy [LlamaDecoderLayer]`", "",
-        lambda: _accel({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"})[0]["auto_wrap_policy"] ==
-        ["LlamaDecoderLayer"]),
-    Row("Accelerate config", "`fsdp_offload_params: true`", "`--cpu_offload true`", "",
-        lambda: _accel({"fsdp_offload_params": True})[0]["cpu_offload"] is True),
-    Row("Accelerate config", "`fsdp_state_dict_type: SHARDED_STATE_DICT`", "`--state_dict_type sharded`", "",
-        lambda: _accel({"fsdp_state_dict_type": "SHARDED_STATE_DICT"})[0]["state_dict_type"] == "sharded"),
-    Row("Accelerate config", "`fsdp_activation_checkpointing: true`", "`--gradient_checkpointing true`", "",
-        lambda: _accel({"fsdp_activation_checkpointing": True})[0]["gradient_checkpointing"] is True),
-    Row("Accelerate config", "`fsdp_cpu_ram_efficient_loading`, `fsdp_sync_module_states`, `fsdp_use_orig_params`, "
-        "`fsdp_forward_prefetch`, `fsdp_backward_prefetch`", "accepted; nothing to do (one note each)", "",
-        lambda: len(_accel({"fsdp_sync_module_states": True, "fsdp_use_orig_params": True})[1]) == 2),
-    Row("Accelerate config", "`mixed_precision: bf16`", "`--precision bf16-mixed`", "fp16 -> 16-mixed, no -> 32-true",
-        lambda: _accel({}, mixed_precision="bf16")[0]["precision"] == "bf16-mixed"),
-    Row("Accelerate config", "`num_machines: 2`, `num_processes: 16`", "`--num_nodes 2 --devices 8`",
-        "accelerate counts processes over all machines", lambda: _argv("--num_machines", "2", "--num_processes",
-                                                                       "16")[-2:] == ["--devices", "8"]),
-    Row("Accelerate config", "`machine_rank`, `main_process_ip`, `main_process_port`", "`shardwise launch "
-        "--node-rank --master-addr --master-port`", "the launcher's settings; named when given"),
+    Row(
+        "Accelerate config",
+        "`distributed_type: FSDP`",
+        "`--strategy fsdp`",
+        "DEEPSPEED, MULTI_GPU, MULTI_CPU, NO too",
+        lambda: _accel({})[0]["strategy"] == "fsdp",
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_sharding_strategy: 1` (or `FULL_SHARD`)",
+        "`--sharding_strategy FULL_SHARD`",
+        "1-5 as torch's enum",
+        lambda: _accel({"fsdp_sharding_strategy": 2})[0]["sharding_strategy"] == "SHARD_GRAD_OP",
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`",
+        "the default: the model's `_no_split_modules`",
+        "SIZE_BASED_WRAP / NO_WRAP are named, not honoured",
+        lambda: "auto_wrap_policy" not in _accel({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})[0],
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer`",
+        "`--auto_wrap_policy [LlamaDecoderLayer]`",
+        "",
+        lambda: (
+            _accel({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"})[0]["auto_wrap_policy"]
+            == ["LlamaDecoderLayer"]
+        ),
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_offload_params: true`",
+        "`--cpu_offload true`",
+        "",
+        lambda: _accel({"fsdp_offload_params": True})[0]["cpu_offload"] is True,
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_state_dict_type: SHARDED_STATE_DICT`",
+        "`--state_dict_type sharded`",
+        "",
+        lambda: _accel({"fsdp_state_dict_type": "SHARDED_STATE_DICT"})[0]["state_dict_type"] == "sharded",
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_activation_checkpointing: true`",
+        "`--gradient_checkpointing true`",
+        "",
+        lambda: _accel({"fsdp_activation_checkpointing": True})[0]["gradient_checkpointing"] is True,
+    ),
+    Row(
+        "Accelerate config",
+        "`fsdp_cpu_ram_efficient_loading`, `fsdp_sync_module_states`, `fsdp_use_orig_params`, "
+        "`fsdp_forward_prefetch`, `fsdp_backward_prefetch`",
+        "accepted; nothing to do (one note each)",
+        "",
+        lambda: len(_accel({"fsdp_sync_module_states": True, "fsdp_use_orig_params": True})[1]) == 2,
+    ),
+    Row(
+        "Accelerate config",
+        "`mixed_precision: bf16`",
+        "`--precision bf16-mixed`",
+        "fp16 -> 16-mixed, no -> 32-true",
+        lambda: _accel({}, mixed_precision="bf16")[0]["precision"] == "bf16-mixed",
+    ),
+    Row(
+        "Accelerate config",
+        "`num_machines: 2`, `num_processes: 16`",
+        "`--num_nodes 2 --devices 8`",
+        "accelerate counts processes over all machines",
+        lambda: _argv("--num_machines", "2", "--num_processes", "16")[-2:] == ["--devices", "8"],
+    ),
+    Row(
+        "Accelerate config",
+        "`machine_rank`, `main_process_ip`, `main_process_port`",
+        "`shardwise launch --node-rank --master-addr --master-port`",
+        "the launcher's settings; named when given",
+    ),
     # ------------------------------------------------ the HF recipe's train.py
-    Row("HF recipe", "`--model_name meta-llama/...`", "`--model_path <local folder>`", "",
-        lambda: _argv("--model_name", "m") == ["--model_path", "m"]),
-    Row("HF recipe", "`--dataset_name ...`", "`--dataset <file or folder>`", "",
-        lambda: _argv("--dataset_name", "d") == ["--dataset", "d"]),
-    Row("HF recipe", "`--bf16 True` / `--fp16 True`", "`--precision bf16-mixed` / `16-mixed`", "",
-        lambda: _argv("--bf16", "True") == ["--precision", "bf16-mixed"]),
-    Row("HF recipe", "`--use_flash_attn True`", "`--attn_implementation flash_attention_2`", "without CUDA: sdpa, "
-        "with a note", lambda: bool(_argv("--use_flash_attn", "True") or _notes("--use_flash_attn", "True"))),
-    Row("HF recipe", "`--use_reentrant False`", "always non-reentrant", "True is named, not honoured",
-        lambda: _argv("--use_reentrant", "False") == []),
-    Row("HF recipe", "`--ddp_timeout 5400`", "`--timeout_s 5400`", "",
-        lambda: _argv("--ddp_timeout", "5400") == ["--timeout_s", "5400"]),
-    Row("HF recipe", "`--splits train,test`", "what it does anyway: train on train, evaluate on test / validation",
-        "other splits are refused with the fix", lambda: _argv("--splits", "train,test") == []),
-    Row("HF recipe", "`--evaluation_strategy` / `--save_strategy` / `--logging_strategy steps`",
-        "`--eval_steps` / `--save_steps` / `--logging_steps` count steps already", "`no` unsets them; `epoch` is "
-        "refused with the fix", lambda: _argv("--save_strategy", "no") == ["--save_steps", "null"]),
-    Row("HF recipe", "`--fsdp \"full_shard auto_wrap offload\"`", "`--strategy fsdp --sharding_strategy FULL_SHARD "
-        "--cpu_offload true`", "", lambda: "--cpu_offload" in _argv("--fsdp", "full_shard auto_wrap offload")),
+    Row(
+        "HF recipe",
+        "`--model_name meta-llama/...`",
+        "`--model_path <local folder>`",
+        "",
+        lambda: _argv("--model_name", "m") == ["--model_path", "m"],
+    ),
+    Row(
+        "HF recipe",
+        "`--dataset_name ...`",
+        "`--dataset <file or folder>`",
+        "",
+        lambda: _argv("--dataset_name", "d") == ["--dataset", "d"],
+    ),
+    Row(
+        "HF recipe",
+        "`--bf16 True` / `--fp16 True`",
+        "`--precision bf16-mixed` / `16-mixed`",
+        "",
+        lambda: _argv("--bf16", "True") == ["--precision", "bf16-mixed"],
+    ),
+    Row(
+        "HF recipe",
+        "`--use_flash_attn True`",
+        "`--attn_implementation flash_attention_2`",
+        "without CUDA: sdpa, with a note",
+        lambda: bool(_argv("--use_flash_attn", "True") or _notes("--use_flash_attn", "True")),
+    ),
+    Row(
+        "HF recipe",
+        "`--use_reentrant False`",
+        "always non-reentrant",
+        "True is named, not honoured",
+        lambda: _argv("--use_reentrant", "False") == [],
+    ),
+    Row(
+        "HF recipe",
+        "`--ddp_timeout 5400`",
+        "`--timeout_s 5400`",
+        "",
+        lambda: _argv("--ddp_timeout", "5400") == ["--timeout_s", "5400"],
+    ),
+    Row(
+        "HF recipe",
+        "`--splits train,test`",
+        "what it does anyway: train on train, evaluate on test / validation",
+        "other splits are refused with the fix",
+        lambda: _argv("--splits", "train,test") == [],
+    ),
+    Row(
+        "HF recipe",
+        "`--evaluation_strategy` / `--save_strategy` / `--logging_strategy steps`",
+        "`--eval_steps` / `--save_steps` / `--logging_steps` count steps already",
+        "`no` unsets them; `epoch` is refused with the fix",
+        lambda: _argv("--save_strategy", "no") == ["--save_steps", "null"],
+    ),
+    Row(
+        "HF recipe",
+        '`--fsdp "full_shard auto_wrap offload"`',
+        "`--strategy fsdp --sharding_strategy FULL_SHARD --cpu_offload true`",
+        "",
+        lambda: "--cpu_offload" in _argv("--fsdp", "full_shard auto_wrap offload"),
+    ),
     Row("HF recipe", "`--fsdp_config fsdp_config.yaml` (or `--config_file`)", "read as the Accelerate rows above", ""),
-    Row("HF recipe", "`--optim paged_adamw_32bit`", "the same; on CPU unpaged", "bitsandbytes steps on FSDP's local "
-        "shards", lambda: _argv("--optim", "paged_adamw_32bit") == ["--optim", "paged_adamw_32bit"]),
-    Row("HF recipe", "`--log_level`, `--push_to_hub`, `--hub_private_repo`, `--hub_strategy`, `--report_to`",
-        "named in one note line each, not honoured", "shardwise never uploads; the HF folder is in output_dir",
-        lambda: len(_notes("--log_level", "info", "--push_to_hub")) == 2),
-    Row("HF recipe", "`--learning_rate`, `--max_steps`, `--per_device_train_batch_size`, `--gradient_checkpointing`, "
-        "`--packing`, `--max_seq_len`, ...", "the same names", "",
-        lambda: _argv("--learning_rate", "1e-5") == ["--learning_rate", "1e-5"]),
+    Row(
+        "HF recipe",
+        "`--optim paged_adamw_32bit`",
+        "the same; on CPU unpaged",
+        "bitsandbytes steps on FSDP's local shards",
+        lambda: _argv("--optim", "paged_adamw_32bit") == ["--optim", "paged_adamw_32bit"],
+    ),
+    Row(
+        "HF recipe",
+        "`--log_level`, `--push_to_hub`, `--hub_private_repo`, `--hub_strategy`, `--report_to`",
+        "named in one note line each, not honoured",
+        "shardwise never uploads; the HF folder is in output_dir",
+        lambda: len(_notes("--log_level", "info", "--push_to_hub")) == 2,
+    ),
+    Row(
+        "HF recipe",
+        "`--learning_rate`, `--max_steps`, `--per_device_train_batch_size`, `--gradient_checkpointing`, "
+        "`--packing`, `--max_seq_len`, ...",
+        "the same names",
+        "",
+        lambda: _argv("--learning_rate", "1e-5") == ["--learning_rate", "1e-5"],
+    ),
 ]
 
 

@@ -10,23 +10,30 @@ draw from the same permutation. The position itself is not the sampler's
 state: the Trainer's TrainState.batch_idx is, and the Trainer sets the start
 from it at every epoch start, so a stale start can never outlive a resume.
 """
+
 from __future__ import annotations
 
 import itertools
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
-from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                              SequentialSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start part-way through an epoch."""
 
-    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool, seed: int,
-                 drop_last: bool = False) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+    def __init__(
+        self, dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, drop_last: bool = False
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.start_index = 0
 
     def set_start_index(self, index: int) -> None:
@@ -58,33 +65,46 @@ class ResumableSampler(DistributedSampler):
         self.seed = state.get("seed", self.seed)
 
 
-def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int,
-                          shuffle: Optional[bool] = None) -> Any:
+def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int, shuffle: Optional[bool] = None) -> Any:
     """Return a loader whose sampler gives this rank its disjoint, resumable share."""
     if not isinstance(loader, DataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
         if world_size > 1:
-            warnings.warn("An IterableDataset is not split across ranks automatically: make its __iter__ "
-                          "yield a disjoint share per rank (torch.distributed.get_rank()).", stacklevel=3)
+            warnings.warn(
+                "An IterableDataset is not split across ranks automatically: make its __iter__ "
+                "yield a disjoint share per rank (torch.distributed.get_rank()).",
+                stacklevel=3,
+            )
         return loader
     if isinstance(loader.sampler, ResumableSampler):
         return loader
     if isinstance(loader.sampler, DistributedSampler):
         return loader  # the user chose their own distributed sampling
-    if type(loader.batch_sampler) is not BatchSampler or not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    if type(loader.batch_sampler) is not BatchSampler or not isinstance(
+        loader.sampler, (RandomSampler, SequentialSampler)
+    ):
         if world_size > 1:
-            warnings.warn("The DataLoader uses a custom sampler; shardwise leaves it alone, so make sure each "
-                          "rank gets a disjoint share.", stacklevel=3)
+            warnings.warn(
+                "The DataLoader uses a custom sampler; shardwise leaves it alone, so make sure each "
+                "rank gets a disjoint share.",
+                stacklevel=3,
+            )
         return loader
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     sampler = ResumableSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
     kwargs: Dict[str, Any] = dict(
-        batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
         persistent_workers=loader.persistent_workers,
     )
     if loader.num_workers > 0:

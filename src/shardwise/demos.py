@@ -19,7 +19,15 @@ from torch.utils.data import Dataset
 from shardwise.models.transformer import Transformer
 from shardwise.module import TrainModule
 
-__all__ = ["Transformer", "LanguageModel", "Dictionary", "TokenBlocks", "WikiText2", "PythonDocsText", "load_text_dataset"]
+__all__ = [
+    "Transformer",
+    "LanguageModel",
+    "Dictionary",
+    "TokenBlocks",
+    "WikiText2",
+    "PythonDocsText",
+    "load_text_dataset",
+]
 
 Split = Literal["train", "val"]
 
@@ -191,8 +199,16 @@ class LanguageModel(TrainModule):
     same class out, since it is the code a user writes.
     """
 
-    def __init__(self, vocab_size: int, nlayers: int = 2, nhid: int = 256, ninp: int = 64, nhead: int = 4,
-                 lr: float = 1e-3, foreach: bool | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        nlayers: int = 2,
+        nhid: int = 256,
+        ninp: int = 64,
+        nhead: int = 4,
+        lr: float = 1e-3,
+        foreach: bool | None = None,
+    ) -> None:
         super().__init__()
         self.vocab_size, self.lr, self.foreach = vocab_size, lr, foreach
         self.sizes = dict(nlayers=nlayers, nhid=nhid, ninp=ninp, nhead=nhead)

@@ -4,6 +4,7 @@ One table, so that `shardwise convert`, the fine-tuning recipe's export and
 anything else that casts weights accept the same spellings. Names inside
 files (safetensors' "BF16") are the safetensors library's business.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -11,9 +12,12 @@ from typing import Optional
 import torch
 
 DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
 }
 KEEP = "keep"  # no cast
 CAST_CHOICES = (KEEP, *DTYPES)

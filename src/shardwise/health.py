@@ -9,6 +9,7 @@ the same tiny all-reduce as the preemption flag. Only when it fires does the
 slow part run: every rank looks for its first non-finite loss, gradient or
 parameter, and the message names the step, the rank and the tensor.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Tuple
@@ -59,7 +60,10 @@ def first_nonfinite(model: nn.Module, losses: Iterable[Tuple[int, float]]) -> Op
             if t is None:
                 continue
             local = _local(t.detach())
-            if local.numel() and (local.is_floating_point() or local.is_complex()) and \
-                    not bool(torch.isfinite(local).all()):
+            if (
+                local.numel()
+                and (local.is_floating_point() or local.is_complex())
+                and not bool(torch.isfinite(local).all())
+            ):
                 return _describe(kind, name, local)
     return None

@@ -7,6 +7,7 @@ computes the same mean loss chunk by chunk in float32 and recomputes each
 chunk's softmax during backward, so nothing logits-sized is saved beyond the
 logits themselves.
 """
+
 from __future__ import annotations
 
 import torch

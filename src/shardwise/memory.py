@@ -48,15 +48,29 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import (
-    TorchDispatchMode, is_traceable_wrapper_subclass, is_traceable_wrapper_subclass_type,
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
 )
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "CATEGORIES", "MemoryTracker", "active_tracker", "current_rss_bytes", "format_bytes", "last_tracker",
-    "max_memory_allocated", "memory_allocated", "parse_bytes", "peak_rss_bytes",
-    "reset_peak_memory_stats", "reset_peak_rss", "start_tracking", "stop_tracking", "track_memory",
+    "CATEGORIES",
+    "MemoryTracker",
+    "active_tracker",
+    "current_rss_bytes",
+    "format_bytes",
+    "last_tracker",
+    "max_memory_allocated",
+    "memory_allocated",
+    "parse_bytes",
+    "peak_rss_bytes",
+    "reset_peak_memory_stats",
+    "reset_peak_rss",
+    "start_tracking",
+    "stop_tracking",
+    "track_memory",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "other")
@@ -64,17 +78,27 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", 
 # Collectives tell us what a buffer holds even when nobody registered it: FSDP's
 # all-gather buffers are parameters, reduce-scatter / gradient all-reduce buffers are
 # gradients. Keyed by schema name so no distributed module has to be imported.
-_PARAM_OPS = frozenset({
-    "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy",
-    "c10d::_allgather_base_", "c10d::allgather_", "c10d::allgather_into_tensor_coalesced_",
-    "_c10d_functional::all_gather_into_tensor",
-    "_c10d_functional::all_gather_into_tensor_coalesced",
-})
-_GRAD_OPS = frozenset({
-    "fsdp::chunk_cat", "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_",
-    "c10d::reduce_scatter_tensor_coalesced_", "_c10d_functional::reduce_scatter_tensor",
-    "_c10d_functional::reduce_scatter_tensor_coalesced",
-})
+_PARAM_OPS = frozenset(
+    {
+        "fsdp::all_gather_copy_in",
+        "fsdp::split_with_sizes_copy",
+        "c10d::_allgather_base_",
+        "c10d::allgather_",
+        "c10d::allgather_into_tensor_coalesced_",
+        "_c10d_functional::all_gather_into_tensor",
+        "_c10d_functional::all_gather_into_tensor_coalesced",
+    }
+)
+_GRAD_OPS = frozenset(
+    {
+        "fsdp::chunk_cat",
+        "c10d::_reduce_scatter_base_",
+        "c10d::reduce_scatter_",
+        "c10d::reduce_scatter_tensor_coalesced_",
+        "_c10d_functional::reduce_scatter_tensor",
+        "_c10d_functional::reduce_scatter_tensor_coalesced",
+    }
+)
 # All-reduce also syncs metrics and norms, so it only means "gradients" in backward.
 _BACKWARD_GRAD_OPS = frozenset({"c10d::allreduce_", "_c10d_functional::all_reduce"})
 
@@ -172,9 +196,12 @@ class MemoryTracker:
       the caller knows better than the tracker.
     """
 
-    def __init__(self, count_fake: bool | None = None,
-                 on_change: Callable[[Mapping[str, int]], None] | None = None,
-                 ignore_op: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        count_fake: bool | None = None,
+        on_change: Callable[[Mapping[str, int]], None] | None = None,
+        ignore_op: Callable[[], bool] | None = None,
+    ):
         # count_fake: count FakeTensor (meta) storages, for the memory planner;
         # None = decide at start() from whether a FakeTensorMode is active then.
         self._count_fake_arg, self._count_meta, self._fake_mode = count_fake, False, None
@@ -292,8 +319,10 @@ class MemoryTracker:
         if self.active:
             return self
         if _ACTIVE is not None:
-            raise RuntimeError("Another MemoryTracker is already running in this process; reuse it "
-                               "via shardwise.memory.active_tracker() or stop it first (stop_tracking()).")
+            raise RuntimeError(
+                "Another MemoryTracker is already running in this process; reuse it "
+                "via shardwise.memory.active_tracker() or stop it first (stop_tracking())."
+            )
         self._fake_mode = active_fake_mode()
         self._count_meta = (self._fake_mode is not None) if self._count_fake_arg is None else self._count_fake_arg
         self._fwd_depth, self._in_opt, self._awaiting_backward, self._bw_task = 0, 0, False, -1
@@ -347,7 +376,9 @@ class MemoryTracker:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "stopped"
-        return f"MemoryTracker({state}, current={format_bytes(self.current_bytes)}, peak={format_bytes(self.peak_bytes)})"
+        return (
+            f"MemoryTracker({state}, current={format_bytes(self.current_bytes)}, peak={format_bytes(self.peak_bytes)})"
+        )
 
     # ----------------------------------------------------------- accounting core
     # All mutation happens under self._lock in the thread running ops; weakref
@@ -673,10 +704,13 @@ def _tracker_or_warn() -> MemoryTracker | None:
     tracker = _ACTIVE or _LAST
     if tracker is None and not _WARNED_OFF:
         _WARNED_OFF = True
-        warnings.warn("shardwise.memory: tensor memory tracking is off, so CPU memory reads as 0. "
-                      "Turn it on with `with shardwise.track_memory(model, optimizer): ...` (or "
-                      "shardwise.memory.start_tracking()), or add "
-                      "shardwise.callbacks.DeviceStatsMonitor() to the Trainer's callbacks.", stacklevel=3)
+        warnings.warn(
+            "shardwise.memory: tensor memory tracking is off, so CPU memory reads as 0. "
+            "Turn it on with `with shardwise.track_memory(model, optimizer): ...` (or "
+            "shardwise.memory.start_tracking()), or add "
+            "shardwise.callbacks.DeviceStatsMonitor() to the Trainer's callbacks.",
+            stacklevel=3,
+        )
     return tracker
 
 

@@ -5,6 +5,7 @@ reduction); epoch values are accumulated -- weighted by batch size when
 given -- and reduced once at the end of the epoch, so `sync_dist=True`
 costs one collective per metric per epoch, not per step.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List
@@ -79,8 +80,13 @@ class MetricStore:
                 entry = self._epoch.get(item.name)
                 v = item.value
                 if entry is None:
-                    self._epoch[item.name] = [v * weight if item.reduce_fx == "mean" else v, weight,
-                                              item.reduce_fx, item.sync_dist, item.prog_bar]
+                    self._epoch[item.name] = [
+                        v * weight if item.reduce_fx == "mean" else v,
+                        weight,
+                        item.reduce_fx,
+                        item.sync_dist,
+                        item.prog_bar,
+                    ]
                 else:
                     fx = entry[2]
                     if fx == "mean":

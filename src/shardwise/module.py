@@ -11,6 +11,7 @@ initialisation after the model is materialised from the meta device (see
 strategies/materialize.py). Define it when your layers need an init scheme
 their own `reset_parameters` does not express.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -71,7 +72,9 @@ class TrainModule(nn.Module):
     @property
     def trainer(self) -> Any:
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet (call trainer.fit(module, ...)).")
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer yet (call trainer.fit(module, ...))."
+            )
         return self._trainer
 
     def _attach(self, trainer: Any) -> None:
@@ -105,9 +108,18 @@ class TrainModule(nn.Module):
         self.hparams.update(values)
 
     # -------------------------------------------------------------- logging
-    def log(self, name: str, value: Any, prog_bar: bool = False, on_step: Optional[bool] = None,
-            on_epoch: Optional[bool] = None, sync_dist: bool = False, reduce_fx: str = "mean",
-            batch_size: Optional[int] = None, logger: bool = True) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        sync_dist: bool = False,
+        reduce_fx: str = "mean",
+        batch_size: Optional[int] = None,
+        logger: bool = True,
+    ) -> None:
         """Record a metric. Defaults as in Lightning: per step in training, per epoch in validation."""
         in_training = self._current_hook.startswith("train") or self._current_hook.startswith("on_train")
         on_step = in_training if on_step is None else on_step

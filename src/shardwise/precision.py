@@ -7,6 +7,7 @@ wants its own config section. This file parses the name once, validates it
 against the device (fp16 on CPU is refused here, before any process starts)
 and exposes the dtypes; the strategies turn those into their engine's knobs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,10 +21,18 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-t
 
 # What users of Lightning also type.
 _ALIASES = {
-    "32": "32-true", 32: "32-true", "fp32": "32-true", "float32": "32-true",
-    "64": "64-true", 64: "64-true",
-    "bf16": "bf16-mixed", "bfloat16": "bf16-mixed",
-    "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed", "half": "16-mixed",
+    "32": "32-true",
+    32: "32-true",
+    "fp32": "32-true",
+    "float32": "32-true",
+    "64": "64-true",
+    64: "64-true",
+    "bf16": "bf16-mixed",
+    "bfloat16": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
+    "fp16": "16-mixed",
+    "half": "16-mixed",
 }
 
 
@@ -87,8 +96,7 @@ def build_precision(name: Union[str, int, Precision], device_type: str = "cpu") 
         canonical = _ALIASES.get(key, key)
         if canonical not in PRECISIONS:
             raise ValueError(
-                f"Unknown precision {name!r}. Valid names: {', '.join(PRECISIONS)} "
-                "(aliases: 32, 16, bf16)."
+                f"Unknown precision {name!r}. Valid names: {', '.join(PRECISIONS)} (aliases: 32, 16, bf16)."
             )
         precision = _TABLE[canonical]
     if device_type == "cpu" and precision.name in ("16-mixed", "16-true"):

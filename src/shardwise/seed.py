@@ -5,6 +5,7 @@ Trainer starts (and DataLoader workers) inherit it, and so the
 sharding-invariant initialisation (strategies/materialize.py) derives every
 module's weights from it.
 """
+
 from __future__ import annotations
 
 import os

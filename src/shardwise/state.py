@@ -10,6 +10,7 @@ epoch), training's RNG states while validation runs on a copy of them, and a
 restored RNG state the loop re-applies when it creates its data iterator.
 Nothing else in the Trainer is read or written by checkpoint/training.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,9 @@ _SAVED = ("epoch", "global_step", "batch_idx")
 
 @dataclass
 class TrainState:
-    epoch: int = 0            # current epoch (0-based)
-    global_step: int = 0      # optimizer steps taken
-    batch_idx: int = 0        # batches consumed in the current epoch
+    epoch: int = 0  # current epoch (0-based)
+    global_step: int = 0  # optimizer steps taken
+    batch_idx: int = 0  # batches consumed in the current epoch
     # One id per run, kept across its resumes: tells this run's checkpoints from another's in a
     # directory (os.urandom, so no training RNG is drawn).
     run_id: str = field(default_factory=lambda: os.urandom(6).hex())

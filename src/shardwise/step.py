@@ -15,6 +15,7 @@ What only the Trainer does -- callbacks, the non-finite check, progress marks,
 metrics -- happens in the hooks these functions call (`before_backward`,
 `before_step`); the planner uses the same hooks to name the phases it records.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence, Tuple
@@ -34,8 +35,14 @@ def loss_of(output: Any) -> Optional[torch.Tensor]:
     raise TypeError("training_step must return a loss tensor, a dict with a 'loss' key, or None (skip the batch).")
 
 
-def forward_backward(strategy: Any, model: nn.Module, args: Sequence[Any], window: int = 1, last: bool = True,
-                     before_backward: Optional[Callable[[torch.Tensor], None]] = None) -> Tuple[Any, Optional[torch.Tensor]]:
+def forward_backward(
+    strategy: Any,
+    model: nn.Module,
+    args: Sequence[Any],
+    window: int = 1,
+    last: bool = True,
+    before_backward: Optional[Callable[[torch.Tensor], None]] = None,
+) -> Tuple[Any, Optional[torch.Tensor]]:
     """Run `training_step(*args)` and its backward for one micro-batch; return (output, loss).
 
     window: micro-batches per optimizer step (the loss is divided by it, so the
@@ -54,9 +61,14 @@ def forward_backward(strategy: Any, model: nn.Module, args: Sequence[Any], windo
     return output, loss
 
 
-def optimizer_update(strategy: Any, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                     gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
-                     before_step: Optional[Callable[[int, torch.optim.Optimizer], bool]] = None) -> bool:
+def optimizer_update(
+    strategy: Any,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    gradient_clip_val: Optional[float] = None,
+    gradient_clip_algorithm: str = "norm",
+    before_step: Optional[Callable[[int, torch.optim.Optimizer], bool]] = None,
+) -> bool:
     """Clip, step and zero each optimizer in turn; return False if `before_step` cancelled the update.
 
     before_step(i, optimizer) runs first for each optimizer; when it returns

@@ -6,6 +6,7 @@ peak at (VmHWM, resettable through /proc/self/clear_refs) and how to read or
 print a size such as "80GiB" -- and are shared with the planner and the
 fine-tuning recipe's loading benchmark.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,9 +43,12 @@ def reset_peak_rss() -> bool:
     except OSError as err:  # PermissionError, FileNotFoundError, read-only /proc
         if not _WARNED_CLEAR_REFS:
             _WARNED_CLEAR_REFS = True
-            warnings.warn(f"shardwise.memory.reset_peak_rss(): cannot reset the RSS high-water mark "
-                          f"({err}); peak_rss_bytes() reports the peak since process start. Use a "
-                          "MemoryTracker for resettable tensor-memory peaks.", stacklevel=2)
+            warnings.warn(
+                f"shardwise.memory.reset_peak_rss(): cannot reset the RSS high-water mark "
+                f"({err}); peak_rss_bytes() reports the peak since process start. Use a "
+                "MemoryTracker for resettable tensor-memory peaks.",
+                stacklevel=2,
+            )
         return False
 
 
@@ -104,9 +108,10 @@ def parse_bytes(value: str | int) -> int:
     match = _SIZE_RE.match(value) if isinstance(value, str) else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"Cannot parse memory size {value!r}. Use a number with an optional unit, "
-                         "e.g. '80GiB', '80GB', '512MiB', '1.5TiB' or an integer number of bytes; "
-                         "units: B, KB/MB/GB/TB/PB (powers of 1000), KiB/MiB/GiB/TiB/PiB or "
-                         "K/M/G/T/P (powers of 1024).")
+        raise ValueError(
+            f"Cannot parse memory size {value!r}. Use a number with an optional unit, "
+            "e.g. '80GiB', '80GB', '512MiB', '1.5TiB' or an integer number of bytes; "
+            "units: B, KB/MB/GB/TB/PB (powers of 1000), KiB/MiB/GiB/TiB/PiB or "
+            "K/M/G/T/P (powers of 1024)."
+        )
     return int(round(float(match.group(1)) * _UNITS[unit]))
-

@@ -9,6 +9,7 @@ the last one), clips, steps, logs, validates and checkpoints. Everything that
 differs between one device, DDP, FSDP and DeepSpeed is a strategy method;
 nothing here knows which strategy runs.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -17,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import types
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -84,36 +84,46 @@ def _limit(limit: Union[int, float, None], available: float) -> float:
 _LEGACY_ACCELERATORS = {"ddp", "ddp_spawn", "ddp2", "dp", "fsdp", "deepspeed"}
 
 
-def _lightning_spellings(accelerator: Any, devices: Any, strategy: Any, gpus: Optional[int],
-                         plugins: Any) -> Tuple[Any, Any, Any]:
+def _lightning_spellings(
+    accelerator: Any, devices: Any, strategy: Any, gpus: Optional[int], plugins: Any
+) -> Tuple[Any, Any, Any]:
     """Map the older Lightning arguments the seeds' scripts use onto ours; say so once each."""
     if accelerator == "gpu":
         accelerator = "cuda"
     if isinstance(accelerator, str) and accelerator in _LEGACY_ACCELERATORS:
         name = "ddp" if accelerator in ("ddp_spawn", "ddp2", "dp") else accelerator
         if strategy not in ("auto", None, name):
-            raise ValueError(f"accelerator={accelerator!r} (Lightning 1.x for strategy={name!r}) contradicts "
-                             f"strategy={strategy!r}; pass only strategy=.")
-        warnings.warn(f"Trainer(accelerator={accelerator!r}) is Lightning 1.x for strategy={name!r}; using that.",
-                      stacklevel=3)
+            raise ValueError(
+                f"accelerator={accelerator!r} (Lightning 1.x for strategy={name!r}) contradicts "
+                f"strategy={strategy!r}; pass only strategy=."
+            )
+        warnings.warn(
+            f"Trainer(accelerator={accelerator!r}) is Lightning 1.x for strategy={name!r}; using that.", stacklevel=3
+        )
         accelerator, strategy = "auto", name
     if gpus is not None:
         if devices not in ("auto", gpus):
-            raise ValueError(f"Trainer(gpus={gpus}, devices={devices!r}): gpus= is the older name of devices= "
-                             "with accelerator='cuda'; pass only devices=.")
-        warnings.warn(f"Trainer(gpus={gpus}) is the older spelling of Trainer(accelerator='cuda', devices={gpus}).",
-                      stacklevel=3)
+            raise ValueError(
+                f"Trainer(gpus={gpus}, devices={devices!r}): gpus= is the older name of devices= "
+                "with accelerator='cuda'; pass only devices=."
+            )
+        warnings.warn(
+            f"Trainer(gpus={gpus}) is the older spelling of Trainer(accelerator='cuda', devices={gpus}).", stacklevel=3
+        )
         accelerator, devices = ("cuda" if accelerator == "auto" else accelerator), gpus
-    for plugin in (plugins if isinstance(plugins, (list, tuple)) else [plugins] if plugins is not None else []):
+    for plugin in plugins if isinstance(plugins, (list, tuple)) else [plugins] if plugins is not None else []:
         if isinstance(plugin, (str, Strategy)):
             if strategy not in ("auto", None) and strategy is not plugin:
-                raise ValueError(f"plugins={plugin!r} selects the strategy, and so does strategy={strategy!r}: "
-                                 "pass only strategy=.")
+                raise ValueError(
+                    f"plugins={plugin!r} selects the strategy, and so does strategy={strategy!r}: pass only strategy=."
+                )
             strategy = plugin  # DeepSpeedPlugin(...) is DeepSpeedStrategy(...); 'deepspeed_stage_3' a name
         else:
-            raise TypeError(f"plugins={plugin!r}: shardwise takes a strategy (name or object) there, as Lightning "
-                            "1.x did for DeepSpeedPlugin; precision and cluster plugins are Trainer arguments "
-                            "(precision=..., num_nodes=...).")
+            raise TypeError(
+                f"plugins={plugin!r}: shardwise takes a strategy (name or object) there, as Lightning "
+                "1.x did for DeepSpeedPlugin; precision and cluster plugins are Trainer arguments "
+                "(precision=..., num_nodes=...)."
+            )
     return accelerator, devices, strategy
 
 
@@ -128,14 +138,17 @@ def _check_refit(module: TrainModule, trainer: "Trainer") -> set:
     if previous is None or previous is trainer:
         return set()
     params = list(module.parameters())
-    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or \
-            getattr(previous.strategy, "name", "") in ("fsdp", "deepspeed"):
+    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or getattr(previous.strategy, "name", "") in (
+        "fsdp",
+        "deepspeed",
+    ):
         raise RuntimeError(
             f"This {type(module).__name__} was already set up and trained by another Trainer's "
             f"{type(previous.strategy).__name__}: its parameters are sharded for that run's process group. "
             "To train further, call fit() again on the same Trainer (it continues from the trained weights, "
             "with a larger max_steps / max_epochs), or save a checkpoint and fit a fresh module with "
-            "ckpt_path=...")
+            "ckpt_path=..."
+        )
     return {id(p) for p in params if not p.is_meta}
 
 
@@ -145,6 +158,7 @@ def _is_int(value: Any) -> bool:
 
 def _check_arguments(**args: Any) -> None:
     """Refuse impossible loop settings when the Trainer is built, naming the argument and its range."""
+
     def bad(name: str, allowed: str) -> None:
         raise ValueError(f"Trainer({name}={args[name]!r}): {allowed}.")
 
@@ -155,23 +169,36 @@ def _check_arguments(**args: Any) -> None:
     if not _is_int(args["accumulate_grad_batches"]) or args["accumulate_grad_batches"] < 1:
         bad("accumulate_grad_batches", "use a whole number of micro-batches, 1 or more")
     clip = args["gradient_clip_val"]
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                             or math.isinf(clip)):
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0 or math.isinf(clip)
+    ):
         bad("gradient_clip_val", "use a positive, finite number, or None for no clipping")
     for name in ("limit_train_batches", "limit_val_batches"):
         value = args[name]
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (isinstance(value, float) and not 0.0 <= value <= 1.0) or (_is_int(value) and value < 0):
-            bad(name, "use a fraction of the loader between 0.0 and 1.0, a number of batches (0 or more), "
-                      "or None for all")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not 0.0 <= value <= 1.0)
+            or (_is_int(value) and value < 0)
+        ):
+            bad(
+                name,
+                "use a fraction of the loader between 0.0 and 1.0, a number of batches (0 or more), or None for all",
+            )
     interval = args["val_check_interval"]
-    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or
-                                 (isinstance(interval, float) and not 0.0 < interval <= 1.0) or
-                                 (_is_int(interval) and interval < 1)):
-        bad("val_check_interval", "use a fraction of the epoch in (0.0, 1.0], a number of batches (1 or more), "
-                                  "or None to validate at epoch ends")
+    if interval is not None and (
+        isinstance(interval, bool)
+        or not isinstance(interval, (int, float))
+        or (isinstance(interval, float) and not 0.0 < interval <= 1.0)
+        or (_is_int(interval) and interval < 1)
+    ):
+        bad(
+            "val_check_interval",
+            "use a fraction of the epoch in (0.0, 1.0], a number of batches (1 or more), "
+            "or None to validate at epoch ends",
+        )
     if not _is_int(args["check_val_every_n_epoch"]) or args["check_val_every_n_epoch"] < 1:
         bad("check_val_every_n_epoch", "use a whole number of epochs, 1 or more")
     if not _is_int(args["log_every_n_steps"]) or args["log_every_n_steps"] < 1:
@@ -184,32 +211,53 @@ def _signal_numbers(names: Optional[Sequence[Union[str, int]]]) -> List[int]:
         try:
             out.append(int(name) if isinstance(name, int) else int(getattr(signal, str(name).upper())))
         except (AttributeError, ValueError):
-            raise ValueError(f"preemption_signals: {name!r} is not a signal; use names such as 'SIGTERM', "
-                             "'SIGUSR1', or None to keep the default signal handling.") from None
+            raise ValueError(
+                f"preemption_signals: {name!r} is not a signal; use names such as 'SIGTERM', "
+                "'SIGUSR1', or None to keep the default signal handling."
+            ) from None
     return out
 
 
 def _takes_batch_idx(fn: Any) -> bool:
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    params = [
+        p
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
     return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 class Trainer:
-    def __init__(self, accelerator: str = "auto", devices: Union[int, str] = "auto", num_nodes: int = 1,
-                 strategy: Union[str, Strategy] = "auto", precision: Union[str, int] = "32-true",
-                 max_epochs: Optional[int] = None, max_steps: int = -1,
-                 limit_train_batches: Union[int, float, None] = None,
-                 limit_val_batches: Union[int, float, None] = None,
-                 val_check_interval: Union[int, float, None] = None, check_val_every_n_epoch: int = 1,
-                 accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
-                 gradient_clip_algorithm: str = "norm", log_every_n_steps: int = 50,
-                 callbacks: Optional[List[Any]] = None, logger: Any = True, enable_progress_bar: bool = True,
-                 enable_checkpointing: bool = True, default_root_dir: Optional[str] = None,
-                 deterministic: bool = False, device_memory: Union[None, str, int] = None,
-                 preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
-                 non_finite: str = "error", timeout_s: Optional[float] = None, gpus: Optional[int] = None,
-                 plugins: Any = None) -> None:
+    def __init__(
+        self,
+        accelerator: str = "auto",
+        devices: Union[int, str] = "auto",
+        num_nodes: int = 1,
+        strategy: Union[str, Strategy] = "auto",
+        precision: Union[str, int] = "32-true",
+        max_epochs: Optional[int] = None,
+        max_steps: int = -1,
+        limit_train_batches: Union[int, float, None] = None,
+        limit_val_batches: Union[int, float, None] = None,
+        val_check_interval: Union[int, float, None] = None,
+        check_val_every_n_epoch: int = 1,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: str = "norm",
+        log_every_n_steps: int = 50,
+        callbacks: Optional[List[Any]] = None,
+        logger: Any = True,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+        default_root_dir: Optional[str] = None,
+        deterministic: bool = False,
+        device_memory: Union[None, str, int] = None,
+        preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
+        non_finite: str = "error",
+        timeout_s: Optional[float] = None,
+        gpus: Optional[int] = None,
+        plugins: Any = None,
+    ) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
         accelerator, devices, strategy = _lightning_spellings(accelerator, devices, strategy, gpus, plugins)
@@ -222,16 +270,23 @@ class Trainer:
             raise ValueError(f"num_nodes={num_nodes!r}: use a positive integer.")
         self.num_nodes = num_nodes
         self.strategy = build_strategy(strategy, world_size=self.devices * num_nodes)
-        self.strategy.connect(self.accelerator, precision, num_nodes=num_nodes, devices=self.devices,
-                              timeout_s=timeout_s)
+        self.strategy.connect(
+            self.accelerator, precision, num_nodes=num_nodes, devices=self.devices, timeout_s=timeout_s
+        )
         # Known device memory ("80GiB", or "auto" on CUDA) lets fit() consult the memory planner:
         # strategy="auto" becomes its choice, and a run predicted not to fit warns first.
         self.device_memory = device_memory
-        _check_arguments(max_epochs=max_epochs, max_steps=max_steps, limit_train_batches=limit_train_batches,
-                         limit_val_batches=limit_val_batches, val_check_interval=val_check_interval,
-                         check_val_every_n_epoch=check_val_every_n_epoch,
-                         accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
-                         log_every_n_steps=log_every_n_steps)
+        _check_arguments(
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            limit_train_batches=limit_train_batches,
+            limit_val_batches=limit_val_batches,
+            val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val,
+            log_every_n_steps=log_every_n_steps,
+        )
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
         self.max_epochs = max_epochs if max_epochs is not None else (_MAX_EPOCHS_DEFAULT if max_steps == -1 else -1)
@@ -257,11 +312,15 @@ class Trainer:
         # A NaN/inf loss or gradient: 'error' stops at that step naming the rank and
         # tensor, 'skip' drops the step (as GradScaler does), 'warn' only reports it.
         if non_finite not in ("error", "skip", "warn", "off"):
-            raise ValueError(f"non_finite={non_finite!r}: use 'error' (stop, the default), 'skip' (drop the step), "
-                             "'warn' (report and continue) or 'off'.")
+            raise ValueError(
+                f"non_finite={non_finite!r}: use 'error' (stop, the default), 'skip' (drop the step), "
+                "'warn' (report and continue) or 'off'."
+            )
         if non_finite == "skip" and self.strategy.name == "deepspeed":
-            raise ValueError("non_finite='skip' is not available with DeepSpeed: its engine takes every step. Use "
-                             "'error' or 'warn', or fp16 precision, whose loss scaling skips overflowing steps.")
+            raise ValueError(
+                "non_finite='skip' is not available with DeepSpeed: its engine takes every step. Use "
+                "'error' or 'warn', or fp16 precision, whose loss scaling skips overflowing steps."
+            )
         self.non_finite = non_finite
         self.nonfinite_step: Optional[int] = None  # the first step with a non-finite value (never saved after it)
         self._window_losses: List[Tuple[int, torch.Tensor]] = []
@@ -398,17 +457,20 @@ class Trainer:
             if self.num_nodes > 1:
                 raise RuntimeError(
                     f"num_nodes={self.num_nodes} needs one launcher per node: run `shardwise launch --nnodes "
-                    f"{self.num_nodes} --node-rank <i> --nproc-per-node {self.devices} ...`, torchrun, or srun.")
+                    f"{self.num_nodes} --node-rank <i> --nproc-per-node {self.devices} ...`, torchrun, or srun."
+                )
             if "pytest" in sys.modules or "ipykernel" in sys.modules:
                 raise RuntimeError(
                     "Trainer(devices>1) re-runs the program in each worker, which is not possible from a "
                     "test runner or notebook. Wrap the training in a function and run it with "
-                    "`shardwise.launch(fn, devices=N)`.")
+                    "`shardwise.launch(fn, devices=N)`."
+                )
             launch_script(self.devices)  # never returns: the workers run the script
         if env.world_size != world:
             raise RuntimeError(
                 f"The launcher started {env.world_size} processes but Trainer(devices={self.devices}, "
-                f"num_nodes={self.num_nodes}) expects {world}. Make them agree (devices='auto' follows the launcher).")
+                f"num_nodes={self.num_nodes}) expects {world}. Make them agree (devices='auto' follows the launcher)."
+            )
 
     # -------------------------------------------------------------------- set-up
     def _setup(self, module: TrainModule, need_train_data: bool = True) -> None:
@@ -440,23 +502,29 @@ class Trainer:
                         "so that no rank holds the whole model before it is sharded. Build the architecture "
                         "there (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))) and load "
                         "the weights in TrainModule.init_weights(), or use `shardwise finetune`, which streams "
-                        "them from rank 0 into the shards.") from exc
+                        "them from rank 0 into the shards."
+                    ) from exc
                 raise
         writes.check()  # a custom init on the meta device would be silently replaced
         if trained and not trained <= {id(p) for p in module.parameters()}:
             raise RuntimeError(
                 f"configure_model() rebuilt the layers of a {type(module).__name__} that was already trained, "
                 "which would silently start again from fresh weights. configure_model runs at every fit: "
-                "guard it (`if self.model is None: self.model = ...`) to continue from the trained weights.")
+                "guard it (`if self.model is None: self.model = ...`) to continue from the trained weights."
+            )
         self.model = strategy.setup_module(module)
         params = list(module.parameters())
         if not any(p.requires_grad for p in params):
             raise ValueError(
                 f"{type(module).__name__} has no trainable parameters after configure_model()"
-                + (" (every parameter has requires_grad=False)." if params else
-                   ": no layer was registered. Assign layers to attributes of the module (self.model = ...), "
-                   "in __init__ or configure_model; layers kept in plain lists or dicts are not registered "
-                   "(use nn.ModuleList / nn.ModuleDict)."))
+                + (
+                    " (every parameter has requires_grad=False)."
+                    if params
+                    else ": no layer was registered. Assign layers to attributes of the module (self.model = ...), "
+                    "in __init__ or configure_model; layers kept in plain lists or dicts are not registered "
+                    "(use nn.ModuleList / nn.ModuleDict)."
+                )
+            )
         # 3. optimizers on the wrapped (possibly sharded) parameters.
         optimizers, schedulers = self._parse_optimizers(self._call_module("configure_optimizers"))
         for opt in optimizers:
@@ -487,8 +555,11 @@ class Trainer:
         if train is not None and getattr(train, "batch_size", None) is not None:
             # The loader is known only now; DeepSpeed's config takes its micro-batch size.
             self.strategy.configure_training(
-                accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
-                gradient_clip_algorithm=self.gradient_clip_algorithm, micro_batch_size=train.batch_size)
+                accumulate_grad_batches=self.accumulate_grad_batches,
+                gradient_clip_val=self.gradient_clip_val,
+                gradient_clip_algorithm=self.gradient_clip_algorithm,
+                micro_batch_size=train.batch_size,
+            )
 
     def _setup_loggers(self) -> None:
         """After any restore: a resumed run's loggers continue the saved run's version."""
@@ -528,26 +599,36 @@ class Trainer:
                     scheds += s
                 return opts, scheds
             return list(config), []
-        raise TypeError(f"configure_optimizers() returned {type(config).__name__}; return an optimizer, "
-                        "a dict {'optimizer', 'lr_scheduler'}, or ([optimizers], [schedulers]).")
+        raise TypeError(
+            f"configure_optimizers() returned {type(config).__name__}; return an optimizer, "
+            "a dict {'optimizer', 'lr_scheduler'}, or ([optimizers], [schedulers])."
+        )
 
     # ------------------------------------------------------------------- fit
-    def fit(self, module: TrainModule, train_dataloaders: Optional[Iterable] = None,
-            val_dataloaders: Optional[Iterable] = None, ckpt_path: Optional[str] = None,
-            datamodule: Any = None) -> None:
+    def fit(
+        self,
+        module: TrainModule,
+        train_dataloaders: Optional[Iterable] = None,
+        val_dataloaders: Optional[Iterable] = None,
+        ckpt_path: Optional[str] = None,
+        datamodule: Any = None,
+    ) -> None:
         """Train. Data as in Lightning: loaders here, a `datamodule` (also as the second positional
         argument), or the module's own train_dataloader() / val_dataloader() methods."""
         if datamodule is None and _is_datamodule(train_dataloaders):
             train_dataloaders, datamodule = None, train_dataloaders  # fit(model, dm)
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
-            raise ValueError("fit() takes either dataloaders or a datamodule, not both: pass the loaders through "
-                             "the datamodule's train_dataloader() / val_dataloader().")
+            raise ValueError(
+                "fit() takes either dataloaders or a datamodule, not both: pass the loaders through "
+                "the datamodule's train_dataloader() / val_dataloader()."
+            )
         if datamodule is not None and not callable(getattr(datamodule, "train_dataloader", None)):
             raise TypeError(f"datamodule={type(datamodule).__name__} has no train_dataloader() method.")
-        if train_dataloaders is None and datamodule is None and \
-                not callable(getattr(module, "train_dataloader", None)):
-            raise TypeError("fit() needs training data: fit(module, train_loader), fit(module, datamodule=dm), or a "
-                            f"train_dataloader() method on {type(module).__name__}.")
+        if train_dataloaders is None and datamodule is None and not callable(getattr(module, "train_dataloader", None)):
+            raise TypeError(
+                "fit() needs training data: fit(module, train_loader), fit(module, datamodule=dm), or a "
+                f"train_dataloader() method on {type(module).__name__}."
+            )
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
             check_before_fit(self, module, train_dataloaders)
@@ -555,17 +636,20 @@ class Trainer:
         # clipping and the micro-batch size (DeepSpeed) checks them against its
         # own configuration now, so a contradiction fails in the user's process.
         self.strategy.configure_training(
-            accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            gradient_clip_val=self.gradient_clip_val,
             gradient_clip_algorithm=self.gradient_clip_algorithm,
-            micro_batch_size=getattr(self._data_sources[0], "batch_size", None))  # the planner may re-batch
+            micro_batch_size=getattr(self._data_sources[0], "batch_size", None),
+        )  # the planner may re-batch
         self._launch_if_needed()
         previous_handlers = self._install_preemption()
         try:
             self._setup(module)
             train_dataloaders, val_dataloaders = self._resolved_data
             self.train_dataloader = self.strategy.setup_dataloader(train_dataloaders)
-            self.val_dataloaders = (self.strategy.setup_dataloader(val_dataloaders, shuffle=False)
-                                    if val_dataloaders is not None else None)
+            self.val_dataloaders = (
+                self.strategy.setup_dataloader(val_dataloaders, shuffle=False) if val_dataloaders is not None else None
+            )
             if ckpt_path is not None:
                 self._restore(ckpt_path)
             self._setup_loggers()
@@ -635,16 +719,20 @@ class Trainer:
         return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
 
     def _fit_loop(self) -> None:
-        strategy, state = self.strategy, self.state
+        state = self.state
         loader = self.train_dataloader
         length = _length(loader)
         if length == 0:
-            raise ValueError(f"The train DataLoader is empty: {_describe_empty(loader)} Nothing can be trained; "
-                             "check the dataset's path and filters, and the batch size against the dataset size.")
+            raise ValueError(
+                f"The train DataLoader is empty: {_describe_empty(loader)} Nothing can be trained; "
+                "check the dataset's path and filters, and the batch size against the dataset size."
+            )
         self.num_training_batches = _limit(self.limit_train_batches, length)
         if self.num_training_batches == 0:
-            raise ValueError(f"limit_train_batches={self.limit_train_batches!r} leaves none of the train "
-                             f"DataLoader's {int(length)} batches: raise it, or leave it None for all.")
+            raise ValueError(
+                f"limit_train_batches={self.limit_train_batches!r} leaves none of the train "
+                f"DataLoader's {int(length)} batches: raise it, or leave it None for all."
+            )
         step_fn = self.module.training_step
         pass_idx = _takes_batch_idx(step_fn)
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
@@ -667,9 +755,11 @@ class Trainer:
                 self._train_batch(batch, pass_idx)
             if started_at == 0 and state.batch_idx == 0 and not self._done():
                 # A loader without a length that yields nothing would loop over empty epochs forever.
-                raise ValueError(f"The train DataLoader yielded no batch in epoch {state.epoch}: "
-                                 f"{_describe_empty(loader)} Check the dataset (an IterableDataset must yield "
-                                 "samples on every rank, every epoch).")
+                raise ValueError(
+                    f"The train DataLoader yielded no batch in epoch {state.epoch}: "
+                    f"{_describe_empty(loader)} Check the dataset (an IterableDataset must yield "
+                    "samples on every rank, every epoch)."
+                )
             if self._done() and state.batch_idx < self.num_training_batches:
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
@@ -678,8 +768,11 @@ class Trainer:
             epoch_metrics = self.metrics.finish_epoch()
             self.log_metrics(epoch_metrics)
             self._step_schedulers("epoch")
-            if self.val_dataloaders is not None and self.val_check_interval is None and \
-                    (state.epoch + 1) % self.check_val_every_n_epoch == 0:
+            if (
+                self.val_dataloaders is not None
+                and self.val_check_interval is None
+                and (state.epoch + 1) % self.check_val_every_n_epoch == 0
+            ):
                 self._run_validation()
             self._call("on_train_epoch_end")
             state.in_epoch_end = False
@@ -727,14 +820,16 @@ class Trainer:
                     f"training_step returned a loss that does not require grad (step {state.global_step}, "
                     f"batch {batch_idx}): nothing can be trained from it. It was computed under "
                     "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
-                    "Return the loss computed from the model's output; return None to skip a batch.")
+                    "Return the loss computed from the model's output; return None to skip a batch."
+                )
             self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
             mark_progress("backward", state.global_step)
 
         # The step's core is shared with the memory planner's trace (step.py). Non-final
         # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
-        output, _ = shared_step.forward_backward(strategy, self.model, args, window=window,
-                                                 last=self.is_last_microbatch, before_backward=before_backward)
+        output, _ = shared_step.forward_backward(
+            strategy, self.model, args, window=window, last=self.is_last_microbatch, before_backward=before_backward
+        )
         state.batch_idx += 1
         if self.is_last_microbatch:
             mark_progress("optimizer_step", state.global_step)
@@ -760,9 +855,14 @@ class Trainer:
             return True
 
         # Clip, step and zero each optimizer: the same core the memory planner traces (step.py).
-        shared_step.optimizer_update(strategy, self.model, strategy.optimizers,
-                                     gradient_clip_val=self.gradient_clip_val,
-                                     gradient_clip_algorithm=self.gradient_clip_algorithm, before_step=before_step)
+        shared_step.optimizer_update(
+            strategy,
+            self.model,
+            strategy.optimizers,
+            gradient_clip_val=self.gradient_clip_val,
+            gradient_clip_algorithm=self.gradient_clip_algorithm,
+            before_step=before_step,
+        )
         self.state.global_step += 1
         self._step_schedulers("step")
 
@@ -797,7 +897,8 @@ class Trainer:
                 f"Non-finite values at optimizer step {step} (epoch {self.current_epoch}): {what}. The step was not "
                 "taken and nothing after the last checkpoint was saved. Lower the learning rate, clip gradients "
                 "(gradient_clip_val), check the data of that batch, or use bf16 instead of fp16; "
-                "Trainer(non_finite='skip') skips such steps, 'warn' only reports them.")
+                "Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
+            )
         action = "skipped" if self.non_finite == "skip" else "taken anyway (non_finite='warn')"
         warnings.warn(f"Non-finite values at optimizer step {step}: {what}. The step was {action}.", stacklevel=2)
         return False
@@ -809,8 +910,10 @@ class Trainer:
                 monitor = entry.get("monitor")
                 if monitor is not None:
                     if monitor not in self.callback_metrics:
-                        raise KeyError(f"lr_scheduler monitors {monitor!r}, which was never logged. "
-                                       f"Logged: {sorted(self.callback_metrics)}")
+                        raise KeyError(
+                            f"lr_scheduler monitors {monitor!r}, which was never logged. "
+                            f"Logged: {sorted(self.callback_metrics)}"
+                        )
                     entry["scheduler"].step(self.callback_metrics[monitor])
                 else:
                     entry["scheduler"].step()
@@ -828,8 +931,12 @@ class Trainer:
         return batches_done % every == 0
 
     # -------------------------------------------------------------- validation
-    def validate(self, module: Optional[TrainModule] = None, dataloaders: Optional[Iterable] = None,
-                 ckpt_path: Optional[str] = None) -> List[Dict[str, float]]:
+    def validate(
+        self,
+        module: Optional[TrainModule] = None,
+        dataloaders: Optional[Iterable] = None,
+        ckpt_path: Optional[str] = None,
+    ) -> List[Dict[str, float]]:
         """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
         self._launch_if_needed()
         module = module or self.module

@@ -31,6 +31,7 @@ file is both halves:
   loadable. The resume point of each leg is read from what was committed
   (last.ckpt's manifest), never assumed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,16 @@ FEATURES, HIDDEN, CLASSES = 8, 16, 3
 VAL_SAMPLES = 8
 PREEMPTED_FALLBACK = 75
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard",
-              "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+STRATEGIES = (
+    "single",
+    "ddp",
+    "fsdp",
+    "fsdp_shard_grad_op",
+    "fsdp_no_shard",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_3",
+)
 POINTS = ("step", "micro", "save_write", "save_commit", "save_prune", "validation", "epoch_end")
 # "start" (kill right after the resume) is drawn from its own generator, so adding it kept earlier seeds' schedules.
 START_PROBABILITY = 0.08
@@ -114,10 +123,16 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
     per_rank = GLOBAL_BATCH // devices
     n_train = GLOBAL_BATCH * spec["batches_per_epoch"]
     g = torch.Generator().manual_seed(1000 + spec["seed"])
-    train = TensorDataset(torch.randn(n_train, FEATURES, generator=g), torch.randint(0, CLASSES, (n_train,), generator=g),
-                          torch.arange(n_train))
-    val = TensorDataset(torch.randn(VAL_SAMPLES, FEATURES, generator=g),
-                        torch.randint(0, CLASSES, (VAL_SAMPLES,), generator=g), torch.arange(VAL_SAMPLES))
+    train = TensorDataset(
+        torch.randn(n_train, FEATURES, generator=g),
+        torch.randint(0, CLASSES, (n_train,), generator=g),
+        torch.arange(n_train),
+    )
+    val = TensorDataset(
+        torch.randn(VAL_SAMPLES, FEATURES, generator=g),
+        torch.randint(0, CLASSES, (VAL_SAMPLES,), generator=g),
+        torch.arange(VAL_SAMPLES),
+    )
     train_loader = DataLoader(train, batch_size=per_rank, shuffle=True)
     val_loader = DataLoader(val, batch_size=VAL_SAMPLES // devices) if spec["val"] != "none" else None
 
@@ -145,8 +160,15 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
                 dist.all_reduce(value)
                 value = value / dist.get_world_size()
             if trainer.is_global_zero:
-                append(losses_path, {"run": self.tag, "step": trainer.global_step, "epoch": trainer.current_epoch,
-                                     "loss": float(value).hex()})
+                append(
+                    losses_path,
+                    {
+                        "run": self.tag,
+                        "step": trainer.global_step,
+                        "epoch": trainer.current_epoch,
+                        "loss": float(value).hex(),
+                    },
+                )
 
     kill = spec["legs"][leg].get("kill") if leg >= 0 else None
     state: Dict[str, Any] = {"armed": False, "trainer": None, "threshold": 0}
@@ -167,12 +189,20 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
         state["armed"] = False
         trainer = state["trainer"]
         sig = getattr(signal, kill["signal"])
-        append(os.path.join(root, "kills.jsonl"), {"leg": leg, "point": where, "step": trainer.global_step,
-                                                    "batch_idx": trainer.batch_idx, "epoch": trainer.current_epoch,
-                                                    "rank": rank(), "time": time.time(),
-                                                    # inside an accumulation window: a step is in progress
-                                                    "mid_window": where in ("micro", "validation")
-                                                    and not trainer.is_last_microbatch})
+        append(
+            os.path.join(root, "kills.jsonl"),
+            {
+                "leg": leg,
+                "point": where,
+                "step": trainer.global_step,
+                "batch_idx": trainer.batch_idx,
+                "epoch": trainer.current_epoch,
+                "rank": rank(),
+                "time": time.time(),
+                # inside an accumulation window: a step is in progress
+                "mid_window": where in ("micro", "validation") and not trainer.is_last_microbatch,
+            },
+        )
         launched = bool(os.environ.get("SHARDWISE_LAUNCHED"))
         if kill["target"] == "launcher" and launched:
             os.kill(os.getppid(), sig)
@@ -205,8 +235,9 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
                 fire("epoch_end")
 
     callbacks: List[Any] = [Recorder("reference" if leg < 0 else f"leg{leg}")]
-    ckpt = ModelCheckpoint(every_n_train_steps=spec["save_every"], save_top_k=spec["top_k"],
-                           every_n_epochs=spec["every_n_epochs"] or None)
+    ckpt = ModelCheckpoint(
+        every_n_train_steps=spec["save_every"], save_top_k=spec["top_k"], every_n_epochs=spec["every_n_epochs"] or None
+    )
     if kill is not None:
         _patch_saves(kill, state, due, fire)
         killer = Killer()
@@ -217,13 +248,27 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
     def fit(run_root: str, tag_leg: int, ckpt_path: Optional[str], seed: int) -> None:
         shardwise.seed_everything(seed)
         callbacks[0] = Recorder("reference" if tag_leg < 0 else f"leg{tag_leg}")
-        trainer = Trainer(accelerator="cpu", devices=devices, strategy=spec["strategy"], max_steps=spec["max_steps"],
-                          accumulate_grad_batches=spec["accumulate"],
-                          val_check_interval=spec["val"] if isinstance(spec["val"], int) else None,
-                          logger=False, enable_progress_bar=False, default_root_dir=run_root,
-                          callbacks=callbacks if tag_leg >= 0 else [callbacks[0], ModelCheckpoint(
-                              every_n_train_steps=spec["save_every"], save_top_k=spec["top_k"],
-                              every_n_epochs=spec["every_n_epochs"] or None)])
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=spec["strategy"],
+            max_steps=spec["max_steps"],
+            accumulate_grad_batches=spec["accumulate"],
+            val_check_interval=spec["val"] if isinstance(spec["val"], int) else None,
+            logger=False,
+            enable_progress_bar=False,
+            default_root_dir=run_root,
+            callbacks=callbacks
+            if tag_leg >= 0
+            else [
+                callbacks[0],
+                ModelCheckpoint(
+                    every_n_train_steps=spec["save_every"],
+                    save_top_k=spec["top_k"],
+                    every_n_epochs=spec["every_n_epochs"] or None,
+                ),
+            ],
+        )
         module = Net() if val_loader is not None else NoVal()
         trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt_path)
 
@@ -231,13 +276,18 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
         fit(os.path.join(root, "reference"), -1, None, spec["seed"])
         return
     # A resumed leg seeds differently on purpose: everything must come from the checkpoint.
-    fit(os.path.join(root, "run"), leg, "last" if leg > 0 else None,
-        spec["seed"] + 977 * leg if fresh_seed else spec["seed"])
+    fit(
+        os.path.join(root, "run"),
+        leg,
+        "last" if leg > 0 else None,
+        spec["seed"] + 977 * leg if fresh_seed else spec["seed"],
+    )
 
 
 def _patch_saves(kill: Dict[str, Any], state: Dict[str, Any], due, fire) -> None:
     """Kill points inside ModelCheckpoint's save: written-not-committed, committed-not-`last`, half-pruned."""
     import torch
+
     from shardwise.checkpoint import layout, training
 
     point = kill["point"]
@@ -252,8 +302,11 @@ def _patch_saves(kill: Dict[str, Any], state: Dict[str, Any], due, fire) -> None
                     torch.distributed.barrier()  # every rank's part is written
                 if due():
                     if kill["signal"] == "SIGKILL" and trainer.is_global_zero:
-                        files = [os.path.join(r, f) for r, _, fs in os.walk(self.tmp) for f in fs] \
-                            if os.path.isdir(self.tmp) else [self.tmp]
+                        files = (
+                            [os.path.join(r, f) for r, _, fs in os.walk(self.tmp) for f in fs]
+                            if os.path.isdir(self.tmp)
+                            else [self.tmp]
+                        )
                         files = [f for f in files if os.path.isfile(f)]
                         if files:
                             victim = max(files, key=os.path.getsize)
@@ -295,8 +348,11 @@ def _driver_main() -> None:
     parser.add_argument("--leg", type=int, required=True, help="-1: the uninterrupted reference run")
     parser.add_argument("--root", required=True)
     parser.add_argument("--fresh-seed", action="store_true")
-    parser.add_argument("--then-reference", default=None,
-                        help="after the leg, run the uninterrupted reference into this root (saves a start-up)")
+    parser.add_argument(
+        "--then-reference",
+        default=None,
+        help="after the leg, run the uninterrupted reference into this root (saves a start-up)",
+    )
     args = parser.parse_args()
     with open(args.spec) as fh:
         spec = json.load(fh)
@@ -329,8 +385,13 @@ def generate(seed: int, **override: Any) -> Dict[str, Any]:
     legs = []
     budget = s["max_steps"] - 2
     for i in range(resumes):
-        points = [p for p in POINTS if (p != "micro" or s["accumulate"] > 1) and (p != "validation" or s["val"] != "none")
-                  and (p != "save_prune" or s["top_k"] != -1)]
+        points = [
+            p
+            for p in POINTS
+            if (p != "micro" or s["accumulate"] > 1)
+            and (p != "validation" or s["val"] != "none")
+            and (p != "save_prune" or s["top_k"] != -1)
+        ]
         point = rng.choice(points)
         targets = ["rank0"] + (["rank1", "launcher"] if worlds[i] > 1 else [])
         if point in ("save_commit", "save_prune"):
@@ -339,9 +400,18 @@ def generate(seed: int, **override: Any) -> Dict[str, Any]:
         if i > 0 and random.Random(f"{seed}-start-{i}").random() < START_PROBABILITY:
             point, after = "start", 0
         budget -= after + 1
-        legs.append({"devices": worlds[i], "kill": {
-            "point": point, "after": after, "target": rng.choice(targets), "signal": rng.choice(signals),
-            "before_ckpt": rng.random() < 0.5}})
+        legs.append(
+            {
+                "devices": worlds[i],
+                "kill": {
+                    "point": point,
+                    "after": after,
+                    "target": rng.choice(targets),
+                    "signal": rng.choice(signals),
+                    "before_ckpt": rng.random() < 0.5,
+                },
+            }
+        )
     legs.append({"devices": worlds[resumes], "kill": None})
     for i, leg in enumerate(override.get("kills", [])):  # explicit kills, for the fixed suite
         legs[i]["kill"].update(leg)
@@ -354,10 +424,14 @@ def describe(s: Dict[str, Any]) -> str:
     legs = []
     for leg in s["legs"]:
         k = leg["kill"]
-        legs.append(f"w{leg['devices']}" + (f":{k['signal']}@{k['point']}+{k['after']}->{k['target']}" if k else ":end"))
-    return (f"seed={s['seed']} {s['strategy']} max_steps={s['max_steps']} acc={s['accumulate']} "
-            f"batches/epoch={s['batches_per_epoch']} val={s['val']} every={s['save_every']} top_k={s['top_k']} "
-            f"epochs={s['every_n_epochs']} dropout={s['dropout']} legs=[{' '.join(legs)}]")
+        legs.append(
+            f"w{leg['devices']}" + (f":{k['signal']}@{k['point']}+{k['after']}->{k['target']}" if k else ":end")
+        )
+    return (
+        f"seed={s['seed']} {s['strategy']} max_steps={s['max_steps']} acc={s['accumulate']} "
+        f"batches/epoch={s['batches_per_epoch']} val={s['val']} every={s['save_every']} top_k={s['top_k']} "
+        f"epochs={s['every_n_epochs']} dropout={s['dropout']} legs=[{' '.join(legs)}]"
+    )
 
 
 # ============================================================== the harness
@@ -365,8 +439,9 @@ def _env() -> Dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
 
 
-def _launch(spec_path: str, leg: int, root: str, fresh_seed: bool, timeout: float,
-            then_reference: Optional[str] = None) -> subprocess.CompletedProcess:
+def _launch(
+    spec_path: str, leg: int, root: str, fresh_seed: bool, timeout: float, then_reference: Optional[str] = None
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, SCRIPT, "--spec", spec_path, "--leg", str(leg), "--root", root]
     if fresh_seed:
         cmd.append("--fresh-seed")
@@ -441,8 +516,9 @@ def _close(a: float, b: float, exact: bool) -> bool:
     return a == b if exact else abs(a - b) <= 1e-6 * max(abs(a), abs(b), 1e-12)
 
 
-def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, reference_cache: Optional[str] = None,
-                 log=print) -> Dict[str, Any]:
+def run_schedule(
+    spec: Dict[str, Any], workdir: str, timeout: float = 300.0, reference_cache: Optional[str] = None, log=print
+) -> Dict[str, Any]:
     """Run a schedule's legs and its reference; return {"ok", "failures", "warnings", "legs", ...}."""
     from shardwise.checkpoint import layout
 
@@ -459,8 +535,9 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     sigterm = False
     # ----------------------------------------------- where the reference is
     ref_root = os.path.join(workdir, "ref")
-    key = json.dumps({**{k: v for k, v in spec.items() if k != "legs"}, "w0": spec["legs"][0]["devices"]},
-                     sort_keys=True)
+    key = json.dumps(
+        {**{k: v for k, v in spec.items() if k != "legs"}, "w0": spec["legs"][0]["devices"]}, sort_keys=True
+    )
     cached = None
     if reference_cache:
         import hashlib
@@ -476,47 +553,58 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
         committed_before = _committed_step(ckpt_dir) if i > 0 else None
         start = committed_before or 0
         # The final leg at the reference's world size runs the reference too, in the same processes.
-        along = ref_root if (kill is None and not have_reference and leg["devices"] == spec["legs"][0]["devices"]) \
-            else None
-        proc = _launch(spec_path, i, workdir, fresh_seed=committed_before is not None, timeout=timeout,
-                       then_reference=along)
+        along = (
+            ref_root if (kill is None and not have_reference and leg["devices"] == spec["legs"][0]["devices"]) else None
+        )
+        proc = _launch(
+            spec_path, i, workdir, fresh_seed=committed_before is not None, timeout=timeout, then_reference=along
+        )
         with open(os.path.join(workdir, f"leg{i}.log"), "w") as fh:
             fh.write(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
         kills = [k for k in _read_jsonl(os.path.join(workdir, "kills.jsonl")) if k["leg"] == i]
-        info = {"leg": i, "devices": leg["devices"], "start": start, "code": proc.returncode,
-                "fired": kills[0] if kills else None}
+        info = {
+            "leg": i,
+            "devices": leg["devices"],
+            "start": start,
+            "code": proc.returncode,
+            "fired": kills[0] if kills else None,
+        }
         legs_info.append(info)
         tail = [_error_line(proc.stderr)]
         if kill is None:
             if proc.returncode != 0:
                 own = [r["step"] for r in _rows(workdir) if r["run"] == f"leg{i}"]
                 ref_steps = [r["step"] for r in _rows(ref_root) if r["run"] == "reference"] if along else []
-                when = ""
                 message = f"leg {i} (final, w{leg['devices']}, resumed from step {start}) exited {proc.returncode}"
                 if along and own and max(own) == spec["max_steps"]:
                     # Its own training finished; the process died in the second fit() (the reference, ours, not
                     # the schedule's) or at exit after it. The reference is re-run alone below when incomplete, so
                     # the comparison stands: a warning, and chaos_bugs.md #8, not a resume failure.
-                    warnings_.append(f"{message} after finishing its own steps, in the reference fit() run next in "
-                                     f"the same processes ({len(ref_steps)} of {spec['max_steps']} reference steps "
-                                     f"recorded{', so at exit' if len(ref_steps) == spec['max_steps'] else ''}): "
-                                     f"{tail[0]}")
+                    warnings_.append(
+                        f"{message} after finishing its own steps, in the reference fit() run next in "
+                        f"the same processes ({len(ref_steps)} of {spec['max_steps']} reference steps "
+                        f"recorded{', so at exit' if len(ref_steps) == spec['max_steps'] else ''}): "
+                        f"{tail[0]}"
+                    )
                 else:
                     failures.append(f"{message}: {tail[0]}")
             continue
         if not kills:
-            warnings_.append(f"leg {i}: kill point {kill['point']}+{kill['after']} never reached "
-                             f"(exit {proc.returncode})")
+            warnings_.append(
+                f"leg {i}: kill point {kill['point']}+{kill['after']} never reached (exit {proc.returncode})"
+            )
             if proc.returncode != 0:
                 failures.append(f"leg {i} exited {proc.returncode} before its kill point: {' | '.join(tail)}")
         elif kill["signal"] == "SIGTERM":
             sigterm = True
             want = preempt_code if preempt_code is not None else PREEMPTED_FALLBACK
             if proc.returncode != want:
-                failures.append(f"[SIGTERM] leg {i}: SIGTERM to {kill['target']} at {kills[0]['point']} "
-                                f"(step {kills[0]['step']}) exited {proc.returncode}, expected {want} "
-                                f"(PREEMPTED_EXIT_CODE{'' if preempt_code is not None else ' not defined yet'})"
-                                f": {tail[0]}")
+                failures.append(
+                    f"[SIGTERM] leg {i}: SIGTERM to {kill['target']} at {kills[0]['point']} "
+                    f"(step {kills[0]['step']}) exited {proc.returncode}, expected {want} "
+                    f"(PREEMPTED_EXIT_CODE{'' if preempt_code is not None else ' not defined yet'})"
+                    f": {tail[0]}"
+                )
         elif proc.returncode == 0:
             failures.append(f"leg {i}: SIGKILL fired at {kills[0]['point']} but the leg exited 0")
         info["committed"] = _committed_step(ckpt_dir)
@@ -544,8 +632,12 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     reference = {r["step"]: r for r in _rows(ref_root) if r["run"] == "reference"}
     if sorted(reference) != list(range(1, spec["max_steps"] + 1)):
         failures.append(f"reference run recorded steps {sorted(reference)}")
-    ran_along = not have_reference and os.path.exists(os.path.join(ref_root, "reference")) and \
-        any(r["run"] == "reference" for r in _rows(ref_root)) and legs_info[-1]["code"] == 0
+    ran_along = (
+        not have_reference
+        and os.path.exists(os.path.join(ref_root, "reference"))
+        and any(r["run"] == "reference" for r in _rows(ref_root))
+        and legs_info[-1]["code"] == 0
+    )
 
     # ---------------------------------------------------------------- losses
     rows = _rows(workdir)
@@ -565,17 +657,21 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
                 failures.append(f"leg {i}: committed step {upto} is ahead of the last step it recorded ({last_done})")
             kill = spec["legs"][i]["kill"]
             if kill and kill["signal"] == "SIGTERM" and info.get("fired") and upto < last_done:
-                failures.append(f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} (step {info['fired']['step']}) "
-                                f"lost completed steps {upto + 1}..{last_done}: last committed step is {upto}")
+                failures.append(
+                    f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} (step {info['fired']['step']}) "
+                    f"lost completed steps {upto + 1}..{last_done}: last committed step is {upto}"
+                )
             if kill and kill["signal"] == "SIGTERM" and info.get("fired"):
                 # Fired after step N completed: the contract is to stop at N (N+1 mid-window, or when the signal
                 # went through the launcher and reached the workers a moment later).
                 in_progress = info["fired"].get("mid_window", kill["point"] == "micro")
                 allowed = info["fired"]["step"] + (1 if in_progress or kill["target"] == "launcher" else 0)
                 if last_done > allowed:
-                    warnings_.append(f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} after step "
-                                     f"{info['fired']['step']} (to {kill['target']}), yet the leg ran on to step "
-                                     f"{last_done} before saving and exiting")
+                    warnings_.append(
+                        f"[SIGTERM] leg {i}: SIGTERM at {info['fired']['point']} after step "
+                        f"{info['fired']['step']} (to {kill['target']}), yet the leg ran on to step "
+                        f"{last_done} before saving and exiting"
+                    )
         combined += [s for s in steps if s <= upto]
         for r in leg_rows:
             ref = reference.get(r["step"])
@@ -583,9 +679,11 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
                 continue
             a, b = float.fromhex(r["loss"]), float.fromhex(ref["loss"])
             if not _close(a, b, exact) or r["epoch"] != ref["epoch"]:
-                failures.append(f"leg {i} (w{spec['legs'][i]['devices']}, resumed from step {info['start']}) "
-                                f"step {r['step']}: loss {a!r} epoch {r['epoch']} vs uninterrupted {b!r} epoch "
-                                f"{ref['epoch']} ({'bitwise' if exact else 'rel 1e-6'})")
+                failures.append(
+                    f"leg {i} (w{spec['legs'][i]['devices']}, resumed from step {info['start']}) "
+                    f"step {r['step']}: loss {a!r} epoch {r['epoch']} vs uninterrupted {b!r} epoch "
+                    f"{ref['epoch']} ({'bitwise' if exact else 'rel 1e-6'})"
+                )
                 break  # the first divergence of a leg is the finding; later ones follow from it
     if ran_along and any(" vs uninterrupted " in f for f in failures):
         # The reference ran in the final leg's processes: confirm it alone, so that state leaking from one
@@ -595,8 +693,10 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
         _launch(spec_path, -1, alone, fresh_seed=False, timeout=timeout)
         solo = {r["step"]: r["loss"] for r in _rows(alone) if r["run"] == "reference"}
         if solo != {s_: r["loss"] for s_, r in reference.items()}:
-            failures.append("the reference run alone differs from the reference run after a resumed fit() in the "
-                            "same processes: state leaks from one fit() into the next")
+            failures.append(
+                "the reference run alone differs from the reference run after a resumed fit() in the "
+                "same processes: state leaks from one fit() into the next"
+            )
     missing = sorted(set(range(1, spec["max_steps"] + 1)) - set(combined))
     dup = sorted({s for s in combined if combined.count(s) > 1})
     if missing or dup:
@@ -613,33 +713,46 @@ def run_schedule(spec: Dict[str, Any], workdir: str, timeout: float = 300.0, ref
     last = os.path.join(ckpt_dir, layout.LAST_NAME)
     last_step = _committed_step(ckpt_dir) if os.path.exists(last) else None
     if last_step != spec["max_steps"]:
-        failures.append(f"last.ckpt points at step {last_step}, expected the final step {spec['max_steps']} "
-                        f"(uninterrupted run keeps steps {ref_kept})")
+        failures.append(
+            f"last.ckpt points at step {last_step}, expected the final step {spec['max_steps']} "
+            f"(uninterrupted run keeps steps {ref_kept})"
+        )
     got_steps = [e.step for e in got]
     required = sorted(s for s in ref_kept if s > final_start)
     absent = [s for s in required if s not in got_steps]
     if absent:
-        failures.append(f"checkpoints of steps {absent} missing: the uninterrupted run keeps {ref_kept}, "
-                        f"this one has {sorted(got_steps)} (final leg started at {final_start})")
+        failures.append(
+            f"checkpoints of steps {absent} missing: the uninterrupted run keeps {ref_kept}, "
+            f"this one has {sorted(got_steps)} (final leg started at {final_start})"
+        )
     stray = sorted(set(got_steps) - set(ref_kept)) + sorted({s for s in got_steps if got_steps.count(s) > 1})
     if stray:
-        warnings_.append(f"checkpoints the uninterrupted run does not keep: steps {stray} "
-                         f"({sorted(os.path.basename(e.path) for e in got)})")
+        warnings_.append(
+            f"checkpoints the uninterrupted run does not keep: steps {stray} "
+            f"({sorted(os.path.basename(e.path) for e in got)})"
+        )
     for entry in got:
         error = check_loadable(entry.path)
         if error:
             failures.append(f"checkpoint not loadable: {error}")
-    result = {"ok": not failures, "failures": failures, "warnings": warnings_, "legs": legs_info,
-              "sigterm": sigterm, "seconds": round(time.monotonic() - t0, 1), "legs_seconds": round(elapsed_legs, 1),
-              "schedule": describe(spec)}
+    result = {
+        "ok": not failures,
+        "failures": failures,
+        "warnings": warnings_,
+        "legs": legs_info,
+        "sigterm": sigterm,
+        "seconds": round(time.monotonic() - t0, 1),
+        "legs_seconds": round(elapsed_legs, 1),
+        "schedule": describe(spec),
+    }
     return result
 
 
 def _error_line(stderr: str) -> str:
     """The exception a failed leg died with (its last 'XxxError: ...' line), else its last line."""
-    lines = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
-    lines = [l.split("]:", 1)[1].strip() if l.startswith("[rank") and "]:" in l else l for l in lines]
-    errors = [l for l in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b.*", l) or "terminate called" in l]
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    lines = [ln.split("]:", 1)[1].strip() if ln.startswith("[rank") and "]:" in ln else ln for ln in lines]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b.*", ln) or "terminate called" in ln]
     line = (errors or lines or ["(no stderr)"])[-1]
     return line if len(line) <= 400 else line[:400] + "..."
 

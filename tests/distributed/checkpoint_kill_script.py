@@ -9,6 +9,7 @@ committed). `--resume` runs fit(ckpt_path="last") to the end, then an
 uninterrupted reference run from scratch in the same processes. Rank 0
 appends every step's loss (as repr of a float) to R/losses.jsonl as it goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ SAVE_EVERY = 3
 
 class Net(TrainModule):
     def configure_model(self) -> None:
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Dropout(0.25),
-                                 nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 3))
+        self.net = nn.Sequential(
+            nn.Linear(8, 32),
+            nn.LayerNorm(32),
+            nn.GELU(),
+            nn.Dropout(0.25),
+            nn.Linear(32, 32),
+            nn.LayerNorm(32),
+            nn.Linear(32, 3),
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -56,8 +64,17 @@ class Recorder:
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps({"run": self.tag, "step": trainer.global_step, "epoch": trainer.current_epoch,
-                                     "loss": repr(float(outputs))}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "run": self.tag,
+                            "step": trainer.global_step,
+                            "epoch": trainer.current_epoch,
+                            "loss": repr(float(outputs)),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def kill_job() -> None:
@@ -88,8 +105,11 @@ def kill_inside_save(step: int) -> None:
         if trainer_step == step:
             torch.distributed.barrier() if torch.distributed.is_initialized() else None
             if self.strategy.is_global_zero:
-                files = [os.path.join(r, f) for r, _, fs in os.walk(self.tmp) for f in fs] if os.path.isdir(
-                    self.tmp) else [self.tmp]
+                files = (
+                    [os.path.join(r, f) for r, _, fs in os.walk(self.tmp) for f in fs]
+                    if os.path.isdir(self.tmp)
+                    else [self.tmp]
+                )
                 victim = max(files, key=os.path.getsize)
                 with open(victim, "r+b") as fh:
                     fh.truncate(os.path.getsize(victim) // 2)
@@ -108,10 +128,20 @@ def strategy_for(name: str):
 def fit(args, root: str, tag: str, ckpt_path=None, seed: int = 7, callbacks=()) -> None:
     shardwise.seed_everything(seed)
     devices = 1 if args.strategy == "single" else 2
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy_for(args.strategy),
-                      max_steps=args.max_steps, logger=False, enable_progress_bar=False, default_root_dir=root,
-                      callbacks=[Recorder(os.path.join(args.root, "losses.jsonl"), tag),
-                                 ModelCheckpoint(every_n_train_steps=SAVE_EVERY, save_top_k=2), *callbacks])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy_for(args.strategy),
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=root,
+        callbacks=[
+            Recorder(os.path.join(args.root, "losses.jsonl"), tag),
+            ModelCheckpoint(every_n_train_steps=SAVE_EVERY, save_top_k=2),
+            *callbacks,
+        ],
+    )
     trainer.fit(Net(), loader(), ckpt_path=ckpt_path)
 
 

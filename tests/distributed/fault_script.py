@@ -14,6 +14,7 @@ STRATEGY: ddp | fsdp | deepspeed (ZeRO-2). Started as `python fault_script.py ..
 itself (the Trainer's supervisor, or launch_script for the preempt modes);
 under `shardwise launch` each copy is one rank.
 """
+
 import os
 import signal
 import sys
@@ -48,7 +49,7 @@ if MODE in ("preempt", "ignore"):
 
 import torch  # noqa: E402
 
-from shardwise import TrainModule, Trainer  # noqa: E402
+from shardwise import Trainer, TrainModule  # noqa: E402
 from shardwise.distributed import progress  # noqa: E402
 from shardwise.strategies import DDPStrategy, FSDPStrategy  # noqa: E402
 
@@ -83,7 +84,14 @@ if STRATEGY == "deepspeed":
     strategy = DeepSpeedStrategy(stage=2, timeout_s=TIMEOUT_S)
 else:
     strategy = (DDPStrategy if STRATEGY == "ddp" else FSDPStrategy)(timeout_s=TIMEOUT_S)
-trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=8, logger=False,
-                  enable_progress_bar=False, enable_checkpointing=False)
+trainer = Trainer(
+    accelerator="cpu",
+    devices=2,
+    strategy=strategy,
+    max_steps=8,
+    logger=False,
+    enable_progress_bar=False,
+    enable_checkpointing=False,
+)
 trainer.fit(Model(), [torch.ones(2, 8)] * 16)
 print("UNREACHABLE: the run finished")

@@ -12,36 +12,87 @@ implements it, such a schedule whose only failures are those SIGTERM checks
 is reported as an expected failure, with the failures in the reason and a
 warning in the summary; any other failure in it fails the test.
 """
+
 from __future__ import annotations
 
 import inspect
 import warnings
 
-import pytest
-
 import chaos_script as chaos
+import pytest
 
 # name -> (seed, overrides). Together: single / DDP / FSDP / DeepSpeed, SIGKILL and SIGTERM, kills after a step,
 # between micro-batches, inside a save (written, committed-not-`last`), in validation and at epoch end, aimed at
 # rank 0, rank 1 and the launcher, 2-3 resumes, and one world-size change (2 -> 1 -> 2).
 SCHEDULES = {
-    "single-3-resumes": (101, dict(strategy="single", resumes=3, signals=["SIGKILL"], val=3, accumulate=1,
-                                   save_every=3, top_k=2, max_steps=16,
-                                   kills=[{"point": "save_write", "after": 2}, {"point": "validation", "after": 3},
-                                          {"point": "step", "after": 2}])),
-    "ddp-2-resumes": (202, dict(strategy="ddp", resumes=2, worlds=[2, 2, 2], signals=["SIGKILL"], accumulate=2,
-                                val="none", save_every=2, top_k=2, max_steps=14,
-                                kills=[{"point": "save_commit", "after": 3, "target": "launcher"},
-                                       {"point": "micro", "after": 2, "target": "rank1"}])),
-    "fsdp-sigterm-reshard": (303, dict(strategy="fsdp", resumes=2, worlds=[2, 1, 2], accumulate=1, val="epoch",
-                                       save_every=4, top_k=1, max_steps=14,
-                                       kills=[{"point": "step", "after": 5, "target": "launcher",
-                                               "signal": "SIGTERM"},
-                                              {"point": "epoch_end", "after": 1, "target": "rank0",
-                                               "signal": "SIGKILL"}])),
-    "deepspeed2-sigkill": (404, dict(strategy="deepspeed_stage_2", resumes=1, worlds=[2, 2], signals=["SIGKILL"],
-                                     accumulate=1, val="none", save_every=3, top_k=2, max_steps=12,
-                                     kills=[{"point": "save_write", "after": 4, "target": "rank1"}])),
+    "single-3-resumes": (
+        101,
+        dict(
+            strategy="single",
+            resumes=3,
+            signals=["SIGKILL"],
+            val=3,
+            accumulate=1,
+            save_every=3,
+            top_k=2,
+            max_steps=16,
+            kills=[
+                {"point": "save_write", "after": 2},
+                {"point": "validation", "after": 3},
+                {"point": "step", "after": 2},
+            ],
+        ),
+    ),
+    "ddp-2-resumes": (
+        202,
+        dict(
+            strategy="ddp",
+            resumes=2,
+            worlds=[2, 2, 2],
+            signals=["SIGKILL"],
+            accumulate=2,
+            val="none",
+            save_every=2,
+            top_k=2,
+            max_steps=14,
+            kills=[
+                {"point": "save_commit", "after": 3, "target": "launcher"},
+                {"point": "micro", "after": 2, "target": "rank1"},
+            ],
+        ),
+    ),
+    "fsdp-sigterm-reshard": (
+        303,
+        dict(
+            strategy="fsdp",
+            resumes=2,
+            worlds=[2, 1, 2],
+            accumulate=1,
+            val="epoch",
+            save_every=4,
+            top_k=1,
+            max_steps=14,
+            kills=[
+                {"point": "step", "after": 5, "target": "launcher", "signal": "SIGTERM"},
+                {"point": "epoch_end", "after": 1, "target": "rank0", "signal": "SIGKILL"},
+            ],
+        ),
+    ),
+    "deepspeed2-sigkill": (
+        404,
+        dict(
+            strategy="deepspeed_stage_2",
+            resumes=1,
+            worlds=[2, 2],
+            signals=["SIGKILL"],
+            accumulate=1,
+            val="none",
+            save_every=3,
+            top_k=2,
+            max_steps=12,
+            kills=[{"point": "save_write", "after": 4, "target": "rank1"}],
+        ),
+    ),
 }
 
 
@@ -53,15 +104,18 @@ def sigterm_supported() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.deepspeed] if "deepspeed" in n else [])
-                                  for n in SCHEDULES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.deepspeed] if "deepspeed" in n else []) for n in SCHEDULES]
+)
 def test_chaos_schedule_resumes_to_uninterrupted_losses(tmp_path, name):
     seed, override = SCHEDULES[name]
     spec = chaos.generate(seed, **override)
     print(f"chaos schedule {name}: {chaos.describe(spec)}")
     result = chaos.run_schedule(spec, str(tmp_path), timeout=240)
-    print(f"  {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s; legs: "
-          + ", ".join(f"{l['leg']}: w{l['devices']} from {l['start']} exit {l['code']}" for l in result["legs"]))
+    print(
+        f"  {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s; legs: "
+        + ", ".join(f"{leg['leg']}: w{leg['devices']} from {leg['start']} exit {leg['code']}" for leg in result["legs"])
+    )
     for w in result["warnings"]:
         print(f"  warning: {w}")
     if result["ok"]:
@@ -69,8 +123,10 @@ def test_chaos_schedule_resumes_to_uninterrupted_losses(tmp_path, name):
     report = f"{chaos.describe(spec)}\n" + "\n".join(f"  - {f}" for f in result["failures"])
     only_sigterm = all(f.startswith("[SIGTERM]") for f in result["failures"])
     if result["sigterm"] and only_sigterm and not sigterm_supported():
-        message = ("SIGTERM preemption (finish the step, save, exit PREEMPTED_EXIT_CODE) is not in the Trainer "
-                   f"yet, so this schedule fails its SIGTERM checks:\n{report}")
+        message = (
+            "SIGTERM preemption (finish the step, save, exit PREEMPTED_EXIT_CODE) is not in the Trainer "
+            f"yet, so this schedule fails its SIGTERM checks:\n{report}"
+        )
         warnings.warn(message)
         pytest.xfail(message)
     raise AssertionError(report)
@@ -82,9 +138,9 @@ def test_schedules_are_reproducible_and_well_formed():
         spec = chaos.generate(seed)
         assert spec == chaos.generate(seed), seed
         legs = spec["legs"]
-        assert 2 <= len(legs) <= 5 and legs[-1]["kill"] is None and all(l["kill"] for l in legs[:-1])
-        assert spec["strategy"] != "single" or all(l["devices"] == 1 for l in legs)
-        assert (spec["dropout"] == "keyed") == (len({l["devices"] for l in legs}) > 1)
+        assert 2 <= len(legs) <= 5 and legs[-1]["kill"] is None and all(leg["kill"] for leg in legs[:-1])
+        assert spec["strategy"] != "single" or all(leg["devices"] == 1 for leg in legs)
+        assert (spec["dropout"] == "keyed") == (len({leg["devices"] for leg in legs}) > 1)
         for leg in legs[:-1]:
             kill = leg["kill"]
             assert kill["point"] != "micro" or spec["accumulate"] > 1

@@ -12,6 +12,7 @@ that converts it, and an engine file that would run code is refused before
 DeepSpeed unpickles it. Process launches are expensive, so each launch runs
 many checks.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise
-from helpers.checkpoints import Net, assert_same_state, full_state, loader
 from shardwise import FSDPStrategy, Trainer
+
+from helpers.checkpoints import Net, assert_same_state, full_state, loader
 
 FORMATS = ("ddp.ckpt", "fsdp-sharded.ckpt", "fsdp-full.ckpt")
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -33,8 +35,16 @@ STEPS = 2
 
 def _trainer(strategy, root, devices, max_steps=STEPS):
     strategy = {"fsdp": FSDPStrategy(), "fsdp_full": FSDPStrategy(state_dict_type="full")}.get(strategy, strategy)
-    return Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-                   enable_progress_bar=False, enable_checkpointing=False, default_root_dir=root)
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 def write_and_resume(root):

@@ -9,6 +9,7 @@ run up to its last committed checkpoint, followed by the resumed run's, must
 equal the reference's exactly (CPU, fp32, dropout on, shuffled data, a
 per-step LR schedule).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ SAVE_EVERY = 3
 
 def _run(root: str, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, SCRIPT, "--root", root, "--max-steps", str(MAX_STEPS), *args],
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--root", root, "--max-steps", str(MAX_STEPS), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"script failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
@@ -41,15 +47,21 @@ def _losses(root: str, run: str):
     return {r["step"]: r["loss"] for r in rows if r["run"] == run}
 
 
-@pytest.mark.parametrize("strategy,mode", [
-    ("single", "step"),
-    pytest.param("ddp", "save", marks=pytest.mark.slow),
-    pytest.param("fsdp", "save", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "strategy,mode",
+    [
+        ("single", "step"),
+        pytest.param("ddp", "save", marks=pytest.mark.slow),
+        pytest.param("fsdp", "save", marks=pytest.mark.slow),
+    ],
+)
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, strategy, mode):
     rng = random.Random()
-    kill_at = rng.choice([k for k in range(4, MAX_STEPS - 2) if k % SAVE_EVERY != 0]) if mode == "step" else \
-        rng.choice([k for k in range(6, MAX_STEPS - 2) if k % SAVE_EVERY == 0])
+    kill_at = (
+        rng.choice([k for k in range(4, MAX_STEPS - 2) if k % SAVE_EVERY != 0])
+        if mode == "step"
+        else rng.choice([k for k in range(6, MAX_STEPS - 2) if k % SAVE_EVERY == 0])
+    )
     print(f"strategy={strategy} mode={mode} kill_at={kill_at}")
     root = str(tmp_path)
     killed = _run(root, "--strategy", strategy, "--kill-at", str(kill_at), "--kill-mode", mode, expect_ok=False)

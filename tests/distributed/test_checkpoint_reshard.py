@@ -7,6 +7,7 @@ first dimension, 3, does not divide by 4) and on 2 under the other strategy
 (FSDP sharded -> DDP, DDP -> FSDP). Values are compared as full tensors,
 exactly.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,11 @@ import pytest
 import torch.distributed as dist
 
 import shardwise
-from helpers.checkpoints import Net, assert_same_state, full_state, loader
 from shardwise import FSDPStrategy, Trainer
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.checkpoint import layout
+
+from helpers.checkpoints import Net, assert_same_state, full_state, loader
 
 STEPS = 3
 
@@ -28,9 +30,17 @@ def _strategy(name):
 
 
 def _trainer(name, root, devices, max_steps=STEPS, callbacks=(), checkpointing=False):
-    return Trainer(accelerator="cpu", devices=devices, strategy=_strategy(name), max_steps=max_steps, logger=False,
-                   enable_progress_bar=False, enable_checkpointing=checkpointing, default_root_dir=root,
-                   callbacks=list(callbacks))
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=_strategy(name),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=checkpointing,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+    )
 
 
 def write_checkpoints(root):
@@ -88,7 +98,12 @@ def _no_leftover_process_group():
 def test_written_formats_and_async_commit(written):
     root, ref = written
     assert sorted(os.listdir(os.path.join(root, "fsdp-sharded.ckpt"))) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "shardwise.json", "trainer_state.pt"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "shardwise.json",
+        "trainer_state.pt",
+    ]
     assert os.path.isfile(os.path.join(root, "fsdp-full.ckpt")) and os.path.isfile(os.path.join(root, "ddp.ckpt"))
     # save_top_k=1 + last: only step 4 remains, committed, `last` pointing at it.
     assert ref["async_files"] == ["epoch=0-step=4.ckpt", "last.ckpt"]
@@ -98,8 +113,12 @@ def test_written_formats_and_async_commit(written):
 
 def test_two_to_one_process(written):
     root, ref = written
-    jobs = [("single", "fsdp-sharded.ckpt"), ("single", "fsdp-full.ckpt"), ("fsdp", "fsdp-sharded.ckpt"),
-            ("single", "async/last.ckpt")]
+    jobs = [
+        ("single", "fsdp-sharded.ckpt"),
+        ("single", "fsdp-full.ckpt"),
+        ("fsdp", "fsdp-sharded.ckpt"),
+        ("single", "async/last.ckpt"),
+    ]
     got = load_checkpoints(root, jobs)  # in this process: a world of one
     for name, path in jobs:
         assert_same_state(ref["async" if path.startswith("async") else "fsdp"], got[(name, path)], (name, path))

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.distributed import ops
+
 from helpers.strict_device import strict_cuda_collectives
 
 
@@ -33,8 +34,7 @@ class Logs(TrainModule):
         loss = self.layer(batch[0]).pow(2).mean()
         self.log("rank_mean", float(rank + 1), sync_dist=True, on_step=True, on_epoch=True)  # a Python number
         self.log("rank_max", torch.tensor(rank + 1.0), sync_dist=True, reduce_fx="max", on_epoch=True)
-        self.log("rank_sum", torch.tensor(rank + 1.0), sync_dist=True, reduce_fx="sum", on_step=False,
-                 on_epoch=True)
+        self.log("rank_sum", torch.tensor(rank + 1.0), sync_dist=True, reduce_fx="sum", on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -47,22 +47,44 @@ class Logs(TrainModule):
 def run_metrics():
     data = TensorDataset(torch.randn(8, 4))
     with strict_cuda_collectives() as calls:
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(), max_epochs=1, logger=False,
-                          enable_progress_bar=False, enable_checkpointing=False)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=FSDPStrategy(),
+            max_epochs=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(Logs(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
-        direct = {"number": float(ops.reduce(ops.rank() + 1, "sum")),
-                  "int_mean": float(ops.reduce(torch.tensor(ops.rank()), "mean")),
-                  "device": str(ops.reduce(torch.ones(2), "max").device)}
+        direct = {
+            "number": float(ops.reduce(ops.rank() + 1, "sum")),
+            "int_mean": float(ops.reduce(torch.tensor(ops.rank()), "mean")),
+            "device": str(ops.reduce(torch.ones(2), "max").device),
+        }
     return dict(trainer.callback_metrics), dict(calls), direct
 
 
 def run_finetune(model_dir, data, out):
     from shardwise.recipes.finetune import FinetuneConfig, finetune
 
-    cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=32, packing=True, max_steps=2,
-                         eval_steps=1, eval_split_ratio=0.2, precision="32-true", per_device_train_batch_size=2,
-                         gradient_accumulation_steps=2, devices=2, strategy="fsdp", output_dir=out,
-                         logging_steps=1, seed=3)
+    cfg = FinetuneConfig(
+        model_path=model_dir,
+        dataset=data,
+        max_seq_len=32,
+        packing=True,
+        max_steps=2,
+        eval_steps=1,
+        eval_split_ratio=0.2,
+        precision="32-true",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        devices=2,
+        strategy="fsdp",
+        output_dir=out,
+        logging_steps=1,
+        seed=3,
+    )
     with strict_cuda_collectives() as calls:
         result = finetune(cfg)
     return result.losses, result.eval_losses, dict(calls)

@@ -10,6 +10,7 @@ start-up dominate these tests. DeepSpeedCPUAdam compiles a C++ op on first use
 test pays it once per machine. The configuration tests at the end run in the
 pytest process, which is the point: those errors come before any worker.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader
 import shardwise
 from shardwise import Trainer
 from shardwise.models import Block
+
 from helpers.lm import GPT_TINY, StepLosses, TinyGPT, token_data
 
 pytest.importorskip("deepspeed")
@@ -37,24 +39,49 @@ def build_strategy(name: str):
     if name == "ddp":
         return "ddp"
     if name == "deepspeed_stage_3_offload_ac":
-        return DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
-                                 partition_activations=True, cpu_checkpointing=True,
-                                 activation_checkpointing_policy={Block})
+        return DeepSpeedStrategy(
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+            partition_activations=True,
+            cpu_checkpointing=True,
+            activation_checkpointing_policy={Block},
+        )
     return shardwise.strategies.build_strategy(name)
 
 
-def fit(name: str, steps: int = STEPS, accumulate: int = 2, clip: Optional[float] = 1.0, lr: float = 1e-3,
-        root: Optional[str] = None, ckpt_path: Optional[str] = None, batch_size: int = 4,
-        extra_callbacks: tuple = (), freeze_positions: bool = False, devices: int = 2,
-        precision: str = "32-true", optimizer: str = "adamw") -> Dict[str, Any]:
+def fit(
+    name: str,
+    steps: int = STEPS,
+    accumulate: int = 2,
+    clip: Optional[float] = 1.0,
+    lr: float = 1e-3,
+    root: Optional[str] = None,
+    ckpt_path: Optional[str] = None,
+    batch_size: int = 4,
+    extra_callbacks: tuple = (),
+    freeze_positions: bool = False,
+    devices: int = 2,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+) -> Dict[str, Any]:
     shardwise.seed_everything(1234)
     recorder = StepLosses()
     module = TinyGPT(lr=lr, freeze_positions=freeze_positions, optimizer=optimizer)
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=build_strategy(name), max_steps=steps,
-                      precision=precision,
-                      accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-                      callbacks=[recorder, *extra_callbacks], enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, default_root_dir=root)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=build_strategy(name),
+        max_steps=steps,
+        precision=precision,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        callbacks=[recorder, *extra_callbacks],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
     trainer.fit(module, DataLoader(token_data(512), batch_size=batch_size, shuffle=True), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "trainer": trainer}
 
@@ -74,9 +101,12 @@ def bf16_runs(names: List[str]) -> Dict[str, Any]:
 def offload_run() -> Dict[str, Any]:
     result = fit("deepspeed_stage_3_offload_ac", steps=12, lr=3e-3)
     strategy = result["trainer"].strategy
-    return {"losses": result["losses"], "optimizer": type(strategy.engine.optimizer.optimizer).__name__,
-            "checkpointed": strategy.num_checkpointed, "offload": (strategy.offload_optimizer,
-                                                                   strategy.offload_parameters)}
+    return {
+        "losses": result["losses"],
+        "optimizer": type(strategy.engine.optimizer.optimizer).__name__,
+        "checkpointed": strategy.num_checkpointed,
+        "offload": (strategy.offload_optimizer, strategy.offload_parameters),
+    }
 
 
 class SaveAt:
@@ -112,15 +142,29 @@ def checkpoint_runs(names: List[str], root: str) -> Dict[str, Any]:
             convert(path, os.path.join(root, name + ".safetensors"), quiet=True)  # `shardwise convert`
             exported = load_file(os.path.join(root, name + ".safetensors"))
             same = lambda a, b: a is not None and torch.equal(a, b)  # noqa: E731
-            out[name].update(keys=(sorted(live), sorted(converted), sorted(exported)), unequal=sorted(
-                k for k in live if not (same(converted.get(k), live[k]) and same(exported.get(k), live[k]))))
+            out[name].update(
+                keys=(sorted(live), sorted(converted), sorted(exported)),
+                unequal=sorted(
+                    k for k in live if not (same(converted.get(k), live[k]) and same(exported.get(k), live[k]))
+                ),
+            )
     return out
 
 
 def resume_on_one_process(names: List[str], root: str) -> Dict[str, List[float]]:
     # Half the ranks, double the micro-batch: the same global batch, so the same curve.
-    return {name: fit(name, steps=10, root=root, ckpt_path=os.path.join(root, name + ".ckpt"), freeze_positions=True,
-                      devices=1, batch_size=8)["losses"] for name in names}
+    return {
+        name: fit(
+            name,
+            steps=10,
+            root=root,
+            ckpt_path=os.path.join(root, name + ".ckpt"),
+            freeze_positions=True,
+            devices=1,
+            batch_size=8,
+        )["losses"]
+        for name in names
+    }
 
 
 def fit_twice_with_teardown() -> List[List[float]]:
@@ -167,9 +211,13 @@ def zero3_against_ddp(root: str, steps: int = 4) -> Dict[str, Any]:
     def worst(state: Dict[str, torch.Tensor]) -> float:
         return max((state[k].double() - v.double()).abs().max().item() for k, v in reference.items())
 
-    return {"losses": (ddp["losses"], zero3["losses"]), "keys": {k: sorted(v) for k, v in weights.items()},
-            "reference_keys": sorted(reference), "max_abs": {k: worst(v) for k, v in weights.items()},
-            "dtypes": {k: sorted({str(t.dtype) for t in v.values()}) for k, v in weights.items()}}
+    return {
+        "losses": (ddp["losses"], zero3["losses"]),
+        "keys": {k: sorted(v) for k, v in weights.items()},
+        "reference_keys": sorted(reference),
+        "max_abs": {k: worst(v) for k, v in weights.items()},
+        "dtypes": {k: sorted({str(t.dtype) for t in v.values()}) for k, v in weights.items()},
+    }
 
 
 def _rel(a: List[float], b: List[float]) -> float:
@@ -222,18 +270,28 @@ def _parts(request, by_test: Dict[str, str]) -> List[str]:
 
 @pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory):
-    parts = _parts(request, {"test_zero_stages_follow_ddp_loss_curve": "curves",
-                             "test_bf16_maps_to_deepspeed_bf16_and_follows_ddp": "bf16",
-                             "test_checkpoint_round_trip_convert_and_resume_at_another_world_size": "checkpoints",
-                             "test_zero3_with_optimizer_and_parameter_offload_trains": "offload"})
+    parts = _parts(
+        request,
+        {
+            "test_zero_stages_follow_ddp_loss_curve": "curves",
+            "test_bf16_maps_to_deepspeed_bf16_and_follows_ddp": "bf16",
+            "test_checkpoint_round_trip_convert_and_resume_at_another_world_size": "checkpoints",
+            "test_zero3_with_optimizer_and_parameter_offload_trains": "offload",
+        },
+    )
     root = tmp_path_factory.mktemp("deepspeed-2")
     return root, shardwise.launch(two_rank_runs, parts, str(root), devices=2)
 
 
 @pytest.fixture(scope="module")
 def one_rank(request, tmp_path_factory):
-    parts = _parts(request, {"test_a_second_run_in_the_same_process_after_teardown": "teardown",
-                             "test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports": "zero3"})
+    parts = _parts(
+        request,
+        {
+            "test_a_second_run_in_the_same_process_after_teardown": "teardown",
+            "test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports": "zero3",
+        },
+    )
     return shardwise.launch(one_rank_runs, parts, str(tmp_path_factory.mktemp("deepspeed-1")), devices=1)[0]
 
 
@@ -327,9 +385,14 @@ def _strategy(**kwargs):
 def test_names_map_to_stages_and_offload():
     from shardwise.strategies import build_strategy
 
-    expected = {"deepspeed": (2, False, False), "deepspeed_stage_1": (1, False, False),
-                "deepspeed_stage_2": (2, False, False), "deepspeed_stage_2_offload": (2, True, False),
-                "deepspeed_stage_3": (3, False, False), "deepspeed_stage_3_offload": (3, True, True)}
+    expected = {
+        "deepspeed": (2, False, False),
+        "deepspeed_stage_1": (1, False, False),
+        "deepspeed_stage_2": (2, False, False),
+        "deepspeed_stage_2_offload": (2, True, False),
+        "deepspeed_stage_3": (3, False, False),
+        "deepspeed_stage_3_offload": (3, True, True),
+    }
     for name, (stage, opt, params) in expected.items():
         s = build_strategy(name)
         assert (s.stage, s.offload_optimizer, s.offload_parameters) == (stage, opt, params), name
@@ -364,43 +427,87 @@ def test_contradicting_batch_size_fails_before_spawning():
     from shardwise.strategies.deepspeed import DeepSpeedConfigError
 
     strategy = _strategy(config={"train_micro_batch_size_per_gpu": 4})
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     loader = DataLoader(token_data(n=32), batch_size=8)
     # From pytest, a multi-device fit() would refuse to re-launch the script; the config error comes first.
-    with pytest.raises(DeepSpeedConfigError, match=r"train_micro_batch_size_per_gpu=4 but the DataLoader's batch_size=8"):
+    with pytest.raises(
+        DeepSpeedConfigError, match=r"train_micro_batch_size_per_gpu=4 but the DataLoader's batch_size=8"
+    ):
         trainer.fit(TinyGPT(), loader)
 
 
-@pytest.mark.parametrize("kwargs, trainer_kwargs, message", [
-    (dict(stage=3, config={"zero_optimization": {"stage": 2}}), {}, r"zero_optimization.stage=2 but stage=3"),
-    (dict(config={"gradient_accumulation_steps": 4}), dict(accumulate_grad_batches=2),
-     r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\)=2"),
-    (dict(config={"gradient_clipping": 0.5}), dict(gradient_clip_val=1.0),
-     r"gradient_clipping=0.5 but Trainer\(gradient_clip_val\)=1.0"),
-    (dict(config={"bf16": {"enabled": True}}), {}, r"bf16.enabled=True but the Trainer's precision='32-true'"),
-    (dict(config={"optimizer": {"type": "AdamW"}}), {}, r"'optimizer' section"),
-    (dict(config={"train_batch_size": 100, "train_micro_batch_size_per_gpu": 2}), {},
-     r"train_batch_size=100 but micro-batch 2 x accumulation 1 x world size 2 = 4"),
-])
+@pytest.mark.parametrize(
+    "kwargs, trainer_kwargs, message",
+    [
+        (dict(stage=3, config={"zero_optimization": {"stage": 2}}), {}, r"zero_optimization.stage=2 but stage=3"),
+        (
+            dict(config={"gradient_accumulation_steps": 4}),
+            dict(accumulate_grad_batches=2),
+            r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\)=2",
+        ),
+        (
+            dict(config={"gradient_clipping": 0.5}),
+            dict(gradient_clip_val=1.0),
+            r"gradient_clipping=0.5 but Trainer\(gradient_clip_val\)=1.0",
+        ),
+        (dict(config={"bf16": {"enabled": True}}), {}, r"bf16.enabled=True but the Trainer's precision='32-true'"),
+        (dict(config={"optimizer": {"type": "AdamW"}}), {}, r"'optimizer' section"),
+        (
+            dict(config={"train_batch_size": 100, "train_micro_batch_size_per_gpu": 2}),
+            {},
+            r"train_batch_size=100 but micro-batch 2 x accumulation 1 x world size 2 = 4",
+        ),
+    ],
+)
 def test_config_contradictions_name_both_values(kwargs, trainer_kwargs, message):
     from shardwise.strategies.deepspeed import DeepSpeedConfigError
 
     with pytest.raises(DeepSpeedConfigError, match=message):
         strategy = _strategy(**kwargs)
-        Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
-                enable_checkpointing=False, **trainer_kwargs)
-        strategy.configure_training(accumulate_grad_batches=trainer_kwargs.get("accumulate_grad_batches", 1),
-                                    gradient_clip_val=trainer_kwargs.get("gradient_clip_val"), micro_batch_size=2)
+        Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            **trainer_kwargs,
+        )
+        strategy.configure_training(
+            accumulate_grad_batches=trainer_kwargs.get("accumulate_grad_batches", 1),
+            gradient_clip_val=trainer_kwargs.get("gradient_clip_val"),
+            micro_batch_size=2,
+        )
 
 
 def test_config_file_wins_and_trainer_fills_the_rest(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000},
-                                "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}))
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000},
+                "gradient_accumulation_steps": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+            }
+        )
+    )
     strategy = _strategy(config=str(path))
-    Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", logger=False,
-            enable_progress_bar=False, enable_checkpointing=False)
+    Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision="bf16-mixed",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     strategy.configure_training(accumulate_grad_batches=3, gradient_clip_val=0.25, micro_batch_size=5)
     cfg = strategy.config
     assert cfg["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}

@@ -1,15 +1,16 @@
 """The documented examples run as a user would run them."""
+
 import os
 import re
 import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from strategy_without_trainer import train
 
 import shardwise
-from strategy_without_trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _fsdp_then_ddp(steps):
@@ -28,8 +29,12 @@ def test_fsdp_guide_script_self_launches(tmp_path, recipe):
     """`python examples/fsdp_guide.py` with devices=2 starts its own workers and prints per-rank memory."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "fsdp_guide.py"), "--recipe", recipe, "--max-steps", "3"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     match = re.search(r"Memory used: ([0-9.]+) MB per rank", proc.stdout)
     assert match and float(match.group(1)) > 0, proc.stdout[-2000:]

@@ -13,6 +13,7 @@ for the collective timeout, and another scenario's start-up uses that time. Each
 test then checks its own scenario's outcome. The in-process tests (the verdict
 logic, `shardwise.launch(fn)` failures) run after them, alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,13 @@ def _command(launcher: str, mode: str, strategy: str, out_dir) -> list:
 
 def _run(launcher: str, mode: str, strategy: str, out_dir):
     start = time.monotonic()
-    proc = subprocess.run(_command(launcher, mode, strategy, out_dir), env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S + SLACK_S + 120)
+    proc = subprocess.run(
+        _command(launcher, mode, strategy, out_dir),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S + SLACK_S + 120,
+    )
     return proc, time.monotonic() - start
 
 
@@ -85,8 +91,11 @@ def _signal_when_ready(launcher: str, mode: str, signum: int, out_dir, **env):
 @pytest.fixture(scope="module")
 def scenarios(request, tmp_path_factory):
     """Every subprocess scenario the selected tests need, submitted at once to LANES threads: name -> future."""
-    wanted = {item.callspec.params.get("scenario") if hasattr(item, "callspec") else None
-              for item in request.session.items if item.module is request.module}
+    wanted = {
+        item.callspec.params.get("scenario") if hasattr(item, "callspec") else None
+        for item in request.session.items
+        if item.module is request.module
+    }
     jobs = {
         "hang-script-ddp": lambda d: _run("script", "hang", "ddp", d),
         "hang-shardwise-launch-fsdp": lambda d: _run("shardwise-launch", "hang", "fsdp", d),
@@ -94,25 +103,39 @@ def scenarios(request, tmp_path_factory):
         "kill": lambda d: _run("script", "kill", "fsdp", d),
         "raise0": lambda d: _run("shardwise-launch", "raise0", "fsdp", d),
         "preempt-script-SIGTERM": lambda d: _signal_when_ready("script", "preempt", signal.SIGTERM, d),
-        "preempt-shardwise-launch-SIGUSR1": lambda d: _signal_when_ready("shardwise-launch", "preempt",
-                                                                         signal.SIGUSR1, d),
+        "preempt-shardwise-launch-SIGUSR1": lambda d: _signal_when_ready(
+            "shardwise-launch", "preempt", signal.SIGUSR1, d
+        ),
         "ignore": lambda d: _signal_when_ready("script", "ignore", signal.SIGTERM, d, SHARDWISE_PREEMPT_GRACE_S="3"),
     }
     pool = ThreadPoolExecutor(max_workers=LANES)
     dirs = {name: tmp_path_factory.mktemp(name) for name in jobs if name in wanted}
     # A hang beside a scenario that is starting up: the hang's waiting is what the other's start-up fills.
-    order = ["hang-script-ddp", "kill", "hang-shardwise-launch-fsdp", "raise0", "hang-script-deepspeed",
-             "preempt-script-SIGTERM", "preempt-shardwise-launch-SIGUSR1", "ignore"]
+    order = [
+        "hang-script-ddp",
+        "kill",
+        "hang-shardwise-launch-fsdp",
+        "raise0",
+        "hang-script-deepspeed",
+        "preempt-script-SIGTERM",
+        "preempt-shardwise-launch-SIGUSR1",
+        "ignore",
+    ]
     futures = {name: pool.submit(jobs[name], dirs[name]) for name in order if name in dirs}
     yield {name: (future, dirs[name]) for name, future in futures.items()}
     pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ------------------------------------------------------------------ hangs
-@pytest.mark.parametrize("scenario", [
-    "hang-script-ddp", "hang-shardwise-launch-fsdp",
-    # ZeRO's own process groups used to keep torch's 30-minute default timeout.
-    pytest.param("hang-script-deepspeed", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "hang-script-ddp",
+        "hang-shardwise-launch-fsdp",
+        # ZeRO's own process groups used to keep torch's 30-minute default timeout.
+        pytest.param("hang-script-deepspeed", marks=pytest.mark.slow),
+    ],
+)
 def test_hung_rank_is_named_with_its_hook_step_and_stack(scenarios, scenario):
     proc, elapsed = scenarios[scenario][0].result()
     err = proc.stderr
@@ -120,7 +143,7 @@ def test_hung_rank_is_named_with_its_hook_step_and_stack(scenarios, scenario):
     assert "UNREACHABLE" not in proc.stdout
     # The rank that stopped responding, where, and the one that waited for it.
     assert "rank 1 stopped responding in training_step at step 3" in err, err[-3000:]
-    assert f"rank 0 waited for it in a collective" in err and f"timed out after {TIMEOUT_S} s" in err
+    assert "rank 0 waited for it in a collective" in err and f"timed out after {TIMEOUT_S} s" in err
     assert "rank 1's Python stack" in err and "in training_step" in err.split("rank 1's Python stack")[1]
     # Every rank is gone soon after the timeout, not after torch's 30-minute default.
     assert elapsed < TIMEOUT_S + SLACK_S, elapsed
@@ -136,7 +159,7 @@ def test_killed_rank_names_the_signal_and_the_oom_killer(scenarios, scenario):
     assert "dmesg" in err and "out-of-memory" in err
     assert "traceback is printed above" not in err
     # rank 0's "Connection closed by peer" is reported as a consequence, not as the cause.
-    verdict = err[err.index("rank 1 was killed by SIGKILL"):]
+    verdict = err[err.index("rank 1 was killed by SIGKILL") :]
     assert "Connection closed" not in verdict.split("\n")[0]
     assert elapsed < SLACK_S, elapsed
 
@@ -147,7 +170,7 @@ def test_first_failure_wins_over_a_peers_closed_connection_under_shardwise_launc
     proc, elapsed = scenarios[scenario][0].result()
     err = proc.stderr
     assert proc.returncode == 1, err[-3000:]
-    verdict = err[err.index("[shardwise launch] node 0:"):]
+    verdict = err[err.index("[shardwise launch] node 0:") :]
     assert "rank 0 exited with code" in verdict and "ValueError: config error" in verdict, verdict[-3000:]
     assert "rank 0's traceback (the first failure)" in verdict
     assert 'raise ValueError("config error' in verdict  # rank 0's own traceback, in the verdict
@@ -211,10 +234,20 @@ def test_first_failure_wins_over_a_peers_closed_connection_in_launch_fn():
 
 # ---------------------------------------------------------- in-process parts
 def _outcome(rank, kind, at, code=1):
-    record = {"message": {"message": kind, "extraInfo": {"py_callstack": f"Traceback of rank {rank}\n",
-                                                         "timestamp": str(int(at))}},
-              "shardwise": {"rank": rank, "time": at, "kind": kind, "summary": f"Error: {kind} on {rank}",
-                            "hook": "training_step", "step": 7}}
+    record = {
+        "message": {
+            "message": kind,
+            "extraInfo": {"py_callstack": f"Traceback of rank {rank}\n", "timestamp": str(int(at))},
+        },
+        "shardwise": {
+            "rank": rank,
+            "time": at,
+            "kind": kind,
+            "summary": f"Error: {kind} on {rank}",
+            "hook": "training_step",
+            "step": 7,
+        },
+    }
     return faults.Outcome(rank=rank, exitcode=code, seen_at=at, record=record)
 
 

@@ -11,6 +11,7 @@ costs that much (so the first check would fail on it) and that both modes,
 and the replicate-dimension path (a (2, 1) mesh: reduce-scatter now,
 all-reduce deferred), accumulate the same gradients.
 """
+
 import contextlib
 
 import pytest
@@ -20,11 +21,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-from helpers.lm import LAYERS, PeakOfSteps
 from shardwise import FSDPStrategy, Trainer
 from shardwise.demos import LanguageModel, PythonDocsText
 from shardwise.distributed import ops
 from shardwise.memory import active_tracker
+
+from helpers.lm import LAYERS, PeakOfSteps
 
 SIZES = dict(nlayers=6, nhid=1024, ninp=128, nhead=4)  # ~4.2M parameters with the bundled vocabulary
 POLICY = LAYERS | {nn.Embedding}
@@ -39,8 +41,7 @@ class SGDLanguageModel(LanguageModel):
         loss = super().training_step(batch)
         tracker = active_tracker()
         if tracker is not None:
-            self.micro_batch_activations = max(self.micro_batch_activations,
-                                               tracker.current_breakdown["activations"])
+            self.micro_batch_activations = max(self.micro_batch_activations, tracker.current_breakdown["activations"])
         return loss
 
     def configure_optimizers(self):
@@ -51,9 +52,17 @@ def _peak(accumulate, sync, batch_size=2, block_size=32):
     data = PythonDocsText(block_size=block_size)
     shardwise.seed_everything(0)
     probe = PeakOfSteps()
-    trainer = Trainer(accelerator="cpu", devices=2, max_steps=2, accumulate_grad_batches=accumulate,
-                      strategy=FSDPStrategy(auto_wrap_policy=POLICY, accumulation_sync=sync),
-                      callbacks=[probe], logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        accumulate_grad_batches=accumulate,
+        strategy=FSDPStrategy(auto_wrap_policy=POLICY, accumulation_sync=sync),
+        callbacks=[probe],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     module = SGDLanguageModel(data.vocab_size, **SIZES)
     trainer.fit(module, DataLoader(data, batch_size=batch_size))
     params = sum(p.numel() for p in module.model.parameters())  # DTensors: global count
@@ -64,8 +73,9 @@ def _accumulated_grads(sharding, sync, mesh=None):
     """Local gradient shards after two micro-batches without a step (flattened, in parameter order)."""
     data = PythonDocsText(block_size=16)
     shardwise.seed_everything(0)
-    strategy = FSDPStrategy(auto_wrap_policy=LAYERS, sharding_strategy=sharding, device_mesh=mesh,
-                            accumulation_sync=sync)
+    strategy = FSDPStrategy(
+        auto_wrap_policy=LAYERS, sharding_strategy=sharding, device_mesh=mesh, accumulation_sync=sync
+    )
     strategy.setup_environment()
     with strategy.module_init_context():
         module = LanguageModel(data.vocab_size, nlayers=2, nhid=64, ninp=32, nhead=2)
@@ -89,6 +99,7 @@ def _counting(counts):
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in originals:
@@ -101,12 +112,19 @@ def _counting(counts):
 
 
 def measure():
-    peaks = {key: _peak(acc, sync) for key, acc, sync in
-             (("acc1", 1, "reduce_scatter"), ("acc2", 2, "reduce_scatter"), ("acc2_none", 2, "none"))}
-    grads = {key: _accumulated_grads(*args) for key, args in
-             (("full_rs", ("FULL_SHARD", "reduce_scatter")), ("full_none", ("FULL_SHARD", "none")),
-              ("replicate_rs", ("HYBRID_SHARD", "reduce_scatter", (2, 1))),
-              ("replicate_none", ("HYBRID_SHARD", "none", (2, 1))))}
+    peaks = {
+        key: _peak(acc, sync)
+        for key, acc, sync in (("acc1", 1, "reduce_scatter"), ("acc2", 2, "reduce_scatter"), ("acc2_none", 2, "none"))
+    }
+    grads = {
+        key: _accumulated_grads(*args)
+        for key, args in (
+            ("full_rs", ("FULL_SHARD", "reduce_scatter")),
+            ("full_none", ("FULL_SHARD", "none")),
+            ("replicate_rs", ("HYBRID_SHARD", "reduce_scatter", (2, 1))),
+            ("replicate_none", ("HYBRID_SHARD", "none", (2, 1))),
+        )
+    }
     return peaks, {k: (v[0].tolist(), v[1]) for k, v in grads.items()}
 
 
@@ -161,4 +179,7 @@ if __name__ == "__main__":  # python tests/distributed/test_fsdp_accumulation.py
     peaks, _ = shardwise.launch(measure, devices=2)[0]
     print(f"parameters: {next(iter(peaks.values()))[2]:,}")
     for name, (peak, breakdown, _, acts) in peaks.items():
-        print(f"{name:10s} {format_bytes(peak):>10s} (one micro-batch's activations {format_bytes(acts)})  " + " ".join(f"{k}={format_bytes(v)}" for k, v in breakdown.items()))
+        print(
+            f"{name:10s} {format_bytes(peak):>10s} (one micro-batch's activations {format_bytes(acts)})  "
+            + " ".join(f"{k}={format_bytes(v)}" for k, v in breakdown.items())
+        )

@@ -5,6 +5,7 @@ API (the Trainer calls the same setup_optimizer / optimizer_step):
 a pure-Python Adam that raises on DTensor, and, when installed, bitsandbytes'
 PagedAdamW32bit (CPU kernels) and AdamW8bit.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -112,7 +113,8 @@ def _run():
         set_optimizer_state_dict(model, fresh, get_optimizer_state_dict(model, optimizer))
         again = _flat(get_optimizer_state_dict(model, fresh)["state"])
         out[name + ":reloaded"] = sd.keys() == again.keys() and all(
-            torch.equal(v.full_tensor(), again[k].full_tensor()) for k, v in sd.items())
+            torch.equal(v.full_tensor(), again[k].full_tensor()) for k, v in sd.items()
+        )
     # The same optimizer without the local-shard step really fails on DTensor.
     strategy = FSDPStrategy(optimizer_on_local_shards=False)
     try:
@@ -123,8 +125,9 @@ def _run():
     if HAS_BNB:
         import bitsandbytes as bnb
 
-        model, optimizer, losses = _losses(FSDPStrategy(), lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-2,
-                                                                                          min_8bit_size=16), steps=2)
+        model, optimizer, losses = _losses(
+            FSDPStrategy(), lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-2, min_8bit_size=16), steps=2
+        )
         out["8bit:finite"] = all(math.isfinite(v) for v in losses)
         try:
             optimizer.state_dict()

@@ -8,15 +8,14 @@ lowers activation memory.
 """
 
 import pytest
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-from helpers.lm import LAYERS, LanguageModel, PeakOfSteps
 from shardwise import FSDPStrategy, Trainer
 from shardwise.demos import PythonDocsText
+
+from helpers.lm import LAYERS, LanguageModel, PeakOfSteps
 
 SIZES = dict(nlayers=8, nhid=1024, ninp=128, nhead=4)
 
@@ -38,8 +37,16 @@ def measure(names, batch_size=2, block_size=32):
     for name in names:
         shardwise.seed_everything(0)
         probe = PeakOfSteps()
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=_strategy(name), max_steps=2, callbacks=[probe],
-                          logger=False, enable_progress_bar=False, enable_checkpointing=False)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=_strategy(name),
+            max_steps=2,
+            callbacks=[probe],
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(LanguageModel(data.vocab_size, **SIZES), DataLoader(data, batch_size=batch_size))
         out[name] = (probe.peak, probe.breakdown)
     return out
@@ -89,5 +96,7 @@ if __name__ == "__main__":  # python tests/distributed/test_memory_ratios.py: pr
     for res in shardwise.launch(measure_both, devices=2)[0]:
         first = next(iter(res.values()))[0]
         for name, (peak, b) in res.items():
-            print(f"{name:10s} {format_bytes(peak):>10s} {peak / first:.2f}x  " +
-                  " ".join(f"{k}={format_bytes(v)}" for k, v in b.items()))
+            print(
+                f"{name:10s} {format_bytes(peak):>10s} {peak / first:.2f}x  "
+                + " ".join(f"{k}={format_bytes(v)}" for k, v in b.items())
+            )

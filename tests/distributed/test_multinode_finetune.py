@@ -24,8 +24,9 @@ def _env():
 
 
 def _launch(args, log):
-    return subprocess.Popen([sys.executable, "-m", "shardwise.cli", "launch", *args], env=_env(),
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "launch", *args], env=_env(), stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def _stop(procs):
@@ -58,25 +59,49 @@ def _losses(out):
 
 @pytest.mark.slow
 def test_two_launchers_hybrid_shard_match_one_node(tmp_path):
-    from helpers.hf import build_model_folder, chat_records, write_jsonl
-
     from shardwise.distributed.env import find_free_port
+
+    from helpers.hf import build_model_folder, chat_records, write_jsonl
 
     records = chat_records(120)
     model = build_model_folder(str(tmp_path / "model"), records)
     data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
     config = tmp_path / "run.yaml"
-    config.write_text(f"model_path: {model}\ndataset: {data}\nmax_seq_len: 64\nmax_steps: 6\nlogging_steps: 1\n"
-                      "learning_rate: 0.003\nprecision: 32-true\neval_split_ratio: 0\nseed: 3\n"
-                      f"cache_dir: {tmp_path / 'cache'}\n")
+    config.write_text(
+        f"model_path: {model}\ndataset: {data}\nmax_seq_len: 64\nmax_steps: 6\nlogging_steps: 1\n"
+        "learning_rate: 0.003\nprecision: 32-true\neval_split_ratio: 0\nseed: 3\n"
+        f"cache_dir: {tmp_path / 'cache'}\n"
+    )
     finetune = ["shardwise", "finetune", "--config", str(config)]
 
     port = str(find_free_port())
     hybrid = str(tmp_path / "hybrid")
     logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]
-    nodes = [_launch(["--nnodes", "2", "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", port,
-                      "--nproc-per-node", "2", *finetune, "--num_nodes", "2",
-                      "--sharding_strategy", "HYBRID_SHARD", "--output_dir", hybrid], logs[i]) for i in range(2)]
+    nodes = [
+        _launch(
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--nproc-per-node",
+                "2",
+                *finetune,
+                "--num_nodes",
+                "2",
+                "--sharding_strategy",
+                "HYBRID_SHARD",
+                "--output_dir",
+                hybrid,
+            ],
+            logs[i],
+        )
+        for i in range(2)
+    ]
     _wait(nodes, logs)
 
     single = str(tmp_path / "single")

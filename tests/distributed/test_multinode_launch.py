@@ -28,7 +28,10 @@ if len(sys.argv) > 2 and os.environ["RANK"] == sys.argv[2]:
 def test_resolve_command(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    assert launch_cli.resolve_command(str(script), ["--lr", "1"], False) == (sys.executable, ["-u", str(script), "--lr", "1"])
+    assert launch_cli.resolve_command(str(script), ["--lr", "1"], False) == (
+        sys.executable,
+        ["-u", str(script), "--lr", "1"],
+    )
     assert launch_cli.resolve_command("pkg.mod", ["x"], True) == (sys.executable, ["-u", "-m", "pkg.mod", "x"])
     exe, args = launch_cli.resolve_command("shardwise", ["finetune", "--config", "c.yaml"], False)
     assert exe == sys.executable and args == ["-u", "-m", "shardwise.cli", "finetune", "--config", "c.yaml"]
@@ -52,8 +55,13 @@ def _run(tmp_path, *extra):
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(SRC), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", "--nproc-per-node", "2", str(script),
-                           str(tmp_path), *extra], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "launch", "--nproc-per-node", "2", str(script), str(tmp_path), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_workers_get_the_torchrun_environment_and_failures_propagate(tmp_path):

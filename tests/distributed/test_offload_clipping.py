@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
+
 from helpers.strict_device import strict_cuda_collectives
 
 
@@ -33,9 +34,17 @@ def clipped_norms(tmp):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
     with strict_cuda_collectives() as calls:
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(cpu_offload=True), max_steps=2,
-                          gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
-                          enable_checkpointing=False, default_root_dir=tmp)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=FSDPStrategy(cpu_offload=True),
+            max_steps=2,
+            gradient_clip_val=0.5,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp,
+        )
         trainer.fit(Net(), DataLoader(data, batch_size=2))
     return dict(calls)
 

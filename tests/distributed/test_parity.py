@@ -9,6 +9,7 @@ single-device run to within 1e-4 relative.
 import pytest
 
 import shardwise
+
 from helpers.lm import train_losses, train_many
 
 STEPS = 20
@@ -27,8 +28,10 @@ def _rel(a, b):
 def test_two_process_strategies_match_single_device(reference):
     # Strategy-table names, FSDP wrapping the Transformer's layers; and "fsdp" as one unit, as a bare
     # Trainer(strategy="fsdp") shards a model without a wrap policy.
-    configs = [dict(name=n, devices=2, batch_size=4, steps=STEPS)
-               for n in ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_ac")]
+    configs = [
+        dict(name=n, devices=2, batch_size=4, steps=STEPS)
+        for n in ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_ac")
+    ]
     configs.append(dict(key="fsdp, one unit", name="fsdp", wrap=False, devices=2, batch_size=4, steps=STEPS))
     names = [c.get("key", c["name"]) for c in configs]
     results = shardwise.launch(train_many, configs, devices=2)
@@ -50,8 +53,10 @@ def test_hybrid_shard_2x2_matches_single_device(reference):
 
 
 def test_bf16_mixed_and_true_train():
-    configs = [dict(key=p, name="fsdp", devices=2, batch_size=4, steps=12, precision=p, lr=3e-3)
-               for p in ("bf16-mixed", "bf16-true")]
+    configs = [
+        dict(key=p, name="fsdp", devices=2, batch_size=4, steps=12, precision=p, lr=3e-3)
+        for p in ("bf16-mixed", "bf16-true")
+    ]
     results = shardwise.launch(train_many, configs, devices=2)[0]
     for precision, losses in results.items():
         head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3

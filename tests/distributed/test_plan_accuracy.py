@@ -10,6 +10,7 @@ configuration x model x world size, the table in BENCHMARKS.md) is marked
 slow. Models are 6 blocks deep, so every prediction is extrapolated from the
 planner's 3- and 4-block traces.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,19 @@ import pytest
 from shardwise.plan.measure import accuracy_models, compare
 
 TOLERANCE = 0.10
-FULL = ["ddp", "fsdp_no_shard", "fsdp_shard_grad_op", "fsdp", "fsdp_no_shard_ac",
-        "fsdp_shard_grad_op_ac", "fsdp_ac", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_ac"]
+FULL = [
+    "ddp",
+    "fsdp_no_shard",
+    "fsdp_shard_grad_op",
+    "fsdp",
+    "fsdp_no_shard_ac",
+    "fsdp_shard_grad_op_ac",
+    "fsdp_ac",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_ac",
+]
 QUICK = {
     ("gpt", 2): ["ddp", "fsdp_shard_grad_op", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"],
     ("transformer", 1): ["fsdp_no_shard", "fsdp", "deepspeed_stage_1"],
@@ -27,8 +39,11 @@ QUICK = {
 
 def _check(rows):
     bad = [r for r in rows if abs(r["error"]) > TOLERANCE]
-    table = "\n".join(f"{r['model']} x{r['devices']} {r['config']}: predicted {r['predicted']:.0f} B, measured "
-                      f"{r['measured']:.0f} B ({r['error']:+.1%})" for r in rows)
+    table = "\n".join(
+        f"{r['model']} x{r['devices']} {r['config']}: predicted {r['predicted']:.0f} B, measured "
+        f"{r['measured']:.0f} B ({r['error']:+.1%})"
+        for r in rows
+    )
     assert not bad, f"predictions off by more than {TOLERANCE:.0%}:\n{table}"
 
 

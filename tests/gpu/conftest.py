@@ -4,6 +4,7 @@ An inherited DS_ACCELERATOR=cpu with a model on CUDA is refused by
 shardwise (strategies/deepspeed_env.py ensure_accelerator_env), so the GPU suite
 drops the one tests/conftest.py set, before any worker inherits it.
 """
+
 import os
 
 import gpu_common

@@ -9,6 +9,7 @@ exercise the code on a CPU-only machine; the suite ships with "cuda").
 Module-level, so the worker processes shardwise.launch starts can import it. The
 recorder, the tiny GPT and its data are tests/helpers/lm.py's, shared with the CPU suite.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ import shardwise
 from shardwise import Trainer
 from shardwise.models import Block
 from shardwise.strategies import build_strategy
+
 from helpers.lm import StepLosses, TinyGPT, token_data  # noqa: F401  (token_data, TinyGPT: used by the GPU tests)
 
 DEVICE_TYPE = "cuda"
@@ -57,25 +59,48 @@ def gpu_trainer(**kwargs: Any) -> Trainer:
     return Trainer(**{**defaults, **kwargs})
 
 
-def fit_gpt(name: Any, devices: int, global_batch: int = 8, steps: int = 8, precision: str = "32-true",
-            accumulate: int = 2, clip: Optional[float] = 0.5, lr: float = 3e-3, root: Optional[str] = None,
-            val: bool = False, ckpt_path: Optional[str] = None, **trainer_kwargs: Any) -> Dict[str, Any]:
+def fit_gpt(
+    name: Any,
+    devices: int,
+    global_batch: int = 8,
+    steps: int = 8,
+    precision: str = "32-true",
+    accumulate: int = 2,
+    clip: Optional[float] = 0.5,
+    lr: float = 3e-3,
+    root: Optional[str] = None,
+    val: bool = False,
+    ckpt_path: Optional[str] = None,
+    **trainer_kwargs: Any,
+) -> Dict[str, Any]:
     """One run; the same global batch whatever the world size. Returns losses, val metric, trainer."""
     deterministic_math()
     shardwise.seed_everything(1234)
     recorder = StepLosses()
     strategy = strategy_for(name) if isinstance(name, str) else name  # or a strategy object
-    trainer = gpu_trainer(devices=devices, strategy=strategy, precision=precision, max_steps=steps,
-                          accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[recorder],
-                          default_root_dir=root, **({"val_check_interval": accumulate * 4, "limit_val_batches": 2}
-                                                    if val else {}), **trainer_kwargs)
+    trainer = gpu_trainer(
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        callbacks=[recorder],
+        default_root_dir=root,
+        **({"val_check_interval": accumulate * 4, "limit_val_batches": 2} if val else {}),
+        **trainer_kwargs,
+    )
     per_rank = max(1, global_batch // max(1, devices))
     loader = DataLoader(token_data(), batch_size=per_rank, shuffle=True)
     val_loader = DataLoader(token_data(32, seed=1), batch_size=per_rank) if val else None
     module = TinyGPT(lr=lr)
     trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
-    return {"losses": recorder.losses, "trainer": trainer, "module": module,
-            "val_loss": float(trainer.callback_metrics["val_loss"]) if val else None}
+    return {
+        "losses": recorder.losses,
+        "trainer": trainer,
+        "module": module,
+        "val_loss": float(trainer.callback_metrics["val_loss"]) if val else None,
+    }
 
 
 def rel(a: List[float], b: List[float]) -> float:

@@ -5,15 +5,17 @@ fit(ckpt_path=...) and no further steps on 1 GPU (FSDP and single device)
 and on the CPU (single device); and the other way: written on the CPU,
 resumed on the GPUs. Values are compared as full CPU tensors, exactly.
 """
+
 import os
 
 import pytest
+from gpu_common import DEVICE_TYPE, skip_without_gpu, world
 
 import shardwise
-from gpu_common import DEVICE_TYPE, skip_without_gpu, world
-from helpers.checkpoints import Net, assert_same_state, full_state, loader
 from shardwise import FSDPStrategy, Trainer
 from shardwise.checkpoint import layout
+
+from helpers.checkpoints import Net, assert_same_state, full_state, loader
 
 skip_without_gpu()
 pytestmark = pytest.mark.gpu
@@ -23,8 +25,16 @@ STEPS = 3
 
 def _trainer(accelerator, strategy, root, devices, max_steps=STEPS):
     strategy = FSDPStrategy() if strategy == "fsdp" else strategy
-    return Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-                   enable_progress_bar=False, enable_checkpointing=False, default_root_dir=root)
+    return Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 def write(accelerator, root, strategies):
@@ -52,11 +62,20 @@ def load(accelerator, root, jobs):
 def test_checkpoints_move_between_gpus_one_gpu_and_cpu(tmp_path):
     root = str(tmp_path)
     gpu = shardwise.launch(write, DEVICE_TYPE, root, ["fsdp", "ddp"], devices=world())[0]
-    one_gpu = shardwise.launch(load, DEVICE_TYPE, root, [("fsdp", f"{DEVICE_TYPE}-fsdp.ckpt"),
-                                                         ("single", f"{DEVICE_TYPE}-fsdp.ckpt"),
-                                                         ("single", f"{DEVICE_TYPE}-ddp.ckpt")], devices=1)[0]
-    cpu = shardwise.launch(load, "cpu", root, [("single", f"{DEVICE_TYPE}-fsdp.ckpt"),
-                                               ("single", f"{DEVICE_TYPE}-ddp.ckpt")], devices=1)[0]
+    one_gpu = shardwise.launch(
+        load,
+        DEVICE_TYPE,
+        root,
+        [
+            ("fsdp", f"{DEVICE_TYPE}-fsdp.ckpt"),
+            ("single", f"{DEVICE_TYPE}-fsdp.ckpt"),
+            ("single", f"{DEVICE_TYPE}-ddp.ckpt"),
+        ],
+        devices=1,
+    )[0]
+    cpu = shardwise.launch(
+        load, "cpu", root, [("single", f"{DEVICE_TYPE}-fsdp.ckpt"), ("single", f"{DEVICE_TYPE}-ddp.ckpt")], devices=1
+    )[0]
     for (strategy, path), got in {**one_gpu}.items():
         assert_same_state(gpu[path.split("-", 1)[1][:-5]], got, ("1 GPU", strategy, path))
     for (strategy, path), got in cpu.items():

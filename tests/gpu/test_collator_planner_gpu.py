@@ -8,14 +8,16 @@
   `torch.cuda.max_memory_reserved()` of that run (a smoke bound: within 2x
   either way; the printed figures are the real result).
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_common import DEVICE_TYPE, TinyGPT, gpu_trainer, skip_without_gpu, token_data
 from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-from gpu_common import DEVICE_TYPE, TinyGPT, gpu_trainer, skip_without_gpu, token_data
+
 from helpers.hf import build_tokenizer
 
 skip_without_gpu()
@@ -73,8 +75,16 @@ def test_planner_device_memory_auto_against_max_memory_reserved():
     assert total <= free + torch.cuda.memory_reserved(), (total, free)
     loader = DataLoader(token_data(), batch_size=8)
     batch = next(iter(loader))
-    plan = shardwise.plan(TinyGPT(), example_batch=batch, batch_size=8, devices=1, device_memory=total,
-                          precision="bf16-mixed", candidates=["ddp"], workers=1)
+    plan = shardwise.plan(
+        TinyGPT(),
+        example_batch=batch,
+        batch_size=8,
+        devices=1,
+        device_memory=total,
+        precision="bf16-mixed",
+        candidates=["ddp"],
+        workers=1,
+    )
     predicted = plan.estimates[0]
 
     torch.cuda.empty_cache()
@@ -83,8 +93,10 @@ def test_planner_device_memory_auto_against_max_memory_reserved():
     trainer = gpu_trainer(devices=1, strategy="auto", precision="bf16-mixed", max_steps=4, device_memory="auto")
     trainer.fit(TinyGPT(), loader)
     measured = torch.cuda.max_memory_reserved()
-    print(f"planner: allocated {predicted.allocated / 2**20:.1f} MiB, reserved {predicted.reserved / 2**20:.1f} MiB; "
-          f"measured max_memory_reserved {measured / 2**20:.1f} MiB, max_memory_allocated "
-          f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB of {total / 2**30:.1f} GiB")
+    print(
+        f"planner: allocated {predicted.allocated / 2**20:.1f} MiB, reserved {predicted.reserved / 2**20:.1f} MiB; "
+        f"measured max_memory_reserved {measured / 2**20:.1f} MiB, max_memory_allocated "
+        f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB of {total / 2**30:.1f} GiB"
+    )
     assert predicted.fits and measured <= total
     assert 0.5 <= predicted.reserved / measured <= 2.0, (predicted.reserved, measured)

@@ -4,10 +4,11 @@ World size min(2, GPUs). fp16 starts at a loss scale of 2**32, so the first
 steps overflow; DeepSpeed skips them and lowers the scale, and training goes
 on with finite losses (the Trainer keeps counting optimizer steps).
 """
+
 import pytest
+from gpu_common import DEVICE_TYPE, finite, fit_gpt, skip_without_gpu, world
 
 import shardwise
-from gpu_common import DEVICE_TYPE, finite, fit_gpt, skip_without_gpu, world
 
 skip_without_gpu()
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
@@ -23,7 +24,9 @@ def zero_bf16(names):
 
 
 def test_zero_stages_1_to_3_train_in_bf16():
-    results = shardwise.launch(zero_bf16, ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"], devices=world())[0]
+    results = shardwise.launch(
+        zero_bf16, ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"], devices=world()
+    )[0]
     for name, (losses, dtype) in results.items():
         assert len(losses) == 8 and finite(losses), (name, losses)
         assert losses[-1] < losses[0], (name, losses)
@@ -33,8 +36,9 @@ def test_zero_stages_1_to_3_train_in_bf16():
 def fp16_overflow():
     from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
-    strategy = DeepSpeedStrategy(stage=2, config={"fp16": {"enabled": True, "initial_scale_power": 32,
-                                                           "loss_scale_window": 1000}})
+    strategy = DeepSpeedStrategy(
+        stage=2, config={"fp16": {"enabled": True, "initial_scale_power": 32, "loss_scale_window": 1000}}
+    )
     result = fit_gpt(strategy, devices=world(), precision="16-mixed", steps=8, lr=3e-3)
     engine = result["trainer"].strategy.engine
     scale = float(engine.optimizer.loss_scaler.cur_scale)  # ZeRO 1/2's DeepSpeedZeroOptimizer (0.19.x)

@@ -7,21 +7,22 @@ rank reports identically. The offload run starts from the same weights as
 the run without offload (initialisation draws from the CPU generator
 either way) and must follow its fp32 loss curve.
 """
+
 import math
 
 import pytest
-import torch
+from gpu_common import DEVICE_TYPE, finite, fit_gpt, rel, skip_without_gpu, world
 
 import shardwise
-from gpu_common import DEVICE_TYPE, finite, fit_gpt, rel, skip_without_gpu, world
 
 skip_without_gpu()
 pytestmark = pytest.mark.gpu
 
 
 def bf16_fsdp(root):
-    result = fit_gpt("fsdp", devices=world(), precision="bf16-mixed", steps=8, accumulate=2, clip=0.5,
-                     root=root, val=True)
+    result = fit_gpt(
+        "fsdp", devices=world(), precision="bf16-mixed", steps=8, accumulate=2, clip=0.5, root=root, val=True
+    )
     params = list(result["trainer"].model.parameters())
     return result["losses"], result["val_loss"], str(params[0].to_local().device.type)
 
@@ -40,8 +41,10 @@ def offload_and_not(root):
     plain = fit_gpt("fsdp", devices=world(), steps=6, root=root)["losses"]
     result = fit_gpt("fsdp_cpu_offload", devices=world(), steps=6, root=root)
     model = result["trainer"].model
-    where = {"params": sorted({p.to_local().device.type for p in model.parameters()}),
-             "buffers": sorted({b.device.type for b in model.buffers()})}
+    where = {
+        "params": sorted({p.to_local().device.type for p in model.parameters()}),
+        "buffers": sorted({b.device.type for b in model.buffers()}),
+    }
     return plain, result["losses"], where
 
 

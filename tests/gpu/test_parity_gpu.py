@@ -5,10 +5,11 @@ accumulation 2, clipping 0.5) whatever the world size (min(2, GPUs)). The
 first step's loss is computed from the initial weights only, so it must
 agree to fp32 rounding; the curves to GPU reduction-order noise.
 """
+
 import pytest
+from gpu_common import finite, fit_gpt, rel, skip_without_gpu, world
 
 import shardwise
-from gpu_common import finite, fit_gpt, rel, skip_without_gpu, world
 
 skip_without_gpu()
 pytestmark = pytest.mark.gpu

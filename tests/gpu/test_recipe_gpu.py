@@ -6,12 +6,13 @@ receives its shards over NCCL (CUDA tensors: the staging copies for
 offloaded shards are exercised by the offload runs), export gathers one
 tensor at a time.
 """
+
 import os
 
 import pytest
 import torch
-
 from gpu_common import DEVICE_TYPE, deterministic_math, finite, skip_without_gpu, world
+
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 skip_without_gpu()
@@ -58,10 +59,24 @@ def _config(assets, out, **changes):
     from shardwise.recipes.finetune import FinetuneConfig
 
     model_dir, data, root = assets
-    settings = dict(model_path=model_dir, dataset=data, max_seq_len=64, packing=True, learning_rate=3e-3,
-                    lr_scheduler_type="constant", precision="32-true", per_device_train_batch_size=2,
-                    eval_split_ratio=0.0, devices=world(), accelerator=DEVICE_TYPE, strategy="fsdp",
-                    logging_steps=100, output_dir=str(out), cache_dir=str(root / "cache"), seed=3)
+    settings = dict(
+        model_path=model_dir,
+        dataset=data,
+        max_seq_len=64,
+        packing=True,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        precision="32-true",
+        per_device_train_batch_size=2,
+        eval_split_ratio=0.0,
+        devices=world(),
+        accelerator=DEVICE_TYPE,
+        strategy="fsdp",
+        logging_steps=100,
+        output_dir=str(out),
+        cache_dir=str(root / "cache"),
+        seed=3,
+    )
     return FinetuneConfig(**{**settings, **changes})
 
 

@@ -5,6 +5,7 @@ asks: is the resumed model and optimizer state the saved one, to the bit? `full_
 the "what" as full CPU tensors (a collective under FSDP: every rank calls it), and
 `assert_same_state` compares two of them, naming the case and the tensor that differ.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -51,8 +52,11 @@ class Net(TrainModule):
 
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)),
-                      batch_size=4, shuffle=True)
+    return DataLoader(
+        TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)),
+        batch_size=4,
+        shuffle=True,
+    )
 
 
 def full_state(trainer) -> Dict[str, Any]:
@@ -60,11 +64,18 @@ def full_state(trainer) -> Dict[str, Any]:
     options = StateDictOptions(full_state_dict=True)
     model = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(trainer.model, options=options).items()}
     osd = get_optimizer_state_dict(trainer.model, trainer.optimizers[0], options=options)
-    optim = {f"{fqn}/{k}": v.detach().cpu().clone() for fqn, s in osd["state"].items() for k, v in s.items()
-             if isinstance(v, torch.Tensor)}
+    optim = {
+        f"{fqn}/{k}": v.detach().cpu().clone()
+        for fqn, s in osd["state"].items()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
     # Loading a full file under FSDP hands `betas` back as a list: the same values, compared as lists.
-    group = {k: list(v) if isinstance(v, tuple) else v
-             for k, v in trainer.optimizers[0].param_groups[0].items() if k != "params"}
+    group = {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in trainer.optimizers[0].param_groups[0].items()
+        if k != "params"
+    }
     return {"model": model, "optim": optim, "group": repr(sorted(group.items())), "step": trainer.global_step}
 
 

@@ -4,6 +4,7 @@ and the command line of the fine-tuning recipe users copy (its train.py flags an
 Nothing is downloaded. The chat data is learnable (each question has one
 fixed answer), so a few dozen steps visibly lower the loss.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,10 @@ def chat_records(n: int = 240, seed: int = 0) -> List[Dict]:
             {"role": "assistant", "content": f"the {thing} is {answer[thing]} ."},
         ]
         if rng.random() < 0.5:
-            messages += [{"role": "user", "content": "are you sure ?"},
-                         {"role": "assistant", "content": f"yes , the {thing} is {answer[thing]} ."}]
+            messages += [
+                {"role": "user", "content": "are you sure ?"},
+                {"role": "assistant", "content": f"yes , the {thing} is {answer[thing]} ."},
+            ]
         records.append({"messages": messages, "id": len(records)})
     return records
 
@@ -48,13 +51,31 @@ def build_tokenizer(texts: List[str]):
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=SPECIALS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="<|endoftext|>", model_max_length=128)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="<|endoftext|>",
+        model_max_length=128,
+    )
 
 
-def build_model_folder(path: str, records: Optional[List[Dict]] = None, *, hidden: int = 64, layers: int = 2,
-                       heads: int = 4, kv_heads: int = 2, intermediate: int = 128, max_positions: int = 128,
-                       tie: bool = False, seed: int = 0, vocab_pad: int = 0, dtype=None) -> str:
+def build_model_folder(
+    path: str,
+    records: Optional[List[Dict]] = None,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    max_positions: int = 128,
+    tie: bool = False,
+    seed: int = 0,
+    vocab_pad: int = 0,
+    dtype=None,
+) -> str:
     """Save a random-weight Llama and its tokenizer to `path` (what a downloaded checkpoint looks like)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,11 +83,19 @@ def build_model_folder(path: str, records: Optional[List[Dict]] = None, *, hidde
     records = records if records is not None else chat_records()
     texts = [m["content"] for r in records for m in r["messages"]]
     tokenizer = build_tokenizer(texts)
-    config = LlamaConfig(vocab_size=len(tokenizer) + vocab_pad, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=max_positions, tie_word_embeddings=tie,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + vocab_pad,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     if dtype is not None:
@@ -119,40 +148,75 @@ def seed_records(n=40):
 def train_args(model, data, output_dir, *, max_steps=2, eval_steps=1, save_steps=2, logging_steps=1, max_seq_len=32):
     """train.py's flags exactly as the recipe prints them; only model, data, paths and sizes scaled down."""
     return [
-        "--seed", "100",
-        "--model_name", model,
-        "--dataset_name", data,
-        "--chat_template_format", "none",
-        "--add_special_tokens", "False",
-        "--append_concat_token", "False",
-        "--splits", "train,test",
-        "--max_seq_len", str(max_seq_len),
-        "--max_steps", str(max_steps),
-        "--logging_steps", str(logging_steps),
-        "--log_level", "info",
-        "--eval_steps", str(eval_steps),
-        "--save_steps", str(save_steps),
-        "--logging_strategy", "steps",
-        "--evaluation_strategy", "steps",
-        "--save_strategy", "steps",
+        "--seed",
+        "100",
+        "--model_name",
+        model,
+        "--dataset_name",
+        data,
+        "--chat_template_format",
+        "none",
+        "--add_special_tokens",
+        "False",
+        "--append_concat_token",
+        "False",
+        "--splits",
+        "train,test",
+        "--max_seq_len",
+        str(max_seq_len),
+        "--max_steps",
+        str(max_steps),
+        "--logging_steps",
+        str(logging_steps),
+        "--log_level",
+        "info",
+        "--eval_steps",
+        str(eval_steps),
+        "--save_steps",
+        str(save_steps),
+        "--logging_strategy",
+        "steps",
+        "--evaluation_strategy",
+        "steps",
+        "--save_strategy",
+        "steps",
         "--push_to_hub",
-        "--hub_private_repo", "True",
-        "--hub_strategy", "every_save",
-        "--bf16", "True",
-        "--packing", "True",
-        "--learning_rate", "5e-5",
-        "--lr_scheduler_type", "cosine",
-        "--weight_decay", "0.01",
-        "--warmup_ratio", "0.03",
-        "--max_grad_norm", "1.0",
-        "--output_dir", output_dir,
-        "--per_device_train_batch_size", "1",
-        "--per_device_eval_batch_size", "1",
-        "--gradient_accumulation_steps", "1",
-        "--gradient_checkpointing", "True",
-        "--use_reentrant", "False",
-        "--dataset_text_field", "content",
-        "--use_flash_attn", "True",
-        "--ddp_timeout", "5400",
-        "--optim", "paged_adamw_32bit",
+        "--hub_private_repo",
+        "True",
+        "--hub_strategy",
+        "every_save",
+        "--bf16",
+        "True",
+        "--packing",
+        "True",
+        "--learning_rate",
+        "5e-5",
+        "--lr_scheduler_type",
+        "cosine",
+        "--weight_decay",
+        "0.01",
+        "--warmup_ratio",
+        "0.03",
+        "--max_grad_norm",
+        "1.0",
+        "--output_dir",
+        output_dir,
+        "--per_device_train_batch_size",
+        "1",
+        "--per_device_eval_batch_size",
+        "1",
+        "--gradient_accumulation_steps",
+        "1",
+        "--gradient_checkpointing",
+        "True",
+        "--use_reentrant",
+        "False",
+        "--dataset_text_field",
+        "content",
+        "--use_flash_attn",
+        "True",
+        "--ddp_timeout",
+        "5400",
+        "--optim",
+        "paged_adamw_32bit",
     ]

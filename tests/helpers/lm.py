@@ -3,6 +3,7 @@ and the shipped GPT at a tiny size on sequences that count upwards (learnable: t
 
 Module-level so spawned worker processes can import them.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -14,10 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
 from shardwise import Trainer, TrainModule
-from shardwise.strategies import build_strategy
 from shardwise.demos import LanguageModel, PythonDocsText
 from shardwise.memory import start_tracking, stop_tracking
 from shardwise.models import GPT, gpt_config
+from shardwise.strategies import build_strategy
 
 LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
 SMALL = dict(nlayers=2, nhid=64, ninp=32, nhead=2)
@@ -54,16 +55,34 @@ def strategy_for(name: str, wrap: bool = True, **options):
     return build_strategy(name, blocks=LAYERS if wrap else None, **options)
 
 
-def train_losses(name: str, devices: int, batch_size: int, steps: int = 20, precision: str = "32-true",
-                 accumulate: int = 2, clip: float = 0.5, lr: float = 1e-3, wrap: bool = True,
-                 **strategy_options: Any) -> List[float]:
+def train_losses(
+    name: str,
+    devices: int,
+    batch_size: int,
+    steps: int = 20,
+    precision: str = "32-true",
+    accumulate: int = 2,
+    clip: float = 0.5,
+    lr: float = 1e-3,
+    wrap: bool = True,
+    **strategy_options: Any,
+) -> List[float]:
     shardwise.seed_everything(1234)
     data = PythonDocsText(block_size=16)
     recorder = StepLosses()
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy_for(name, wrap, **strategy_options),
-                      precision=precision,
-                      max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-                      callbacks=[recorder], enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy_for(name, wrap, **strategy_options),
+        precision=precision,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        callbacks=[recorder],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(LanguageModel(data.vocab_size, lr=lr, **SMALL), DataLoader(data, batch_size=batch_size))
     return recorder.losses
 

@@ -1,9 +1,12 @@
 """Data the seed tests share, importable by their spawned workers (a module named conftest is not:
 the workers find tests/conftest.py first on sys.path)."""
+
 import os
 
-WORDS = ("the cat sat on the mat and the dog ran to the park while a bird sang in the tall green tree "
-         "near the river where children played with a red ball until the sun went down").split()
+WORDS = (
+    "the cat sat on the mat and the dog ran to the park while a bird sang in the tall green tree "
+    "near the river where children played with a red ball until the sun went down"
+).split()
 
 
 def write_wikitext(folder: str, n_words: int = 400) -> str:

@@ -21,6 +21,7 @@ reduce-scatter, DTensor's other functional collectives, DDP's reducer) are
 untouched, so a whole Trainer / recipe run works under it. Module-level, so
 spawned worker processes can import it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,9 @@ class FakeCudaTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor):
-        out = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=data.dtype,
-                                                  device=FAKE_CUDA, requires_grad=data.requires_grad)
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), dtype=data.dtype, device=FAKE_CUDA, requires_grad=data.requires_grad
+        )
         out.cpu_data = data
         return out
 
@@ -51,18 +53,27 @@ class FakeCudaTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type == "cpu":
+        if (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cpu"
+        ):
             rest = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory")}
             return args[0].cpu_data.to(**rest).clone()
         flat, _ = tree_flatten((args, kwargs))
         cross_device_ok = func in (torch.ops.aten.copy_.default,)  # CUDA copies to and from the host
-        for t in ([] if cross_device_ok else flat):  # CUDA's rule: other tensors must be CUDA too, except 0-dim CPU scalars
+        for t in (
+            [] if cross_device_ok else flat
+        ):  # CUDA's rule: other tensors must be CUDA too, except 0-dim CPU scalars
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeCudaTensor) and t.dim() > 0:
-                raise RuntimeError(f"{func}: expected all tensors to be on the same device, but found at "
-                                   f"least two devices, cuda:0 and {t.device} (FakeCudaTensor)")
-        out = func(*tree_map(lambda t: t.cpu_data if isinstance(t, FakeCudaTensor) else t, args),
-                   **tree_map(lambda t: t.cpu_data if isinstance(t, FakeCudaTensor) else t, kwargs))
+                raise RuntimeError(
+                    f"{func}: expected all tensors to be on the same device, but found at "
+                    f"least two devices, cuda:0 and {t.device} (FakeCudaTensor)"
+                )
+        out = func(
+            *tree_map(lambda t: t.cpu_data if isinstance(t, FakeCudaTensor) else t, args),
+            **tree_map(lambda t: t.cpu_data if isinstance(t, FakeCudaTensor) else t, kwargs),
+        )
         first = func._schema.arguments[0] if func._schema.arguments else None
         if first is not None and first.alias_info is not None and first.alias_info.is_write:
             return args[0]  # in place (x /= n): the fake's CPU data was updated
@@ -74,8 +85,12 @@ class _ToFakeCuda(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type == "cuda" and not isinstance(args[0], FakeCudaTensor):
+        if (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cuda"
+            and not isinstance(args[0], FakeCudaTensor)
+        ):
             rest = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory")}
             return FakeCudaTensor(args[0].to(**rest).clone())
         if func is torch.ops.aten._pin_memory.default:  # pinning needs a CUDA driver; keep pageable memory
@@ -109,11 +124,14 @@ def _strict(name: str, original, calls: Dict[str, int]):
         tensors = [tensor] + [a for a in args if isinstance(a, torch.Tensor)]
         for t in tensors:
             if t.device.type != "cuda":
-                raise ValueError(f"dist.{name} got a tensor on {t.device}; the group's backend (NCCL, "
-                                 "simulated by tests/helpers/strict_device.py) only moves CUDA tensors")
+                raise ValueError(
+                    f"dist.{name} got a tensor on {t.device}; the group's backend (NCCL, "
+                    "simulated by tests/helpers/strict_device.py) only moves CUDA tensors"
+                )
         calls[name] = calls.get(name, 0) + 1
         unwrap = [t.cpu_data if isinstance(t, FakeCudaTensor) else t for t in (tensor, *args)]
         return original(*unwrap, **kwargs)
+
     return collective
 
 
@@ -135,8 +153,9 @@ def strict_cuda_collectives() -> Iterator[Dict[str, int]]:
     from shardwise.distributed import ops
 
     calls: Dict[str, int] = {}
-    patched = {name: getattr(dist, name)
-               for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "send", "recv")}
+    patched = {
+        name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "send", "recv")
+    }
     saved_device = ops.collective_device
     for name, fn in patched.items():
         setattr(dist, name, _strict(name, fn, calls))
@@ -167,8 +186,10 @@ def _patch_dtensor(calls: Dict[str, int]):
 
     def strict_full_tensor(self, *args, **kwargs):
         if not getattr(self, "_strict_on_cuda", False):
-            raise ValueError(f"DTensor.full_tensor() on a shard on {self._local_tensor.device}; the mesh's backend "
-                             "(NCCL, simulated by tests/helpers/strict_device.py) only moves CUDA tensors")
+            raise ValueError(
+                f"DTensor.full_tensor() on a shard on {self._local_tensor.device}; the mesh's backend "
+                "(NCCL, simulated by tests/helpers/strict_device.py) only moves CUDA tensors"
+            )
         calls["full_tensor"] = calls.get("full_tensor", 0) + 1
         return FakeCudaTensor(full_tensor(self, *args, **kwargs))
 

@@ -3,13 +3,15 @@
 The command runs in the test process (`shardwise.cli.main`, what `python -m shardwise.cli` calls); its
 two workers are real processes, and their output and the CLI's reach stderr as a user sees them.
 """
+
 from __future__ import annotations
 
 import os
 import re
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
 from shardwise.cli import main
+
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 
 def test_rank_0s_own_error_is_what_the_cli_shows(tmp_path, capfd, monkeypatch):
@@ -23,14 +25,29 @@ def test_rank_0s_own_error_is_what_the_cli_shows(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     capfd.readouterr()
-    code = main(["finetune", "--model_path", model, "--dataset", data, "--output_dir", str(tmp_path / "out"),
-                 "--devices", "2", "--max_steps", "2", "--max_seq_len", "32"])
+    code = main(
+        [
+            "finetune",
+            "--model_path",
+            model,
+            "--dataset",
+            data,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--devices",
+            "2",
+            "--max_steps",
+            "2",
+            "--max_seq_len",
+            "32",
+        ]
+    )
     err = capfd.readouterr().err
     assert code not in (0, None), err[-3000:]
     # The CLI's one error line is the launcher's verdict, and it names rank 0 first.
     first = re.search(r"^shardwise finetune: (?:error: )?\[shardwise\] rank 0 exited", err, re.M)
     assert first, err[-3000:]
-    verdict = err[first.start():]
+    verdict = err[first.start() :]
     assert "SafetensorError" in verdict.splitlines()[0], err[-3000:]
     # Rank 1 only lost its peer: one line, not a traceback that buries rank 0's.
     assert "rank 1 lost a peer" in err and "Connection closed by peer" not in verdict.split("Traceback")[0]

@@ -11,13 +11,21 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.hf import build_tokenizer, chat_records, write_jsonl
 from shardwise.recipes import data as D
+
+from helpers.hf import build_tokenizer, chat_records, write_jsonl
 
 
 def test_tags_format_matches_the_seed_recipe():
-    text = D.format_tags(D._normalise_messages([
-        {"role": "system", "content": "be nice"}, {"from": "human", "value": "hi"}, {"role": "assistant", "content": "yo"}]))
+    text = D.format_tags(
+        D._normalise_messages(
+            [
+                {"role": "system", "content": "be nice"},
+                {"from": "human", "value": "hi"},
+                {"role": "assistant", "content": "yo"},
+            ]
+        )
+    )
     assert text == "<|system|> be nice <|endoftext|> <|prompter|> hi <|endoftext|> <|assistant|> yo <|endoftext|>"
 
 
@@ -50,9 +58,18 @@ def test_packed_document_sees_only_itself_in_a_hf_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         attn_implementation="sdpa")).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     a, b = [3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]
     packed = D.pack_documents([a, b], block=12, mode="attention")
     ids = torch.from_numpy(packed["input_ids"]).long()

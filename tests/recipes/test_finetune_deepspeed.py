@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
 from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 
 def live_weights(module):
@@ -27,7 +28,7 @@ def live_weights(module):
 
     strategy = module.trainer.strategy
     state = strategy.model_state_dict(module)  # ZeRO-3: gathers one module at a time
-    out = {canonical_name(k[len("model."):]): v for k, v in state.items() if k.startswith("model.")}
+    out = {canonical_name(k[len("model.") :]): v for k, v in state.items() if k.startswith("model.")}
     return out if dist.get_rank() == 0 else None
 
 
@@ -81,19 +82,40 @@ def _zero3_load(model_dir):
         mismatched += sorted(set("model." + k for k in reference) ^ set(k for k in state if "rotary" not in k))
     inv_freq = dict(module.named_buffers())["model.model.rotary_emb.inv_freq"].clone()
     # No teardown: the process group stays for the fine-tuning runs that follow in this process.
-    return dict(partitioned=partitioned, gathered_at_hook=seen, gathers=gathers, mismatched=mismatched,
-                bytes_read=report.bytes_read, tensors=report.tensors, inv_freq=inv_freq)
+    return dict(
+        partitioned=partitioned,
+        gathered_at_hook=seen,
+        gathers=gathers,
+        mismatched=mismatched,
+        bytes_read=report.bytes_read,
+        tensors=report.tensors,
+        inv_freq=inv_freq,
+    )
 
 
 def _runs(model_dir, data, root):
     out = {"load": _zero3_load(model_dir)}
     for stage in (3, 2):
-        cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=64, max_steps=8, learning_rate=3e-3,
-                             lr_scheduler_type="constant", precision="32-true", per_device_train_batch_size=2,
-                             devices=2, strategy=f"deepspeed_stage_{stage}", eval_split_ratio=0.0,
-                             save_steps=4 if stage == 2 else None, save_total_limit=2, gradient_checkpointing=stage == 2,
-                             output_dir=os.path.join(root, f"zero{stage}"), cache_dir=os.path.join(root, "cache"),
-                             logging_steps=100, seed=3)
+        cfg = FinetuneConfig(
+            model_path=model_dir,
+            dataset=data,
+            max_seq_len=64,
+            max_steps=8,
+            learning_rate=3e-3,
+            lr_scheduler_type="constant",
+            precision="32-true",
+            per_device_train_batch_size=2,
+            devices=2,
+            strategy=f"deepspeed_stage_{stage}",
+            eval_split_ratio=0.0,
+            save_steps=4 if stage == 2 else None,
+            save_total_limit=2,
+            gradient_checkpointing=stage == 2,
+            output_dir=os.path.join(root, f"zero{stage}"),
+            cache_dir=os.path.join(root, "cache"),
+            logging_steps=100,
+            seed=3,
+        )
         out[stage] = finetune(cfg, after_fit=live_weights)
     # Resume the ZeRO-2 run from its step-4 engine checkpoint: steps 5-8 again.
     ckpts = os.path.join(root, "zero2", "checkpoints")
@@ -140,8 +162,9 @@ def test_zero3_and_zero2_load_from_rank0_finetune_and_export(tmp_path):
         assert set(trained) == set(original) and set(exported) == set(original)
         for name, value in trained.items():
             assert torch.equal(exported[name], value), (stage, name)
-        assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"],
-                               original["model.layers.0.mlp.up_proj.weight"])
+        assert not torch.equal(
+            exported["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"]
+        )
     # save_steps went through the engine's own checkpoint format, and resuming
     # from step 4 continues the same loss curve.
     ckpt = os.path.join(results[2].output_dir, "checkpoints", "last.ckpt")
@@ -176,13 +199,22 @@ def test_zero3_load_equals_the_file_in_other_layouts(tmp_path, devices):
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("ft-ds-errors")
     records = chat_records(10)
-    return {"model": build_model_folder(str(root / "model"), records),
-            "data": write_jsonl(str(root / "chat.jsonl"), records), "out": str(root / "out")}
+    return {
+        "model": build_model_folder(str(root / "model"), records),
+        "data": write_jsonl(str(root / "chat.jsonl"), records),
+        "out": str(root / "out"),
+    }
 
 
 def _cfg(assets, **changes):
-    return FinetuneConfig(model_path=assets["model"], dataset=assets["data"], max_seq_len=32, max_steps=2,
-                          output_dir=assets["out"], **changes)
+    return FinetuneConfig(
+        model_path=assets["model"],
+        dataset=assets["data"],
+        max_seq_len=32,
+        max_steps=2,
+        output_dir=assets["out"],
+        **changes,
+    )
 
 
 def test_every_strategy_name_of_the_table_is_accepted(assets):
@@ -205,35 +237,57 @@ def test_every_strategy_name_of_the_table_is_accepted(assets):
     assert isinstance(_build_strategy(_cfg(assets, strategy="zero3"), folder), DeepSpeedStrategy)  # an alias
     with pytest.raises(ValueError, match="contradicts strategy='fsdp_hybrid_shard'"):
         _build_strategy(_cfg(assets, strategy="fsdp_hybrid_shard", sharding_strategy="SHARD_GRAD_OP"), folder)
-    assert isinstance(_build_strategy(_cfg(assets, strategy="fsdp_no_shard", sharding_strategy="NO_SHARD"), folder),
-                      FSDPStrategy)
-    strategy = _build_strategy(_cfg(assets, strategy="deepspeed", strategy_options={
-        "stage": 3, "config": {"zero_optimization": {"stage3_max_live_parameters": 1000}}}), folder)
+    assert isinstance(
+        _build_strategy(_cfg(assets, strategy="fsdp_no_shard", sharding_strategy="NO_SHARD"), folder), FSDPStrategy
+    )
+    strategy = _build_strategy(
+        _cfg(
+            assets,
+            strategy="deepspeed",
+            strategy_options={"stage": 3, "config": {"zero_optimization": {"stage3_max_live_parameters": 1000}}},
+        ),
+        folder,
+    )
     assert strategy.stage == 3 and strategy.config["zero_optimization"]["stage3_max_live_parameters"] == 1000
-    fsdp = _build_strategy(_cfg(assets, strategy_options={"limit_all_gathers": True,
-                                                          "reshard_after_forward": False}), folder)
+    fsdp = _build_strategy(
+        _cfg(assets, strategy_options={"limit_all_gathers": True, "reshard_after_forward": False}), folder
+    )
     assert fsdp.limit_all_gathers is True and fsdp.reshard_after_forward is False
 
 
 def test_unknown_strategy_lists_the_valid_names(assets):
-    with pytest.raises(ValueError, match=r"strategy='zero4' is not a fine-tuning strategy\. Valid: auto, single, "
-                                         r"ddp, fsdp, .*deepspeed_stage_3_offload"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy='zero4' is not a fine-tuning strategy\. Valid: auto, single, "
+        r"ddp, fsdp, .*deepspeed_stage_3_offload",
+    ):
         finetune(_cfg(assets, strategy="zero4", devices=2))
 
 
 def test_strategy_options_are_checked_before_any_worker_starts(assets):
-    with pytest.raises(ValueError, match=r"strategy_options\['offload_optimiser'\] is not an argument of "
-                                         r"DeepSpeedStrategy .*Valid: stage, offload_optimizer, offload_parameters"):
-        finetune(_cfg(assets, strategy="deepspeed_stage_3", devices=2,
-                      strategy_options={"offload_optimiser": True}))
-    with pytest.raises(ValueError, match=r"strategy_options\['limit_allgathers'\] is not an argument of "
-                                         r"FSDPStrategy .*limit_all_gathers"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy_options\['offload_optimiser'\] is not an argument of "
+        r"DeepSpeedStrategy .*Valid: stage, offload_optimizer, offload_parameters",
+    ):
+        finetune(_cfg(assets, strategy="deepspeed_stage_3", devices=2, strategy_options={"offload_optimiser": True}))
+    with pytest.raises(
+        ValueError,
+        match=r"strategy_options\['limit_allgathers'\] is not an argument of "
+        r"FSDPStrategy .*limit_all_gathers",
+    ):
         finetune(_cfg(assets, devices=2, strategy_options={"limit_allgathers": True}))
-    with pytest.raises(ValueError, match=r"strategy_options\['sharding_strategy'\]: the recipe sets .*own option "
-                                         r"'sharding_strategy'; set sharding_strategy: 'NO_SHARD'"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy_options\['sharding_strategy'\]: the recipe sets .*own option "
+        r"'sharding_strategy'; set sharding_strategy: 'NO_SHARD'",
+    ):
         finetune(_cfg(assets, devices=2, strategy_options={"sharding_strategy": "NO_SHARD"}))
-    with pytest.raises(ValueError, match=r"strategy_options\['stage'\]=2 contradicts "
-                                         r"strategy='deepspeed_stage_3'"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy_options\['stage'\]=2 contradicts "
+        r"strategy='deepspeed_stage_3'",
+    ):
         validate_config(_cfg(assets, strategy="deepspeed_stage_3", strategy_options={"stage": 2}))
     with pytest.raises(ValueError, match=r"sharding_strategy configure FSDP; strategy='deepspeed_stage_2'"):
         validate_config(_cfg(assets, strategy="deepspeed_stage_2", sharding_strategy="HYBRID_SHARD"))

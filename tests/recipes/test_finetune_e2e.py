@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
 from shardwise.recipes.finetune import FinetuneConfig, finetune
+
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 
 def gather_trained_weights(module):
@@ -39,11 +40,27 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
     model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
     data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
     out = str(tmp_path / "out")
-    cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=64, packing=True, max_steps=30,
-                         learning_rate=3e-3, lr_scheduler_type="cosine", warmup_ratio=0.1, weight_decay=0.01,
-                         logging_steps=10, eval_steps=10, precision="32-true", per_device_train_batch_size=2,
-                         gradient_checkpointing=True, devices=2, strategy="fsdp", eval_split_ratio=0.1,
-                         output_dir=out, seed=7)
+    cfg = FinetuneConfig(
+        model_path=model_dir,
+        dataset=data,
+        max_seq_len=64,
+        packing=True,
+        max_steps=30,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_ratio=0.1,
+        weight_decay=0.01,
+        logging_steps=10,
+        eval_steps=10,
+        precision="32-true",
+        per_device_train_batch_size=2,
+        gradient_checkpointing=True,
+        devices=2,
+        strategy="fsdp",
+        eval_split_ratio=0.1,
+        output_dir=out,
+        seed=7,
+    )
     result = finetune(cfg, after_fit=gather_trained_weights)
 
     losses = [s["loss"] for s in result.losses]
@@ -64,12 +81,14 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
     assert not torch.equal(original["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
 
     tokenizer = AutoTokenizer.from_pretrained(out)
-    prompt = "<|system|> you are a helpful assistant <|endoftext|> <|prompter|> what colour is the sky ? " \
-             "<|endoftext|> <|assistant|>"
+    prompt = (
+        "<|system|> you are a helpful assistant <|endoftext|> <|prompter|> what colour is the sky ? "
+        "<|endoftext|> <|assistant|>"
+    )
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     generated = exported.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert ids.shape[1] < generated.shape[1] <= ids.shape[1] + 6
-    assert "sky" in tokenizer.decode(generated[0, ids.shape[1]:])  # it learned the answer's shape
+    assert "sky" in tokenizer.decode(generated[0, ids.shape[1] :])  # it learned the answer's shape
 
 
 def _one_process_load(model_dir, export_dir):
@@ -77,8 +96,9 @@ def _one_process_load(model_dir, export_dir):
     from shardwise.recipes import hf_model
     from shardwise.recipes.finetune import build_module
 
-    strategy = FSDPStrategy(auto_wrap_policy=["LlamaDecoderLayer"],
-                            activation_checkpointing_policy=["LlamaDecoderLayer"])
+    strategy = FSDPStrategy(
+        auto_wrap_policy=["LlamaDecoderLayer"], activation_checkpointing_policy=["LlamaDecoderLayer"]
+    )
     strategy.connect("cpu", "32-true")
     strategy.setup_environment()
     try:
@@ -87,8 +107,9 @@ def _one_process_load(model_dir, export_dir):
         with strategy.module_init_context():
             module.configure_model()
         module = strategy.setup_module(module)  # the uninitialised-tensor check runs here
-        hf_model.export_hf_folder(module.model, export_dir, config=folder.config, source_dir=model_dir,
-                                  max_shard_size=20_000)
+        hf_model.export_hf_folder(
+            module.model, export_dir, config=folder.config, source_dir=model_dir, max_shard_size=20_000
+        )
     finally:
         strategy.teardown()  # leave no process group behind for the next test
     return module
@@ -124,14 +145,25 @@ def test_save_steps_checkpoints_resume_exactly(tmp_path):
     records = chat_records(120)
     model_dir = build_model_folder(str(tmp_path / "m"), records)
     data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
-    common = dict(model_path=model_dir, dataset=data, max_seq_len=64, learning_rate=3e-3, lr_scheduler_type="constant",
-                  precision="32-true", eval_split_ratio=0.0, devices=1, save_steps=3, logging_steps=100,
-                  cache_dir=str(tmp_path / "cache"))
+    common = dict(
+        model_path=model_dir,
+        dataset=data,
+        max_seq_len=64,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        precision="32-true",
+        eval_split_ratio=0.0,
+        devices=1,
+        save_steps=3,
+        logging_steps=100,
+        cache_dir=str(tmp_path / "cache"),
+    )
     straight = finetune(FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "a"), **common))
     finetune(FinetuneConfig(max_steps=3, output_dir=str(tmp_path / "b"), **common))
     assert os.path.exists(tmp_path / "b" / "checkpoints" / "last.ckpt")
-    resumed = finetune(FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "b"), resume_from_checkpoint="last",
-                                      **common))
+    resumed = finetune(
+        FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "b"), resume_from_checkpoint="last", **common)
+    )
     assert [s["step"] for s in resumed.losses] == [4, 5, 6]
     assert [s["loss"] for s in resumed.losses] == pytest.approx([s["loss"] for s in straight.losses[3:]], rel=1e-6)
 
@@ -183,10 +215,21 @@ def test_unpacked_padded_batches_train_and_export_bf16(tmp_path):
 
     records = chat_records(60)
     model_dir = build_model_folder(str(tmp_path / "m"), records)
-    cfg = FinetuneConfig(model_path=model_dir, dataset=write_jsonl(str(tmp_path / "c.jsonl"), records), packing=False,
-                         max_seq_len=48, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         learning_rate=3e-3, precision="32-true", devices=1, eval_split_ratio=0.0,
-                         export_dtype="bfloat16", output_dir=str(tmp_path / "out"))
+    cfg = FinetuneConfig(
+        model_path=model_dir,
+        dataset=write_jsonl(str(tmp_path / "c.jsonl"), records),
+        packing=False,
+        max_seq_len=48,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        precision="32-true",
+        devices=1,
+        eval_split_ratio=0.0,
+        export_dtype="bfloat16",
+        output_dir=str(tmp_path / "out"),
+    )
     result = finetune(cfg)
     losses = [s["loss"] for s in result.losses]
     assert len(losses) == 6 and losses[-1] < losses[0]

@@ -9,11 +9,12 @@ import shutil
 import pytest
 import torch
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
-from shardwise.recipes.data import DatasetFieldError
 from shardwise.cli import main as shardwise_main
+from shardwise.recipes.data import DatasetFieldError
 from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, lr_lambda, validate_config
 from shardwise.recipes.hf_model import ModelFolderError
+
+from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,13 @@ def assets(tmp_path_factory):
 
 
 def _cfg(assets, **changes):
-    base = dict(model_path=assets["model"], dataset=assets["data"], max_seq_len=32, max_steps=2,
-                output_dir=str(assets["root"] / "out"))
+    base = dict(
+        model_path=assets["model"],
+        dataset=assets["data"],
+        max_seq_len=32,
+        max_steps=2,
+        output_dir=str(assets["root"] / "out"),
+    )
     base.update(changes)
     return FinetuneConfig(**base)
 
@@ -111,10 +117,15 @@ def test_flash_attention_with_fp32_is_refused_before_any_worker(assets, monkeypa
 
     import shardwise.distributed.launch  # noqa: F401  (the package re-exports the function under the same name)
 
-    monkeypatch.setattr(sys.modules["shardwise.distributed.launch"], "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.setattr(
+        sys.modules["shardwise.distributed.launch"], "launch", lambda *a, **k: pytest.fail("a worker was started")
+    )
     for precision in ("32-true", "64-true"):
-        with pytest.raises(ValueError, match=rf"flash_attention_2' with precision='{precision}'.*"
-                                             r"precision='bf16-mixed'.*attn_implementation='sdpa'"):
+        with pytest.raises(
+            ValueError,
+            match=rf"flash_attention_2' with precision='{precision}'.*"
+            r"precision='bf16-mixed'.*attn_implementation='sdpa'",
+        ):
             finetune(_cfg(assets, attn_implementation="flash_attention_2", precision=precision, devices=2))
 
 

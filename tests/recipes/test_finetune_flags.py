@@ -3,6 +3,7 @@
 All at validate_config level: no worker starts. The end-to-end run of the
 same command line is tests/seeds/test_seed_003.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,11 @@ import json
 import pytest
 import torch
 
-from helpers.hf import ACCELERATE_FSDP_YAML, build_model_folder, chat_records, seed_records, train_args, write_jsonl
 from shardwise.cli.finetune import parser as build_parser
 from shardwise.recipes.finetune import FinetuneConfig, validate_config
 from shardwise.recipes.hf_args import map_accelerate_config, translate_argv
+
+from helpers.hf import ACCELERATE_FSDP_YAML, build_model_folder, chat_records, seed_records, train_args, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,12 @@ def test_the_recipes_command_line_maps_to_our_options(assets, tmp_path):
     assert (cfg.precision, cfg.timeout_s, cfg.optim, cfg.seed) == ("bf16-mixed", 5400.0, "paged_adamw_32bit", 100)
     assert cfg.gradient_checkpointing and cfg.packing and not cfg.add_special_tokens and not cfg.append_concat_token
     assert (cfg.eval_steps, cfg.save_steps, cfg.logging_steps, cfg.max_steps) == (1, 2, 1, 2)
-    assert (cfg.strategy, cfg.sharding_strategy, cfg.state_dict_type, cfg.cpu_offload) == ("fsdp", "FULL_SHARD",
-                                                                                           "sharded", False)
+    assert (cfg.strategy, cfg.sharding_strategy, cfg.state_dict_type, cfg.cpu_offload) == (
+        "fsdp",
+        "FULL_SHARD",
+        "sharded",
+        False,
+    )
     assert (cfg.devices, cfg.num_nodes) == (2, 1)
     if not torch.cuda.is_available():
         assert cfg.attn_implementation == "sdpa"
@@ -48,8 +54,13 @@ def test_the_recipes_command_line_maps_to_our_options(assets, tmp_path):
     # Each name it cannot honour is said once, in one line; the ones it does honour say nothing.
     for name in ("--log_level", "--push_to_hub", "--hub_private_repo", "--hub_strategy"):
         assert sum(n.startswith(name + ":") for n in notes) == 1, (name, notes)
-    for name in ("fsdp_sync_module_states", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-                 "fsdp_forward_prefetch", "fsdp_backward_prefetch_policy"):
+    for name in (
+        "fsdp_sync_module_states",
+        "fsdp_use_orig_params",
+        "fsdp_cpu_ram_efficient_loading",
+        "fsdp_forward_prefetch",
+        "fsdp_backward_prefetch_policy",
+    ):
         assert sum(f": {name}=" in n for n in notes) == 1, (name, notes)
     quiet = ("--use_reentrant", "--splits", "--logging_strategy", "--evaluation_strategy", "--save_strategy")
     assert not any(n.split(":")[0].split(" ")[0] in quiet for n in notes), notes
@@ -58,25 +69,54 @@ def test_the_recipes_command_line_maps_to_our_options(assets, tmp_path):
 
 
 def test_accelerate_config_keys():
-    raw = {"distributed_type": "FSDP", "mixed_precision": "bf16", "num_machines": 2, "num_processes": 16,
-           "machine_rank": 1, "main_process_ip": "10.0.0.1", "main_process_port": 29500,
-           "fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_offload_params": True,
-                           "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                           "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-                           "fsdp_activation_checkpointing": True, "fsdp_wibble": 3}}
+    raw = {
+        "distributed_type": "FSDP",
+        "mixed_precision": "bf16",
+        "num_machines": 2,
+        "num_processes": 16,
+        "machine_rank": 1,
+        "main_process_ip": "10.0.0.1",
+        "main_process_port": 29500,
+        "fsdp_config": {
+            "fsdp_sharding_strategy": "HYBRID_SHARD",
+            "fsdp_offload_params": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+            "fsdp_activation_checkpointing": True,
+            "fsdp_wibble": 3,
+        },
+    }
     out, notes = map_accelerate_config(raw, source="cfg.yaml")
-    assert out == {"strategy": "fsdp", "precision": "bf16-mixed", "num_nodes": 2, "_num_processes": 16,
-                   "sharding_strategy": "HYBRID_SHARD", "auto_wrap_policy": ["LlamaDecoderLayer"], "cpu_offload": True,
-                   "state_dict_type": "full", "gradient_checkpointing": True}
+    assert out == {
+        "strategy": "fsdp",
+        "precision": "bf16-mixed",
+        "num_nodes": 2,
+        "_num_processes": 16,
+        "sharding_strategy": "HYBRID_SHARD",
+        "auto_wrap_policy": ["LlamaDecoderLayer"],
+        "cpu_offload": True,
+        "state_dict_type": "full",
+        "gradient_checkpointing": True,
+    }
     assert any("machine_rank, main_process_ip, main_process_port are the launcher's" in n for n in notes)
     assert any("fsdp_wibble is not understood" in n for n in notes)
     # Accelerate's numbers and the ZeRO-2 flavour of hybrid sharding; size-based wrapping is named, not honoured.
-    out, notes = map_accelerate_config({"distributed_type": "FSDP", "fsdp_config": {
-        "fsdp_sharding_strategy": 5, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 100000}})
+    out, notes = map_accelerate_config(
+        {
+            "distributed_type": "FSDP",
+            "fsdp_config": {
+                "fsdp_sharding_strategy": 5,
+                "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                "fsdp_min_num_params": 100000,
+            },
+        }
+    )
     assert out["sharding_strategy"] == "HYBRID_SHARD" and out["strategy_options"] == {"reshard_after_forward": False}
     assert any("SIZE_BASED_WRAP (min_num_params=100000) is not honoured" in n for n in notes)
-    out, _ = map_accelerate_config({"distributed_type": "DEEPSPEED", "deepspeed_config": {
-        "zero_stage": 3, "offload_optimizer_device": "cpu"}})
+    out, _ = map_accelerate_config(
+        {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "cpu"}}
+    )
     assert out["strategy"] == "deepspeed_stage_3_offload"
     # num_processes is accelerate's total over machines; devices is per node.
     argv, _ = translate_argv(["--num_processes", "16", "--num_machines", "2", "--fsdp", "shard_grad_op auto_wrap"])
@@ -94,8 +134,9 @@ def test_flags_it_cannot_follow_fail_with_the_fix():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         translate_argv(["--fsdp_config", "/nonexistent.yaml"])
     # Our own names pass through, and jsonargparse still names a misspelt flag.
-    argv, notes = translate_argv(["--model_path", "m", "--learning_rate", "1e-5", "--strategy_options",
-                                  json.dumps({"limit_all_gathers": True})])
+    argv, notes = translate_argv(
+        ["--model_path", "m", "--learning_rate", "1e-5", "--strategy_options", json.dumps({"limit_all_gathers": True})]
+    )
     assert argv[:4] == ["--model_path", "m", "--learning_rate", "1e-5"] and not notes
     with pytest.raises(SystemExit):
         build_parser().parse_args(translate_argv(["--use_flash_atn", "True"])[0])

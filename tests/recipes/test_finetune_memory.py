@@ -37,8 +37,17 @@ def test_rank1_loading_ram_is_a_fraction_of_rank0s(tmp_path):
 
     from shardwise import launch
 
-    model_dir = build_model_folder(str(tmp_path / "llama"), chat_records(20), hidden=512, layers=6, heads=8,
-                                   kv_heads=8, intermediate=1408, vocab_pad=32000, max_positions=256)
+    model_dir = build_model_folder(
+        str(tmp_path / "llama"),
+        chat_records(20),
+        hidden=512,
+        layers=6,
+        heads=8,
+        kv_heads=8,
+        intermediate=1408,
+        vocab_pad=32000,
+        max_positions=256,
+    )
     size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
     assert size > 150 * 2**20
     rank0, rank1 = sorted(launch(load_and_report, model_dir, devices=2), key=lambda r: r["rank"])

@@ -15,30 +15,45 @@ CPU tensor, exactly as under offload on a GPU.
 - ZeRO-3 partitions (parameters carrying DeepSpeed's ds_* attributes,
   CPU partitions as under offload_param) filled by `_place_zero3`.
 """
+
 import os
 
-import pytest
 import torch
 
 import shardwise
+
 from helpers.strict_device import strict_cuda_collectives
 
 
 def run_recipe(model_dir, data, out):
     from shardwise.recipes.finetune import FinetuneConfig, finetune
 
-    cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=32, packing=True, max_steps=1,
-                         precision="32-true", per_device_train_batch_size=2, devices=2, strategy="fsdp",
-                         cpu_offload=True, learning_rate=0.0, max_grad_norm=1.0, output_dir=out, seed=3,
-                         enable_progress_bar=False)
+    cfg = FinetuneConfig(
+        model_path=model_dir,
+        dataset=data,
+        max_seq_len=32,
+        packing=True,
+        max_steps=1,
+        precision="32-true",
+        per_device_train_batch_size=2,
+        devices=2,
+        strategy="fsdp",
+        cpu_offload=True,
+        learning_rate=0.0,
+        max_grad_norm=1.0,
+        output_dir=out,
+        seed=3,
+        enable_progress_bar=False,
+    )
     with strict_cuda_collectives() as calls:
         result = finetune(cfg)
     return result.output_dir, dict(calls)
 
 
 def test_fsdp_offload_recipe_loads_and_exports_through_the_collective_device(tmp_path):
-    from helpers.hf import build_model_folder, chat_records, write_jsonl
     from safetensors.torch import load_file
+
+    from helpers.hf import build_model_folder, chat_records, write_jsonl
 
     records = chat_records(32)
     model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
@@ -87,4 +102,4 @@ def test_zero3_offload_partitions_arrive_through_the_collective_device():
         flat = tensor.reshape(-1)
         n = -(-flat.numel() // 2)
         assert torch.equal(ranks[0][0][i], flat[:n])
-        assert torch.equal(ranks[1][0][i][:flat.numel() - n], flat[n:])
+        assert torch.equal(ranks[1][0][i][: flat.numel() - n], flat[n:])

@@ -6,6 +6,7 @@ calls on this CPU machine). Code that needs two processes runs under
 shardwise.launch(fn, devices=2): Trainer(devices=2) in a pytest process does
 not start its own workers.
 """
+
 import pytest
 
 

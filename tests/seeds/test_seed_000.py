@@ -4,6 +4,7 @@ Changed: imports (pytorch_lightning / lightning -> shardwise, lit_gpt -> shardwi
 (2B Transformer and Llama 7B -> tiny), accelerator="cuda" -> "cpu", devices=4 -> 2, and the data
 (WikiText2 reads a small local folder instead of downloading).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import shardwise
+
 from helpers.seeds import write_wikitext
 
 TINY = dict(nlayers=2, nhid=64, ninp=32, nhead=4)  # the seed: nlayers=64, nhid=4096, ninp=1024, nhead=64
@@ -26,10 +28,12 @@ ONE_EPOCH = dict(max_epochs=1)
 
 def _blog_transformer(data_dir: str, devices: int, strategy_block: Optional[str]) -> list:
     # --- "Training on a single GPU" (imports as in the blog, renamed) ---
-    from shardwise.demos import Transformer, WikiText2
-    from shardwise.callbacks import RichProgressBar  # noqa: F401  (imported by the blog, unused)
-    from shardwise.callbacks import DeviceStatsMonitor  # noqa: F401
     import shardwise as pl
+    from shardwise.callbacks import (
+        DeviceStatsMonitor,  # noqa: F401
+        RichProgressBar,  # noqa: F401  (imported by the blog, unused)
+    )
+    from shardwise.demos import Transformer, WikiText2
 
     class LanguageModel(pl.TrainModule):
         def __init__(self, vocab_size):
@@ -62,10 +66,13 @@ def _blog_transformer(data_dir: str, devices: int, strategy_block: Optional[str]
         trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="fsdp", callbacks=[Record()], **ONE_EPOCH)
     else:
         from shardwise.strategies import FSDPStrategy
+
         layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
         if strategy_block == "wrap":
-            strategy = FSDPStrategy(auto_wrap_policy={nn.TransformerEncoderLayer, nn.TransformerDecoderLayer},
-                                    activation_checkpointing_policy=None)
+            strategy = FSDPStrategy(
+                auto_wrap_policy={nn.TransformerEncoderLayer, nn.TransformerDecoderLayer},
+                activation_checkpointing_policy=None,
+            )
         elif strategy_block == "checkpointing":
             strategy = FSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers)
         else:  # "offload"
@@ -154,8 +161,18 @@ def _llama(devices: int, max_steps: int) -> dict:
             loss = chunked_cross_entropy(logits, targets, chunk_size=0)
             self.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True)
 
-    config = Config(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, norm="rmsnorm", mlp="swiglu",
-                    rope=True, bias=False, tie_embeddings=False)  # Llama 7B's shape, tiny
+    config = Config(
+        vocab_size=64,
+        block_size=16,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        norm="rmsnorm",
+        mlp="swiglu",
+        rope=True,
+        bias=False,
+        tie_embeddings=False,
+    )  # Llama 7B's shape, tiny
     tokens = torch.randint(0, 64, (48, 17), generator=torch.Generator().manual_seed(0))
     data = list(zip(tokens[:, :-1], tokens[:, 1:]))
     train_dataloader, val_dataloader = DataLoader(data[:40], batch_size=2), DataLoader(data[40:], batch_size=2)

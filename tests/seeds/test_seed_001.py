@@ -6,6 +6,7 @@ default 1000, torch.cuda.memory_summary() -> shardwise.max_memory_allocated() (C
 report raises on a CPU build), and the data folder. To keep the run short, knobs the guide shows
 one per snippet are combined into fewer Trainers; every one of them still runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import shardwise
+
 from helpers.seeds import write_wikitext
 
 TINY = dict(nlayers=2, nhid=64, ninp=32, nhead=4)  # the guide: nlayers=32, nhid=4096, ninp=1024, nhead=64
@@ -26,11 +28,12 @@ ONE_EPOCH = dict(max_epochs=1)
 
 
 def _run(data_dir: str) -> dict:
-    import shardwise as L
-    from shardwise.strategies import FSDPStrategy  # lightning.pytorch.strategies.FSDPStrategy
-    from shardwise.demos import Transformer, WikiText2  # lightning.pytorch.demos
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, wrap
+
+    import shardwise as L
+    from shardwise.demos import Transformer, WikiText2  # lightning.pytorch.demos
+    from shardwise.strategies import FSDPStrategy  # lightning.pytorch.strategies.FSDPStrategy
 
     out: dict = {}
 
@@ -38,7 +41,8 @@ def _run(data_dir: str) -> dict:
         def __init__(self, vocab_size, foreach=None):
             super().__init__()
             self.model = Transformer(  # 1B parameters
-                vocab_size=vocab_size, **TINY)
+                vocab_size=vocab_size, **TINY
+            )
             self.foreach = foreach
 
         def training_step(self, batch):
@@ -79,19 +83,27 @@ def _run(data_dir: str) -> dict:
     # "Identify large layers": a set of classes, then an FSDP1-style function policy
     policy = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
     # "Optimize the sharding strategy" (here torch's enum), "Limit all-gathers", foreach=False
-    out["policy+SHARD_GRAD_OP+limit"] = fit(FSDPStrategy(auto_wrap_policy=policy,
-                                                         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
-                                                         limit_all_gathers=True))
+    out["policy+SHARD_GRAD_OP+limit"] = fit(
+        FSDPStrategy(auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, limit_all_gathers=True)
+    )
     out["foreach=False"] = fit(FSDPStrategy(auto_wrap_policy=policy), foreach=False)
     size_policy = partial(size_based_auto_wrap_policy, min_num_params=1000)  # 10000: scaled with the model
     # "Activation checkpointing", HYBRID_SHARD (one node), a full checkpoint
     os.makedirs("path/to/checkpoint", exist_ok=True)
-    out["size_policy+HYBRID+ac"] = fit(FSDPStrategy(auto_wrap_policy=size_policy, sharding_strategy="HYBRID_SHARD",
-                                                    activation_checkpointing_policy=policy, state_dict_type="full"),
-                                       save="path/to/checkpoint/file")
+    out["size_policy+HYBRID+ac"] = fit(
+        FSDPStrategy(
+            auto_wrap_policy=size_policy,
+            sharding_strategy="HYBRID_SHARD",
+            activation_checkpointing_policy=policy,
+            state_dict_type="full",
+        ),
+        save="path/to/checkpoint/file",
+    )
     # "Offload parameters to CPU", NO_SHARD, a sharded checkpoint
-    out["offload+NO_SHARD"] = fit(FSDPStrategy(cpu_offload=True, sharding_strategy="NO_SHARD",
-                                               state_dict_type="sharded"), save="path/to/checkpoint/sharded")
+    out["offload+NO_SHARD"] = fit(
+        FSDPStrategy(cpu_offload=True, sharding_strategy="NO_SHARD", state_dict_type="sharded"),
+        save="path/to/checkpoint/sharded",
+    )
     # "Load a checkpoint": either format, recognised by the Trainer
     out["resume_full"] = fit(FSDPStrategy(state_dict_type="sharded"), ckpt_path="path/to/checkpoint/file")
     out["resume_sharded"] = fit(FSDPStrategy(), ckpt_path="path/to/checkpoint/sharded")
@@ -108,7 +120,8 @@ def _run(data_dir: str) -> dict:
             if self.model is not None:
                 return
             self.model = Transformer(  # 1B parameters
-                vocab_size=self.vocab_size, **TINY)
+                vocab_size=self.vocab_size, **TINY
+            )
 
     out["configure_model"] = fit(FSDPStrategy(auto_wrap_policy=policy), model_cls=LazyLanguageModel)
 

@@ -5,6 +5,7 @@ becomes `shardwise finetune --fsdp_config fsdp_config.yaml --num_processes 2 --n
 the train.py flags are passed unchanged except model / dataset paths and sizes (500 steps -> 2, 2048
 tokens -> 32, ...). Its `--optim paged_adamw_32bit` runs bitsandbytes' CPU kernels on the FSDP shards.
 """
+
 from __future__ import annotations
 
 import json

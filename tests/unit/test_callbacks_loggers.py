@@ -30,12 +30,26 @@ def _memory_state(monkeypatch):
 def fake_trainer(**overrides):
     logged, printed = [], []
     trainer = SimpleNamespace(
-        global_step=0, current_epoch=0, max_steps=-1, max_epochs=1, num_training_batches=10,
-        batch_idx=0, accumulate_grad_batches=1, is_last_microbatch=True, is_global_zero=True,
-        world_size=1, global_rank=0, validating=False, progress_bar_metrics={}, callback_metrics={},
-        loggers=[object()], log_dir=None, default_root_dir=".",
+        global_step=0,
+        current_epoch=0,
+        max_steps=-1,
+        max_epochs=1,
+        num_training_batches=10,
+        batch_idx=0,
+        accumulate_grad_batches=1,
+        is_last_microbatch=True,
+        is_global_zero=True,
+        world_size=1,
+        global_rank=0,
+        validating=False,
+        progress_bar_metrics={},
+        callback_metrics={},
+        loggers=[object()],
+        log_dir=None,
+        default_root_dir=".",
         strategy=SimpleNamespace(root_device=torch.device("cpu"), optimizers=[], lr_schedulers=[], module=None),
-        logged=logged, printed=printed,
+        logged=logged,
+        printed=printed,
         log_metrics=lambda metrics, step=None: logged.append((step, dict(metrics))),
         print=lambda *args: printed.append(" ".join(map(str, args))),
     )
@@ -131,8 +145,7 @@ def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
 def test_lr_monitor_names_and_values():
     model = torch.nn.Linear(4, 4)
     adam = torch.optim.Adam(model.parameters(), lr=0.1)
-    sgd = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], lr=0.01,
-                          momentum=0.9)
+    sgd = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], lr=0.01, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)
     trainer = fake_trainer()
     trainer.strategy.optimizers = [adam, sgd]
@@ -215,8 +228,7 @@ def test_progress_bar_plain_lines_when_not_a_terminal():
 
     # Default cadence: about 20 lines per run, never one per step.
     out = io.StringIO()
-    _run_progress(RichProgressBar(file=out), fake_trainer(max_steps=1000, num_training_batches=1000),
-                  batches=1000)
+    _run_progress(RichProgressBar(file=out), fake_trainer(max_steps=1000, num_training_batches=1000), batches=1000)
     assert 20 <= len(out.getvalue().splitlines()) <= 23
 
     out = io.StringIO()  # other ranks stay silent

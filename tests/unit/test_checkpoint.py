@@ -4,6 +4,7 @@ FSDP runs here on a world of one (its own gloo group), which exercises the
 sharded (DCP) format end to end; multi-process resharding and SIGKILL tests
 live in tests/distributed/test_checkpoint_*.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,15 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise
 from shardwise import Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
-from shardwise.checkpoint import (CheckpointMismatchError, CheckpointNotFoundError, CheckpointVersionError,
-                                  CorruptCheckpointError, layout)
+from shardwise.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    layout,
+)
 from shardwise.checkpoint import convert as convert_mod
 from shardwise.cli import main as cli_main
-from shardwise.checkpoint import inspect as inspect_mod
 
 
 class Net(TrainModule):
@@ -35,8 +40,9 @@ class Net(TrainModule):
         self.width = width
 
     def configure_model(self) -> None:
-        self.net = nn.Sequential(nn.Linear(8, self.width), nn.LayerNorm(self.width), nn.Dropout(0.2),
-                                 nn.Linear(self.width, 3))
+        self.net = nn.Sequential(
+            nn.Linear(8, self.width), nn.LayerNorm(self.width), nn.Dropout(0.2), nn.Linear(self.width, 3)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -48,8 +54,10 @@ class Net(TrainModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.7),
-                                                   "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.7), "interval": "step"},
+        }
 
 
 class Losses:
@@ -66,22 +74,33 @@ def loaders():
     return DataLoader(data, batch_size=4, shuffle=True), DataLoader(data, batch_size=8)
 
 
-def fit(root, max_steps, strategy="single", ckpt_path=None, seed=3, module=None, checkpoint=None,
-        callbacks_extra=(), **kw):
+def fit(
+    root, max_steps, strategy="single", ckpt_path=None, seed=3, module=None, checkpoint=None, callbacks_extra=(), **kw
+):
     shardwise.seed_everything(seed)
     losses = Losses()
     callbacks = [losses, *callbacks_extra] + ([checkpoint] if checkpoint is not None else [])
     kw.setdefault("logger", False)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps,
-                      enable_progress_bar=False, default_root_dir=str(root), callbacks=callbacks, **kw)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        default_root_dir=str(root),
+        callbacks=callbacks,
+        **kw,
+    )
     train, val = loaders()
     trainer.fit(module or Net(), train, val, ckpt_path=ckpt_path)
     return trainer, losses.by_step
 
 
 def weights(trainer):
-    return {k: v.clone() for k, v in get_model_state_dict(
-        trainer.model, options=StateDictOptions(full_state_dict=True)).items()}
+    return {
+        k: v.clone()
+        for k, v in get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True)).items()
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -106,8 +125,9 @@ def saved(tmp_path_factory):
 
 # ------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
-@pytest.mark.parametrize("stop,every", [(12, {"every_n_train_steps": 4}), (20, {"every_n_epochs": 1})],
-                         ids=["mid-epoch", "epoch-end"])
+@pytest.mark.parametrize(
+    "stop,every", [(12, {"every_n_train_steps": 4}), (20, {"every_n_epochs": 1})], ids=["mid-epoch", "epoch-end"]
+)
 def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, strategy, stop, every):
     # 10 batches per epoch, dropout, shuffling, a step LR schedule and
     # validation every 7 batches (which must not disturb training's RNG).
@@ -115,8 +135,15 @@ def test_resume_reproduces_uninterrupted_losses_bitwise(tmp_path, strategy, stop
     _, first = fit(tmp_path / "run", stop, strategy, val_check_interval=7, checkpoint=ModelCheckpoint(**every))
     last = os.path.join(tmp_path, "run", "checkpoints", "last.ckpt")
     assert layout.read_manifest(last)["global_step"] == stop
-    _, second = fit(tmp_path / "run", 25, strategy, ckpt_path="last", seed=999, val_check_interval=7,
-                    checkpoint=ModelCheckpoint(**every))
+    _, second = fit(
+        tmp_path / "run",
+        25,
+        strategy,
+        ckpt_path="last",
+        seed=999,
+        val_check_interval=7,
+        checkpoint=ModelCheckpoint(**every),
+    )
     assert sorted(second) == list(range(stop + 1, 26))
     assert {**first, **second} == reference
 
@@ -328,8 +355,14 @@ def test_a_full_save_too_big_for_the_host_is_saved_sharded_and_resumes_bitwise(t
     assert os.path.isdir(directory / kept[0])
     assert layout.read_manifest(str(directory / kept[0]))["checkpoint_format"] == "sharded"
     monkeypatch.setattr(formats, "_full_state_budget", real_budget)  # enough memory again: one file
-    _, resumed = fit(tmp_path / "run", 9, make(), ckpt_path="last", seed=11,
-                     checkpoint=ModelCheckpoint(every_n_train_steps=3, save_top_k=1))
+    _, resumed = fit(
+        tmp_path / "run",
+        9,
+        make(),
+        ckpt_path="last",
+        seed=11,
+        checkpoint=ModelCheckpoint(every_n_train_steps=3, save_top_k=1),
+    )
     assert {s: resumed[s] for s in (7, 8, 9)} == {s: reference[s] for s in (7, 8, 9)}
     assert os.path.isfile(directory / "epoch=0-step=9.ckpt")
 

@@ -9,6 +9,7 @@ file and both checksums named; a full or read-only disk must say ENOSPC /
 EROFS and where, leave no partial checkpoint and keep the previous one.
 FSDP runs on a world of one (its own gloo group), which exercises DCP.
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,8 +28,14 @@ import shardwise
 from shardwise import Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.checkpoint import layout
-from shardwise.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
-                                         ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError)
+from shardwise.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from shardwise.checkpoint.integrity import VERIFY_ENV, check_writable
 from shardwise.cli import main as cli_main
 
@@ -58,15 +65,26 @@ class Net(TrainModule):
 
 def loader():
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)),
-                      batch_size=4, shuffle=True)
+    return DataLoader(
+        TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)),
+        batch_size=4,
+        shuffle=True,
+    )
 
 
 def fit(root, max_steps, strategy="single", ckpt_path=None, checkpoint=None, module=None):
     shardwise.seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
-                      enable_progress_bar=False, default_root_dir=str(root),
-                      enable_checkpointing=checkpoint is not None, callbacks=[checkpoint] if checkpoint else [])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=str(root),
+        enable_checkpointing=checkpoint is not None,
+        callbacks=[checkpoint] if checkpoint else [],
+    )
     trainer.fit(module or Net(), loader(), ckpt_path=ckpt_path)
     return trainer
 
@@ -89,8 +107,11 @@ class Evil:
 
 def write_evil(path, marker, kind="torch"):
     """A file that runs `touch marker` when unpickled without an allow-list."""
-    payload = {"shardwise": {"format_version": 1, "checkpoint_format": "full", "global_step": 999},
-               "state_dict": {}, "x": Evil(marker)}
+    payload = {
+        "shardwise": {"format_version": 1, "checkpoint_format": "full", "global_step": 999},
+        "state_dict": {},
+        "x": Evil(marker),
+    }
     if kind == "torch":
         torch.save(payload, path)
     else:
@@ -311,8 +332,11 @@ def _fill(directory, leave_bytes):
     os.truncate(filler, max(0, os.path.getsize(filler) - leave_bytes))
 
 
-@pytest.mark.parametrize("strategy,leave", [("single", 8192), ("fsdp", 8192), ("fsdp", 40960)],
-                         ids=["full", "sharded-trainer-state", "sharded-dcp-shard"])
+@pytest.mark.parametrize(
+    "strategy,leave",
+    [("single", 8192), ("fsdp", 8192), ("fsdp", 40960)],
+    ids=["full", "sharded-trainer-state", "sharded-dcp-shard"],
+)
 def test_full_disk_names_enospc_and_keeps_previous(tmp_path, small_disk, strategy, leave):
     trainer = fit(tmp_path / "run", 2, strategy)
     first = os.path.join(small_disk, "first.ckpt")

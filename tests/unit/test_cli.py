@@ -1,4 +1,5 @@
 """The command line's shared conventions, for every command: spellings, exit status, one-line errors."""
+
 import re
 
 import pytest
@@ -8,16 +9,28 @@ from shardwise.cli import COMMANDS, main, normalise
 
 def test_dashes_become_underscores_and_bare_booleans_true():
     flags = {"--json", "--all"}
-    assert normalise(["--device-memory", "80GiB", "--json", "--seq-len=2048"], flags) == \
-        ["--device_memory", "80GiB", "--json", "true", "--seq_len=2048"]
+    assert normalise(["--device-memory", "80GiB", "--json", "--seq-len=2048"], flags) == [
+        "--device_memory",
+        "80GiB",
+        "--json",
+        "true",
+        "--seq_len=2048",
+    ]
     assert normalise(["--json", "false", "--all"], flags) == ["--json", "false", "--all", "true"]
     assert normalise(["--trainer.max-steps", "3"], flags) == ["--trainer.max_steps", "3"]
 
 
 def test_a_launched_programs_own_arguments_are_passed_on_as_given():
     argv = ["--nproc-per-node", "2", "-m", "pkg.train", "--lr-max", "1", "--json"]
-    assert normalise(argv, {"--json"}, passthrough=True) == \
-        ["--nproc_per_node", "2", "-m", "pkg.train", "--lr-max", "1", "--json"]
+    assert normalise(argv, {"--json"}, passthrough=True) == [
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "pkg.train",
+        "--lr-max",
+        "1",
+        "--json",
+    ]
     assert normalise(["train.py", "--node-rank", "3"], set(), passthrough=True) == ["train.py", "--node-rank", "3"]
 
 

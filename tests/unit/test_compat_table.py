@@ -1,4 +1,5 @@
 """The "Coming from Lightning / Accelerate / the HF FSDP recipe" table cannot drift (issue 12, item 5)."""
+
 from __future__ import annotations
 
 import os
@@ -28,5 +29,5 @@ def test_every_accepted_name_has_a_row():
 def test_readme_carries_the_rendered_table():
     text = open(README).read()
     assert compat.MARK_START in text, "README.md has no compat-table block; run `python -m shardwise.compat`"
-    block = text[text.index(compat.MARK_START):text.index(compat.MARK_END) + len(compat.MARK_END)]
+    block = text[text.index(compat.MARK_START) : text.index(compat.MARK_END) + len(compat.MARK_END)]
     assert block == compat.render_block(), "README's table is stale: paste `python -m shardwise.compat` into it"

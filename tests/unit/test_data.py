@@ -1,4 +1,5 @@
 """Distributed sampling: disjoint shares per rank, reshuffled per epoch, resumable by position."""
+
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -3,6 +3,7 @@
 Here (no CUDA) "auto" resolves to CPU processes over gloo and the table
 still prints; on a GPU machine the same command now trains on the GPUs.
 """
+
 import inspect
 
 import pytest
@@ -13,8 +14,19 @@ from shardwise.cli.demo import demo
 
 def test_demo_defaults_to_auto_and_prints_its_table(tmp_path, capsys):
     assert inspect.signature(demo).parameters["accelerator"].default == "auto"
-    rows = demo(devices=2, steps=3, compare_steps=3, nlayers=1, nhid=32, ninp=16, nhead=2, batch_size=2,
-                block_size=8, strategies=["fsdp", "ddp"], root_dir=str(tmp_path))
+    rows = demo(
+        devices=2,
+        steps=3,
+        compare_steps=3,
+        nlayers=1,
+        nhid=32,
+        ninp=16,
+        nhead=2,
+        batch_size=2,
+        block_size=8,
+        strategies=["fsdp", "ddp"],
+        root_dir=str(tmp_path),
+    )
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert [r["device"] for r in rows] == [expected, expected]
     out = capsys.readouterr().out

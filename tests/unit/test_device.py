@@ -3,6 +3,7 @@
 The target is the meta device: a real move on any machine, and any tensor
 left behind is visibly still on the CPU.
 """
+
 from collections import OrderedDict, UserDict, defaultdict, namedtuple
 from dataclasses import dataclass, field
 
@@ -56,8 +57,8 @@ def test_exported_as_shardwise_move_to_device():
 
 
 def test_hugging_face_batch_encoding_keeps_its_type_and_is_not_modified():
-    from transformers import BatchEncoding, DataCollatorWithPadding, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BatchEncoding, DataCollatorWithPadding, PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "a": 2, "b": 3}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -76,8 +77,16 @@ def test_hugging_face_batch_encoding_keeps_its_type_and_is_not_modified():
 
 def test_containers_keep_their_types():
     t = torch.arange(4)
-    batch = {"pair": Pair(t, t + 1), "list": [t, (t, 3)], "od": OrderedDict(a=t), "dd": defaultdict(list, b=t),
-             "user": UserDict(c=t), "text": ["not", "tensors"], "n": 7, "none": None}
+    batch = {
+        "pair": Pair(t, t + 1),
+        "list": [t, (t, 3)],
+        "od": OrderedDict(a=t),
+        "dd": defaultdict(list, b=t),
+        "user": UserDict(c=t),
+        "text": ["not", "tensors"],
+        "n": 7,
+        "none": None,
+    }
     moved = move_to_device(batch, META)
     assert type(moved["pair"]) is Pair and moved["pair"].labels.device == META
     assert type(moved["list"]) is list and type(moved["list"][1]) is tuple and moved["list"][1][1] == 3

@@ -1,4 +1,5 @@
 """Bad input fails early with a message that names the problem and the fix."""
+
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise import FSDPStrategy, TrainModule, Trainer
+from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.strategies.materialize import UninitializedParameterError
 
 
@@ -71,8 +72,9 @@ class _Raw(TrainModule):
 
 
 def test_uninitialised_parameter_after_meta_init_names_it():
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
     with pytest.raises(UninitializedParameterError) as err:
         trainer.fit(_Raw(), [torch.ones(2, 4)])
     message = str(err.value)
@@ -88,8 +90,9 @@ class _WithInit(_Raw):
 
 
 def test_init_weights_hook_fixes_it():
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
     module = _WithInit()
     trainer.fit(module, [torch.ones(2, 4)])
     assert torch.isfinite(module.layer.weight).all()
@@ -108,8 +111,9 @@ class _Attention(TrainModule):
 
 def test_multihead_attention_in_proj_is_initialised():
     module = _Attention()
-    Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-            enable_checkpointing=False).fit(module, [torch.ones(3, 8)])
+    Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    ).fit(module, [torch.ones(3, 8)])
     weight = module.attn.in_proj_weight
     assert torch.isfinite(weight).all() and weight.abs().sum() > 0
     # Children first, as in eager construction: out_proj.bias is zeroed by the parent's init.
@@ -128,8 +132,15 @@ def _fit_with_policy():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=FSDPStrategy(auto_wrap_policy={nn.GRU}),
-                      max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDPStrategy(auto_wrap_policy={nn.GRU}),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Small(), [torch.ones(2, 4)])
 
 
@@ -164,8 +175,13 @@ def test_crash_in_one_rank_stops_all(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     # The timeout only keeps a hang from blocking the suite; what is asserted is how rank 0 stopped.
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.returncode != 0
     assert "RuntimeError: boom from rank 1" in proc.stderr  # the original traceback is shown
     assert "rank 1 exited with code" in proc.stderr

@@ -8,6 +8,7 @@ compute device is patched to cuda:0 after the (CPU) mesh is built, so the
 offload policy really applies, and tests/helpers/strict_device.py turns copies to
 cuda:0 into fake CUDA tensors holding CPU data.
 """
+
 import warnings
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise import FSDPStrategy
+
 from helpers.strict_device import FAKE_CUDA, fake_cuda_copies
 
 

@@ -1,4 +1,5 @@
 """FSDPStrategy takes what Lightning, Accelerate and torch's FSDP1 users pass (issue 12, item 1); no process needed."""
+
 from __future__ import annotations
 
 import warnings
@@ -6,8 +7,15 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, MixedPrecision,
-                                    MixedPrecisionPolicy, ShardingStrategy, StateDictType)
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
 
 from shardwise.strategies import FSDPStrategy, fsdp_compat
 
@@ -17,20 +25,31 @@ def _fresh_notes(monkeypatch):
     monkeypatch.setattr(fsdp_compat, "_noted", set())
 
 
-@pytest.mark.parametrize("given, name, reshard", [
-    (ShardingStrategy.FULL_SHARD, "FULL_SHARD", True), (ShardingStrategy.SHARD_GRAD_OP, "SHARD_GRAD_OP", False),
-    (ShardingStrategy.NO_SHARD, "NO_SHARD", True), (ShardingStrategy.HYBRID_SHARD, "HYBRID_SHARD", True),
-    (ShardingStrategy._HYBRID_SHARD_ZERO2, "HYBRID_SHARD", False), ("shard_grad_op", "SHARD_GRAD_OP", False),
-    (2, "SHARD_GRAD_OP", False), ("1", "FULL_SHARD", True)])
+@pytest.mark.parametrize(
+    "given, name, reshard",
+    [
+        (ShardingStrategy.FULL_SHARD, "FULL_SHARD", True),
+        (ShardingStrategy.SHARD_GRAD_OP, "SHARD_GRAD_OP", False),
+        (ShardingStrategy.NO_SHARD, "NO_SHARD", True),
+        (ShardingStrategy.HYBRID_SHARD, "HYBRID_SHARD", True),
+        (ShardingStrategy._HYBRID_SHARD_ZERO2, "HYBRID_SHARD", False),
+        ("shard_grad_op", "SHARD_GRAD_OP", False),
+        (2, "SHARD_GRAD_OP", False),
+        ("1", "FULL_SHARD", True),
+    ],
+)
 def test_sharding_strategy_enum_strings_and_accelerate_numbers(given, name, reshard):
     s = FSDPStrategy(sharding_strategy=given)
     assert (s.sharding_strategy, s.reshard_after_forward) == (name, reshard)
 
 
 def test_torch_objects_map_to_our_settings():
-    s = FSDPStrategy(cpu_offload=CPUOffload(offload_params=True), state_dict_type=StateDictType.FULL_STATE_DICT,
-                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                     activation_checkpointing=[nn.TransformerEncoderLayer])
+    s = FSDPStrategy(
+        cpu_offload=CPUOffload(offload_params=True),
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        activation_checkpointing=[nn.TransformerEncoderLayer],
+    )
     assert s.cpu_offload and s.state_dict_type == "full" and s._precision_arg == "bf16-mixed"
     assert s.activation_checkpointing_policy == [nn.TransformerEncoderLayer]
     assert not FSDPStrategy(cpu_offload=CPUOffload(offload_params=False)).cpu_offload
@@ -49,8 +68,13 @@ def test_settings_fsdp2_has_no_use_for_are_accepted_and_said_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):  # e.g. built again on every rank and at each fit
-            FSDPStrategy(use_orig_params=True, sync_module_states=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-                         forward_prefetch=False, limit_all_gathers=True)
+            FSDPStrategy(
+                use_orig_params=True,
+                sync_module_states=True,
+                backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                forward_prefetch=False,
+                limit_all_gathers=True,
+            )
     messages = [str(w.message) for w in caught]
     assert len(messages) == 5, messages
     assert all("is accepted and has nothing to do" in m for m in messages)

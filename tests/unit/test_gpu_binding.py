@@ -10,6 +10,7 @@ dist.init_process_group are patched, so the decisions run on this CPU machine.
   naming the variable, raised when the strategy is connected (before any
   worker starts); one this process set for an earlier CPU run is dropped.
 """
+
 import os
 import sys
 
@@ -28,10 +29,15 @@ def fake_gpus(monkeypatch, count):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
 
-@pytest.mark.parametrize("visible, local_rank, expected", [
-    (1, 0, "cuda:0"), (1, 3, "cuda:0"),  # per-task binding: the one visible GPU
-    (8, 3, "cuda:3"), (2, 1, "cuda:1"),  # every rank sees the node's GPUs
-])
+@pytest.mark.parametrize(
+    "visible, local_rank, expected",
+    [
+        (1, 0, "cuda:0"),
+        (1, 3, "cuda:0"),  # per-task binding: the one visible GPU
+        (8, 3, "cuda:3"),
+        (2, 1, "cuda:1"),  # every rank sees the node's GPUs
+    ],
+)
 def test_device_for_picks_the_visible_gpu(monkeypatch, visible, local_rank, expected):
     fake_gpus(monkeypatch, visible)
     assert device_for("cuda", local_rank) == torch.device(expected)
@@ -47,8 +53,14 @@ def test_more_ranks_than_visible_gpus_is_an_error_naming_both(monkeypatch):
 
 def _setup(monkeypatch, accelerator, local_rank, visible):
     fake_gpus(monkeypatch, visible)
-    for name, value in {"RANK": str(local_rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank),
-                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+    for name, value in {
+        "RANK": str(local_rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }.items():
         monkeypatch.setenv(name, value)
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -90,7 +102,8 @@ def test_gloo_process_group_has_no_device_id(monkeypatch):
 
 
 def test_inherited_ds_accelerator_cpu_with_a_cuda_model_is_an_error(monkeypatch):
-    from shardwise.strategies import deepspeed as ds, deepspeed_env
+    from shardwise.strategies import deepspeed as ds
+    from shardwise.strategies import deepspeed_env
 
     monkeypatch.setattr(deepspeed_env, "_DS_ACCELERATOR_SET_HERE", False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
@@ -131,7 +144,7 @@ def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch
     strategy.connect("cuda")
     strategy.setup_environment()
     strategy._owns_process_group = False
-    kwargs, = calls
+    (kwargs,) = calls
     assert kwargs["backend"] == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)
     assert (kwargs["rank"], kwargs["world_size"]) == (0, 1)
     assert kwargs["init_method"] is None and isinstance(kwargs["store"], dist.HashStore)  # no port, no agent

@@ -4,6 +4,7 @@ On a GPU, turning a device tensor into a Python number waits for all queued work
 FSDP its overlap of communication with compute. The loop is run under a torch function mode that
 sees every host read (float(), .item(), .tolist(), bool(), .cpu(), ...), so the test works on CPU.
 """
+
 from collections import Counter
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardwise import TrainModule, Trainer
+from shardwise import Trainer, TrainModule
 
 _READS = {"__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu"}
 
@@ -82,9 +83,18 @@ def _fit(non_finite, accumulate=1):
     data = TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g))
     mode = _HostReads()
     logger = _Collect()
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, log_every_n_steps=4, non_finite=non_finite,
-                      accumulate_grad_batches=accumulate, logger=logger, enable_progress_bar=False,
-                      enable_checkpointing=False, callbacks=[_Mark(mode)])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        log_every_n_steps=4,
+        non_finite=non_finite,
+        accumulate_grad_batches=accumulate,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[_Mark(mode)],
+    )
     module = _Logs()
     with mode:
         trainer.fit(module, DataLoader(data, batch_size=8))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardwise.strategies.materialize import _reset_own, rng_devices
+
 from helpers.strict_device import FAKE_CUDA, FakeCudaTensor, fake_cuda_copies
 
 

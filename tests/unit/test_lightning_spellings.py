@@ -1,15 +1,14 @@
 """What a Lightning script passes, accepted as Lightning means it: data hooks, datamodules, old spellings."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from test_checkpoint import Losses, Net, loaders  # noqa: E402
 
 import shardwise
 from shardwise import DataModule, Trainer
-
-from test_checkpoint import Losses, Net, loaders  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -21,8 +20,9 @@ def _no_leftover_process_group():
 
 def _trainer(**kw):
     kw.setdefault("max_steps", 4)
-    return Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                   enable_checkpointing=False, **kw)
+    return Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False, **kw
+    )
 
 
 def _reference():
@@ -93,8 +93,11 @@ def test_lightning_1x_spellings():
     with pytest.warns(UserWarning, match=r"accelerator='ddp'\) is Lightning 1.x for strategy='ddp'"):
         t = Trainer(accelerator="ddp", devices=2, logger=False)
     assert t.strategy.name == "ddp" and t.accelerator == "cpu"
-    t = Trainer(accelerator="cpu", devices=2, plugins=shardwise.DeepSpeedPlugin(stage=3, cpu_offload=False,
-                                                                                partition_activations=True))
+    t = Trainer(
+        accelerator="cpu",
+        devices=2,
+        plugins=shardwise.DeepSpeedPlugin(stage=3, cpu_offload=False, partition_activations=True),
+    )
     assert isinstance(t.strategy, DeepSpeedStrategy) and t.strategy.stage == 3
     t = Trainer(accelerator="cpu", devices=2, plugins="deepspeed_stage_2", precision="bf16-mixed")
     assert t.strategy.stage == 2

@@ -122,8 +122,8 @@ def test_storage_resize_is_followed():
 
 
 def test_nothing_tracked_when_off():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
     from torch.nn.modules import module as nn_module
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     hooks_before = len(nn_module._global_forward_hooks)
     original_resize = torch.UntypedStorage.resize_
@@ -283,8 +283,11 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
                     opt.zero_grad()
                 end = tracker.current_breakdown
             results[kind] = dict(
-                start=start, after_backward=after_backward, end=end,
-                peak=tracker.peak_bytes, peak_breakdown=tracker.peak_breakdown,
+                start=start,
+                after_backward=after_backward,
+                end=end,
+                peak=tracker.peak_bytes,
+                peak_breakdown=tracker.peak_breakdown,
             )
             del model, opt
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -5,6 +5,7 @@ tiny models, with `workers=1` so no planner worker processes are started. The
 agreement with real training runs is tested in
 tests/distributed/test_plan_accuracy.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,25 +13,35 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardwise
 from shardwise import TrainModule
-from shardwise.models import GPTConfig, gpt_config
-from shardwise.plan import Candidate, PlanError, plan, preset_names
-from shardwise.plan import analytic
+from shardwise.models import GPTConfig
+from shardwise.plan import Candidate, PlanError, analytic, plan, preset_names
 from shardwise.plan.presets import gpt_spec, preset_spec, resolve_model
 from shardwise.plan.trace import extrapolate, fake_world, trace
 
 SMALL = GPTConfig(vocab_size=512, block_size=64, n_layer=6, n_head=4, n_embd=128, tie_embeddings=False)
 
 
-def _trace(spec, cand, world=2, depth=None, micro=4, accumulation=1, scales=(1.0,), precision="32-true",
-           foreach=None, seq=32):
+def _trace(
+    spec, cand, world=2, depth=None, micro=4, accumulation=1, scales=(1.0,), precision="32-true", foreach=None, seq=32
+):
     with fake_world(world):
-        return trace(spec, cand, world_size=world, num_nodes=1, precision=precision, seq_len=seq,
-                     micro_batch=micro, accumulation=accumulation, depth=depth, scales=scales, foreach=foreach)
+        return trace(
+            spec,
+            cand,
+            world_size=world,
+            num_nodes=1,
+            precision=precision,
+            seq_len=seq,
+            micro_batch=micro,
+            accumulation=accumulation,
+            depth=depth,
+            scales=scales,
+            foreach=foreach,
+        )
 
 
 def _peak(tr, r=1.0):
@@ -40,8 +51,18 @@ def _peak(tr, r=1.0):
 # ------------------------------------------------------------------ presets and inputs
 def test_presets_cover_the_seed_sizes():
     names = preset_names()
-    for name in ("transformer-1b", "transformer-2b", "mingpt-1.7b", "mingpt-12.8b", "mingpt-45b", "llama-2-7b",
-                 "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b"):
+    for name in (
+        "transformer-1b",
+        "transformer-2b",
+        "mingpt-1.7b",
+        "mingpt-12.8b",
+        "mingpt-45b",
+        "llama-2-7b",
+        "llama-2-13b",
+        "llama-2-70b",
+        "llama-3-8b",
+        "llama-3-70b",
+    ):
         assert name in names
     assert abs(preset_spec("llama-2-7b").param_counts()["total"] / 6.738e9 - 1) < 0.001
     assert abs(preset_spec("llama-2-70b").param_counts()["total"] / 68.98e9 - 1) < 0.001
@@ -58,9 +79,19 @@ def test_unknown_preset_lists_the_presets():
 
 def test_config_json_that_is_not_a_causal_lm(tmp_path):
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64,
-                               "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
-                               "vocab_size": 100}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "architectures": ["BertForMaskedLM"],
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            }
+        )
+    )
     with pytest.raises(PlanError, match="not a causal language model"):
         resolve_model(str(cfg))
 
@@ -79,11 +110,31 @@ def test_bad_inputs_fail_before_tracing():
 def test_hugging_face_config_is_built_on_meta_and_traced(tmp_path):
     pytest.importorskip("transformers")
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-                               "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
-                               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}))
-    p = plan(str(cfg), devices=2, seq_len=32, batch_size=2, precision="32-true", accelerator="cpu",
-             candidates=["fsdp_ac", "deepspeed_stage_3"], workers=1)
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 64,
+            }
+        )
+    )
+    p = plan(
+        str(cfg),
+        devices=2,
+        seq_len=32,
+        batch_size=2,
+        precision="32-true",
+        accelerator="cpu",
+        candidates=["fsdp_ac", "deepspeed_stage_3"],
+        workers=1,
+    )
     assert [e.candidate.name for e in p.estimates] == ["fsdp_ac", "deepspeed_stage_3"]
     assert all("traced" in e.method or "ZeRO" in e.method for e in p.estimates)
     assert [getattr(b, "__name__", b) for b in p.block_classes] == ["LlamaDecoderLayer"]
@@ -103,8 +154,10 @@ def test_foreach_adam_is_not_over_counted_in_fake_mode():
 
 def test_extrapolation_from_three_and_four_blocks_matches_a_deep_trace():
     spec = gpt_spec("small", SMALL)
-    for cand in (Candidate("fsdp", sharding="FULL_SHARD", activation_checkpointing=True),
-                 Candidate("fsdp", sharding="SHARD_GRAD_OP")):
+    for cand in (
+        Candidate("fsdp", sharding="FULL_SHARD", activation_checkpointing=True),
+        Candidate("fsdp", sharding="SHARD_GRAD_OP"),
+    ):
         a, b = _trace(spec, cand, depth=3), _trace(spec, cand, depth=4)
         deep = _trace(spec, cand, depth=7)
         assert _peak(extrapolate(a, b, 7)) == pytest.approx(_peak(deep), rel=0.02), cand.label
@@ -143,8 +196,14 @@ def test_untraceable_model_falls_back_to_the_per_block_estimate_and_says_so():
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters())
 
-    p = plan(DataDependent(), example_batch=torch.randn(4, 16), batch_size=4, accelerator="cpu",
-             candidates=["ddp", "deepspeed_stage_2"], workers=1)
+    p = plan(
+        DataDependent(),
+        example_batch=torch.randn(4, 16),
+        batch_size=4,
+        accelerator="cpu",
+        candidates=["ddp", "deepspeed_stage_2"],
+        workers=1,
+    )
     assert all(e.method == "analytic per-block fallback" for e in p.estimates)
     assert any("does not run under fake tensors" in n for n in p.notes)
 
@@ -153,8 +212,16 @@ def test_user_train_module_is_planned_without_touching_it():
     from test_plan_cli import TinyLM  # the same tiny GPT TrainModule the CLI tests plan
 
     module = TinyLM()
-    p = plan(module, example_batch=(torch.randint(0, 256, (2, 33)),), batch_size=2, devices=2, accelerator="cpu",
-             precision="32-true", candidates=["ddp", "fsdp_ac"], workers=1)
+    p = plan(
+        module,
+        example_batch=(torch.randint(0, 256, (2, 33)),),
+        batch_size=2,
+        devices=2,
+        accelerator="cpu",
+        precision="32-true",
+        candidates=["ddp", "fsdp_ac"],
+        workers=1,
+    )
     assert module.model is None  # configure_model ran on a meta copy only
     assert p.estimates[1].allocated < p.estimates[0].allocated
     assert [b.__name__ for b in p.block_classes] == ["Block"]
@@ -219,8 +286,7 @@ def test_recommendation_is_the_fastest_that_fits_with_a_reason():
     roomy = plan("gpt-tiny", devices=4, device_memory="10GiB", candidates=cands, workers=1)
     assert roomy.recommended.candidate.name == "ddp" and "fastest that fits" in roomy.reason
     sizes = {e.candidate.name: e.reserved for e in roomy.estimates}
-    tight = plan("gpt-tiny", devices=4, device_memory=int(sizes["fsdp_ac"] * 1.01), candidates=cands,
-                 workers=1)
+    tight = plan("gpt-tiny", devices=4, device_memory=int(sizes["fsdp_ac"] * 1.01), candidates=cands, workers=1)
     assert tight.recommended.candidate.name == "fsdp_ac"
     assert "ddp" in tight.reason.lower() and "needs" in tight.reason
     none = plan("gpt-tiny", devices=4, device_memory="1KiB", candidates=cands, workers=1)
@@ -228,11 +294,28 @@ def test_recommendation_is_the_fastest_that_fits_with_a_reason():
 
 
 def test_micro_batches_with_accumulation_appear_when_the_batch_does_not_fit():
-    full = plan("gpt-tiny", batch_size=8, seq_len=64, devices=2, precision="32-true", accelerator="cpu",
-                candidates=["fsdp"], workers=1)
+    full = plan(
+        "gpt-tiny",
+        batch_size=8,
+        seq_len=64,
+        devices=2,
+        precision="32-true",
+        accelerator="cpu",
+        candidates=["fsdp"],
+        workers=1,
+    )
     whole = full.estimates[0].allocated
-    p = plan("gpt-tiny", batch_size=8, seq_len=64, devices=2, precision="32-true", accelerator="cpu",
-             device_memory=int(whole * 0.95), candidates=["fsdp"], workers=1)
+    p = plan(
+        "gpt-tiny",
+        batch_size=8,
+        seq_len=64,
+        devices=2,
+        precision="32-true",
+        accelerator="cpu",
+        device_memory=int(whole * 0.95),
+        candidates=["fsdp"],
+        workers=1,
+    )
     splits = [(e.candidate.micro_batch, e.candidate.accumulation) for e in p.estimates]
     assert splits == [(8, 1), (4, 2), (2, 4), (1, 8)]
     sizes = [e.allocated for e in p.estimates]
@@ -241,8 +324,9 @@ def test_micro_batches_with_accumulation_appear_when_the_batch_does_not_fit():
 
 
 def test_step_time_orders_configurations_sensibly():
-    p = plan("llama-2-7b", devices=8, seq_len=1024, candidates=["ddp", "fsdp", "fsdp_ac",
-                                                                "fsdp_cpu_offload"], workers=1)
+    p = plan(
+        "llama-2-7b", devices=8, seq_len=1024, candidates=["ddp", "fsdp", "fsdp_ac", "fsdp_cpu_offload"], workers=1
+    )
     t = {e.candidate.name: e.step_seconds for e in p.estimates}
     assert t["fsdp"] < t["fsdp_ac"] < t["fsdp_cpu_offload"]
     assert all(math.isfinite(v) and v > 0 for v in t.values())
@@ -282,8 +366,7 @@ def test_attention_is_traced_with_the_targets_kernels():
     """The demo Transformer's attention has dropout: the CPU's math kernel keeps seq x seq per head, CUDA's not."""
     from shardwise.plan.presets import transformer_spec
 
-    spec = transformer_spec("t", dict(nlayers=2, nhid=64, ninp=32, nhead=4, dropout=0.2), vocab_size=100,
-                            seq_len=256)
+    spec = transformer_spec("t", dict(nlayers=2, nhid=64, ninp=32, nhead=4, dropout=0.2), vocab_size=100, seq_len=256)
     kw = dict(devices=1, batch_size=2, seq_len=256, workers=1, candidates=["ddp"], precision="32-true")
     cuda = plan(spec, accelerator="cuda", **kw).estimates[0]
     cpu = plan(spec, accelerator="cpu", **kw).estimates[0]
@@ -294,10 +377,23 @@ def test_attention_is_traced_with_the_targets_kernels():
 def test_flash_attention_2_config_is_traced_as_flash(tmp_path):
     pytest.importorskip("transformers")
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                               "num_key_value_heads": 4, "vocab_size": 128, "max_position_embeddings": 128,
-                               "_attn_implementation": "flash_attention_2", "attn_implementation": "flash_attention_2"}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 128,
+                "max_position_embeddings": 128,
+                "_attn_implementation": "flash_attention_2",
+                "attn_implementation": "flash_attention_2",
+            }
+        )
+    )
     e = plan(str(cfg), devices=1, batch_size=1, seq_len=64, workers=1, candidates=["ddp"]).estimates[0]
     assert e.method.startswith("traced")
 
@@ -320,8 +416,9 @@ def test_fsdp_reduce_scatters_every_micro_batch_by_default():
     from shardwise.plan.cost import Hardware, step_cost
 
     c = Candidate("fsdp", sharding="FULL_SHARD", micro_batch=1, accumulation=4)
-    kw = dict(params=10**9, flops_per_token=6e9, batch_size=4, seq_len=1024, world=8, num_nodes=1,
-              precision="bf16-mixed")
+    kw = dict(
+        params=10**9, flops_per_token=6e9, batch_size=4, seq_len=1024, world=8, num_nodes=1, precision="bf16-mixed"
+    )
     every = step_cost(c, Hardware(), **kw).comm_bytes
     once = step_cost(c, Hardware(), accumulation_sync="none", **kw).comm_bytes
     ring = 7 / 8
@@ -332,8 +429,11 @@ def test_forked_workers_get_the_fsdp_jobs_of_one_depth_together():
     """FSDP traces at one depth share their sharded parameter layout (and a process's op caches): one worker."""
     from shardwise.plan.jobs import TraceJob, _cost, _shares
 
-    fsdp = [Candidate("fsdp", sharding=s, activation_checkpointing=ac)
-            for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") for ac in (False, True)]
+    fsdp = [
+        Candidate("fsdp", sharding=s, activation_checkpointing=ac)
+        for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+        for ac in (False, True)
+    ]
     ddp = [Candidate("ddp"), Candidate("ddp", activation_checkpointing=True)]
     jobs = [TraceJob(c.config_key, "bf16-mixed", 1, 1, d, (1.0,), ()) for c in fsdp + ddp for d in (3, 4)]
     shares = _shares(jobs, 2)

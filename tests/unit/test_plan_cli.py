@@ -4,6 +4,7 @@ The CLI tests run `shardwise.cli.main` in-process on the tiny presets with
 `--workers 1`; the Trainer tests fit a tiny model for one step on CPU with a
 device memory that is (or is not) enough.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,24 +15,58 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardwise import FSDPStrategy, TrainModule, Trainer
+from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.cli import main as shardwise_main
 from shardwise.models import GPT, Block, gpt_config
 
 
 def test_cli_table_json_and_plot(tmp_path, capsys):
     png = tmp_path / "plan.png"
-    code = shardwise_main(["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "2GiB",
-                           "--batch-size", "2", "--seq-len", "32", "--only", "ddp,fsdp_ac,deepspeed_stage_3",
-                           "--workers", "1", "--plot", str(png)])
+    code = shardwise_main(
+        [
+            "plan",
+            "--model",
+            "gpt-tiny",
+            "--devices",
+            "2",
+            "--device-memory",
+            "2GiB",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--only",
+            "ddp,fsdp_ac,deepspeed_stage_3",
+            "--workers",
+            "1",
+            "--plot",
+            str(png),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "FSDP FULL_SHARD + AC" in out and "ZeRO-3" in out and "Recommended" in out
     assert "reserved = allocated + largest transient block" in out and "assumes: optimizer: adamw (foreach)" in out
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
-    assert shardwise_main(["plan", "--model", "gpt-tiny", "--devices", "2", "--device_memory=2GiB", "--json",
-                           "--only", "ddp", "--workers", "1"]) == 0
+    assert (
+        shardwise_main(
+            [
+                "plan",
+                "--model",
+                "gpt-tiny",
+                "--devices",
+                "2",
+                "--device_memory=2GiB",
+                "--json",
+                "--only",
+                "ddp",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     row = data["estimates"][0]
     assert data["fits_uses"].startswith("reserved") and row["fits"] is True
@@ -39,12 +74,18 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert data["recommended"]["candidate"]["name"] == "ddp"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "llama-9"], "Unknown model preset 'llama-9'. Presets: "),
-    (["--model", "gpt-tiny", "--device-memory", "lots"], "is not a memory size"),
-    (["--model", "gpt-tiny", "--devices", "8", "--only", "fsdp_hybrid_shard"], "HYBRID_SHARD"),
-    (["--model", "gpt-tiny", "--only", "fsdp_quarter_shard"], "Unknown strategy 'fsdp_quarter_shard'. Valid names: single, ddp"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "llama-9"], "Unknown model preset 'llama-9'. Presets: "),
+        (["--model", "gpt-tiny", "--device-memory", "lots"], "is not a memory size"),
+        (["--model", "gpt-tiny", "--devices", "8", "--only", "fsdp_hybrid_shard"], "HYBRID_SHARD"),
+        (
+            ["--model", "gpt-tiny", "--only", "fsdp_quarter_shard"],
+            "Unknown strategy 'fsdp_quarter_shard'. Valid names: single, ddp",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert shardwise_main(["plan", *argv, "--workers", "1"]) == 2
     err = capsys.readouterr().err
@@ -81,8 +122,15 @@ def _loader():
 
 
 def _fit(**kwargs):
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, **kwargs)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
     trainer.fit(TinyLM(), _loader())
     return trainer
 
@@ -96,8 +144,10 @@ def test_trainer_warns_before_the_first_step_with_the_smallest_change_that_fits(
     # the nearest configuration that fits keeps the user's strategy and only re-batches.
     with pytest.warns(UserWarning, match="will not fit") as record:
         trainer = _fit(strategy=FSDPStrategy(auto_wrap_policy={Block}), device_memory="2.7MiB")
-    assert ("Smallest change that fits: strategy=FSDPStrategy(auto_wrap_policy={Block}), DataLoader(batch_size=1) "
-            "and accumulate_grad_batches=4.") in _fit_warning(record)
+    assert (
+        "Smallest change that fits: strategy=FSDPStrategy(auto_wrap_policy={Block}), DataLoader(batch_size=1) "
+        "and accumulate_grad_batches=4."
+    ) in _fit_warning(record)
     assert trainer.global_step == 1  # a warning, not an error: the user may know better
 
 
@@ -112,9 +162,16 @@ def test_trainer_warns_that_nothing_fits_with_the_smallest_configuration():
 def _count_fit_warnings_on_two_ranks() -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}),
-                          device_memory="2MiB", max_steps=1, enable_progress_bar=False, logger=False,
-                          enable_checkpointing=False)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=FSDPStrategy(auto_wrap_policy={Block}),
+            device_memory="2MiB",
+            max_steps=1,
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(TinyLM(), _loader())
     return sum("will not fit" in str(w.message) for w in caught)
 
@@ -153,8 +210,22 @@ def test_planning_llama2_70b_is_fast_and_small():
     """
     from shardwise.plan.measure import planning_cost
 
-    cost = planning_cost(["--model", "llama-2-70b", "--devices", "8", "--num-nodes", "2", "--device-memory",
-                          "80GiB", "--batch-size", "1", "--seq-len", "4096"])
+    cost = planning_cost(
+        [
+            "--model",
+            "llama-2-70b",
+            "--devices",
+            "8",
+            "--num-nodes",
+            "2",
+            "--device-memory",
+            "80GiB",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "4096",
+        ]
+    )
     assert cost["code"] == 0
     assert cost["cpu"] < 2 * 60 and cost["rss"] < 2 * 2**30, cost
 
@@ -172,8 +243,16 @@ class _RecordingLM(TinyLM):
 def test_auto_strategy_runs_the_chosen_micro_batch_split(capsys):
     """16 sequences per step do not fit at once in 3.2 MB: the plan splits them, and the run uses that split."""
     module = _RecordingLM()
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, strategy="auto", device_memory=3_200_000)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        strategy="auto",
+        device_memory=3_200_000,
+    )
     trainer.fit(module, DataLoader(TensorDataset(torch.randint(0, 256, (64, 33))), batch_size=16))
     out = capsys.readouterr().out
     chosen = out.split("chose ", 1)[1]
@@ -191,9 +270,19 @@ def test_auto_strategy_refuses_a_loader_it_cannot_rebatch():
 
     data = TensorDataset(torch.randint(0, 256, (64, 33)))
     loader = DataLoader(data, batch_sampler=Pairs(SequentialSampler(data), batch_size=16, drop_last=False))
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, strategy="auto", device_memory=3_200_000)
-    with pytest.raises(ValueError, match=r"DataLoader\(\.\.\., batch_size=\d+\) and Trainer\(accumulate_grad_batches=\d+\)"):
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        strategy="auto",
+        device_memory=3_200_000,
+    )
+    with pytest.raises(
+        ValueError, match=r"DataLoader\(\.\.\., batch_size=\d+\) and Trainer\(accumulate_grad_batches=\d+\)"
+    ):
         trainer.fit(_RecordingLM(), loader)
 
 
@@ -203,7 +292,7 @@ def test_a_module_defined_in_a_script_is_planned_in_workers_and_under_track_memo
     import sys
 
     script = tmp_path / "user_script.py"
-    script.write_text('''
+    script.write_text("""
 import torch, torch.nn.functional as F, shardwise
 from shardwise import TrainModule
 from shardwise.models import GPT, gpt_config
@@ -231,6 +320,6 @@ rows = [[e.allocated for e in p.estimates] for p in (a, b, c)]
 assert rows[0] == rows[1] == rows[2], rows
 assert all(e.method.startswith("traced") for e in c.estimates), [e.method for e in c.estimates]
 print("OK")
-''')
+""")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -6,6 +6,7 @@ asserts the prediction within 15% of the published per-GPU figure, or the
 published verdict (fits / does not fit). Where each figure comes from, and
 how it is read, is in BENCHMARKS.md ("Memory planner against published GPU figures").
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,17 @@ def _lightning_strategy(name: str):
 
 @pytest.fixture(scope="module")
 def seed_001_plan():
-    return plan("transformer-1b", devices=2, device_memory="40GB", precision="32-true", batch_size=1, seq_len=35,
-                optimizer="adam", candidates=[_lightning_strategy(n) for n in SEED_001], workers=1)
+    return plan(
+        "transformer-1b",
+        devices=2,
+        device_memory="40GB",
+        precision="32-true",
+        batch_size=1,
+        seq_len=35,
+        optimizer="adam",
+        candidates=[_lightning_strategy(n) for n in SEED_001],
+        workers=1,
+    )
 
 
 # SHARD_GRAD_OP is predicted 15.1% low (9,991 vs 11,772 MiB). Measured cause (CPU/gloo, 2 ranks, the seed's layer
@@ -51,11 +61,16 @@ def seed_001_plan():
 # use_orig_params, fp32 MixedPrecision) extrapolates to 11,702 MiB and FSDP2 to 11,818; in shardwise's order (zero_grad
 # right after the step, which the planner traces) to 9,778 and 9,895. FSDP1 vs FSDP2 is not the cause. The planner
 # models shardwise's Trainer, so the row stays a visible failure rather than a loosened tolerance.
-_LOOP_ORDER_GAP = pytest.mark.xfail(strict=True, reason="Lightning zeroes gradients after the forward; shardwise "
-                                    "after the step (measured: one sharded gradient copy, -15.1%)")
+_LOOP_ORDER_GAP = pytest.mark.xfail(
+    strict=True,
+    reason="Lightning zeroes gradients after the forward; shardwise "
+    "after the step (measured: one sharded gradient copy, -15.1%)",
+)
 
 
-@pytest.mark.parametrize("name", [n if n != "SHARD_GRAD_OP" else pytest.param(n, marks=_LOOP_ORDER_GAP) for n in SEED_001])
+@pytest.mark.parametrize(
+    "name", [n if n != "SHARD_GRAD_OP" else pytest.param(n, marks=_LOOP_ORDER_GAP) for n in SEED_001]
+)
 def test_seed_001_sharding_strategy_table(seed_001_plan, name):
     row = seed_001_plan.estimates[list(SEED_001).index(name)]
     published = SEED_001[name] * MIB
@@ -88,8 +103,19 @@ def test_seed_001_order_matches(seed_001_plan):
 # 2 nodes x 8; "if you are using only a single node with 8 A100 80GB GPUs, then paged_adamw_32bit
 # optimizer from bitsandbytes is required".
 def _llama70b(num_nodes: int, optimizer: str, **kwargs):
-    p = plan("llama-2-70b", devices=8, num_nodes=num_nodes, device_memory="80GiB", precision="bf16-mixed",
-             batch_size=1, seq_len=2048, candidates=["fsdp_ac"], optimizer=optimizer, workers=1, **kwargs)
+    p = plan(
+        "llama-2-70b",
+        devices=8,
+        num_nodes=num_nodes,
+        device_memory="80GiB",
+        precision="bf16-mixed",
+        batch_size=1,
+        seq_len=2048,
+        candidates=["fsdp_ac"],
+        optimizer=optimizer,
+        workers=1,
+        **kwargs,
+    )
     return p.estimates[0]
 
 

@@ -9,6 +9,7 @@ the neighbours of a resume: resuming from another run's checkpoint, two runs
 in one directory, and the run ending by max_steps / max_epochs / a stop
 request, which must leave a checkpoint of its last step.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,12 +19,11 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from test_checkpoint import Net, fit  # noqa: E402  (same directory: the shared one-process fixtures)
 
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.checkpoint import layout
 from shardwise.checkpoint.lock import CheckpointDirectoryBusyError, DirectoryLock
-
-from test_checkpoint import Net, fit  # noqa: E402  (same directory: the shared one-process fixtures)
 
 TOTAL = 23  # 10 batches per epoch: the chains cross two epoch boundaries
 
@@ -54,8 +54,7 @@ def _checkpoint(every):
     return ModelCheckpoint(every_n_train_steps=every) if every else ModelCheckpoint(every_n_epochs=1)
 
 
-@pytest.mark.parametrize("strategy,seed", [("single", 11), ("single", 12), ("single", 13), ("fsdp", 21),
-                                           ("fsdp", 22)])
+@pytest.mark.parametrize("strategy,seed", [("single", 11), ("single", 12), ("single", 13), ("fsdp", 21), ("fsdp", 22)])
 def test_random_resume_chains_equal_the_uninterrupted_run(tmp_path, strategy, seed):
     stops, every, kw = _chain(seed)
     print(f"strategy={strategy} stops={stops} every={every} {kw}")
@@ -63,8 +62,15 @@ def test_random_resume_chains_equal_the_uninterrupted_run(tmp_path, strategy, se
     ref_epochs = {}
     combined = {}
     for i, stop in enumerate(stops):
-        trainer, losses = fit(tmp_path / "run", stop, strategy, ckpt_path="last" if i else None, seed=100 + i if i else 3,
-                              checkpoint=_checkpoint(every), **kw)
+        trainer, losses = fit(
+            tmp_path / "run",
+            stop,
+            strategy,
+            ckpt_path="last" if i else None,
+            seed=100 + i if i else 3,
+            checkpoint=_checkpoint(every),
+            **kw,
+        )
         combined.update(losses)
         # The run ended by max_steps: its last step is saved, whatever the interval.
         epoch, name = _epoch_of(tmp_path / "run", stop)
@@ -81,12 +87,16 @@ def test_the_reported_chain_4_6_8(tmp_path, strategy):
     _, reference = fit(tmp_path / "ref", 8, strategy, checkpoint=ModelCheckpoint(every_n_train_steps=2))
     combined = {}
     for i, stop in enumerate((4, 6, 8)):
-        _, losses = fit(tmp_path / "run", stop, strategy, ckpt_path="last" if i else None,
-                        checkpoint=ModelCheckpoint(every_n_train_steps=2))
+        _, losses = fit(
+            tmp_path / "run",
+            stop,
+            strategy,
+            ckpt_path="last" if i else None,
+            checkpoint=ModelCheckpoint(every_n_train_steps=2),
+        )
         combined.update(losses)
     assert combined == reference
-    assert os.path.basename(os.path.realpath(tmp_path / "run" / "checkpoints" / "last.ckpt")) == \
-        "epoch=0-step=8.ckpt"
+    assert os.path.basename(os.path.realpath(tmp_path / "run" / "checkpoints" / "last.ckpt")) == "epoch=0-step=8.ckpt"
 
 
 def test_max_steps_mid_epoch_saves_and_last_continues(tmp_path):
@@ -132,8 +142,11 @@ def test_a_second_run_in_the_same_directory_fails_at_once_and_touches_nothing(tm
     other = DirectoryLock(str(directory))
     other.acquire()
     try:
-        with pytest.raises(CheckpointDirectoryBusyError, match=r"Another run \(host .* pid \d+\) is saving "
-                                                               r"checkpoints into .*own default_root_dir"):
+        with pytest.raises(
+            CheckpointDirectoryBusyError,
+            match=r"Another run \(host .* pid \d+\) is saving "
+            r"checkpoints into .*own default_root_dir",
+        ):
             fit(tmp_path, 3, checkpoint=ModelCheckpoint())
         assert in_flight.exists()
     finally:
@@ -143,8 +156,10 @@ def test_a_second_run_in_the_same_directory_fails_at_once_and_touches_nothing(tm
 
 def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
     directory = tmp_path / "checkpoints"
-    code = ("import os, signal, sys; from shardwise.checkpoint.lock import DirectoryLock; "
-            "DirectoryLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)")
+    code = (
+        "import os, signal, sys; from shardwise.checkpoint.lock import DirectoryLock; "
+        "DirectoryLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(directory)])
     assert proc.returncode == -9 and (directory / ".shardwise.lock").exists()  # left behind, but unlocked
     (directory / ".x.ckpt.tmp-1-2-abc").write_bytes(b"left by the killed run")
@@ -172,8 +187,12 @@ def test_a_preemption_signal_finishes_the_step_saves_and_exits_75(tmp_path, sig)
     _, reference = fit(tmp_path / "ref", 14, checkpoint=ModelCheckpoint(every_n_train_steps=4))
     before = signal.getsignal(getattr(signal, sig))
     with pytest.raises(SystemExit) as exit_info:
-        fit(tmp_path / "run", 14, checkpoint=ModelCheckpoint(every_n_train_steps=4),
-            callbacks_extra=[SignalAt(6, getattr(signal, sig))])
+        fit(
+            tmp_path / "run",
+            14,
+            checkpoint=ModelCheckpoint(every_n_train_steps=4),
+            callbacks_extra=[SignalAt(6, getattr(signal, sig))],
+        )
     assert exit_info.value.code == PREEMPTED_EXIT_CODE
     assert signal.getsignal(getattr(signal, sig)) == before  # the handler is the user's again
     _epoch_of(tmp_path / "run", 6)  # step 6 finished and was saved: nothing lost
@@ -189,8 +208,14 @@ def test_metrics_resume_in_the_same_file_without_duplicates(tmp_path):
 
     def run(max_steps, ckpt_path=None):
         logger = CSVLogger(str(tmp_path), flush_every_n_steps=1000)  # nothing flushed by the logger itself
-        fit(tmp_path, max_steps, ckpt_path=ckpt_path, checkpoint=ModelCheckpoint(every_n_train_steps=3),
-            logger=logger, log_every_n_steps=1)
+        fit(
+            tmp_path,
+            max_steps,
+            ckpt_path=ckpt_path,
+            checkpoint=ModelCheckpoint(every_n_train_steps=3),
+            logger=logger,
+            log_every_n_steps=1,
+        )
         return logger
 
     first = run(5)
@@ -228,8 +253,13 @@ def test_a_checkpoint_committed_before_last_moved_is_the_resume_point(tmp_path):
     layout.point_last(str(directory), str(directory / "epoch=0-step=4.ckpt"))
     other = tmp_path / "run" / "checkpoints" / "epoch=9-step=99.ckpt"  # a different run's, newer: never adopted
     with pytest.warns(UserWarning, match=r"step=6.ckpt \(step 6\) was committed after last.ckpt"):
-        _, second = fit(tmp_path / "run", 10, ckpt_path="last", seed=9,
-                        checkpoint=ModelCheckpoint(every_n_train_steps=2, save_top_k=2))
+        _, second = fit(
+            tmp_path / "run",
+            10,
+            ckpt_path="last",
+            seed=9,
+            checkpoint=ModelCheckpoint(every_n_train_steps=2, save_top_k=2),
+        )
     assert sorted(second) == [7, 8, 9, 10] and {**first, **second} == reference
     assert sorted(os.listdir(directory)) == ["epoch=0-step=10.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert not other.exists()

@@ -1,4 +1,5 @@
 """Selective activation checkpointing computes the same gradients as none and full (issue 12, item 6)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,20 @@ from shardwise.strategies.fsdp import apply_activation_checkpointing
 
 def _grads(mode=None, option=None):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, norm="rmsnorm",
-                          mlp="swiglu", rope=True, bias=False, tie_embeddings=False))
+    model = GPT(
+        GPTConfig(
+            vocab_size=64,
+            block_size=16,
+            n_layer=4,
+            n_head=2,
+            n_embd=32,
+            norm="rmsnorm",
+            mlp="swiglu",
+            rope=True,
+            bias=False,
+            tie_embeddings=False,
+        )
+    )
     if mode is not None:
         apply_activation_checkpointing(model, {Block}, mode, option)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -27,8 +40,11 @@ def _grads(mode=None, option=None):
 def test_modes_agree_and_wrap_what_they_say():
     reference, none = _grads()
     assert not any(none)
-    for mode, option, expect in (("full", None, [True] * 4), ("selective", "op", [True] * 4),
-                                 ("selective", 2, [True, False, True, False])):
+    for mode, option, expect in (
+        ("full", None, [True] * 4),
+        ("selective", "op", [True] * 4),
+        ("selective", 2, [True, False, True, False]),
+    ):
         grads, wrapped = _grads(mode, option)
         assert wrapped == expect, (mode, option)
         for a, b in zip(reference, grads):

@@ -6,6 +6,7 @@ step functions, that the shared optimizer update keeps the Trainer's
 semantics (skip, clip by value, several optimizers), and that a strategy set
 up for planning builds fake shards through its own set-up code.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import TrainModule, Trainer, step
+from shardwise import Trainer, TrainModule, step
 from shardwise.distributed.env import single_process_env
 
 
@@ -79,8 +80,17 @@ def test_the_trainer_and_the_planner_trace_run_the_same_step_functions(spy):
     spy.clear()
     spec = gpt_spec("tiny", GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32))
     with fake_world(2):
-        traced = trace(spec, Candidate("fsdp", sharding="FULL_SHARD"), world_size=2, num_nodes=1,
-                       precision="32-true", seq_len=16, micro_batch=2, accumulation=2, depth=None)
+        traced = trace(
+            spec,
+            Candidate("fsdp", sharding="FULL_SHARD"),
+            world_size=2,
+            num_nodes=1,
+            precision="32-true",
+            seq_len=16,
+            micro_batch=2,
+            accumulation=2,
+            depth=None,
+        )
     assert spy == [("fb", False), ("fb", True), ("update", 1)]
     # The phases the trace records are the ones the step functions' hooks labelled.
     phases = {phase for phase, _, _ in traced.envelope}
@@ -126,7 +136,8 @@ def test_trainer_clipping_by_value_equals_a_hand_written_loop():
     module = Classifier()
     reference = copy.deepcopy(module.net)
     _trainer(max_steps=3, gradient_clip_val=0.01, gradient_clip_algorithm="value").fit(
-        module, DataLoader(_data(), batch_size=8))
+        module, DataLoader(_data(), batch_size=8)
+    )
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for i, (x, y) in enumerate(DataLoader(_data(), batch_size=8)):
         if i == 3:
@@ -149,8 +160,9 @@ def test_a_none_loss_skips_the_backward_and_the_trainer_still_counts_the_batch()
     trainer = _trainer(max_steps=4)
     trainer.fit(module, DataLoader(_data(), batch_size=8))
     assert trainer.global_step == 4
-    out, loss = step.forward_backward(trainer.strategy, trainer.model, ((torch.randn(2, 8), torch.zeros(2).long()), 1),
-                                      before_backward=seen.append)
+    out, loss = step.forward_backward(
+        trainer.strategy, trainer.model, ((torch.randn(2, 8), torch.zeros(2).long()), 1), before_backward=seen.append
+    )
     assert out is None and loss is None and seen == []
 
 
@@ -174,8 +186,15 @@ class Net(nn.Module):
 def _fake_env(world):
     import dataclasses
 
-    return dataclasses.replace(single_process_env(), world_size=world, global_rank=0, local_rank=0, node_rank=0,
-                               num_nodes=1, local_world_size=world)
+    return dataclasses.replace(
+        single_process_env(),
+        world_size=world,
+        global_rank=0,
+        local_rank=0,
+        node_rank=0,
+        num_nodes=1,
+        local_world_size=world,
+    )
 
 
 def test_fsdp_set_up_for_planning_shards_fake_tensors_on_the_planned_mesh():

@@ -1,4 +1,5 @@
 """The Trainer loop on one process: hooks, optimizers, schedulers, logging, validation, accumulation."""
+
 import copy
 
 import pytest
@@ -8,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import TrainModule, Trainer
+from shardwise import Trainer, TrainModule
 
 
 def _data(n=64, seed=0):
@@ -35,8 +36,10 @@ class Classifier(TrainModule):
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
         if self.sched == "step":
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
-                                                       "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"},
+            }
         if self.sched == "epoch":
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
         return opt
@@ -88,12 +91,12 @@ def test_step_scheduler_and_epoch_scheduler():
     trainer = _trainer(max_steps=3)
     module = Classifier(sched="step")
     trainer.fit(module, DataLoader(_data(), batch_size=8))
-    assert trainer.strategy.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert trainer.strategy.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
     trainer = _trainer(max_epochs=2)
     module = Classifier(sched="epoch")
     trainer.fit(module, DataLoader(_data(), batch_size=8))
-    assert trainer.strategy.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    assert trainer.strategy.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
 
 
 def test_accumulation_matches_a_larger_batch():

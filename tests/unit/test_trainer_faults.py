@@ -6,6 +6,7 @@ must now stop with a shardwise error that names the argument, the step or the
 tensor and says what to change. The multi-rank side (the guilty rank named,
 hangs, killed ranks) is in tests/distributed/test_faults.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,17 +15,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from test_checkpoint import Losses, Net, fit, loaders  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-import shardwise
-from shardwise import Trainer, TrainModule
+from shardwise import Trainer
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.checkpoint import layout
 from shardwise.health import NonFiniteError
-
-from test_checkpoint import Losses, Net, fit, loaders  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,29 +34,33 @@ def _no_leftover_process_group():
 
 def trainer(**kw):
     kw.setdefault("max_steps", 3)
-    return Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                   enable_checkpointing=False, **kw)
+    return Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False, **kw
+    )
 
 
 # ------------------------------------------------------------- settings
-@pytest.mark.parametrize("name,value,allowed", [
-    ("limit_train_batches", -3, "between 0.0 and 1.0"),
-    ("limit_train_batches", 1.5, "between 0.0 and 1.0"),
-    ("limit_val_batches", -1, "between 0.0 and 1.0"),
-    ("gradient_clip_val", -1, "positive, finite"),
-    ("gradient_clip_val", 0, "positive, finite"),
-    ("gradient_clip_val", math.inf, "positive, finite"),
-    ("accumulate_grad_batches", 2.5, "whole number of micro-batches"),
-    ("accumulate_grad_batches", 0, "whole number of micro-batches"),
-    ("max_epochs", -5, "-1 for no limit"),
-    ("max_steps", -2, "-1 for no limit"),
-    ("val_check_interval", 0, "1 or more"),
-    ("val_check_interval", 1.5, r"\(0.0, 1.0\]"),
-    ("check_val_every_n_epoch", 0, "1 or more"),
-    ("log_every_n_steps", 0, "1 or more"),
-    ("non_finite", "ignore", "'error'"),
-    ("preemption_signals", ["SIGNOPE"], "is not a signal"),
-])
+@pytest.mark.parametrize(
+    "name,value,allowed",
+    [
+        ("limit_train_batches", -3, "between 0.0 and 1.0"),
+        ("limit_train_batches", 1.5, "between 0.0 and 1.0"),
+        ("limit_val_batches", -1, "between 0.0 and 1.0"),
+        ("gradient_clip_val", -1, "positive, finite"),
+        ("gradient_clip_val", 0, "positive, finite"),
+        ("gradient_clip_val", math.inf, "positive, finite"),
+        ("accumulate_grad_batches", 2.5, "whole number of micro-batches"),
+        ("accumulate_grad_batches", 0, "whole number of micro-batches"),
+        ("max_epochs", -5, "-1 for no limit"),
+        ("max_steps", -2, "-1 for no limit"),
+        ("val_check_interval", 0, "1 or more"),
+        ("val_check_interval", 1.5, r"\(0.0, 1.0\]"),
+        ("check_val_every_n_epoch", 0, "1 or more"),
+        ("log_every_n_steps", 0, "1 or more"),
+        ("non_finite", "ignore", "'error'"),
+        ("preemption_signals", ["SIGNOPE"], "is not a signal"),
+    ],
+)
 def test_impossible_settings_are_refused_when_the_trainer_is_built(name, value, allowed):
     with pytest.raises(ValueError, match=rf"{name}.*{allowed}"):
         trainer(**{name: value})
@@ -132,16 +134,22 @@ class InfGrad(Net):
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
 def test_a_nan_loss_stops_the_run_at_that_step_and_last_stays_sound(tmp_path, strategy):
-    with pytest.raises(NonFiniteError, match=r"optimizer step 5 .*rank 0: the loss of batch 4 \(nan\).*"
-                                             r"The step was not taken.*non_finite='skip'"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"optimizer step 5 .*rank 0: the loss of batch 4 \(nan\).*"
+        r"The step was not taken.*non_finite='skip'",
+    ):
         fit(tmp_path, 10, strategy, module=NaNAt(5), checkpoint=ModelCheckpoint(every_n_train_steps=2))
     last = os.path.realpath(tmp_path / "checkpoints" / "last.ckpt")
     assert layout.read_manifest(last)["global_step"] == 4
 
 
 def test_an_infinite_gradient_is_named():
-    with pytest.raises(NonFiniteError, match=r"step 4 .*the gradient of net.0.weight \(1 NaN of 128 elements\)|"
-                                             r"step 4 .*the gradient of net.0.weight \(1 inf of 128 elements\)"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 4 .*the gradient of net.0.weight \(1 NaN of 128 elements\)|"
+        r"step 4 .*the gradient of net.0.weight \(1 inf of 128 elements\)",
+    ):
         trainer(max_steps=6).fit(InfGrad(), loaders()[0])
 
 
@@ -151,8 +159,7 @@ def test_skip_drops_the_step_and_warn_never_moves_last(tmp_path):
     assert t.global_step == 8 and math.isnan(losses[5])
     assert all(torch.isfinite(p).all() for p in t.lightning_module.parameters())
     with pytest.warns(UserWarning, match=r"not saving step .*non-finite values were seen at step 5"):
-        fit(tmp_path / "warn", 8, module=NaNAt(5), non_finite="warn",
-            checkpoint=ModelCheckpoint(every_n_train_steps=2))
+        fit(tmp_path / "warn", 8, module=NaNAt(5), non_finite="warn", checkpoint=ModelCheckpoint(every_n_train_steps=2))
     last = os.path.realpath(tmp_path / "warn" / "checkpoints" / "last.ckpt")
     assert layout.read_manifest(last)["global_step"] == 4
 
@@ -171,8 +178,18 @@ def test_a_second_fit_continues_from_the_trained_weights():
     recorder = Losses()
     second = trainer(max_steps=1, callbacks=[recorder])
     weights_at_start = {}
-    second.callbacks.insert(0, type("Grab", (), {"on_train_start": lambda self, t, m: weights_at_start.update(
-        {k: v.clone() for k, v in m.state_dict().items()})})())
+    second.callbacks.insert(
+        0,
+        type(
+            "Grab",
+            (),
+            {
+                "on_train_start": lambda self, t, m: weights_at_start.update(
+                    {k: v.clone() for k, v in m.state_dict().items()}
+                )
+            },
+        )(),
+    )
     second.fit(module, loaders()[0])
     assert all(torch.equal(weights_at_start[k], trained[k]) for k in trained)
 
@@ -188,8 +205,11 @@ def test_a_second_trainer_on_an_fsdp_module_says_what_to_do():
     module = Guarded()
     trainer(strategy="fsdp").fit(module, loaders()[0])
     dist.destroy_process_group()
-    with pytest.raises(RuntimeError, match=r"already set up and trained by another Trainer's FSDPStrategy.*"
-                                           r"call fit\(\) again on the same Trainer"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"already set up and trained by another Trainer's FSDPStrategy.*"
+        r"call fit\(\) again on the same Trainer",
+    ):
         trainer(strategy="fsdp").fit(module, loaders()[0])
 
 
@@ -234,8 +254,11 @@ class InitHook(Net):
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
 def test_a_custom_init_in_configure_model_is_never_silently_replaced(strategy):
-    with pytest.raises(RuntimeError, match=r"writes values into 1 parameter\(s\) .*zero_ at test_trainer_faults.py"
-                                           r".*TrainModule.init_weights\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"writes values into 1 parameter\(s\) .*zero_ at test_trainer_faults.py"
+        r".*TrainModule.init_weights\(\)",
+    ):
         trainer(strategy=strategy).fit(CustomInit(), loaders()[0])
     state = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Dropout(0.2), nn.Linear(16, 3)).state_dict()
     with pytest.raises(RuntimeError, match=r"writes values into 6 parameter\(s\).*copy_"):

@@ -20,6 +20,7 @@ final step, as Lightning does. With FSDPStrategy(async_save=True) the
 write continues in the background and is committed (then `last` moved,
 old ones pruned) at the next save or at the end of training.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,10 +56,19 @@ class ModelCheckpoint:
 
     FILE_EXTENSION = layout.SUFFIX
 
-    def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
-                 mode: str = "min", save_top_k: int = 1, save_last: bool = True,
-                 every_n_train_steps: Optional[int] = None, every_n_epochs: Optional[int] = None,
-                 auto_insert_metric_name: bool = True, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool = True,
+        every_n_train_steps: Optional[int] = None,
+        every_n_epochs: Optional[int] = None,
+        auto_insert_metric_name: bool = True,
+        verbose: bool = False,
+    ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): use 'min' or 'max'.")
         if save_top_k < -1:
@@ -91,8 +101,10 @@ class ModelCheckpoint:
 
     @property
     def state_key(self) -> str:
-        return (f"ModelCheckpoint[monitor={self.monitor},mode={self.mode},every_n_train_steps="
-                f"{self.every_n_train_steps},every_n_epochs={self.every_n_epochs}]")
+        return (
+            f"ModelCheckpoint[monitor={self.monitor},mode={self.mode},every_n_train_steps="
+            f"{self.every_n_train_steps},every_n_epochs={self.every_n_epochs}]"
+        )
 
     def resolve_dirpath(self, trainer: Any) -> str:
         return os.path.realpath(self.dirpath or os.path.join(trainer.default_root_dir, "checkpoints"))
@@ -162,8 +174,9 @@ class ModelCheckpoint:
             key = match.group(1)
             if key not in metrics:
                 if not self._warned_missing:
-                    warnings.warn(f"ModelCheckpoint filename uses {key!r}, which was not logged; using 0.",
-                                  stacklevel=3)
+                    warnings.warn(
+                        f"ModelCheckpoint filename uses {key!r}, which was not logged; using 0.", stacklevel=3
+                    )
                     self._warned_missing = True
                 metrics = {**metrics, key: 0}
             values[key] = metrics[key]
@@ -192,8 +205,11 @@ class ModelCheckpoint:
         score = self._score(trainer)
         if self.monitor is not None and score is None:
             if not self._warned_missing:
-                warnings.warn(f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric (logged: "
-                              f"{sorted(trainer.callback_metrics)}); saving for `last` only.", stacklevel=3)
+                warnings.warn(
+                    f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric (logged: "
+                    f"{sorted(trainer.callback_metrics)}); saving for `last` only.",
+                    stacklevel=3,
+                )
                 self._warned_missing = True
         k = self.save_top_k
         if k == 0 or (self.monitor is not None and score is None):
@@ -201,8 +217,11 @@ class ModelCheckpoint:
         elif k == -1 or self.monitor is None or len(self.best_k_models) < k:
             in_top = True
         else:
-            worst = max(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" else \
-                min(self.best_k_models, key=self.best_k_models.get)
+            worst = (
+                max(self.best_k_models, key=self.best_k_models.get)
+                if self.mode == "min"
+                else min(self.best_k_models, key=self.best_k_models.get)
+            )
             in_top = self._better(score, self.best_k_models[worst])
         if not (in_top or self.save_last):
             return None
@@ -225,8 +244,11 @@ class ModelCheckpoint:
             # Trainer(non_finite='warn') took a step with NaN/inf: the weights may be
             # poisoned, and `last` must keep pointing at a state that was sound.
             if not self._warned_nonfinite:
-                warnings.warn(f"ModelCheckpoint: not saving step {trainer.global_step} or later: non-finite values "
-                              f"were seen at step {bad}. `last` stays at the last sound checkpoint.", stacklevel=3)
+                warnings.warn(
+                    f"ModelCheckpoint: not saving step {trainer.global_step} or later: non-finite values "
+                    f"were seen at step {bad}. `last` stays at the last sound checkpoint.",
+                    stacklevel=3,
+                )
                 self._warned_nonfinite = True
             return
         self._finish_pending()
@@ -251,8 +273,10 @@ class ModelCheckpoint:
                 if self._owns(old):
                     layout.remove_checkpoint(old)
             if self.verbose:
-                print(f"[shardwise] saved {path}" + (f" ({self.monitor}={decision['score']:.6g})"
-                                                       if decision["score"] is not None else ""))
+                print(
+                    f"[shardwise] saved {path}"
+                    + (f" ({self.monitor}={decision['score']:.6g})" if decision["score"] is not None else "")
+                )
 
         self._after_commit = after_commit
         if not self._pending.is_async:
@@ -302,25 +326,36 @@ class ModelCheckpoint:
 
     def _owns(self, path: str) -> bool:
         """Only checkpoints directly inside this run's resolved directory are ever deleted."""
-        return self._directory is not None and \
-            os.path.dirname(os.path.realpath(os.path.abspath(path))) == self._directory and \
-            os.path.basename(path) != layout.LAST_NAME
+        return (
+            self._directory is not None
+            and os.path.dirname(os.path.realpath(os.path.abspath(path))) == self._directory
+            and os.path.basename(path) != layout.LAST_NAME
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         return {
-            "dirpath": self.dirpath, "directory": self._directory, "monitor": self.monitor, "mode": self.mode,
-            "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
-            "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
-            "saved": list(self._saved), "last_global_step_saved": self._last_global_step_saved,
+            "dirpath": self.dirpath,
+            "directory": self._directory,
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "best_k_models": dict(self.best_k_models),
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "last_model_path": self.last_model_path,
+            "saved": list(self._saved),
+            "last_global_step_saved": self._last_global_step_saved,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         # Compared by the resolved directory: two runs with the default dirpath
         # (None) in different root directories are different places, and
         # adopting the other's ranking would prune the other run's checkpoints.
-        same_place = self._directory is not None and state.get("directory") == self._directory and \
-            state.get("monitor") == self.monitor
+        same_place = (
+            self._directory is not None
+            and state.get("directory") == self._directory
+            and state.get("monitor") == self.monitor
+        )
         self._last_global_step_saved = state.get("last_global_step_saved", -1)
         if not same_place:
             return  # another directory or metric: start a fresh ranking

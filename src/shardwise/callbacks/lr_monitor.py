@@ -18,11 +18,11 @@ def _value(x: Any) -> float:
 
 
 class LearningRateMonitor:
-    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
-                 log_weight_decay: bool = False):
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False):
         if logging_interval not in (None, "step", "epoch"):
-            raise ValueError(f"LearningRateMonitor(logging_interval={logging_interval!r}): "
-                             "expected 'step', 'epoch' or None")
+            raise ValueError(
+                f"LearningRateMonitor(logging_interval={logging_interval!r}): expected 'step', 'epoch' or None"
+            )
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay
@@ -32,8 +32,10 @@ class LearningRateMonitor:
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         if not getattr(trainer, "loggers", None):
-            raise ValueError("LearningRateMonitor needs a logger: pass Trainer(logger=...) "
-                             "(the default CSVLogger works) or remove the callback.")
+            raise ValueError(
+                "LearningRateMonitor needs a logger: pass Trainer(logger=...) "
+                "(the default CSVLogger works) or remove the callback."
+            )
         strategy = trainer.strategy
         configs = list(getattr(strategy, "lr_schedulers", None) or [])
         entries, seen = [], {}

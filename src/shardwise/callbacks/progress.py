@@ -55,8 +55,13 @@ class RichProgressBar:
 
     is_progress_bar = True  # the Trainer adds its default bar only if no callback says this
 
-    def __init__(self, refresh_rate: int = 1, print_every_n_steps: int | None = None,
-                 leave: bool = False, file: TextIO | None = None):
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        print_every_n_steps: int | None = None,
+        leave: bool = False,
+        file: TextIO | None = None,
+    ):
         self.refresh_rate = max(1, refresh_rate)
         self.print_every_n_steps = print_every_n_steps
         self.leave = leave
@@ -142,11 +147,15 @@ class RichProgressBar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._live = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("{task.fields[rate]}", markup=False),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[rate]}", markup=False),
                 TextColumn("{task.fields[metrics]}", markup=False),
                 TextColumn("{task.fields[memory]}", markup=False),
-                console=Console(file=self.file), transient=not self.leave,
+                console=Console(file=self.file),
+                transient=not self.leave,
             )
             self._live.start()
 
@@ -187,15 +196,25 @@ class RichProgressBar:
                 self._live.update(self._train_task, completed=completed, **self._train_fields(trainer))
             return
         step = trainer.global_step
-        if (getattr(trainer, "is_last_microbatch", True) and step != self._last_printed_step
-                and step > 0 and step % self._every == 0):
+        if (
+            getattr(trainer, "is_last_microbatch", True)
+            and step != self._last_printed_step
+            and step > 0
+            and step % self._every == 0
+        ):
             self._print_train_line(trainer)
 
     def _print_train_line(self, trainer: Any) -> None:
         self._last_printed_step = trainer.global_step
         fields = self._train_fields(trainer)
-        self._line(trainer, self._epoch_text(trainer), self._step_text(trainer), fields["rate"],
-                   fields["metrics"], fields["memory"])
+        self._line(
+            trainer,
+            self._epoch_text(trainer),
+            self._step_text(trainer),
+            fields["rate"],
+            fields["metrics"],
+            fields["memory"],
+        )
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         if self._enabled and self._live is None and trainer.global_step != self._last_printed_step:
@@ -210,8 +229,9 @@ class RichProgressBar:
         total = None if total is None or total == math.inf else total
         self._val_task = self._live.add_task("validation", total=total, rate="", metrics="", memory="")
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                *args: Any) -> None:
+    def on_validation_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
         if self._enabled and self._live is not None and self._val_task is not None:
             self._live.advance(self._val_task)
 
@@ -226,8 +246,9 @@ class RichProgressBar:
             return
         val = {k: v for k, v in (getattr(trainer, "callback_metrics", {}) or {}).items() if "val" in k}
         if val:
-            self._line(trainer, "validation", self._epoch_text(trainer), f"step {trainer.global_step}",
-                       self._metrics_text(val))
+            self._line(
+                trainer, "validation", self._epoch_text(trainer), f"step {trainer.global_step}", self._metrics_text(val)
+            )
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         if not self._enabled:

@@ -8,20 +8,41 @@ atomic commit, `last`), formats.py (model + optimizers, "full" / "sharded"),
 training.py (everything else a resumed run needs), rng.py, reader.py,
 convert.py, inspect.py, errors.py.
 """
-from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                         CheckpointNotFoundError, CheckpointVersionError, CheckpointWriteError,
-                                         ChecksumMismatchError, CorruptCheckpointError, UnsafeCheckpointError)
+
+from shardwise.checkpoint.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CheckpointWriteError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from shardwise.checkpoint.integrity import check_writable
-from shardwise.checkpoint.lock import CheckpointDirectoryBusyError
 from shardwise.checkpoint.layout import FORMAT_VERSION, LAST_NAME, latest_checkpoint, list_checkpoints
+from shardwise.checkpoint.lock import CheckpointDirectoryBusyError
 from shardwise.checkpoint.reader import open_checkpoint
 from shardwise.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 
-
 __all__ = [
-    "save_training_checkpoint", "load_training_checkpoint", "open_checkpoint", "list_checkpoints",
-    "latest_checkpoint", "FORMAT_VERSION", "LAST_NAME", "CheckpointError", "CheckpointNotFoundError",
-    "CorruptCheckpointError", "CheckpointMismatchError", "CheckpointVersionError", "CheckpointFormatError",
-    "CheckpointWriteError", "ChecksumMismatchError", "UnsafeCheckpointError", "CheckpointDirectoryBusyError",
+    "save_training_checkpoint",
+    "load_training_checkpoint",
+    "open_checkpoint",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "FORMAT_VERSION",
+    "LAST_NAME",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointVersionError",
+    "CheckpointFormatError",
+    "CheckpointWriteError",
+    "ChecksumMismatchError",
+    "UnsafeCheckpointError",
+    "CheckpointDirectoryBusyError",
     "check_writable",
 ]

@@ -11,6 +11,7 @@ few together) and cast on their own, so a folder's peak memory is about one
 shard plus one tensor. A single file has to be held whole before it is
 written, so it is refused up front when the host cannot hold it.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def _groups(infos: List[TensorInfo], budget: int) -> List[List[TensorInfo]]:
     return groups
 
 
-def read_cast(reader: CheckpointReader, infos: List[TensorInfo], dtype: Optional[torch.dtype],
-              read_budget: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
+def read_cast(
+    reader: CheckpointReader, infos: List[TensorInfo], dtype: Optional[torch.dtype], read_budget: int = 0
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of `infos`, in order, floating ones cast to `dtype`."""
     for group in _groups(infos, read_budget):
         tensors = reader.read([i.name for i in group])
@@ -56,17 +58,28 @@ def read_cast(reader: CheckpointReader, infos: List[TensorInfo], dtype: Optional
             yield info.name, tensors.pop(info.name).to(_cast_dtype(info, dtype)).contiguous()
 
 
-def write_safetensors(path: str, reader: CheckpointReader, infos: List[TensorInfo],
-                      dtype: Optional[torch.dtype], metadata: Optional[Dict[str, str]] = None,
-                      read_budget: int = 0) -> int:
+def write_safetensors(
+    path: str,
+    reader: CheckpointReader,
+    infos: List[TensorInfo],
+    dtype: Optional[torch.dtype],
+    metadata: Optional[Dict[str, str]] = None,
+    read_budget: int = 0,
+) -> int:
     """Write `infos` from `reader` into one safetensors file; returns the bytes of tensor data written."""
     tensors = dict(read_cast(reader, infos, dtype, read_budget))
     save_durably("safetensors", tensors, path, metadata)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def convert(ckpt: str, out: str, dtype: str = "keep", max_shard_size: str = "5GB", fmt: Optional[str] = None,
-            quiet: bool = False) -> List[str]:
+def convert(
+    ckpt: str,
+    out: str,
+    dtype: str = "keep",
+    max_shard_size: str = "5GB",
+    fmt: Optional[str] = None,
+    quiet: bool = False,
+) -> List[str]:
     """Write the model weights of checkpoint `ckpt` to `out`; returns the files written."""
     cast = cast_dtype(dtype)
     reader = open_checkpoint(ckpt)
@@ -86,9 +99,11 @@ def convert(ckpt: str, out: str, dtype: str = "keep", max_shard_size: str = "5GB
     if single_file:
         available = available_host_bytes()
         if available is not None and total_bytes > available:
-            raise ValueError(f"one file of {total_bytes / 2**30:.1f} GiB must be held in memory to be written, and "
-                             f"this host has {available / 2**30:.1f} GiB available: give a folder as OUT (shards of "
-                             "--max-shard-size, one at a time).")
+            raise ValueError(
+                f"one file of {total_bytes / 2**30:.1f} GiB must be held in memory to be written, and "
+                f"this host has {available / 2**30:.1f} GiB available: give a folder as OUT (shards of "
+                "--max-shard-size, one at a time)."
+            )
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         save_durably(fmt, dict(read_cast(reader, infos, cast, budget)), out, meta)
         written.append(out)
@@ -107,8 +122,10 @@ def convert(ckpt: str, out: str, dtype: str = "keep", max_shard_size: str = "5GB
             except (TypeError, ValueError):
                 pass
     if not quiet:
-        print(f"converted {reader.path} ({reader.format}, step {reader.manifest.get('global_step')}) -> "
-              f"{len(infos)} tensors, {total_bytes / 1e6:.1f} MB:")
+        print(
+            f"converted {reader.path} ({reader.format}, step {reader.manifest.get('global_step')}) -> "
+            f"{len(infos)} tensors, {total_bytes / 1e6:.1f} MB:"
+        )
         for path in written:
             print(f"  {path}")
     return written

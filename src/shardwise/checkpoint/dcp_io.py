@@ -8,6 +8,7 @@ through the weights_only loader. A file read to its end is compared with the
 manifest (ChecksumMismatchError names it); `verified` lists those files, so
 the caller hashes the ones no rank read in full.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,8 @@ from typing import Any, Dict, List, Optional, Set
 
 import torch
 from torch import _weights_only_unpickler
-from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed._shard._utils import narrow_tensor_by_index  # what DCP itself uses
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from shardwise.checkpoint.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
 from shardwise.checkpoint.integrity import ALGORITHM, VERIFY_ENV
@@ -33,8 +34,7 @@ _GAP_CHUNK = 8 << 20
 class VerifyingReader(SafeFileSystemReader):
     """SafeFileSystemReader whose read_data hashes each file while decoding it (see the module docstring)."""
 
-    def __init__(self, path: str, metadata: Any = None, checksums: Optional[Dict[str, Dict[str, Any]]] = None
-                 ) -> None:
+    def __init__(self, path: str, metadata: Any = None, checksums: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
         super().__init__(path, metadata)
         self.checksums = checksums or {}
         self.verified: Set[str] = set()
@@ -56,8 +56,11 @@ class VerifyingReader(SafeFileSystemReader):
         expected = self.checksums.get(relative)
         # Hash here only a file this rank reads mostly anyway (its own shard file); a few items of
         # another rank's file (deduplicated replicated values) would mean reading all of it again.
-        wanted = sum({self.storage_data[r.storage_index].offset: self.storage_data[r.storage_index].length
-                      for r in reqs}.values())
+        wanted = sum(
+            {
+                self.storage_data[r.storage_index].offset: self.storage_data[r.storage_index].length for r in reqs
+            }.values()
+        )
         if expected and 2 * wanted < int(expected.get("bytes") or 0):
             expected = None
         hasher = hashlib.new(ALGORITHM) if expected else None
@@ -95,7 +98,8 @@ class VerifyingReader(SafeFileSystemReader):
             raise ChecksumMismatchError(
                 f"{path} is corrupt: its {ALGORITHM} is {actual} but the manifest recorded "
                 f"{expected.get(ALGORITHM)} ({expected.get('bytes')} bytes) when it was written. Resume from "
-                f"an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway).")
+                f"an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
+            )
 
     @staticmethod
     def _hash_range(fh: Any, hasher: Any, start: int, end: Optional[int], path: str) -> int:
@@ -111,8 +115,9 @@ class VerifyingReader(SafeFileSystemReader):
 
     def _decode(self, req: Any, info: Any, buf: "_MappedItem", planner: Any, path: str) -> None:
         if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
-            stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (),
-                                                           io.BytesIO(bytes(buf.view)))
+            stream = self.transforms.transform_load_stream(
+                req, info.transform_descriptors or (), io.BytesIO(bytes(buf.view))
+            )
         if req.type == LoadItemType.BYTE_IO:
             try:
                 planner.load_bytes(req, io.BytesIO(stream.read(-1)))
@@ -128,13 +133,17 @@ class VerifyingReader(SafeFileSystemReader):
             else:
                 tensor = decode_tensor(buf)
         except Exception as exc:
-            raise CorruptCheckpointError(f"{path}: the item at byte {info.offset} ({req.dest_index.fqn}) cannot "
-                                         f"be decoded ({str(exc).splitlines()[0] if str(exc) else exc!r}).") from exc
+            raise CorruptCheckpointError(
+                f"{path}: the item at byte {info.offset} ({req.dest_index.fqn}) cannot "
+                f"be decoded ({str(exc).splitlines()[0] if str(exc) else exc!r})."
+            ) from exc
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise CorruptCheckpointError(f"{path}: {req.dest_index.fqn} has shape {tuple(tensor.size())} in the "
-                                         f"file but {tuple(target.size())} is expected.")
+            raise CorruptCheckpointError(
+                f"{path}: {req.dest_index.fqn} has shape {tuple(tensor.size())} in the "
+                f"file but {tuple(target.size())} is expected."
+            )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
@@ -150,7 +159,7 @@ class _MappedItem:
     def __init__(self, fh: Any, offset: int, length: int) -> None:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         self._map = mmap.mmap(fh.fileno(), length + (offset - start), access=mmap.ACCESS_READ, offset=start)
-        self.view = memoryview(self._map)[offset - start:]
+        self.view = memoryview(self._map)[offset - start :]
         self._pos = 0
 
     def __len__(self) -> int:
@@ -169,21 +178,22 @@ class _MappedItem:
 
     def read(self, size: int = -1) -> bytes:
         end = len(self.view) if size is None or size < 0 else min(len(self.view), self._pos + size)
-        out = self.view[self._pos:end].tobytes()
+        out = self.view[self._pos : end].tobytes()
         self._pos = end
         return out
 
     def readinto(self, target: Any) -> int:
         data = self.read(len(memoryview(target)))
-        memoryview(target).cast("B")[:len(data)] = data
+        memoryview(target).cast("B")[: len(data)] = data
         return len(data)
 
 
 def _map_item(fh: Any, offset: int, length: int, path: str) -> "_MappedItem":
     size = os.fstat(fh.fileno()).st_size
     if offset + length > size:
-        raise CorruptCheckpointError(f"{path} is truncated: an item at byte {offset} needs {length} bytes, "
-                                     f"the file has {size}.")
+        raise CorruptCheckpointError(
+            f"{path} is truncated: an item at byte {offset} needs {length} bytes, the file has {size}."
+        )
     return _MappedItem(fh, offset, length)
 
 

@@ -7,6 +7,7 @@ saving is where it meets a full or read-only disk. Each case has its own excepti
 callers can catch it precisely) and a message that names the file, the keys
 or the versions involved instead of surfacing a pickle or zip traceback.
 """
+
 from __future__ import annotations
 
 

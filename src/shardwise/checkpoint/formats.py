@@ -10,6 +10,7 @@ plus `.metadata`, loadable at another world size. Strategies call
 strategies/base.py); a load first compares names and shapes with the running
 model and reports the differences.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -21,19 +22,42 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
-from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                         ChecksumMismatchError, CorruptCheckpointError)
 from shardwise.checkpoint.dcp_io import VerifyingReader
-from shardwise.checkpoint.integrity import (find_os_error, hash_files, record_checksums, recorded_checksums,
-                                            tensor_digest, verify_directory, verify_enabled, verify_tensor_digest,
-                                            write_checksum_part, write_error)
-from shardwise.checkpoint.layout import (load_torch, read_manifest, read_trainer_state, save_torch_durably,
-                                         write_trainer_state)
+from shardwise.checkpoint.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+)
+from shardwise.checkpoint.integrity import (
+    find_os_error,
+    hash_files,
+    record_checksums,
+    recorded_checksums,
+    tensor_digest,
+    verify_directory,
+    verify_enabled,
+    verify_tensor_digest,
+    write_checksum_part,
+    write_error,
+)
+from shardwise.checkpoint.layout import (
+    load_torch,
+    read_manifest,
+    read_trainer_state,
+    save_torch_durably,
+    write_trainer_state,
+)
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner, plain_state
 from shardwise.distributed import ops
 
@@ -52,8 +76,9 @@ def shapes_of(state: Mapping[str, Any]) -> Dict[str, Tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def describe_differences(checkpoint: Dict[str, Tuple[int, ...]], model: Dict[str, Tuple[int, ...]],
-                         limit: int = 5) -> Optional[str]:
+def describe_differences(
+    checkpoint: Dict[str, Tuple[int, ...]], model: Dict[str, Tuple[int, ...]], limit: int = 5
+) -> Optional[str]:
     """None when names and shapes agree, else a short report of the first differences."""
     missing = [k for k in model if k not in checkpoint]
     unexpected = [k for k in checkpoint if k not in model]
@@ -71,8 +96,10 @@ def describe_differences(checkpoint: Dict[str, Tuple[int, ...]], model: Dict[str
     if unexpected:
         lines.append(f"  in the checkpoint but not in the model ({len(unexpected)}): {head(unexpected)}")
     if reshaped:
-        lines.append(f"  different shapes ({len(reshaped)}): "
-                     + head(reshaped, lambda k: f"{k} checkpoint {list(checkpoint[k])} vs model {list(model[k])}"))
+        lines.append(
+            f"  different shapes ({len(reshaped)}): "
+            + head(reshaped, lambda k: f"{k} checkpoint {list(checkpoint[k])} vs model {list(model[k])}")
+        )
     return "\n".join(lines)
 
 
@@ -81,19 +108,26 @@ def _check_model(path: str, checkpoint: Dict[str, Tuple[int, ...]], model: torch
     if report:
         raise CheckpointMismatchError(
             f"The model in {path} does not match the running model:\n{report}\n"
-            "Build the model with the configuration the checkpoint was trained with.")
+            "Build the model with the configuration the checkpoint was trained with."
+        )
 
 
 def _check_optimizer_count(path: str, saved: int, running: int) -> None:
     if saved != running:
         raise CheckpointMismatchError(
-            f"{path} holds {saved} optimizer state(s) but configure_optimizers() returned {running} optimizer(s).")
+            f"{path} holds {saved} optimizer state(s) but configure_optimizers() returned {running} optimizer(s)."
+        )
 
 
 # --------------------------------------------------------------------- save
-def save_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str,
-                              state: Dict[str, Any], checkpoint_format: str,
-                              async_save: bool = False) -> Optional[Future]:
+def save_model_and_optimizers(
+    model: torch.nn.Module,
+    optimizers: List[torch.optim.Optimizer],
+    path: str,
+    state: Dict[str, Any],
+    checkpoint_format: str,
+    async_save: bool = False,
+) -> Optional[Future]:
     """Write model + optimizers + trainer `state` at `path` (collective: call on every rank)."""
     if checkpoint_format == "full":
         needed, available = _full_state_budget(model, optimizers)
@@ -108,7 +142,9 @@ def save_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
                 f"state) in rank 0's host memory, which has {_gib(available)} available; {path} is saved "
                 "sharded instead (a directory, one file per rank). It resumes like a full one; "
                 f"`shardwise convert {path} weights/` writes the weights in Hugging Face's layout. Use "
-                "state_dict_type='sharded' to choose this yourself.", stacklevel=3)
+                "state_dict_type='sharded' to choose this yourself.",
+                stacklevel=3,
+            )
         state = {**state, "shardwise": {**state["shardwise"], "checkpoint_format": "sharded"}}
         return _save_sharded(model, optimizers, path, state, async_save)
     if checkpoint_format == "sharded":
@@ -135,9 +171,10 @@ def available_host_bytes() -> Optional[int]:
                     found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             with open(limit_file) as fh:
                 limit = fh.read().strip()
@@ -150,8 +187,7 @@ def available_host_bytes() -> Optional[int]:
     return min(found) if found else None
 
 
-def _full_state_budget(model: torch.nn.Module,
-                       optimizers: List[torch.optim.Optimizer]) -> Tuple[int, Optional[float]]:
+def _full_state_budget(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer]) -> Tuple[int, Optional[float]]:
     """(bytes a full save gathers on rank 0, rank 0's available host bytes), the same on every rank.
 
     A DTensor's numel() is its global size, so every rank computes the same total without
@@ -177,16 +213,20 @@ def _failed(exc: BaseException) -> Future:
     return future
 
 
-def _save_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str,
-               state: Dict[str, Any]) -> Optional[Future]:
+def _save_full(
+    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str, state: Dict[str, Any]
+) -> Optional[Future]:
     # full_state_dict + cpu_offload: tensors are all-gathered one at a time and
     # only rank 0 keeps them (in host memory); the other ranks get {}.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optim_states = [get_optimizer_state_dict(model, opt, options=options) for opt in optimizers]
     if ops.rank() == 0:
-        body = {**plain_state({k: v for k, v in state.items() if k != "shardwise"}, "trainer state"),
-                "state_dict": model_state, "optimizer_states": optim_states}
+        body = {
+            **plain_state({k: v for k, v in state.items() if k != "shardwise"}, "trainer state"),
+            "state_dict": model_state,
+            "optimizer_states": optim_states,
+        }
         # The file cannot hold its own hash: record one over every tensor's bytes instead (integrity.py).
         manifest = {**state["shardwise"], "checksums": tensor_digest(body)}
         try:
@@ -213,8 +253,9 @@ def checkpoint_group() -> Any:
     return _async_group[1]
 
 
-def _save_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str,
-                  state: Dict[str, Any], async_save: bool) -> Optional[Future]:
+def _save_sharded(
+    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str, state: Dict[str, Any], async_save: bool
+) -> Optional[Future]:
     payload = {
         _MODEL: get_model_state_dict(model),
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
@@ -287,8 +328,9 @@ def _hash_when_written(response: Any, path: str, error: Optional[BaseException])
 
 
 # --------------------------------------------------------------------- load
-def load_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str,
-                              checkpoint_format: str) -> Dict[str, Any]:
+def load_model_and_optimizers(
+    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str, checkpoint_format: str
+) -> Dict[str, Any]:
     """Load a "full" or "sharded" checkpoint into a running model + optimizers; return the trainer state."""
     loader = {"full": _load_full, "sharded": _load_sharded}.get(checkpoint_format)
     if loader is not None:
@@ -303,12 +345,14 @@ def load_model_and_optimizers(model: torch.nn.Module, optimizers: List[torch.opt
                 f"Loading {path} ({checkpoint_format}) failed: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}. If the model or optimizer changed since the "
                 "save, build them as they were; otherwise the files may be damaged: resume from an earlier "
-                "checkpoint.") from exc
+                "checkpoint."
+            ) from exc
     raise CheckpointFormatError(
         f"{path} is a {checkpoint_format!r} checkpoint, which this strategy cannot load (it reads "
         f"{', '.join(BUILTIN_FORMATS)}). Resume it with the strategy that wrote it, or export its weights with "
         f"`shardwise convert {path} weights.safetensors` and load those in configure_model (the optimizer "
-        "state does not carry over).")
+        "state does not carry over)."
+    )
 
 
 def check_format_readable(path: str, checkpoint_format: str, strategy_format: str) -> None:
@@ -322,7 +366,8 @@ def check_format_readable(path: str, checkpoint_format: str, strategy_format: st
         f"{path} is a {checkpoint_format!r} checkpoint; a strategy saving {strategy_format!r} checkpoints reads "
         f"{', '.join(readable)}. Resume it with the strategy that wrote it, or export its weights with "
         f"`shardwise convert {path} weights.safetensors` and load those in configure_model (the optimizer "
-        "state does not carry over).")
+        "state does not carry over)."
+    )
 
 
 def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:
@@ -336,8 +381,9 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
     problem = None
     if ops.rank() == 0:
         try:
-            verify_tensor_digest(path, payload.get("shardwise", {}),
-                                 {k: v for k, v in payload.items() if k != "shardwise"})
+            verify_tensor_digest(
+                path, payload.get("shardwise", {}), {k: v for k, v in payload.items() if k != "shardwise"}
+            )
         except CheckpointError as exc:
             problem = str(exc)
     problem = ops.all_gather_object(problem)[0]
@@ -358,15 +404,18 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
             set_optimizer_state_dict(model, opt, osd, options=opt_options)
         except (KeyError, ValueError, RuntimeError) as exc:
             raise CheckpointMismatchError(
-                f"Optimizer {index} in {path} does not match the running optimizer "
-                f"({type(opt).__name__}): {exc}") from exc
+                f"Optimizer {index} in {path} does not match the running optimizer ({type(opt).__name__}): {exc}"
+            ) from exc
     return {k: v for k, v in payload.items() if k not in ("state_dict", "optimizer_states")}
 
 
 def _has_tensor_state(osd: Mapping[str, Any]) -> bool:
-    return any(isinstance(v, torch.Tensor) and v.dim() > 0
-               for per_param in (osd.get("state") or {}).values() if isinstance(per_param, dict)
-               for v in per_param.values())
+    return any(
+        isinstance(v, torch.Tensor) and v.dim() > 0
+        for per_param in (osd.get("state") or {}).values()
+        if isinstance(per_param, dict)
+        for v in per_param.values()
+    )
 
 
 def check_dcp_files(path: str, metadata: Any) -> None:
@@ -382,7 +431,8 @@ def check_dcp_files(path: str, metadata: Any) -> None:
         actual = os.path.getsize(file)
         if actual < size:
             raise CorruptCheckpointError(
-                f"{file} is truncated: {actual} bytes, the checkpoint's metadata needs at least {size}.")
+                f"{file} is truncated: {actual} bytes, the checkpoint's metadata needs at least {size}."
+            )
 
 
 def read_dcp_metadata(path: str) -> Any:
@@ -399,7 +449,7 @@ def _prefixed_shapes(metadata: Any, prefix: str) -> Dict[str, Tuple[int, ...]]:
     out = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(prefix) and hasattr(md, "size"):
-            out[key[len(prefix):]] = tuple(md.size)
+            out[key[len(prefix) :]] = tuple(md.size)
     return out
 
 
@@ -409,7 +459,9 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     data_files = {rel for rel in sums if rel.endswith(".distcp")}
     # Small files first (each rank a share, all raise together); the data
     # files are hashed while DCP reads them (dcp_io.py): one pass, not two.
-    verify_directory(path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=set(sums) - data_files)
+    verify_directory(
+        path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=set(sums) - data_files
+    )
     state = read_trainer_state(path)
     metadata = read_dcp_metadata(path)
     _check_model(path, _prefixed_shapes(metadata, _MODEL + "."), model)
@@ -433,11 +485,18 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     except BaseException as exc:  # noqa: B036 - CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        error = _our_error(exc) or (exc if isinstance(exc, CheckpointError) else CorruptCheckpointError(
-            f"Reading {path} failed; a data file may be corrupt: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}"))
+        error = _our_error(exc) or (
+            exc
+            if isinstance(exc, CheckpointError)
+            else CorruptCheckpointError(
+                f"Reading {path} failed; a data file may be corrupt: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            )
+        )
         error.__cause__ = exc
-    verdicts = ops.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", sorted(reader.verified)))
+    verdicts = ops.all_gather_object(
+        (None if error is None else f"{type(error).__name__}: {error}", sorted(reader.verified))
+    )
     if error is not None:
         raise error
     failed = [v for v, _ in verdicts if v]
@@ -446,7 +505,9 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     # Data files no rank read to the end (a partial or resharded read): hash them now.
     covered = set().union(*[set(v) for _, v in verdicts])
     if data_files - covered:
-        verify_directory(path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=data_files - covered)
+        verify_directory(
+            path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=data_files - covered
+        )
     set_model_state_dict(model, payload[_MODEL])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, payload[_OPTIMIZERS][str(i)])

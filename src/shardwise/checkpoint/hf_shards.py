@@ -9,6 +9,7 @@ tensors gathered from a sharded model. It keeps only the current shard in
 memory, so a writer's peak is about `max_shard_size` plus one tensor whatever
 the model's size; the safetensors library writes each shard.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def save_torch(tensors: Dict[str, torch.Tensor], path: str, metadata: Optional[D
 SAVERS: Dict[str, Callable[..., None]] = {"safetensors": save_safetensors, "torch": save_torch}
 
 
-def save_durably(fmt: str, tensors: Dict[str, torch.Tensor], path: str,
-                 metadata: Optional[Dict[str, str]] = None) -> None:
+def save_durably(
+    fmt: str, tensors: Dict[str, torch.Tensor], path: str, metadata: Optional[Dict[str, str]] = None
+) -> None:
     """Write `tensors` to `path` through a temporary name, synced before the rename: never a half file."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.partial")
     SAVERS[fmt](tensors, tmp, metadata)
@@ -54,8 +56,9 @@ class ShardWriter:
     the folder are removed then, so the two never mix.
     """
 
-    def __init__(self, out_dir: str, max_shard_size: int, fmt: str = "safetensors",
-                 metadata: Optional[Dict[str, str]] = None) -> None:
+    def __init__(
+        self, out_dir: str, max_shard_size: int, fmt: str = "safetensors", metadata: Optional[Dict[str, str]] = None
+    ) -> None:
         if fmt not in _FORMATS:
             raise ValueError(f"format {fmt!r}: use one of {', '.join(_FORMATS)}.")
         self.out_dir, self.max_shard_size, self.fmt, self.metadata = out_dir, max_shard_size, fmt, metadata
@@ -101,8 +104,11 @@ class ShardWriter:
         if count > 1:
             index = os.path.join(self.out_dir, f"{self.base}{self.ext}.index.json")
             with open(index, "w") as fh:
-                json.dump({"metadata": {"total_size": self.total_bytes},
-                           "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+                json.dump(
+                    {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+                    fh,
+                    indent=2,
+                )
             written.append(index)
         return written
 

@@ -10,9 +10,10 @@ whether checksums were recorded. Reads metadata only -- JSON, DCP's
 a tensor and never code -- so it is instant even for a huge model and safe
 on a file of unknown origin.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from shardwise.checkpoint.reader import TensorInfo, open_checkpoint
 
@@ -32,8 +33,10 @@ def describe(path: str) -> Dict[str, Any]:
         "path": reader.path,
         "manifest": reader.manifest,
         "files": reader.files(),
-        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                     "bytes": t.nbytes} for t in tensors],
+        "tensors": [
+            {"name": t.name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "bytes": t.nbytes}
+            for t in tensors
+        ],
         "model_params": sum(t.numel for t in tensors),
         "model_bytes": sum(t.nbytes for t in tensors),
         "optimizer_bytes": sum(t.nbytes for t in optim),

@@ -15,6 +15,7 @@ This file closes both gaps:
   `check_writable(directory)` finds a read-only or full directory before the
   first step instead of at the first save.
 """
+
 from __future__ import annotations
 
 import errno
@@ -26,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
-from shardwise.checkpoint.errors import (ChecksumMismatchError, CheckpointWriteError, CorruptCheckpointError)
+from shardwise.checkpoint.errors import CheckpointWriteError, ChecksumMismatchError, CorruptCheckpointError
 
 # The manifest's file name. It lives here, not in layout.py (which re-exports it), because
 # layout.py writes checkpoints through this module, and this module rewrites the manifest.
@@ -86,7 +87,7 @@ def tensor_digest(tree: Any, tensors: Optional[Iterable[torch.Tensor]] = None) -
     """
     h = hashlib.new(ALGORITHM)
     count = total = 0
-    for t in (_tensors(tree) if tensors is None else tensors):
+    for t in _tensors(tree) if tensors is None else tensors:
         total += update_digest(h, t)
         count += 1
     return {"tensors_" + ALGORITHM: h.hexdigest(), "tensors": count, "tensor_bytes": total}
@@ -164,14 +165,22 @@ def verify_files(directory: str, sums: Dict[str, Dict[str, Any]], relpaths: Iter
             return f"{path} is missing: the checkpoint is incomplete."
         actual = file_digest(path)
         if actual[ALGORITHM] != expected.get(ALGORITHM):
-            return (f"{path} is corrupt: its {ALGORITHM} is {actual[ALGORITHM]} ({actual['bytes']} bytes) but the "
-                    f"manifest recorded {expected.get(ALGORITHM)} ({expected.get('bytes')} bytes) when it was "
-                    f"written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway).")
+            return (
+                f"{path} is corrupt: its {ALGORITHM} is {actual[ALGORITHM]} ({actual['bytes']} bytes) but the "
+                f"manifest recorded {expected.get(ALGORITHM)} ({expected.get('bytes')} bytes) when it was "
+                f"written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
+            )
     return None
 
 
-def verify_directory(directory: str, manifest: Dict[str, Any], rank: int = 0, world_size: int = 1,
-                     gather: Any = None, only: Optional[Iterable[str]] = None) -> None:
+def verify_directory(
+    directory: str,
+    manifest: Dict[str, Any],
+    rank: int = 0,
+    world_size: int = 1,
+    gather: Any = None,
+    only: Optional[Iterable[str]] = None,
+) -> None:
     """Check every recorded file (or those in `only`), this rank taking every world_size-th.
 
     `gather(obj) -> list` must be a collective over the loading ranks (or None in one process), so
@@ -187,8 +196,9 @@ def verify_directory(directory: str, manifest: Dict[str, Any], rank: int = 0, wo
         raise ChecksumMismatchError(problems[0])
 
 
-def verify_tensor_digest(path: str, manifest: Dict[str, Any], tree: Any,
-                         tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
+def verify_tensor_digest(
+    path: str, manifest: Dict[str, Any], tree: Any, tensors: Optional[Iterable[torch.Tensor]] = None
+) -> None:
     expected = (manifest.get("checksums") or {}).get("tensors_" + ALGORITHM)
     if expected is None or not verify_enabled():
         return
@@ -196,16 +206,16 @@ def verify_tensor_digest(path: str, manifest: Dict[str, Any], tree: Any,
     if actual != expected:
         raise ChecksumMismatchError(
             f"{path} is corrupt: the {ALGORITHM} of its tensor data is {actual} but {expected} was recorded when "
-            f"it was written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway).")
+            f"it was written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
+        )
 
 
 # ------------------------------------------------------------ write errors
 _FIX = {
     errno.ENOSPC: "no space left on the device: free space or point the checkpoint directory at a larger disk "
-                  "(the previous checkpoints are untouched)",
+    "(the previous checkpoints are untouched)",
     errno.EDQUOT: "the disk quota is exceeded: free space or raise the quota",
-    errno.EROFS: "the filesystem is read-only: choose a writable checkpoint directory (dirpath= / "
-                 "default_root_dir=)",
+    errno.EROFS: "the filesystem is read-only: choose a writable checkpoint directory (dirpath= / default_root_dir=)",
     errno.EACCES: "permission denied: choose a directory this user may write, or fix its permissions",
     errno.EPERM: "operation not permitted: choose a directory this user may write, or fix its permissions",
 }
@@ -305,6 +315,7 @@ def check_writable(directory: str) -> None:
     except OSError as exc:
         _remove_quietly(probe)
         error = write_error(exc, probe if os.path.isdir(directory) else directory)
-        raise CheckpointWriteError(f"The checkpoint directory {directory} is not writable. {error}",
-                                   error.errno, error.filename) from exc
+        raise CheckpointWriteError(
+            f"The checkpoint directory {directory} is not writable. {error}", error.errno, error.filename
+        ) from exc
     _remove_quietly(probe)

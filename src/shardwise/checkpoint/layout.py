@@ -14,6 +14,7 @@ after that. A process killed at any moment therefore leaves every
 previously committed checkpoint, and `last.ckpt`, intact; what it leaves
 behind is a hidden temporary entry that the next run removes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,8 +32,7 @@ import torch
 
 from shardwise._version import __version__
 from shardwise.checkpoint.errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError
-from shardwise.checkpoint.integrity import (MANIFEST_NAME, RecordingWriter, file_digest, write_error,
-                                            write_json_durably)
+from shardwise.checkpoint.integrity import MANIFEST_NAME, RecordingWriter, file_digest, write_error, write_json_durably
 from shardwise.checkpoint.safety import plain_state, safe_torch_load
 
 #: Version of the on-disk layout. Bump it when a change makes old checkpoints
@@ -60,7 +60,9 @@ def is_hidden_leftover(name: str) -> bool:
 
 
 # ---------------------------------------------------------------- manifest
-def build_manifest(checkpoint_format: str, strategy: str, world_size: int, train_state: Dict[str, Any]) -> Dict[str, Any]:
+def build_manifest(
+    checkpoint_format: str, strategy: str, world_size: int, train_state: Dict[str, Any]
+) -> Dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "checkpoint_format": checkpoint_format,
@@ -82,7 +84,8 @@ def check_version(manifest: Dict[str, Any], path: str) -> None:
             f"{path} uses checkpoint layout version {found!r} (written by shardwise "
             f"{manifest.get('shardwise_version', '?')}), but this shardwise reads version {FORMAT_VERSION}. "
             "Load it with the shardwise release that wrote it and re-save, or export the weights with that "
-            "release's `shardwise convert`.")
+            "release's `shardwise convert`."
+        )
 
 
 def fsync_file(path: str) -> None:
@@ -161,8 +164,11 @@ def read_manifest(path: str) -> Dict[str, Any]:
     if os.path.isdir(path):
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.exists(manifest_path):
-            hint = (" It looks like a directory of checkpoints: pass one of them, or ckpt_path='last'."
-                    if list_checkpoints(path) else "")
+            hint = (
+                " It looks like a directory of checkpoints: pass one of them, or ckpt_path='last'."
+                if list_checkpoints(path)
+                else ""
+            )
             raise CorruptCheckpointError(f"{path} is not a shardwise checkpoint: it has no {MANIFEST_NAME}.{hint}")
         try:
             with open(manifest_path) as fh:
@@ -299,9 +305,11 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     skipped: List[str] = []
     entries = list_checkpoints(directory, skipped)
     if skipped:
-        warnings.warn(f"Skipped {len(skipped)} unreadable checkpoint(s) in {directory} while looking for the "
-                      "latest:\n  " + "\n  ".join(skipped) + "\nDelete or move them if they are not yours.",
-                      stacklevel=2)
+        warnings.warn(
+            f"Skipped {len(skipped)} unreadable checkpoint(s) in {directory} while looking for the "
+            "latest:\n  " + "\n  ".join(skipped) + "\nDelete or move them if they are not yours.",
+            stacklevel=2,
+        )
     return entries[-1].path if entries else None
 
 
@@ -316,8 +324,11 @@ def _newest_of_the_same_run(directory: str, target: str) -> str:
     newer = [e for e in list_checkpoints(directory) if e.manifest.get("run_id") == run_id and e.step > step]
     if not newer:
         return target
-    warnings.warn(f"{newer[-1].path} (step {newer[-1].step}) was committed after last.ckpt was last moved (the run "
-                  "was interrupted between the two): resuming from it.", stacklevel=3)
+    warnings.warn(
+        f"{newer[-1].path} (step {newer[-1].step}) was committed after last.ckpt was last moved (the run "
+        "was interrupted between the two): resuming from it.",
+        stacklevel=3,
+    )
     return newer[-1].path
 
 
@@ -325,9 +336,11 @@ def candidate_names(directory: str) -> List[str]:
     """Names in `directory` that look like checkpoints, from the listing alone (no file is opened)."""
     if not os.path.isdir(directory):
         return []
-    return sorted(n for n in os.listdir(directory)
-                  if not n.startswith(".") and (n.endswith(SUFFIX) or os.path.exists(os.path.join(directory, n,
-                                                                                                  MANIFEST_NAME))))
+    return sorted(
+        n
+        for n in os.listdir(directory)
+        if not n.startswith(".") and (n.endswith(SUFFIX) or os.path.exists(os.path.join(directory, n, MANIFEST_NAME)))
+    )
 
 
 def describe_available(directories: List[str], wanted: Optional[str] = None) -> str:
@@ -362,5 +375,6 @@ def resolve(ckpt_path: str, search_dirs: List[str]) -> Optional[str]:
         dirs = [os.path.dirname(path)] + list(search_dirs)
         raise CheckpointNotFoundError(
             f"Checkpoint {path} does not exist. Pass an existing checkpoint path, or ckpt_path='last' to resume the "
-            f"newest one. Checkpoints found:\n{describe_available(dirs, wanted=path)}")
+            f"newest one. Checkpoints found:\n{describe_available(dirs, wanted=path)}"
+        )
     return os.path.realpath(path)

@@ -10,6 +10,7 @@ deletes the file when it ends; a run that locked a file which was deleted
 meanwhile notices (the path no longer names its inode) and tries again. The
 file holds the holder's host and pid, for the message only.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -16,6 +16,7 @@ save time are verified (integrity.py); nothing is ever unpickled outside
 the allow-lists of safety.py. Other directory formats (DeepSpeed) plug in with
 `register_reader(name, factory)`.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardwise.checkpoint import layout
-from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
-                                        CorruptCheckpointError)
+from shardwise.checkpoint.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from shardwise.checkpoint.formats import read_dcp_metadata
 from shardwise.checkpoint.integrity import iter_tensors, verify_directory, verify_enabled, verify_tensor_digest
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
@@ -125,8 +130,9 @@ class FullFileReader(CheckpointReader):
             if verify_enabled():
                 body = {k: v for k, v in self._meta.items() if k != "shardwise"}
                 with open(self.path, "rb") as fh:
-                    verify_tensor_digest(self.path, self.manifest, None,
-                                         (self._read_one(fh, "", t) for t in iter_tensors(body)))
+                    verify_tensor_digest(
+                        self.path, self.manifest, None, (self._read_one(fh, "", t) for t in iter_tensors(body))
+                    )
             self._verified = True
         out = {}
         with open(self.path, "rb") as fh:
@@ -142,8 +148,10 @@ class FullFileReader(CheckpointReader):
             if self._mapped is None:
                 self._mapped = layout.load_torch(self.path, mmap=True)
             if not name:
-                raise CorruptCheckpointError(f"{self.path}: this torch records no storage offsets; set "
-                                             "SHARDWISE_VERIFY_CHECKSUMS=0 to read it without verification.")
+                raise CorruptCheckpointError(
+                    f"{self.path}: this torch records no storage offsets; set "
+                    "SHARDWISE_VERIFY_CHECKSUMS=0 to read it without verification."
+                )
             return self._mapped["state_dict"][name].clone()
         if nbytes == 0:
             return torch.empty(meta.shape, dtype=meta.dtype)
@@ -172,7 +180,7 @@ class ShardedDirReader(CheckpointReader):
         out = []
         for key, md in self.metadata.state_dict_metadata.items():
             if key.startswith(prefix) and hasattr(md, "size"):
-                out.append(TensorInfo(key[len(prefix):], tuple(md.size), md.properties.dtype))
+                out.append(TensorInfo(key[len(prefix) :], tuple(md.size), md.properties.dtype))
         return out
 
     def tensors(self) -> List[TensorInfo]:
@@ -194,14 +202,19 @@ class ShardedDirReader(CheckpointReader):
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore")
-                dcp.load(target, storage_reader=SafeFileSystemReader(self.path, metadata),
-                         planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+                dcp.load(
+                    target,
+                    storage_reader=SafeFileSystemReader(self.path, metadata),
+                    planner=SafeLoadPlanner(allow_partial_load=True),
+                    no_dist=True,
+                )
         except CheckpointError:
             raise
         except BaseException as exc:  # torch's CheckpointException is a BaseException
-            raise CorruptCheckpointError(f"Reading {sorted(names)[:3]} from {self.path} failed; a data file "
-                                         f"may be corrupt: {exc}") from exc
-        return {k[len(self._MODEL):]: v for k, v in target.items()}
+            raise CorruptCheckpointError(
+                f"Reading {sorted(names)[:3]} from {self.path} failed; a data file may be corrupt: {exc}"
+            ) from exc
+        return {k[len(self._MODEL) :]: v for k, v in target.items()}
 
 
 # Directory formats other than "sharded" register here from their strategy's module (DeepSpeed's
@@ -222,8 +235,10 @@ def resolve_cli_path(path: str) -> str:
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(full):
         # Names only: a stray file beside the typo is never opened.
-        raise CheckpointNotFoundError(f"Checkpoint {full} does not exist. Checkpoints found:\n"
-                                      f"{layout.describe_available([os.path.dirname(full)], wanted=full)}")
+        raise CheckpointNotFoundError(
+            f"Checkpoint {full} does not exist. Checkpoints found:\n"
+            f"{layout.describe_available([os.path.dirname(full)], wanted=full)}"
+        )
     if os.path.isdir(full) and not os.path.exists(os.path.join(full, layout.MANIFEST_NAME)):
         latest = layout.latest_checkpoint(full)
         if latest is not None:
@@ -242,7 +257,8 @@ def open_checkpoint(path: str, check_version: bool = True) -> CheckpointReader:
         if factory is None:
             raise CheckpointFormatError(
                 f"{path} is in format {manifest.get('checkpoint_format')!r}, which no reader is registered for "
-                f"(known: full, {', '.join(sorted(_READERS))}). Its strategy module registers one when imported.")
+                f"(known: full, {', '.join(sorted(_READERS))}). Its strategy module registers one when imported."
+            )
         reader = factory(path, manifest)
     if check_version:
         layout.check_version(reader.manifest, path)

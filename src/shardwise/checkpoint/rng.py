@@ -6,6 +6,7 @@ often from Python's or NumPy's, and each rank has its own streams. The state
 is captured as plain Python values and tensors (no NumPy objects), so a
 checkpoint's trainer state stays loadable without trusting arbitrary pickles.
 """
+
 from __future__ import annotations
 
 import random

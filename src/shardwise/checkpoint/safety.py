@@ -14,6 +14,7 @@ two calls. On the save side `plain_state` turns values the safe loader would
 refuse (a user's hparams object, a namedtuple) into their repr, so our own
 checkpoints always load.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,8 +47,15 @@ def _pickle_globals(data: bytes) -> list:
     found, strings, memo = [], [], {}
     try:
         for op, arg, _ in pickletools.genops(data):
-            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING",
-                           "BINSTRING", "STRING"):
+            if op.name in (
+                "SHORT_BINUNICODE",
+                "BINUNICODE",
+                "UNICODE",
+                "BINUNICODE8",
+                "SHORT_BINSTRING",
+                "BINSTRING",
+                "STRING",
+            ):
                 strings.append(arg)
             elif op.name == "MEMOIZE" and strings:
                 memo[len(memo)] = strings[-1]
@@ -89,11 +97,17 @@ def unsafe_error(path: str, detail: str, names: Optional[list] = None) -> Unsafe
         f"{path} asks to construct {wanted}, which is not a tensor, a plain container or one of the types "
         "shardwise saves. shardwise does not execute code from checkpoint files, so it did not load it. "
         "If you wrote this file yourself and trust it, load it with torch.load(weights_only=False) and "
-        "re-save its tensors (e.g. `shardwise convert` on a shardwise checkpoint); otherwise delete it.")
+        "re-save its tensors (e.g. `shardwise convert` on a shardwise checkpoint); otherwise delete it."
+    )
 
 
-def safe_torch_load(path: Any, map_location: Any = "cpu", mmap: bool = False, name: Optional[str] = None,
-                    extra_safe: Optional[list] = None) -> Any:
+def safe_torch_load(
+    path: Any,
+    map_location: Any = "cpu",
+    mmap: bool = False,
+    name: Optional[str] = None,
+    extra_safe: Optional[list] = None,
+) -> Any:
     """torch.load restricted to tensors and plain data; UnsafeCheckpointError / CorruptCheckpointError name the file."""
     label = name or str(path)
     try:
@@ -107,14 +121,18 @@ def safe_torch_load(path: Any, map_location: Any = "cpu", mmap: bool = False, na
         if names or "Unsupported global" in str(exc):
             raise unsafe_error(label, _unsupported(str(exc)), names) from None
         detail = str(exc).split("WeightsUnpickler error:", 1)[-1].strip() or _first_line(exc)
-        raise CorruptCheckpointError(f"{label} is truncated or corrupt (unpickling said: {_first_line(Exception(detail))}). "
-                                     "Resume from an earlier checkpoint.") from exc
+        raise CorruptCheckpointError(
+            f"{label} is truncated or corrupt (unpickling said: {_first_line(Exception(detail))}). "
+            "Resume from an earlier checkpoint."
+        ) from exc
     except (Exception, BaseException) as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         size = os.path.getsize(path) if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else "?"
-        raise CorruptCheckpointError(f"{label} is truncated or corrupt ({size} bytes; torch.load said: "
-                                     f"{_first_line(exc)}). Resume from an earlier checkpoint.") from exc
+        raise CorruptCheckpointError(
+            f"{label} is truncated or corrupt ({size} bytes; torch.load said: "
+            f"{_first_line(exc)}). Resume from an earlier checkpoint."
+        ) from exc
 
 
 def _unsupported(text: str) -> str:
@@ -134,11 +152,14 @@ def safe_loads_bytes(data: io.BytesIO, label: str) -> Any:
         if "Unsupported global" in str(exc):
             raise unsafe_error(label, _unsupported(str(exc))) from None
         detail = str(exc).split("WeightsUnpickler error:", 1)[-1].strip() or _first_line(exc)
-        raise CorruptCheckpointError(f"{label} is corrupt (unpickling said: {_first_line(Exception(detail))}). "
-                                     "Resume from an earlier checkpoint.") from exc
+        raise CorruptCheckpointError(
+            f"{label} is corrupt (unpickling said: {_first_line(Exception(detail))}). "
+            "Resume from an earlier checkpoint."
+        ) from exc
     except Exception as exc:
-        raise CorruptCheckpointError(f"{label} is corrupt ({_first_line(exc)}). Resume from an earlier "
-                                     "checkpoint.") from exc
+        raise CorruptCheckpointError(
+            f"{label} is corrupt ({_first_line(exc)}). Resume from an earlier checkpoint."
+        ) from exc
 
 
 # ------------------------------------------------------------ DCP metadata
@@ -148,9 +169,14 @@ _ALLOWED = {
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"),
     ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
 }
 
@@ -165,8 +191,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = getattr(importlib.import_module(module), name, None)
             if module in _DCP_MODULES and isinstance(obj, type):
                 return obj  # DCP's metadata dataclasses and enums
-            if module == "torch" and (name == "Size" or isinstance(obj, (torch.dtype, torch.layout,
-                                                                          torch.memory_format))):
+            if module == "torch" and (
+                name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+            ):
                 return obj
             if (module, name) in _ALLOWED and obj is not None:
                 return obj
@@ -235,8 +262,9 @@ def plain_state(value: Any, where: str = "state", _notes: Optional[list] = None)
         out = next(t for t in (int, float, str) if isinstance(value, t))(value)
     elif isinstance(value, dict):  # OrderedDict stays one; other dict subclasses become dicts
         keep = type(value) if type(value).__name__ == "OrderedDict" else dict
-        out = keep((k if type(k) in _SCALARS else repr(k), plain_state(v, f"{where}[{k!r}]", notes))
-                   for k, v in value.items())
+        out = keep(
+            (k if type(k) in _SCALARS else repr(k), plain_state(v, f"{where}[{k!r}]", notes)) for k, v in value.items()
+        )
     elif isinstance(value, (list, tuple, set, frozenset)):  # a namedtuple keeps its values, not its class
         kind = type(value) if type(value) in (list, tuple, set, frozenset) else tuple
         out = kind(plain_state(v, f"{where}[{i}]", notes) for i, v in enumerate(value))
@@ -244,10 +272,13 @@ def plain_state(value: Any, where: str = "state", _notes: Optional[list] = None)
         notes.append(f"{where} ({type(value).__qualname__})")
         out = repr(value)
     if top and notes:
-        warnings.warn("The checkpoint stores the repr of values that are not tensors or plain data (shardwise "
-                      "loads checkpoints without executing code, so it does not pickle objects): "
-                      + ", ".join(notes[:5]) + (f", ... ({len(notes) - 5} more)" if len(notes) > 5 else ""),
-                      stacklevel=3)
+        warnings.warn(
+            "The checkpoint stores the repr of values that are not tensors or plain data (shardwise "
+            "loads checkpoints without executing code, so it does not pickle objects): "
+            + ", ".join(notes[:5])
+            + (f", ... ({len(notes) - 5} more)" if len(notes) > 5 else ""),
+            stacklevel=3,
+        )
     return out
 
 

@@ -11,6 +11,7 @@ Trainer._epoch_iterator: a checkpoint is taken right after an optimizer step,
 and the resumed run puts the generators back at the matching point of its
 own loop, so both runs draw the same numbers from there on.
 """
+
 from __future__ import annotations
 
 import io
@@ -60,8 +61,9 @@ class PendingCheckpoint:
         if reports:
             if self.strategy.is_global_zero:
                 layout.remove_checkpoint(self.tmp)
-            message = (f"Saving {self.final} failed; the previous checkpoints are untouched. "
-                       + "; ".join(e for e, _ in reports))
+            message = f"Saving {self.final} failed; the previous checkpoints are untouched. " + "; ".join(
+                e for e, _ in reports
+            )
             codes = [c for _, c in reports if c]
             if codes:  # a filesystem error (ENOSPC, EROFS, ...): keep it an OSError with its errno
                 raise CheckpointWriteError(message, codes[0], self.final)
@@ -105,8 +107,10 @@ def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
     tensor straight through all_gather_object does not round-trip its storage."""
     buffer = io.BytesIO()
     torch.save(rng, buffer)
-    return [safe_torch_load(io.BytesIO(blob), name="an RNG state from another rank")
-            for blob in ops.all_gather_object(buffer.getvalue())]
+    return [
+        safe_torch_load(io.BytesIO(blob), name="an RNG state from another rank")
+        for blob in ops.all_gather_object(buffer.getvalue())
+    ]
 
 
 def collect_state(trainer: Any) -> Dict[str, Any]:
@@ -118,10 +122,13 @@ def collect_state(trainer: Any) -> Dict[str, Any]:
     loader = trainer.train_dataloader
     sampler = find_sampler(loader)
     state: Dict[str, Any] = {
-        "shardwise": {**layout.build_manifest(strategy.checkpoint_format, getattr(strategy, "name", "?"),
-                                              strategy.world_size, position),
-                      "optimizers": [type(opt).__name__ for opt in strategy.optimizers],
-                      "run_id": trainer.state.run_id},
+        "shardwise": {
+            **layout.build_manifest(
+                strategy.checkpoint_format, getattr(strategy, "name", "?"), strategy.world_size, position
+            ),
+            "optimizers": [type(opt).__name__ for opt in strategy.optimizers],
+            "run_id": trainer.state.run_id,
+        },
         "train_state": {**position, "run_id": trainer.state.run_id},
         "data": {"batch_size": getattr(loader, "batch_size", None), "world_size": strategy.world_size},
         "sampler": sampler.state_dict() if sampler is not None else None,
@@ -171,8 +178,10 @@ def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
     """Restore `trainer` (set up already) from a checkpoint; returns the path used, None if 'last' found none."""
     resolved = layout.resolve(path, search_dirs(trainer))
     if resolved is None:
-        warnings.warn(f"ckpt_path='last' found no checkpoint in {search_dirs(trainer)}; training starts from "
-                      "scratch.", stacklevel=3)
+        warnings.warn(
+            f"ckpt_path='last' found no checkpoint in {search_dirs(trainer)}; training starts from scratch.",
+            stacklevel=3,
+        )
         return None
     manifest = layout.read_manifest(resolved)
     layout.check_version(manifest, resolved)
@@ -183,7 +192,8 @@ def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
     if manifest.get("optimizers", running) != running:
         raise CheckpointMismatchError(
             f"{resolved} holds the state of optimizer(s) {manifest['optimizers']}, but configure_optimizers() "
-            f"returned {running}. Resume with the same optimizer(s), or load only the weights.")
+            f"returned {running}. Resume with the same optimizer(s), or load only the weights."
+        )
     state = trainer.strategy.load_checkpoint(resolved, manifest["checkpoint_format"])
     restore_state(trainer, state)
     trainer.strategy.barrier("checkpoint-loaded")
@@ -206,13 +216,18 @@ def _restore_position(trainer: Any, state: Dict[str, Any]) -> None:
         consumed = position["batch_idx"] * old[0] * old[1]
         position["batch_idx"] = consumed // (new[0] * new[1])
         if consumed % (new[0] * new[1]):
-            warnings.warn(f"Resuming mid-epoch with batch size x world size {new[0]}x{new[1]} instead of "
-                          f"{old[0]}x{old[1]}: {consumed % (new[0] * new[1])} sample(s) will be seen twice.",
-                          stacklevel=4)
+            warnings.warn(
+                f"Resuming mid-epoch with batch size x world size {new[0]}x{new[1]} instead of "
+                f"{old[0]}x{old[1]}: {consumed % (new[0] * new[1])} sample(s) will be seen twice.",
+                stacklevel=4,
+            )
     if position["batch_idx"] and sampler is None and loader is not None:
-        warnings.warn("Resuming mid-epoch, but the train DataLoader has no shardwise sampler to skip the "
-                      "consumed batches (custom sampler or IterableDataset): the epoch restarts from its "
-                      "first batch.", stacklevel=4)
+        warnings.warn(
+            "Resuming mid-epoch, but the train DataLoader has no shardwise sampler to skip the "
+            "consumed batches (custom sampler or IterableDataset): the epoch restarts from its "
+            "first batch.",
+            stacklevel=4,
+        )
     trainer.state.load_state_dict(position)
     if sampler is not None and state.get("sampler"):
         sampler.load_state_dict(state["sampler"])
@@ -223,16 +238,21 @@ def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
     _restore_position(trainer, state)
     rng_states = state.get("rng_states") or []
     if len(rng_states) != strategy.world_size:
-        warnings.warn(f"The checkpoint holds RNG states of {len(rng_states)} rank(s), this run has "
-                      f"{strategy.world_size}: random streams (dropout, augmentation) will differ from the "
-                      "saved run's.", stacklevel=3)
+        warnings.warn(
+            f"The checkpoint holds RNG states of {len(rng_states)} rank(s), this run has "
+            f"{strategy.world_size}: random streams (dropout, augmentation) will differ from the "
+            "saved run's.",
+            stacklevel=3,
+        )
     if strategy.global_rank < len(rng_states):
         # Applied by the loop at the point the saved run was at (Trainer._epoch_iterator).
         trainer.state.pending_rng = rng_states[strategy.global_rank]
     saved_scheds = state.get("lr_schedulers", [])
     if len(saved_scheds) != len(strategy.lr_schedulers):
-        raise CheckpointMismatchError(f"The checkpoint holds {len(saved_scheds)} LR scheduler(s) but "
-                                      f"configure_optimizers() returned {len(strategy.lr_schedulers)}.")
+        raise CheckpointMismatchError(
+            f"The checkpoint holds {len(saved_scheds)} LR scheduler(s) but "
+            f"configure_optimizers() returned {len(strategy.lr_schedulers)}."
+        )
     for entry, sched_state in zip(strategy.lr_schedulers, saved_scheds):
         entry["scheduler"].load_state_dict(sched_state)
     if strategy.grad_scaler is not None and state.get("grad_scaler"):

@@ -15,6 +15,7 @@ dispatches and owns what every command shares:
 Command modules import torch and the Trainer inside `run()`, so that
 `shardwise --help` and a usage error answer without loading them.
 """
+
 from __future__ import annotations
 
 import importlib

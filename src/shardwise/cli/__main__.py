@@ -1,4 +1,5 @@
 """`python -m shardwise.cli ...` is `shardwise ...` (how workers and tests start a command)."""
+
 import sys
 
 from shardwise.cli import main

@@ -3,6 +3,7 @@
 Reads any checkpoint shardwise wrote (full, sharded, DeepSpeed), one tensor at a
 time, so a model larger than host memory converts into a folder of shards.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
@@ -17,10 +18,18 @@ def parser() -> ArgumentParser:
     p.add_argument("ckpt", help="a checkpoint (file or directory), or a checkpoint directory (uses its last)")
     p.add_argument("out", help="output directory, or a .safetensors / .pt / .bin file")
     p.add_argument("--dtype", type=str, default="keep", choices=CAST_CHOICES, help="cast floating tensors")
-    p.add_argument("--max_shard_size", type=str, default="5GB",
-                   help="split larger outputs into shards with an index (directory output only)")
-    p.add_argument("--format", type=Optional[Literal["safetensors", "torch"]], default=None,
-                   help="output format (default: from OUT's suffix, else safetensors)")
+    p.add_argument(
+        "--max_shard_size",
+        type=str,
+        default="5GB",
+        help="split larger outputs into shards with an index (directory output only)",
+    )
+    p.add_argument(
+        "--format",
+        type=Optional[Literal["safetensors", "torch"]],
+        default=None,
+        help="output format (default: from OUT's suffix, else safetensors)",
+    )
     return p
 
 

@@ -9,6 +9,7 @@ speed beside the guide's A100 figures. Memory is measured over the first steps
 (the optimizer state appears at the first step, so the peak is there), speed on
 the untracked steps after them.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,11 +17,17 @@ from typing import Any, Dict, List, Optional
 
 # Lightning's FSDP guide, A100 40GB, Lightning 2.1 / PyTorch 2.1, its 1B Transformer: MB per GPU, it/s.
 GUIDE_TABLE = {
-    "ddp": (23125, 4.31), "fsdp_no_shard": (19296, 3.04), "fsdp_shard_grad_op": (11772, 3.61), "fsdp": (9627, 3.19),
+    "ddp": (23125, 4.31),
+    "fsdp_no_shard": (19296, 3.04),
+    "fsdp_shard_grad_op": (11772, 3.61),
+    "fsdp": (9627, 3.19),
 }
 LABELS = {
-    "ddp": "DDP", "fsdp_no_shard": "FSDP NO_SHARD", "fsdp_shard_grad_op": "FSDP SHARD_GRAD_OP",
-    "fsdp": "FSDP FULL_SHARD", "fsdp_ac": "FULL_SHARD + act. ckpt",
+    "ddp": "DDP",
+    "fsdp_no_shard": "FSDP NO_SHARD",
+    "fsdp_shard_grad_op": "FSDP SHARD_GRAD_OP",
+    "fsdp": "FSDP FULL_SHARD",
+    "fsdp_ac": "FULL_SHARD + act. ckpt",
 }
 TRACKED_STEPS = 2
 
@@ -82,25 +89,52 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         shardwise.seed_everything(42)
         probe = _Probe()
         trainer = shardwise.Trainer(
-            accelerator=cfg["accelerator"], devices=cfg["devices"], strategy=_strategy(name), precision=cfg["precision"],
-            max_steps=cfg["steps"] if main_run else cfg["compare_steps"], callbacks=[probe],
-            enable_progress_bar=main_run, logger=main_run, enable_checkpointing=False,
-            log_every_n_steps=5, default_root_dir=cfg["root_dir"])
+            accelerator=cfg["accelerator"],
+            devices=cfg["devices"],
+            strategy=_strategy(name),
+            precision=cfg["precision"],
+            max_steps=cfg["steps"] if main_run else cfg["compare_steps"],
+            callbacks=[probe],
+            enable_progress_bar=main_run,
+            logger=main_run,
+            enable_checkpointing=False,
+            log_every_n_steps=5,
+            default_root_dir=cfg["root_dir"],
+        )
         if main_run:
-            trainer.print(f"Training a Transformer ({cfg['nlayers']} layers, ninp {cfg['ninp']}, nhid "
-                          f"{cfg['nhid']}) on {type(dataset).__name__} ({len(dataset)} blocks of "
-                          f"{cfg['block_size']} tokens, vocab {dataset.vocab_size}) with {LABELS[name]} on "
-                          f"{cfg['devices']} processes...")
-        model = LanguageModel(dataset.vocab_size, nlayers=cfg["nlayers"], nhid=cfg["nhid"], ninp=cfg["ninp"],
-                              nhead=cfg["nhead"], lr=cfg["lr"])
+            trainer.print(
+                f"Training a Transformer ({cfg['nlayers']} layers, ninp {cfg['ninp']}, nhid "
+                f"{cfg['nhid']}) on {type(dataset).__name__} ({len(dataset)} blocks of "
+                f"{cfg['block_size']} tokens, vocab {dataset.vocab_size}) with {LABELS[name]} on "
+                f"{cfg['devices']} processes..."
+            )
+        model = LanguageModel(
+            dataset.vocab_size,
+            nlayers=cfg["nlayers"],
+            nhid=cfg["nhid"],
+            ninp=cfg["ninp"],
+            nhead=cfg["nhead"],
+            lr=cfg["lr"],
+        )
         trainer.fit(model, DataLoader(dataset, batch_size=cfg["batch_size"], shuffle=True))
         n_params = sum(p.numel() for p in model.parameters())  # FSDP2's DTensors report their global size
         if main_run:
-            trainer.print(f"done: {trainer.global_step} steps, final loss {probe.last_loss:.3f}, "
-                          f"{n_params / 1e6:.1f}M parameters. Comparing strategies ({cfg['compare_steps']} steps each)...")
+            trainer.print(
+                f"done: {trainer.global_step} steps, final loss {probe.last_loss:.3f}, "
+                f"{n_params / 1e6:.1f}M parameters. Comparing strategies ({cfg['compare_steps']} steps each)..."
+            )
         speed = probe.timed_steps / probe.elapsed if probe.elapsed > 0 and probe.timed_steps else float("nan")
-        rows.append(dict(name=name, peak=probe.peak_total, breakdown=probe.peak, its=speed, loss=probe.last_loss,
-                         params=n_params, device=trainer.strategy.root_device.type))
+        rows.append(
+            dict(
+                name=name,
+                peak=probe.peak_total,
+                breakdown=probe.peak,
+                its=speed,
+                loss=probe.last_loss,
+                params=n_params,
+                device=trainer.strategy.root_device.type,
+            )
+        )
     return rows
 
 
@@ -113,31 +147,63 @@ def _table(rows: List[Dict[str, Any]], devices: int) -> None:
     from shardwise.memory import format_bytes
 
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
-    table = Table(title=f"Peak tracked tensor memory per rank and speed, {where} "
-                        "(guide: Lightning's FSDP guide, A100 40GB, 1B model)")
-    for col in ("strategy", "peak/rank", "vs DDP", "params", "grads", "optim", "activ.",
-                "it/s", "guide MB", "guide vs DDP", "guide it/s"):
+    table = Table(
+        title=f"Peak tracked tensor memory per rank and speed, {where} "
+        "(guide: Lightning's FSDP guide, A100 40GB, 1B model)"
+    )
+    for col in (
+        "strategy",
+        "peak/rank",
+        "vs DDP",
+        "params",
+        "grads",
+        "optim",
+        "activ.",
+        "it/s",
+        "guide MB",
+        "guide vs DDP",
+        "guide it/s",
+    ):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in rows:
         b = r["breakdown"]
         guide = GUIDE_TABLE.get(r["name"])
         table.add_row(
-            LABELS[r["name"]], format_bytes(r["peak"]),
+            LABELS[r["name"]],
+            format_bytes(r["peak"]),
             f"{r['peak'] / ddp['peak']:.2f}x" if ddp and ddp["peak"] else "-",
-            format_bytes(b.get("parameters", 0)), format_bytes(b.get("gradients", 0)),
-            format_bytes(b.get("optimizer", 0)), format_bytes(b.get("activations", 0) + b.get("other", 0)),
-            f"{r['its']:.2f}", f"{guide[0]:,}" if guide else "-",
-            f"{guide[0] / GUIDE_TABLE['ddp'][0]:.2f}x" if guide else "-", f"{guide[1]:.2f}" if guide else "-")
+            format_bytes(b.get("parameters", 0)),
+            format_bytes(b.get("gradients", 0)),
+            format_bytes(b.get("optimizer", 0)),
+            format_bytes(b.get("activations", 0) + b.get("other", 0)),
+            f"{r['its']:.2f}",
+            f"{guide[0]:,}" if guide else "-",
+            f"{guide[0] / GUIDE_TABLE['ddp'][0]:.2f}x" if guide else "-",
+            f"{guide[1]:.2f}" if guide else "-",
+        )
     console = Console()
     if not console.is_terminal:  # CI logs and pipes: keep the table on one line per row
         console = Console(width=170)
     console.print(table)
 
 
-def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int = 8, nhid: int = 1024,
-         ninp: int = 128, nhead: int = 4, batch_size: int = 4, block_size: int = 32, lr: float = 1e-3,
-         precision: str = "32-true", data_dir: Optional[str] = None, root_dir: str = "shardwise_demo",
-         strategies: Optional[List[str]] = None, accelerator: str = "auto") -> List[Dict[str, Any]]:
+def demo(
+    devices: int = 2,
+    steps: int = 40,
+    compare_steps: int = 6,
+    nlayers: int = 8,
+    nhid: int = 1024,
+    ninp: int = 128,
+    nhead: int = 4,
+    batch_size: int = 4,
+    block_size: int = 32,
+    lr: float = 1e-3,
+    precision: str = "32-true",
+    data_dir: Optional[str] = None,
+    root_dir: str = "shardwise_demo",
+    strategies: Optional[List[str]] = None,
+    accelerator: str = "auto",
+) -> List[Dict[str, Any]]:
     """Train a Transformer language model with FSDP on `devices` local processes, then compare strategies.
 
     Args:
@@ -168,9 +234,23 @@ def demo(devices: int = 2, steps: int = 40, compare_steps: int = 6, nlayers: int
     resolve_accelerator(accelerator)  # an unknown name, or cuda without a GPU, fails before any process starts
     if compare_steps <= TRACKED_STEPS:
         raise ValueError(f"compare_steps must be above {TRACKED_STEPS} (the tracked warm-up steps).")
-    cfg = dict(devices=devices, steps=steps, compare_steps=compare_steps, nlayers=nlayers, nhid=nhid, ninp=ninp,
-               nhead=nhead, batch_size=batch_size, block_size=block_size, lr=lr, precision=precision,
-               data_dir=data_dir, root_dir=root_dir, strategies=strategies, accelerator=accelerator)
+    cfg = dict(
+        devices=devices,
+        steps=steps,
+        compare_steps=compare_steps,
+        nlayers=nlayers,
+        nhid=nhid,
+        ninp=ninp,
+        nhead=nhead,
+        batch_size=batch_size,
+        block_size=block_size,
+        lr=lr,
+        precision=precision,
+        data_dir=data_dir,
+        root_dir=root_dir,
+        strategies=strategies,
+        accelerator=accelerator,
+    )
     rows = shardwise.launch(_worker, cfg, devices=devices)[0]
     order = {"ddp": 0, "fsdp_no_shard": 1, "fsdp_shard_grad_op": 2, "fsdp": 3, "fsdp_ac": 4}
     rows.sort(key=lambda r: order[r["name"]])

@@ -5,6 +5,7 @@ recipe (`--per_device_train_batch_size`, `--fsdp_config`, an Accelerate
 config, ...) are also accepted and translated to ours (recipes/hf_args.py),
 with a note for each one that changes meaning.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,6 +40,8 @@ def run(cfg: Any) -> int:
 
     result = finetune(FinetuneConfig(**{k: v for k, v in cfg.as_dict().items() if k != "config"}))
     if result is not None and result.losses and os.environ.get("RANK", "0") == "0":
-        print(f"[finetune] done: {len(result.losses)} steps, final loss {result.losses[-1]['loss']:.4f}; "
-              f"Hugging Face folder in {result.output_dir}")
+        print(
+            f"[finetune] done: {len(result.losses)} steps, final loss {result.losses[-1]['loss']:.4f}; "
+            f"Hugging Face folder in {result.output_dir}"
+        )
     return 0

@@ -15,6 +15,7 @@ argument. Example config:
 
     shardwise fit --config run.yaml --trainer.precision bf16-mixed
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -25,7 +26,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 def parser() -> ArgumentParser:
     from torch.utils.data import Dataset
 
-    from shardwise import TrainModule, Trainer
+    from shardwise import Trainer, TrainModule
 
     p = ArgumentParser(description="Train a TrainModule from a config.")
     p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")

@@ -1,4 +1,5 @@
 """`shardwise inspect CKPT`: what a checkpoint holds (format, step, world size, tensors), without loading it."""
+
 from __future__ import annotations
 
 import json

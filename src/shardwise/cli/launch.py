@@ -8,6 +8,7 @@ interpreter). Starting, stopping, the verdict and preemption are agent.py's,
 shared with the local launches. Under SLURM: one `shardwise launch` per node
 with `srun` (examples/slurm/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ from jsonargparse import ArgumentParser
 from shardwise.distributed import agent
 from shardwise.distributed.env import find_free_port
 
-
 PASSTHROUGH = True  # the program's own arguments are passed on as given
 
 
@@ -30,26 +30,47 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(
         description="Start this node's workers (torchrun's elastic agent). Run once per node.",
         epilog="examples:\n"
-               "  shardwise launch --nproc-per-node 8 train.py --lr 1e-4\n"
-               "  shardwise launch --nnodes 2 --node-rank $NODE_RANK --master-addr node0 --master-port 29500 \\\n"
-               "      --nproc-per-node 8 shardwise finetune --config llama70b.yaml",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  shardwise launch --nproc-per-node 8 train.py --lr 1e-4\n"
+        "  shardwise launch --nnodes 2 --node-rank $NODE_RANK --master-addr node0 --master-port 29500 \\\n"
+        "      --nproc-per-node 8 shardwise finetune --config llama70b.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (launchers) in the job")
-    p.add_argument("--node_rank", type=Optional[int], default=None,
-                   help="this node's index in [0, nnodes); default $NODE_RANK / $SLURM_NODEID / 0")
-    p.add_argument("--master_addr", type=Optional[str], default=None,
-                   help="address of node 0 (default $MASTER_ADDR or 127.0.0.1)")
-    p.add_argument("--master_port", type=Optional[int], default=None,
-                   help="free TCP port on node 0 (default $MASTER_PORT, or a free port for one node)")
-    p.add_argument("--nproc_per_node", type=str, default="auto",
-                   help="workers on this node: a number, or 'auto' (one per GPU, else 1)")
-    p.add_argument("--rdzv_backend", type=str, default="static", choices=("static", "c10d"),
-                   help="static (fixed node ranks, like torchrun --node-rank) or c10d (elastic)")
-    p.add_argument("--run_id", type=Optional[str], default=None,
-                   help="rendezvous id for c10d (default: $SLURM_JOB_ID or random)")
+    p.add_argument(
+        "--node_rank",
+        type=Optional[int],
+        default=None,
+        help="this node's index in [0, nnodes); default $NODE_RANK / $SLURM_NODEID / 0",
+    )
+    p.add_argument(
+        "--master_addr", type=Optional[str], default=None, help="address of node 0 (default $MASTER_ADDR or 127.0.0.1)"
+    )
+    p.add_argument(
+        "--master_port",
+        type=Optional[int],
+        default=None,
+        help="free TCP port on node 0 (default $MASTER_PORT, or a free port for one node)",
+    )
+    p.add_argument(
+        "--nproc_per_node",
+        type=str,
+        default="auto",
+        help="workers on this node: a number, or 'auto' (one per GPU, else 1)",
+    )
+    p.add_argument(
+        "--rdzv_backend",
+        type=str,
+        default="static",
+        choices=("static", "c10d"),
+        help="static (fixed node ranks, like torchrun --node-rank) or c10d (elastic)",
+    )
+    p.add_argument(
+        "--run_id", type=Optional[str], default=None, help="rendezvous id for c10d (default: $SLURM_JOB_ID or random)"
+    )
     p.add_argument("--max_restarts", type=int, default=0, help="restart the workers this many times on failure")
-    p.add_argument("--log_dir", type=Optional[str], default=None,
-                   help="keep each worker's stdout/stderr in this folder")
+    p.add_argument(
+        "--log_dir", type=Optional[str], default=None, help="keep each worker's stdout/stderr in this folder"
+    )
     p.add_argument("-m", dest="module", action="store_true", help="run the program as a module (python -m)")
     p.add_argument("program", help="script.py, module name (with -m), or a command such as `shardwise`")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the program")
@@ -109,12 +130,26 @@ def run(ns: Any) -> int:
         port = find_free_port()
     nproc = resolve_nproc(ns.nproc_per_node)
     entrypoint, args = resolve_command(ns.program, ns.args, ns.module)
-    run_id = ns.run_id or os.environ.get("SLURM_JOB_ID") or ("shardwise" if ns.rdzv_backend == "static"
-                                                               else uuid.uuid4().hex[:8])
+    run_id = (
+        ns.run_id
+        or os.environ.get("SLURM_JOB_ID")
+        or ("shardwise" if ns.rdzv_backend == "static" else uuid.uuid4().hex[:8])
+    )
     who = f"[shardwise launch] node {node_rank}:"
-    result = agent.run(entrypoint, args, nproc, nnodes=ns.nnodes, node_rank=node_rank, addr=addr, port=port,
-                       rdzv_backend=ns.rdzv_backend, run_id=run_id, max_restarts=ns.max_restarts,
-                       log_dir=ns.log_dir, who=who)
+    result = agent.run(
+        entrypoint,
+        args,
+        nproc,
+        nnodes=ns.nnodes,
+        node_rank=node_rank,
+        addr=addr,
+        port=port,
+        rdzv_backend=ns.rdzv_backend,
+        run_id=run_id,
+        max_restarts=ns.max_restarts,
+        log_dir=ns.log_dir,
+        who=who,
+    )
     if result.exitcode == 0:
         return 0
     if not result.verdict:  # preempted: saved and left (75), or killed after the grace period

@@ -8,6 +8,7 @@ help texts). Mistakes the user can fix -- an unknown preset, a config.json that
 is not a causal LM, an unparsable memory size, a layout the sharding cannot
 split -- are a PlanError (a ValueError): one line, exit status 2.
 """
+
 from __future__ import annotations
 
 import json as _json
@@ -16,15 +17,34 @@ from typing import Any, Optional
 from jsonargparse import ArgumentParser
 
 
-def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory: Optional[str] = None,
-                 precision: str = "bf16-mixed", batch_size: int = 1, seq_len: Optional[int] = None,
-                 cpu_memory: Optional[str] = None, only: Optional[str] = None, accelerator: str = "cuda",
-                 gpu: str = "a100", interconnect: str = "nvlink", network: str = "infiniband",
-                 reserved_factor: Optional[float] = None, deepspeed_config: Optional[str] = None,
-                 all_micro_batches: bool = False, all: bool = False, json: bool = False, plot: Optional[str] = None,
-                 workers: Optional[int] = None, optimizer: str = "adamw", foreach: Optional[bool] = None,
-                 fused: Optional[bool] = None, paged_resident: float = 0.0,
-                 expandable_segments: Optional[bool] = None, strategy: Optional[str] = None) -> int:
+def plan_command(
+    model: str,
+    devices: int = 1,
+    num_nodes: int = 1,
+    device_memory: Optional[str] = None,
+    precision: str = "bf16-mixed",
+    batch_size: int = 1,
+    seq_len: Optional[int] = None,
+    cpu_memory: Optional[str] = None,
+    only: Optional[str] = None,
+    accelerator: str = "cuda",
+    gpu: str = "a100",
+    interconnect: str = "nvlink",
+    network: str = "infiniband",
+    reserved_factor: Optional[float] = None,
+    deepspeed_config: Optional[str] = None,
+    all_micro_batches: bool = False,
+    all: bool = False,
+    json: bool = False,
+    plot: Optional[str] = None,
+    workers: Optional[int] = None,
+    optimizer: str = "adamw",
+    foreach: Optional[bool] = None,
+    fused: Optional[bool] = None,
+    paged_resident: float = 0.0,
+    expandable_segments: Optional[bool] = None,
+    strategy: Optional[str] = None,
+) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
 
     Args:
@@ -73,13 +93,31 @@ def plan_command(model: str, devices: int = 1, num_nodes: int = 1, device_memory
         except (OSError, ValueError) as exc:
             raise PlanError(f"--deepspeed-config {deepspeed_config}: {exc}") from exc
     strategy_obj = _strategy(strategy) if strategy else None
-    result = plan(model, batch_size=batch_size, seq_len=seq_len, devices=devices, num_nodes=num_nodes,
-                  device_memory=device_memory, precision=precision, cpu_memory=cpu_memory,
-                  candidates=[c for c in only.split(",") if c.strip()] if only else None, accelerator=accelerator,
-                  gpu=gpu, interconnect=interconnect, network=network, reserved_factor=reserved_factor,
-                  deepspeed_config=ds_config, all_micro_batches=all_micro_batches, workers=workers,
-                  optimizer=optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident,
-                  expandable_segments=expandable_segments, strategy=strategy_obj)
+    result = plan(
+        model,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        devices=devices,
+        num_nodes=num_nodes,
+        device_memory=device_memory,
+        precision=precision,
+        cpu_memory=cpu_memory,
+        candidates=[c for c in only.split(",") if c.strip()] if only else None,
+        accelerator=accelerator,
+        gpu=gpu,
+        interconnect=interconnect,
+        network=network,
+        reserved_factor=reserved_factor,
+        deepspeed_config=ds_config,
+        all_micro_batches=all_micro_batches,
+        workers=workers,
+        optimizer=optimizer,
+        foreach=foreach,
+        fused=fused,
+        paged_resident=paged_resident,
+        expandable_segments=expandable_segments,
+        strategy=strategy_obj,
+    )
     if json:
         print(to_json(result))
     else:
@@ -99,7 +137,7 @@ def _strategy(value: str) -> object:
         return value
     import importlib
 
-    module_name, _, attr = value[len("python:"):].rpartition(".")
+    module_name, _, attr = value[len("python:") :].rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -112,8 +150,10 @@ def _strategy(value: str) -> object:
 def parser() -> ArgumentParser:
     from shardwise.plan.presets import preset_names
 
-    p = ArgumentParser(description="Predict per-device memory for each training configuration and pick the "
-                                   "fastest that fits. Presets: " + ", ".join(preset_names()) + ".")
+    p = ArgumentParser(
+        description="Predict per-device memory for each training configuration and pick the "
+        "fastest that fits. Presets: " + ", ".join(preset_names()) + "."
+    )
     p.add_function_arguments(plan_command, as_group=False)
     return p
 

@@ -1,4 +1,5 @@
 """Process bookkeeping: environment detection, local launching, safe collectives."""
+
 from shardwise.distributed.env import DistEnv, detect_env
 from shardwise.distributed.launch import launch
 

@@ -12,6 +12,7 @@ forwarded to every worker, which get SHARDWISE_PREEMPT_GRACE_S to save and
 exit 75, as the launcher then does); and workers that die with a SIGKILLed
 launcher.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,10 +75,21 @@ class Result:
     signalled: bool = False
 
 
-def run(entrypoint: Union[str, Callable], args: Sequence[Any], nproc: int, *, nnodes: int = 1,
-        node_rank: int = 0, addr: str = "127.0.0.1", port: int, rdzv_backend: str = "static",
-        run_id: str = "shardwise", max_restarts: int = 0, log_dir: Optional[str] = None,
-        who: str = "[shardwise]") -> Result:
+def run(
+    entrypoint: Union[str, Callable],
+    args: Sequence[Any],
+    nproc: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    addr: str = "127.0.0.1",
+    port: int,
+    rdzv_backend: str = "static",
+    run_id: str = "shardwise",
+    max_restarts: int = 0,
+    log_dir: Optional[str] = None,
+    who: str = "[shardwise]",
+) -> Result:
     """Run `entrypoint(*args)` -- a command, or a function importable by reference -- on this node's
     `nproc` workers, torchrun's "static" rendezvous (fixed node ranks) unless told otherwise."""
     if isinstance(entrypoint, str):
@@ -87,14 +99,25 @@ def run(entrypoint: Union[str, Callable], args: Sequence[Any], nproc: int, *, nn
         pids = _new_spawned()
     with _run_dir() as run_dir, _Forwarder(pids, who) as forwarder:
         # Without a log_dir the agent's own files (error files) go in the run directory, not a new /tmp folder.
-        logs_specs = DefaultLogsSpecs(log_dir=log_dir or os.path.join(run_dir, "agent"),
-                                      **(dict(redirects=Std.ALL, tee=Std.ALL) if log_dir else {}))
-        config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, rdzv_backend=rdzv_backend,
-                              rdzv_endpoint=f"{addr}:{port}",
-                              rdzv_configs={"rank": node_rank} if rdzv_backend == "static" else {},
-                              run_id=run_id, max_restarts=max_restarts, monitor_interval=0.1, logs_specs=logs_specs,
-                              start_method="spawn", local_addr=addr if nnodes == 1 else None,
-                              signals_to_handle=",".join(_AGENT_SIGNALS))
+        logs_specs = DefaultLogsSpecs(
+            log_dir=log_dir or os.path.join(run_dir, "agent"),
+            **(dict(redirects=Std.ALL, tee=Std.ALL) if log_dir else {}),
+        )
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nproc,
+            rdzv_backend=rdzv_backend,
+            rdzv_endpoint=f"{addr}:{port}",
+            rdzv_configs={"rank": node_rank} if rdzv_backend == "static" else {},
+            run_id=run_id,
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            logs_specs=logs_specs,
+            start_method="spawn",
+            local_addr=addr if nnodes == 1 else None,
+            signals_to_handle=",".join(_AGENT_SIGNALS),
+        )
         try:
             values = elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as exc:
@@ -123,21 +146,28 @@ def _run_dir() -> Iterator[str]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarder: "_Forwarder",
-             who: str) -> Result:
+def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarder: "_Forwarder", who: str) -> Result:
     """The root cause from the workers' own records, and the exit code that goes with it."""
     codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     if forwarder.killed:
-        return Result(128 + forwarder.received, message=(
-            f"{who} worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
-            f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
-            "longer)."))
+        return Result(
+            128 + forwarder.received,
+            message=(
+                f"{who} worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
+                f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
+                "longer)."
+            ),
+        )
     # Preempted: a worker saved and left with 75; the agent then stops any peer still on its way out.
     stopping = (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
     if PREEMPTED_EXIT_CODE in codes.values() and all(code in stopping for code in codes.values()):
-        return Result(PREEMPTED_EXIT_CODE, message=(
-            f"{who} the workers saved and exited with {PREEMPTED_EXIT_CODE} (preempted): resubmit the job "
-            "to resume."))
+        return Result(
+            PREEMPTED_EXIT_CODE,
+            message=(
+                f"{who} the workers saved and exited with {PREEMPTED_EXIT_CODE} (preempted): resubmit the job "
+                "to resume."
+            ),
+        )
     records = faults.read_records(run_dir)
     # Once one worker failed, the agent stops the others: SIGTERM, and SIGKILL 30 s later. Such a
     # rank without a record is a consequence -- unless every failure is of that kind (a user's
@@ -149,14 +179,30 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
         record = records.get(rank)
         if rank in codes:
             code = codes[rank]
-            stopped = record is None and forwarder.received is None and (
-                (code == -signal.SIGTERM and other) or (code == -signal.SIGKILL and caused))
-            outcomes.append(faults.Outcome(rank=rank, exitcode=code, seen_at=float(exc.failures[rank].timestamp),
-                                           stopped_by_launcher=stopped, record=record))
+            stopped = (
+                record is None
+                and forwarder.received is None
+                and ((code == -signal.SIGTERM and other) or (code == -signal.SIGKILL and caused))
+            )
+            outcomes.append(
+                faults.Outcome(
+                    rank=rank,
+                    exitcode=code,
+                    seen_at=float(exc.failures[rank].timestamp),
+                    stopped_by_launcher=stopped,
+                    record=record,
+                )
+            )
         else:
             # torch reports only the first failed function worker; the others were stopped (SIGTERM).
-            outcomes.append(faults.Outcome(rank=rank, exitcode=-signal.SIGTERM if record else None, record=record,
-                                           stopped_by_launcher=record is None))
+            outcomes.append(
+                faults.Outcome(
+                    rank=rank,
+                    exitcode=-signal.SIGTERM if record else None,
+                    record=record,
+                    stopped_by_launcher=record is None,
+                )
+            )
     root = faults.root_cause(outcomes)
     message = faults.diagnose(outcomes, run_dir).rstrip()
     if not message:  # no rank left a record or a code we can read: torch's own summary
@@ -232,8 +278,12 @@ class _Forwarder:
         if self.received is None:
             self.received = signum
             grace = preempt_grace_s()
-            print(f"{self.who} received {faults.signal_name(signum)}: forwarded to every worker; waiting up to "
-                  f"{grace:.0f} s ({PREEMPT_GRACE_ENV}) for them to save and exit.", file=sys.stderr, flush=True)
+            print(
+                f"{self.who} received {faults.signal_name(signum)}: forwarded to every worker; waiting up to "
+                f"{grace:.0f} s ({PREEMPT_GRACE_ENV}) for them to save and exit.",
+                file=sys.stderr,
+                flush=True,
+            )
             self._timer = threading.Timer(grace, self._kill)
             self._timer.daemon = True
             self._timer.start()

@@ -11,6 +11,7 @@ examples/strategy_without_trainer.py). Copies are asynchronous only where
 that is safe: to CUDA from pinned host memory or from another CUDA tensor;
 a copy to the host always completes before it returns.
 """
+
 from __future__ import annotations
 
 import copy

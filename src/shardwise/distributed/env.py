@@ -8,6 +8,7 @@ the supervisor that starts the workers itself (see launch.py). Validation of
 the user's `accelerator` / `devices` / `num_nodes` happens here too, so a
 request for eight GPUs on a laptop fails before anything is started.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -98,8 +99,11 @@ def resolve_devices(devices: Union[int, str], accelerator: str) -> int:
     have = available_devices(accelerator)
     limit = have if accelerator == "cuda" else have * _CPU_OVERSUBSCRIPTION
     if devices > limit:
-        what = f"{have} CUDA device(s)" if accelerator == "cuda" else (
-            f"{have} CPU core(s) (at most {limit} CPU processes, {_CPU_OVERSUBSCRIPTION} per core)")
+        what = (
+            f"{have} CUDA device(s)"
+            if accelerator == "cuda"
+            else (f"{have} CPU core(s) (at most {limit} CPU processes, {_CPU_OVERSUBSCRIPTION} per core)")
+        )
         raise ValueError(
             f"devices={devices} but this machine has {what}. Lower devices, or run across "
             "nodes with num_nodes and `shardwise launch` / torchrun / srun."
@@ -152,7 +156,8 @@ def detect_env() -> Optional[DistEnv]:
             node_rank=_int_env("SLURM_NODEID") or 0,
             num_nodes=num_nodes,
             local_world_size=max(1, ntasks // num_nodes),
-            master_addr=os.environ.get("MASTER_ADDR") or _first_slurm_host(os.environ.get("SLURM_NODELIST", "127.0.0.1")),
+            master_addr=os.environ.get("MASTER_ADDR")
+            or _first_slurm_host(os.environ.get("SLURM_NODELIST", "127.0.0.1")),
             master_port=_int_env("MASTER_PORT") or (12910 + (_int_env("SLURM_JOB_ID") or 0) % 1000),
             launcher="slurm",
         )
@@ -191,7 +196,8 @@ def device_for(accelerator: str, local_rank: int) -> torch.device:
         raise RuntimeError(
             f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most {visible} "
-            "processes per node, or bind one GPU per task (srun --gpus-per-task=1) so each rank sees only its own.")
+            "processes per node, or bind one GPU per task (srun --gpus-per-task=1) so each rank sees only its own."
+        )
     return torch.device("cuda", local_rank)
 
 

@@ -16,6 +16,7 @@ A rank killed by a signal is named with the signal (SIGKILL: likely the
 kernel's OOM killer). A collective timeout names the rank that stopped making
 progress, from the progress records (progress.py), and shows its stack.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,7 +29,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -44,9 +45,14 @@ STACK_SIGNAL = signal.SIGUSR2
 _SECONDARY = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|EPIPE|Connection refused|"
     r"failed to (recv|send)|recvBytes|sendBytes|Socket closed|communicator was aborted|"
-    r"ProcessGroup.*(aborted|shut ?down)|Read error|remote worker crashing", re.IGNORECASE)
-_TIMEOUT = re.compile(r"Timed out waiting|timed out after|Watchdog caught collective operation timeout|"
-                      r"DistTimeoutError|collective operation timeout|Timed out", re.IGNORECASE)
+    r"ProcessGroup.*(aborted|shut ?down)|Read error|remote worker crashing",
+    re.IGNORECASE,
+)
+_TIMEOUT = re.compile(
+    r"Timed out waiting|timed out after|Watchdog caught collective operation timeout|"
+    r"DistTimeoutError|collective operation timeout|Timed out",
+    re.IGNORECASE,
+)
 
 _INSTALLED = False
 _stack_file = None
@@ -88,12 +94,21 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
             stacks = dump_stacks({suspects[0].rank: suspects[0].pid}, progress.run_dir())
         if stall:  # also in torch's error file, so torchrun's "Root Cause" shows it
             tb += f"\n[shardwise] {stall}\n" + "".join(
-                f"[shardwise] rank {r}'s Python stack:\n{_trim_stack(st)}\n" for r, st in stacks.items())
+                f"[shardwise] rank {r}'s Python stack:\n{_trim_stack(st)}\n" for r, st in stacks.items()
+            )
     data = {
         "message": {"message": summary, "extraInfo": {"py_callstack": tb, "timestamp": str(int(now))}},
-        "shardwise": {"rank": _rank(), "time": now, "kind": kind, "summary": summary,
-                      "timeout_s": _collective_timeout_s, "stall": stall, "stacks": stacks,
-                      "hook": where.hook if where else None, "step": where.step if where else None},
+        "shardwise": {
+            "rank": _rank(),
+            "time": now,
+            "kind": kind,
+            "summary": summary,
+            "timeout_s": _collective_timeout_s,
+            "stall": stall,
+            "stacks": stacks,
+            "hook": where.hook if where else None,
+            "step": where.step if where else None,
+        },
     }
     targets = []
     directory = progress.run_dir()
@@ -120,8 +135,9 @@ def print_worker_exception(exc: BaseException, text: Optional[str] = None) -> No
     text = text or "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if classify(f"{type(exc).__name__}: {exc}") == "secondary":
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        sys.stderr.write(f"[shardwise] rank {_rank()} lost a peer ({first}); the launcher names the rank "
-                         "that failed first.\n")
+        sys.stderr.write(
+            f"[shardwise] rank {_rank()} lost a peer ({first}); the launcher names the rank that failed first.\n"
+        )
     else:
         sys.stderr.write(text)
     sys.stderr.flush()
@@ -141,6 +157,7 @@ def _excepthook(previous):
             previous(exc_type, exc, tb)
         if data is not None and data["shardwise"].get("stall"):
             sys.stderr.write(f"[shardwise] rank {_rank()}: a collective timed out: {data['shardwise']['stall']}\n")
+
     return hook
 
 
@@ -225,9 +242,12 @@ def maybe_check_collectives(strategy_name: str = "") -> bool:
     if os.environ.get(CHECK_COLLECTIVES_ENV, "0") in ("", "0"):
         return False
     if strategy_name == "ddp":
-        warnings.warn(f"{CHECK_COLLECTIVES_ENV}=1 is ignored under DDP: torch's collective checks "
-                      "(TORCH_DISTRIBUTED_DEBUG=DETAIL) crash DistributedDataParallel on torch 2.13. "
-                      "Use strategy='fsdp' (or DeepSpeed) to check a mismatched collective.", stacklevel=2)
+        warnings.warn(
+            f"{CHECK_COLLECTIVES_ENV}=1 is ignored under DDP: torch's collective checks "
+            "(TORCH_DISTRIBUTED_DEBUG=DETAIL) crash DistributedDataParallel on torch 2.13. "
+            "Use strategy='fsdp' (or DeepSpeed) to check a mismatched collective.",
+            stacklevel=2,
+        )
         return False
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()
@@ -240,10 +260,10 @@ class Outcome:
     """What the launcher knows about one rank when the run ends."""
 
     rank: int
-    exitcode: Optional[int]          # None: still running when the launcher stopped it
-    seen_at: float = 0.0             # when the launcher saw it exit
+    exitcode: Optional[int]  # None: still running when the launcher stopped it
+    seen_at: float = 0.0  # when the launcher saw it exit
     stopped_by_launcher: bool = False
-    record: Optional[Dict] = None    # error.<rank>.json
+    record: Optional[Dict] = None  # error.<rank>.json
     stack: str = ""
 
     @property
@@ -321,8 +341,12 @@ def _trim_stack(stack: str, lines: int = 14) -> str:
     return "\n".join("    " + line for line in block[:lines])
 
 
-def diagnose(outcomes: List[Outcome], run_dir: Optional[str] = None, timeout_s: Optional[float] = None,
-             with_traceback: bool = True) -> str:
+def diagnose(
+    outcomes: List[Outcome],
+    run_dir: Optional[str] = None,
+    timeout_s: Optional[float] = None,
+    with_traceback: bool = True,
+) -> str:
     """The launcher's verdict, ready for stderr: the root cause first, then its consequences."""
     root = root_cause(outcomes)
     others = len(outcomes) - 1
@@ -332,15 +356,19 @@ def diagnose(outcomes: List[Outcome], run_dir: Optional[str] = None, timeout_s: 
         sig = signal_name(-root.exitcode)
         text = f"[shardwise] rank {root.rank} was killed by {sig} (exit code {root.exitcode}); it left no traceback."
         if -root.exitcode == signal.SIGKILL:
-            text += (" SIGKILL from nobody in this job usually means the kernel's out-of-memory killer: check "
-                     "`dmesg | grep -i -E 'killed process|out of memory'` (or the job's memory limit) and lower "
-                     "the memory per rank (batch size, activation checkpointing, sharding, CPU offload).")
+            text += (
+                " SIGKILL from nobody in this job usually means the kernel's out-of-memory killer: check "
+                "`dmesg | grep -i -E 'killed process|out of memory'` (or the job's memory limit) and lower "
+                "the memory per rank (batch size, activation checkpointing, sharding, CPU offload)."
+            )
         elif -root.exitcode == signal.SIGSEGV:
             text += " A segmentation fault is a crash in native code (an extension, a driver)."
     elif root.kind == "exit":
-        text = (f"[shardwise] rank {root.rank} exited with code {root.exitcode} and left no error record (it "
-                "failed before its strategy set up the process group, called sys.exit, or crashed in native "
-                "code); its own output is above.")
+        text = (
+            f"[shardwise] rank {root.rank} exited with code {root.exitcode} and left no error record (it "
+            "failed before its strategy set up the process group, called sys.exit, or crashed in native "
+            "code); its own output is above."
+        )
     elif root.kind == "timeout":
         waiting = sorted(o.rank for o in outcomes if o.kind == "timeout")
         timeout_s = timeout_s or root.record["shardwise"].get("timeout_s")
@@ -349,13 +377,17 @@ def diagnose(outcomes: List[Outcome], run_dir: Optional[str] = None, timeout_s: 
         text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}: a collective timed out ({summary})."
         if stall:
             text += f"\n[shardwise] {stall}."
-        stacks = {int(r): st for o in outcomes if o.record for r, st in (o.record["shardwise"].get("stacks") or {}).items()}
+        stacks = {
+            int(r): st for o in outcomes if o.record for r, st in (o.record["shardwise"].get("stacks") or {}).items()
+        }
         stacks.update({o.rank: o.stack for o in outcomes if o.stack})
         for rank in [r for r in sorted(stacks) if r not in waiting][:2]:
             text += f"\n[shardwise] rank {rank}'s Python stack while the others waited:\n{_trim_stack(stacks[rank])}"
         if not stall:
-            text += ("\n[shardwise] No progress records to name the rank it waited for: a rank that stopped "
-                     "responding (or called a collective the others did not) is the usual cause.")
+            text += (
+                "\n[shardwise] No progress records to name the rank it waited for: a rank that stopped "
+                "responding (or called a collective the others did not) is the usual cause."
+            )
     else:
         rec = root.record["shardwise"]
         where = f" in {rec['hook']} at step {rec['step']}" if rec.get("hook") else ""
@@ -363,14 +395,22 @@ def diagnose(outcomes: List[Outcome], run_dir: Optional[str] = None, timeout_s: 
         if with_traceback:
             tb = root.record["message"]["extraInfo"]["py_callstack"].rstrip()
             text += f"\n[shardwise] rank {root.rank}'s traceback (the first failure):\n{tb}"
-    consequences = [o for o in outcomes if o is not root and o.kind in ("secondary", "timeout", "primary", "signal",
-                                                                            "exit")]
+    consequences = [
+        o for o in outcomes if o is not root and o.kind in ("secondary", "timeout", "primary", "signal", "exit")
+    ]
     if consequences:
         text += "\n[shardwise] after it: " + "; ".join(
-            f"rank {o.rank}: " + (o.record["shardwise"]["summary"].splitlines()[0][:160] if o.record else
-                                  (signal_name(-o.exitcode) if o.exitcode and o.exitcode < 0 else f"exit {o.exitcode}"))
-            for o in sorted(consequences, key=lambda o: o.time))
+            f"rank {o.rank}: "
+            + (
+                o.record["shardwise"]["summary"].splitlines()[0][:160]
+                if o.record
+                else (signal_name(-o.exitcode) if o.exitcode and o.exitcode < 0 else f"exit {o.exitcode}")
+            )
+            for o in sorted(consequences, key=lambda o: o.time)
+        )
     stopped = [o.rank for o in outcomes if o.kind == "stopped"]
     if stopped:
-        text += f"\n[shardwise] stopped the other {len(stopped)} rank(s) ({', '.join(map(str, stopped))}) of {others + 1}."
+        text += (
+            f"\n[shardwise] stopped the other {len(stopped)} rank(s) ({', '.join(map(str, stopped))}) of {others + 1}."
+        )
     return text + "\n"

@@ -11,6 +11,7 @@ launch`: a failing rank stops the rest and is named with its own traceback,
 and preemption signals are forwarded with a grace period (exit 75).
 Under torchrun / srun neither is used: env.detect_env reads their variables.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -108,8 +109,15 @@ def _shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], *args: Any, devices: int = 2, num_nodes: int = 1,
-           node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: Optional[int] = None) -> List[Any]:
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    devices: int = 2,
+    num_nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: Optional[int] = None,
+) -> List[Any]:
     """Run `fn(*args)` on `devices` local processes; return each rank's return value.
 
     A failure in any rank stops the rest and raises WorkerFailedError naming
@@ -121,8 +129,15 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int = 2, num_nodes: int 
     """
     if num_nodes > 1 and master_port is None:
         raise ValueError("launch(num_nodes>1) needs master_port: every node must name the same one.")
-    result = agent.run(_worker, (fn, args, os.getpid()), devices, nnodes=num_nodes, node_rank=node_rank,
-                       addr=master_addr, port=master_port or find_free_port())
+    result = agent.run(
+        _worker,
+        (fn, args, os.getpid()),
+        devices,
+        nnodes=num_nodes,
+        node_rank=node_rank,
+        addr=master_addr,
+        port=master_port or find_free_port(),
+    )
     if result.exitcode == PREEMPTED_EXIT_CODE or (result.signalled and result.exitcode != 0):
         if result.message:
             sys.stderr.write(result.message + "\n")

@@ -5,6 +5,7 @@ collective here degrades to the identity without a process group. They also
 fail loudly instead of hanging: `barrier` uses gloo's monitored barrier,
 which names the ranks that never arrived.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,7 +47,9 @@ def collective_device(group: Any = None) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     accelerator = torch.accelerator.current_accelerator()  # xccl, hccl, ...: the current accelerator
-    return torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
+    return (
+        torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
+    )
 
 
 def full_tensor(tensor: Any, device: Optional[torch.device] = None) -> Any:
@@ -65,8 +68,14 @@ def full_tensor(tensor: Any, device: Optional[torch.device] = None) -> Any:
     target = collective_device()
     if local.device == target:
         return tensor.full_tensor().to(home)
-    staged = DTensor.from_local(local.to(target), tensor.device_mesh, tensor.placements, run_check=False,
-                                shape=tensor.shape, stride=tensor.stride())
+    staged = DTensor.from_local(
+        local.to(target),
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
     return staged.full_tensor().to(home)
 
 

@@ -11,6 +11,7 @@ which tells a job script "saved, resubmit me". A SIGTERM that arrives after
 another rank recorded a failure is the launcher tearing the job down, not a
 preemption: the worker then dies by the signal at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,9 +51,11 @@ class PreemptFlag:
             raise KeyboardInterrupt  # Ctrl-C three times: the user really wants out now
         if self.signal is None:
             self.signal = signum
-            sys.stderr.write(f"[shardwise] rank {os.environ.get('RANK', '0')} received "
-                             f"{signal.Signals(signum).name}: finishing this step, saving, then exiting "
-                             f"with {PREEMPTED_EXIT_CODE}.\n")
+            sys.stderr.write(
+                f"[shardwise] rank {os.environ.get('RANK', '0')} received "
+                f"{signal.Signals(signum).name}: finishing this step, saving, then exiting "
+                f"with {PREEMPTED_EXIT_CODE}.\n"
+            )
             sys.stderr.flush()
 
 

@@ -11,6 +11,7 @@ When a collective times out, the launcher (or the timed-out rank itself)
 reads every record and names the rank that stopped making progress, the
 hook it was in and for how long (`describe_stall`).
 """
+
 from __future__ import annotations
 
 import getpass
@@ -41,8 +42,8 @@ class Progress:
     rank: int
     step: int
     hook: str
-    time: float       # wall-clock time (time.time()) of the last mark
-    started: float    # wall-clock time of this process's first mark
+    time: float  # wall-clock time (time.time()) of the last mark
+    started: float  # wall-clock time of this process's first mark
     pid: int
 
     def age(self, now: Optional[float] = None) -> float:
@@ -58,14 +59,20 @@ def run_dir(create: bool = False) -> Optional[str]:
         # The ranks of one node agree on it without talking: same launcher
         # (parent process: torchrun's agent, srun's step daemon) and job;
         # the parent's pid keeps a later job with the same port apart.
-        key = "|".join([str(os.getppid())] + [os.environ.get(k, "") for k in (
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")])
+        key = "|".join(
+            [str(os.getppid())]
+            + [
+                os.environ.get(k, "")
+                for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
+            ]
+        )
         try:
             user = getpass.getuser()
         except Exception:  # no passwd entry (containers)
             user = str(os.getuid())
-        path = os.path.join(tempfile.gettempdir(),
-                            f"shardwise-{user}-run-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+        path = os.path.join(
+            tempfile.gettempdir(), f"shardwise-{user}-run-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+        )
     if create:
         os.makedirs(path, exist_ok=True)
     return path
@@ -117,13 +124,16 @@ def read_all(directory: Optional[str] = None) -> Dict[int, Progress]:
             continue
         if at == 0.0:
             continue  # created, never marked
-        records[int(rank)] = Progress(int(rank), step, hook.rstrip(b"\0").decode(errors="replace"), at, started,
-                                      pid)
+        records[int(rank)] = Progress(int(rank), step, hook.rstrip(b"\0").decode(errors="replace"), at, started, pid)
     return records
 
 
-def describe_stall(waiting: List[int], records: Optional[Dict[int, Progress]] = None,
-                   timeout_s: Optional[float] = None, now: Optional[float] = None) -> Optional[str]:
+def describe_stall(
+    waiting: List[int],
+    records: Optional[Dict[int, Progress]] = None,
+    timeout_s: Optional[float] = None,
+    now: Optional[float] = None,
+) -> Optional[str]:
     """Name the rank(s) the `waiting` ranks (the ones whose collective timed out) were waiting for.
 
     The suspects are the ranks that did not time out themselves; among them the
@@ -137,8 +147,10 @@ def describe_stall(waiting: List[int], records: Optional[Dict[int, Progress]] = 
         return None
     suspects.sort(key=lambda p: (p.step, p.time))
     culprit = suspects[0]
-    lines = [f"rank {culprit.rank} stopped responding in {culprit.hook or 'start-up'} at step {culprit.step} "
-             f"(no progress for {culprit.age(now):.0f} s)"]
+    lines = [
+        f"rank {culprit.rank} stopped responding in {culprit.hook or 'start-up'} at step {culprit.step} "
+        f"(no progress for {culprit.age(now):.0f} s)"
+    ]
     for other in suspects[1:]:
         lines.append(f"rank {other.rank} last seen in {other.hook} at step {other.step}, {other.age(now):.0f} s ago")
     if waiting:
@@ -146,6 +158,7 @@ def describe_stall(waiting: List[int], records: Optional[Dict[int, Progress]] = 
         after = f" after {timeout_s:.0f} s" if timeout_s else ""
         waited = [records[r] for r in waiting if r in records]
         where = f" (in {waited[0].hook} at step {waited[0].step})" if waited else ""
-        lines.append(f"rank{'s' if len(waiting) > 1 else ''} {who} waited for it in a collective{where} "
-                     f"and timed out{after}")
+        lines.append(
+            f"rank{'s' if len(waiting) > 1 else ''} {who} waited for it in a collective{where} and timed out{after}"
+        )
     return "; ".join(lines)

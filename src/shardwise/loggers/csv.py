@@ -168,8 +168,13 @@ class CSVLogger(VersionedLogDir):
     log_metrics(dict, step), save(), finalize(status).
     """
 
-    def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
-                 flush_every_n_steps: int = 100):
+    def __init__(
+        self,
+        save_dir: str,
+        name: str = "shardwise_logs",
+        version: int | str | None = None,
+        flush_every_n_steps: int = 100,
+    ):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._version = version

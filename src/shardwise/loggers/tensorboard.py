@@ -9,7 +9,13 @@ import os
 from typing import Any, Mapping
 
 from shardwise.loggers.csv import (
-    HPARAMS_FILE, VersionedLogDir, flatten_dict, hparams_to_dict, rank_zero, to_scalar, write_hparams,
+    HPARAMS_FILE,
+    VersionedLogDir,
+    flatten_dict,
+    hparams_to_dict,
+    rank_zero,
+    to_scalar,
+    write_hparams,
 )
 
 __all__ = ["TensorBoardLogger"]
@@ -20,7 +26,7 @@ def _summary_writer_class():
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:  # torch raises ImportError when tensorboard is missing
         raise ImportError(
-            "TensorBoardLogger needs the tensorboard package: pip install \"shardwise[tensorboard]\" "
+            'TensorBoardLogger needs the tensorboard package: pip install "shardwise[tensorboard]" '
             "(or pip install tensorboard). The default CSVLogger has no extra dependency."
         ) from err
     return SummaryWriter
@@ -29,8 +35,9 @@ def _summary_writer_class():
 class TensorBoardLogger(VersionedLogDir):
     """Log scalars to TensorBoard: ``tensorboard --logdir <save_dir>/<name>``."""
 
-    def __init__(self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None,
-                 **writer_kwargs: Any):
+    def __init__(
+        self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None, **writer_kwargs: Any
+    ):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._version = version

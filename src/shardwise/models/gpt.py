@@ -314,12 +314,24 @@ PRESETS: dict[str, GPTConfig] = {
         vocab_size=32000, block_size=4096, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672
     ),
     "llama-3-8b": _llama(
-        vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
-        intermediate_size=14336, rope_theta=500000.0,
+        vocab_size=128256,
+        block_size=8192,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=4096,
+        intermediate_size=14336,
+        rope_theta=500000.0,
     ),
     "llama-3-70b": _llama(
-        vocab_size=128256, block_size=8192, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
-        intermediate_size=28672, rope_theta=500000.0,
+        vocab_size=128256,
+        block_size=8192,
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        n_embd=8192,
+        intermediate_size=28672,
+        rope_theta=500000.0,
     ),
     # Small shapes for tests and CPU demos; they still exercise every code path
     # (learned positions + tying for gpt-tiny; rotary, GQA, SwiGLU for llama-tiny).

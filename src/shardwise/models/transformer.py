@@ -48,8 +48,7 @@ class PositionalEncoding(nn.Module):
         device = self.pe.device
         position = torch.arange(self.max_len, device=device, dtype=torch.float32).unsqueeze(1)
         freq = torch.exp(
-            torch.arange(0, self.d_model, 2, device=device, dtype=torch.float32)
-            * (-math.log(10000.0) / self.d_model)
+            torch.arange(0, self.d_model, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / self.d_model)
         )
         table = torch.zeros(self.max_len, self.d_model, device=device, dtype=torch.float32)
         table[:, 0::2] = torch.sin(position * freq)

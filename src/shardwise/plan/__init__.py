@@ -10,6 +10,7 @@ activations and temporaries, the reserved memory the caching allocator will
 need, host memory per node, a relative step time, and the fastest
 configuration that fits with the reason. `shardwise plan --help` is the CLI.
 """
+
 import sys
 import types
 
@@ -17,8 +18,19 @@ from shardwise.plan.candidates import Candidate, default_candidates
 from shardwise.plan.core import RESERVED_FACTOR, Estimate, Plan, plan
 from shardwise.plan.presets import LMModule, ModelSpec, PlanError, preset_names, resolve_model
 
-__all__ = ["plan", "Plan", "Estimate", "Candidate", "PlanError", "LMModule", "ModelSpec", "RESERVED_FACTOR",
-           "default_candidates", "preset_names", "resolve_model"]
+__all__ = [
+    "plan",
+    "Plan",
+    "Estimate",
+    "Candidate",
+    "PlanError",
+    "LMModule",
+    "ModelSpec",
+    "RESERVED_FACTOR",
+    "default_candidates",
+    "preset_names",
+    "resolve_model",
+]
 
 
 class _CallablePackage(types.ModuleType):

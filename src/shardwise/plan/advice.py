@@ -16,6 +16,7 @@ accumulate_grad_batches set (or the run is refused with the exact
 DataLoader(batch_size=...) to use), in the launching process and, through
 SHARDWISE_PLAN_CHOICE, in every worker.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,9 @@ def auto_device_budget(total: int, world_size: int) -> Tuple[int, str]:
 def _auto_note(world_size: int) -> str:
     import torch
 
-    return auto_device_budget(int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory),
-                              world_size)[1]
+    return auto_device_budget(
+        int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory), world_size
+    )[1]
 
 
 def resolve_device_memory(value: Any, accelerator: str, world_size: int = 1) -> Optional[int]:
@@ -88,11 +90,19 @@ def candidate_for(strategy: Any) -> Optional[Candidate]:
     if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
         return Candidate("ddp")
     if isinstance(strategy, FSDPStrategy):
-        return Candidate("fsdp", sharding=strategy.sharding_strategy, offload=strategy.cpu_offload,
-                         activation_checkpointing=strategy.activation_checkpointing_policy is not None)
+        return Candidate(
+            "fsdp",
+            sharding=strategy.sharding_strategy,
+            offload=strategy.cpu_offload,
+            activation_checkpointing=strategy.activation_checkpointing_policy is not None,
+        )
     if type(strategy).__name__ == "DeepSpeedStrategy":
-        return Candidate("deepspeed", stage=strategy.stage, offload=strategy.offload_optimizer,
-                         activation_checkpointing=strategy.activation_checkpointing_policy is not None)
+        return Candidate(
+            "deepspeed",
+            stage=strategy.stage,
+            offload=strategy.offload_optimizer,
+            activation_checkpointing=strategy.activation_checkpointing_policy is not None,
+        )
     return None
 
 
@@ -157,20 +167,32 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
         f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
         f"needs {format_bytes(mine.reserved)} per device (allocated {format_bytes(mine.allocated)}; "
         f"{result.fits_uses}), the device has {format_bytes(device_memory)}"
-        f"{' (' + _auto_note(world) + ')' if trainer.device_memory == 'auto' else ''}. {change}", stacklevel=3)
+        f"{' (' + _auto_note(world) + ')' if trainer.device_memory == 'auto' else ''}. {change}",
+        stacklevel=3,
+    )
 
 
 def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:
     from shardwise.plan.core import plan
 
     # The whole process plans in-line (no worker processes): this is the user's training process.
-    return plan(module, example_batch=batch, batch_size=batch_size, devices=trainer.devices,
-                num_nodes=trainer.num_nodes, device_memory=device_memory, precision=trainer.strategy.precision.name,
-                accelerator=trainer.accelerator, workers=1, **kwargs)
+    return plan(
+        module,
+        example_batch=batch,
+        batch_size=batch_size,
+        devices=trainer.devices,
+        num_nodes=trainer.num_nodes,
+        device_memory=device_memory,
+        precision=trainer.strategy.precision.name,
+        accelerator=trainer.accelerator,
+        workers=1,
+        **kwargs,
+    )
 
 
-def _smallest_change(trainer: Any, module: Any, batch: Any, micro: int, window: int, device_memory: int,
-                     current: Candidate) -> str:
+def _smallest_change(
+    trainer: Any, module: Any, batch: Any, micro: int, window: int, device_memory: int, current: Candidate
+) -> str:
     """Plan every candidate and micro-batch split; name the fitting one closest to the current run."""
     result = _plan(trainer, module, batch, micro * window, device_memory, candidates=None, all_micro_batches=True)
     fitting = [e for e in result.estimates if e.fits]
@@ -185,8 +207,11 @@ def _smallest_change(trainer: Any, module: Any, batch: Any, micro: int, window: 
 
     best = min(fitting, key=distance).candidate
     blocks = ", ".join(sorted(getattr(b, "__name__", str(b)) for b in result.block_classes)) or "Block"
-    split = "" if best.micro_batch == micro else (
-        f", DataLoader(batch_size={best.micro_batch}) and accumulate_grad_batches={best.accumulation}")
+    split = (
+        ""
+        if best.micro_batch == micro
+        else (f", DataLoader(batch_size={best.micro_batch}) and accumulate_grad_batches={best.accumulation}")
+    )
     return f"Smallest change that fits: strategy={best.trainer_strategy_code(blocks)}{split}."
 
 
@@ -211,13 +236,16 @@ def _apply_split(trainer: Any, loader: Any, cand: Candidate) -> str:
         raise ValueError(
             f"strategy='auto' chose {cand.label}, which needs micro-batches of {cand.micro_batch}: the training "
             f"DataLoader (batch_size={current}) cannot be re-batched automatically. Pass "
-            f"DataLoader(..., batch_size={cand.micro_batch}) and Trainer(accumulate_grad_batches={cand.accumulation}).")
+            f"DataLoader(..., batch_size={cand.micro_batch}) and Trainer(accumulate_grad_batches={cand.accumulation})."
+        )
     sources = getattr(trainer, "_data_sources", None)
     if isinstance(sources, tuple) and sources and sources[0] is loader:
         trainer._data_sources = (new, *sources[1:])  # what the loop reads (Trainer.fit sets it before calling us)
     trainer.accumulate_grad_batches = cand.accumulation
-    return (f"; re-batched the training DataLoader from batch_size={current} x accumulate_grad_batches={window} "
-            f"to batch_size={cand.micro_batch} x {cand.accumulation}")
+    return (
+        f"; re-batched the training DataLoader from batch_size={current} x accumulate_grad_batches={window} "
+        f"to batch_size={cand.micro_batch} x {cand.accumulation}"
+    )
 
 
 def rebatch(loader: Any, batch_size: int) -> Any:
@@ -228,10 +256,18 @@ def rebatch(loader: Any, batch_size: int) -> Any:
         return None
     if type(loader.batch_sampler) is not BatchSampler:
         return None  # a custom batch sampler decides the batch itself
-    kwargs = dict(batch_size=batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                  pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
-                  worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
-                  generator=loader.generator, persistent_workers=loader.persistent_workers)
+    kwargs = dict(
+        batch_size=batch_size,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if not isinstance(loader.dataset, IterableDataset):
@@ -247,8 +283,7 @@ def _install(trainer: Any, cand: Candidate, blocks: Any, reason: str) -> None:
     if cand.kind != "ddp":
         old = trainer.strategy
         strategy = cand.build_strategy(blocks or (), precision=None)
-        strategy.connect(trainer.accelerator, old.precision.name, num_nodes=trainer.num_nodes,
-                         devices=trainer.devices)
+        strategy.connect(trainer.accelerator, old.precision.name, num_nodes=trainer.num_nodes, devices=trainer.devices)
         strategy.is_auto = True
         trainer.strategy = strategy
     if reason and int(os.environ.get("RANK", "0")) == 0:

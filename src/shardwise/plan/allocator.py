@@ -24,6 +24,7 @@ fragmentation is modelled as zero and only the rounding stays
 (EXPANDABLE_ROUNDING of the transient bytes). On the CPU there is no caching
 allocator: reserved = allocated.
 """
+
 from __future__ import annotations
 
 import os
@@ -74,14 +75,22 @@ class Allocator:
             return [f"reserved memory is allocated x {self.factor:g} (--reserved-factor), not the allocator model"]
         if self.accelerator != "cuda":
             return ["CPU target: no caching allocator, reserved = allocated"]
-        common = ("steady state (parameters, gradients, optimizer state) is reused block for block; transient = "
-                  "allocated - steady (activations, gathered units, logits, step temporaries)")
+        common = (
+            "steady state (parameters, gradients, optimizer state) is reused block for block; transient = "
+            "allocated - steady (activations, gathered units, logits, step temporaries)"
+        )
         if self.expandable_segments:
-            return [common, f"expandable_segments:True: no fragmentation, {EXPANDABLE_ROUNDING:.0%} page rounding "
-                            "of transient bytes"]
-        return [common, "default allocator (expandable_segments off): one extra copy of the largest transient "
-                        f"block may stay reserved by fragmentation, plus {ROUNDING:.0%} rounding of transient bytes; "
-                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True removes the fragmentation term"]
+            return [
+                common,
+                f"expandable_segments:True: no fragmentation, {EXPANDABLE_ROUNDING:.0%} page rounding "
+                "of transient bytes",
+            ]
+        return [
+            common,
+            "default allocator (expandable_segments off): one extra copy of the largest transient "
+            f"block may stay reserved by fragmentation, plus {ROUNDING:.0%} rounding of transient bytes; "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True removes the fragmentation term",
+        ]
 
 
 __all__ = ["Allocator", "expandable_segments_from_env", "ROUNDING", "EXPANDABLE_ROUNDING"]

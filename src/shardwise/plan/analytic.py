@@ -34,6 +34,7 @@ activations per transformer block from its shapes, plus logits and the
 float32 cross entropy over the vocabulary (about 10 bytes x batch x seq x
 vocab), plus model states per strategy. The report marks such rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,10 +90,12 @@ class ParamStats:
 
     def scaled(self, other: "ParamStats", t: float) -> "ParamStats":
         """Linear inter/extrapolation between two depths (t = 0 -> self, 1 -> other)."""
-        return ParamStats(total=int(round(self.total + (other.total - self.total) * t)),
-                          small=int(round(self.small + (other.small - self.small) * t)),
-                          largest_leaf=max(self.largest_leaf, other.largest_leaf),
-                          largest_param=max(self.largest_param, other.largest_param))
+        return ParamStats(
+            total=int(round(self.total + (other.total - self.total) * t)),
+            small=int(round(self.small + (other.small - self.small) * t)),
+            largest_leaf=max(self.largest_leaf, other.largest_leaf),
+            largest_param=max(self.largest_param, other.largest_param),
+        )
 
 
 def param_stats(model: nn.Module, threshold: int) -> ParamStats:
@@ -138,8 +141,9 @@ class ZeroTerms:
     host: float = 0.0  # per rank, on the host, when offloaded
 
 
-def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precision: str,
-               settings: Dict[str, int]) -> ZeroTerms:
+def zero_terms(
+    stage: int, offload: bool, stats: ParamStats, world: int, precision: str, settings: Dict[str, int]
+) -> ZeroTerms:
     n, w = stats.total, max(1, world)
     pb = weight_bytes(precision)
     part = n / w
@@ -147,11 +151,16 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
         # ZeRO-1 reduces through an fp32 accumulator bucket, ZeRO-2 in the training dtype. In the
         # step the gradient partition is fp32; ZeRO-2 in half precision also still holds its
         # half-precision partition then (in fp32 the two are one tensor).
-        return ZeroTerms(weights=pb * n, master=4 * part, optimizer=ADAM_STATE_BYTES * part,
-                         grad_partition=(pb * part if stage == 2 else 0.0),
-                         bucket=settings["reduce_bucket_size"] * (4 if stage == 1 else pb), gathered=0.0,
-                         step_grads=4 * part + (pb * part if stage == 2 and pb != 4 else 0.0),
-                         step_temps=ADAM_TEMP_BYTES * part)
+        return ZeroTerms(
+            weights=pb * n,
+            master=4 * part,
+            optimizer=ADAM_STATE_BYTES * part,
+            grad_partition=(pb * part if stage == 2 else 0.0),
+            bucket=settings["reduce_bucket_size"] * (4 if stage == 1 else pb),
+            gathered=0.0,
+            step_grads=4 * part + (pb * part if stage == 2 and pb != 4 else 0.0),
+            step_temps=ADAM_TEMP_BYTES * part,
+        )
     # Parameters under the persistence threshold stay whole on every rank besides their partition
     # (measured; on one rank the partition is the whole parameter, so nothing is extra).
     small = stats.small if w > 1 else 0
@@ -160,10 +169,16 @@ def zero_terms(stage: int, offload: bool, stats: ParamStats, world: int, precisi
     live = min(max(0, n - small), max(settings["stage3_max_live_parameters"], stats.largest_leaf))
     # Step temporaries: measured, they scale with the partition of the *partitioned* parameters
     # only (persistent ones add none), on top of one more partition-sized gradient copy.
-    terms = ZeroTerms(weights=pb * (part + small), master=4 * part, optimizer=ADAM_STATE_BYTES * part,
-                      grad_partition=4 * part, bucket=settings["reduce_bucket_size"] * pb,
-                      gathered=pb * live, step_grads=4 * part + pb * part,
-                      step_temps=ADAM_TEMP_BYTES * max(0, n - small) / w)
+    terms = ZeroTerms(
+        weights=pb * (part + small),
+        master=4 * part,
+        optimizer=ADAM_STATE_BYTES * part,
+        grad_partition=4 * part,
+        bucket=settings["reduce_bucket_size"] * pb,
+        gathered=pb * live,
+        step_grads=4 * part + pb * part,
+        step_temps=ADAM_TEMP_BYTES * max(0, n - small) / w,
+    )
     if offload:
         # Partitions, master weights, optimizer state and gradients live on the host; the device
         # keeps persistent small parameters, what is gathered, and the reduction bucket.
@@ -212,10 +227,18 @@ def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float, settings: D
     the extrapolated trace.
     """
     const = terms.weights + terms.master + terms.optimizer + (terms.grad_partition if stage == 3 else 0.0)
-    return ZeroView(cp=0.0, cg=0.0, co=0.0, ca=1.0, const=const, stage=stage, grad_elem_bytes=trace_grad_bytes,
-                    bucket_bytes=terms.bucket if stage < 3 else 0.0,
-                    partition_bytes=terms.grad_partition if stage == 2 else 0.0,
-                    first_flush=float(settings["reduce_bucket_size"]))
+    return ZeroView(
+        cp=0.0,
+        cg=0.0,
+        co=0.0,
+        ca=1.0,
+        const=const,
+        stage=stage,
+        grad_elem_bytes=trace_grad_bytes,
+        bucket_bytes=terms.bucket if stage < 3 else 0.0,
+        partition_bytes=terms.grad_partition if stage == 2 else 0.0,
+        first_flush=float(settings["reduce_bucket_size"]),
+    )
 
 
 def zero_step_bytes(stage: int, terms: ZeroTerms) -> float:
@@ -224,15 +247,24 @@ def zero_step_bytes(stage: int, terms: ZeroTerms) -> float:
     return terms.weights + terms.master + terms.optimizer + terms.step_grads + terms.step_temps + bucket
 
 
-def deepspeed_estimator(stage: int, offload: bool, stats: ParamStats, gpus_per_node: int,
-                        num_nodes: int) -> Optional[int]:
+def deepspeed_estimator(
+    stage: int, offload: bool, stats: ParamStats, gpus_per_node: int, num_nodes: int
+) -> Optional[int]:
     """DeepSpeed's own per-GPU model-states estimate (its 'all_cold' functions), for comparison; None if absent."""
     try:
         if stage == 3:
             from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-            return int(estimate_zero3_model_states_mem_needs(stats.total, stats.largest_leaf, gpus_per_node, num_nodes,
-                                                             cpu_offload=offload, cpu_offload_params=offload)[1])
+            return int(
+                estimate_zero3_model_states_mem_needs(
+                    stats.total,
+                    stats.largest_leaf,
+                    gpus_per_node,
+                    num_nodes,
+                    cpu_offload=offload,
+                    cpu_offload_params=offload,
+                )[1]
+            )
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         return int(estimate_zero2_model_states_mem_needs(stats.total, gpus_per_node, num_nodes, cpu_offload=offload)[1])
@@ -241,8 +273,9 @@ def deepspeed_estimator(stage: int, offload: bool, stats: ParamStats, gpus_per_n
 
 
 # ------------------------------------------------------------------ per-block fallback
-def block_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int,
-                           checkpointed: bool, mixed: bool = False) -> float:
+def block_activation_bytes(
+    spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int, checkpointed: bool, mixed: bool = False
+) -> float:
     """Saved activations of one transformer block (no attention score matrix: fused attention).
 
     Counted per token: the attention input and output projections' inputs,
@@ -261,9 +294,17 @@ def block_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_
     return tokens * per_token
 
 
-def fallback_estimate(spec: ModelSpec, cand: Candidate, stats: ParamStats, world: int, num_nodes: int,
-                      precision: str, micro_batch: int, seq_len: int,
-                      settings: Dict[str, int]) -> Tuple[float, Dict[str, float]]:
+def fallback_estimate(
+    spec: ModelSpec,
+    cand: Candidate,
+    stats: ParamStats,
+    world: int,
+    num_nodes: int,
+    precision: str,
+    micro_batch: int,
+    seq_len: int,
+    settings: Dict[str, int],
+) -> Tuple[float, Dict[str, float]]:
     """(peak bytes, breakdown) without a trace: model states per strategy + per-block activations + logits."""
     n, w = stats.total, max(1, world)
     half = precision not in ("32-true", "64-true")
@@ -281,15 +322,23 @@ def fallback_estimate(spec: ModelSpec, cand: Candidate, stats: ParamStats, world
     if cand.kind == "deepspeed":
         t = zero_terms(cand.stage, cand.offload, stats, world, precision, settings)
         grads = 4 * n if cand.stage == 1 else 0.0
-        states = dict(parameters=t.weights + t.master, gradients=t.grad_partition + grads,
-                      optimizer=t.optimizer, temporary=t.bucket + t.gathered)
+        states = dict(
+            parameters=t.weights + t.master,
+            gradients=t.grad_partition + grads,
+            optimizer=t.optimizer,
+            temporary=t.bucket + t.gathered,
+        )
     else:
         shard = w if cand.kind == "fsdp" and cand.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") else 1
         if cand.kind == "fsdp" and cand.sharding == "HYBRID_SHARD":
             shard = w // max(1, num_nodes)
         gathered = 0.0 if shard == 1 else 2 * block_params * act_bytes + (n - depth * block_params) * act_bytes
-        states = dict(parameters=store * n / shard, gradients=store * n / shard, optimizer=8 * n / shard,
-                      temporary=gathered + (2 * block_params * 4 if shard > 1 else 0))
+        states = dict(
+            parameters=store * n / shard,
+            gradients=store * n / shard,
+            optimizer=8 * n / shard,
+            temporary=gathered + (2 * block_params * 4 if shard > 1 else 0),
+        )
         if cand.offload:
             states["parameters"] = 0.0
             states["optimizer"] = 0.0

@@ -9,6 +9,7 @@ candidate turns into a strategy, and both the planner's fake-tensor trace and
 the accuracy benchmark's real runs call it, so what is predicted and what is
 measured are the same configuration by construction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -61,8 +62,11 @@ class Candidate:
         if self.kind == "fsdp":
             options = {"sharding_strategy": self.sharding, "cpu_offload": self.offload}
         else:
-            options = {"stage": self.stage, "offload_optimizer": self.offload,
-                       "offload_parameters": self.offload and self.stage == 3}
+            options = {
+                "stage": self.stage,
+                "offload_optimizer": self.offload,
+                "offload_parameters": self.offload and self.stage == 3,
+            }
         try:
             return name_for(self.kind, options, self.activation_checkpointing)
         except ValueError:  # a user's strategy object with no name (e.g. HYBRID_SHARD + offload)
@@ -87,14 +91,15 @@ class Candidate:
         if self.kind == "ddp":
             return '"ddp"' if not ac else f"DDPStrategy()  # + checkpoint {block} yourself"
         if self.kind == "fsdp":
-            extra = '' if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
+            extra = "" if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
             off = ", cpu_offload=True" if self.offload else ""
             return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{ac}{off})"
         off = ", offload_optimizer=True, offload_parameters=True" if self.offload else ""
         return f"DeepSpeedStrategy(stage={self.stage}{off}{ac})"
 
-    def build_strategy(self, block_classes: Sequence[Any], precision: Any = None,
-                       deepspeed_config: Optional[Dict[str, Any]] = None) -> Any:
+    def build_strategy(
+        self, block_classes: Sequence[Any], precision: Any = None, deepspeed_config: Optional[Dict[str, Any]] = None
+    ) -> Any:
         """The strategy object the Trainer would run for this candidate."""
         blocks = set(block_classes) if block_classes else None
         ac = blocks if self.activation_checkpointing else None
@@ -107,13 +112,23 @@ class Candidate:
         if self.kind == "fsdp":
             from shardwise.strategies import FSDPStrategy
 
-            return FSDPStrategy(auto_wrap_policy=blocks, activation_checkpointing_policy=ac,
-                                sharding_strategy=self.sharding, cpu_offload=self.offload, precision=precision)
+            return FSDPStrategy(
+                auto_wrap_policy=blocks,
+                activation_checkpointing_policy=ac,
+                sharding_strategy=self.sharding,
+                cpu_offload=self.offload,
+                precision=precision,
+            )
         from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(stage=self.stage, offload_optimizer=self.offload or None,
-                                 offload_parameters=(self.offload and self.stage == 3) or None,
-                                 activation_checkpointing_policy=ac, precision=precision, config=deepspeed_config)
+        return DeepSpeedStrategy(
+            stage=self.stage,
+            offload_optimizer=self.offload or None,
+            offload_parameters=(self.offload and self.stage == 3) or None,
+            activation_checkpointing_policy=ac,
+            precision=precision,
+            config=deepspeed_config,
+        )
 
 
 def default_candidates(world_size: int, num_nodes: int, include_deepspeed: bool = True) -> List[Candidate]:
@@ -150,10 +165,15 @@ def parse_candidate(name: str) -> Candidate:
     if named.kind in ("single", "ddp"):
         return Candidate("ddp", activation_checkpointing=ac)
     if named.kind == "fsdp":
-        return Candidate("fsdp", sharding=options.get("sharding_strategy", "FULL_SHARD"),
-                         offload=bool(options.get("cpu_offload")), activation_checkpointing=ac)
-    return Candidate("deepspeed", stage=options["stage"], offload=bool(options.get("offload_optimizer")),
-                     activation_checkpointing=ac)
+        return Candidate(
+            "fsdp",
+            sharding=options.get("sharding_strategy", "FULL_SHARD"),
+            offload=bool(options.get("cpu_offload")),
+            activation_checkpointing=ac,
+        )
+    return Candidate(
+        "deepspeed", stage=options["stage"], offload=bool(options.get("offload_optimizer")), activation_checkpointing=ac
+    )
 
 
 def batch_splits(batch_size: int) -> List[tuple]:
@@ -185,13 +205,27 @@ def from_strategy(strategy: Any) -> Candidate:
         return Candidate("ddp", custom=label + " (your strategy)", strategy=strategy)
     if isinstance(strategy, FSDPStrategy):
         wrap = "" if strategy.auto_wrap_policy is not None else ", no auto_wrap_policy: one unit"
-        sync = "" if strategy.accumulation_sync == "reduce_scatter" else f", accumulation_sync={strategy.accumulation_sync}"
-        base = Candidate("fsdp", sharding=strategy.sharding_strategy, offload=bool(strategy.cpu_offload),
-                         activation_checkpointing=strategy.activation_checkpointing_policy is not None)
+        sync = (
+            ""
+            if strategy.accumulation_sync == "reduce_scatter"
+            else f", accumulation_sync={strategy.accumulation_sync}"
+        )
+        base = Candidate(
+            "fsdp",
+            sharding=strategy.sharding_strategy,
+            offload=bool(strategy.cpu_offload),
+            activation_checkpointing=strategy.activation_checkpointing_policy is not None,
+        )
         return replace(base, custom=f"{base.config_label}{wrap}{sync} (your strategy)", strategy=strategy)
     if type(strategy).__name__ == "DeepSpeedStrategy":
-        base = Candidate("deepspeed", stage=strategy.stage, offload=bool(strategy.offload_optimizer),
-                         activation_checkpointing=getattr(strategy, "activation_checkpointing_policy", None) is not None)
+        base = Candidate(
+            "deepspeed",
+            stage=strategy.stage,
+            offload=bool(strategy.offload_optimizer),
+            activation_checkpointing=getattr(strategy, "activation_checkpointing_policy", None) is not None,
+        )
         return replace(base, custom=f"{base.config_label} (your strategy)", strategy=strategy)
-    raise PlanError(f"The planner does not model {type(strategy).__name__}; plan one of DDPStrategy, FSDPStrategy, "
-                    "DeepSpeedStrategy (or a name: ddp, fsdp, deepspeed_stage_3, ...).")
+    raise PlanError(
+        f"The planner does not model {type(strategy).__name__}; plan one of DDPStrategy, FSDPStrategy, "
+        "DeepSpeedStrategy (or a name: ddp, fsdp, deepspeed_stage_3, ...)."
+    )

@@ -25,6 +25,7 @@ told otherwise; paged / 8-bit bitsandbytes state scaled).
 If the model cannot run under fake tensors, every row falls back to the
 analytic per-block estimate and the plan says so.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,10 +36,10 @@ from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan import analytic
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
 from shardwise.plan.candidates import Candidate, batch_splits, default_candidates, from_strategy, parse_candidate
-from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.cost import Hardware, step_cost
-from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
+from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
+from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
 
 RESERVED_FACTOR = 1.25  # the old flat factor; only used when asked for (reserved_factor=1.25)
@@ -67,8 +68,9 @@ class Estimate:
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         cand = {k: v for k, v in d["candidate"].items() if k != "strategy"}
-        d["candidate"] = dict(cand, name=self.candidate.name, label=self.candidate.label,
-                              config=self.candidate.config_label)
+        d["candidate"] = dict(
+            cand, name=self.candidate.name, label=self.candidate.label, config=self.candidate.config_label
+        )
         return d
 
 
@@ -114,15 +116,33 @@ class Plan:
         return d
 
 
-def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len: Optional[int] = None,
-         devices: int = 1, num_nodes: int = 1, device_memory: Union[None, str, int] = None,
-         precision: str = "bf16-mixed", cpu_memory: Union[None, str, int] = None,
-         candidates: Optional[Iterable[Union[str, Candidate]]] = None, accelerator: str = "cuda",
-         gpu: str = "a100", interconnect: str = "nvlink", network: str = "infiniband",
-         reserved_factor: Optional[float] = None, deepspeed_config: Optional[Dict[str, Any]] = None,
-         optimizer: str = "adamw", all_micro_batches: bool = False, workers: Optional[int] = None,
-         foreach: Optional[bool] = None, fused: Optional[bool] = None, paged_resident: float = 0.0,
-         expandable_segments: Optional[bool] = None, strategy: Any = None) -> Plan:
+def plan(
+    model: Any,
+    example_batch: Any = None,
+    *,
+    batch_size: int = 1,
+    seq_len: Optional[int] = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    device_memory: Union[None, str, int] = None,
+    precision: str = "bf16-mixed",
+    cpu_memory: Union[None, str, int] = None,
+    candidates: Optional[Iterable[Union[str, Candidate]]] = None,
+    accelerator: str = "cuda",
+    gpu: str = "a100",
+    interconnect: str = "nvlink",
+    network: str = "infiniband",
+    reserved_factor: Optional[float] = None,
+    deepspeed_config: Optional[Dict[str, Any]] = None,
+    optimizer: str = "adamw",
+    all_micro_batches: bool = False,
+    workers: Optional[int] = None,
+    foreach: Optional[bool] = None,
+    fused: Optional[bool] = None,
+    paged_resident: float = 0.0,
+    expandable_segments: Optional[bool] = None,
+    strategy: Any = None,
+) -> Plan:
     """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
 
     Args:
@@ -149,8 +169,18 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
     """
     start = time.perf_counter()
     spec = resolve_model(model, example_batch)
-    layout = _validate(spec, batch_size, seq_len, devices, num_nodes, device_memory, cpu_memory, precision,
-                       accelerator, reserved_factor)
+    layout = _validate(
+        spec,
+        batch_size,
+        seq_len,
+        devices,
+        num_nodes,
+        device_memory,
+        cpu_memory,
+        precision,
+        accelerator,
+        reserved_factor,
+    )
     world, seq_len, dev_mem, cpu_mem, factor = layout
     hw = Hardware(gpu=gpu if accelerator == "cuda" else "cpu", interconnect=interconnect, network=network)
     if strategy is not None:
@@ -166,37 +196,87 @@ def plan(model: Any, example_batch: Any = None, *, batch_size: int = 1, seq_len:
             # Offload moves state from device to host memory; on a CPU both are the same memory
             # (FSDPStrategy says so and does nothing): it saves nothing, so it is never a choice.
             cands = [c for c in cands if not c.offload]
-    opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident,
-                            target=accelerator)
+    opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident, target=accelerator)
     expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
     alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor)
-    planner = _Planner(spec, cands, world=world, num_nodes=num_nodes, precision=precision, seq_len=seq_len,
-                       batch_size=batch_size, device_memory=dev_mem, cpu_memory=cpu_mem, allocator=alloc, hw=hw,
-                       deepspeed_config=deepspeed_config, optimizer=opt, target=accelerator,
-                       all_micro=all_micro_batches, workers=workers)
+    planner = _Planner(
+        spec,
+        cands,
+        world=world,
+        num_nodes=num_nodes,
+        precision=precision,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        device_memory=dev_mem,
+        cpu_memory=cpu_mem,
+        allocator=alloc,
+        hw=hw,
+        deepspeed_config=deepspeed_config,
+        optimizer=opt,
+        target=accelerator,
+        all_micro=all_micro_batches,
+        workers=workers,
+    )
     estimates = planner.run()
     if any(c.kind == "deepspeed" for c in cands) and (opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"):
-        planner.notes.append(f"ZeRO rows use DeepSpeed's own Adam accounting (fp32 moments, its step temporaries), "
-                             f"not {opt.name}: DeepSpeed builds its optimizer from its config.")
+        planner.notes.append(
+            f"ZeRO rows use DeepSpeed's own Adam accounting (fp32 moments, its step temporaries), "
+            f"not {opt.name}: DeepSpeed builds its optimizer from its config."
+        )
     best, reason = _recommend(estimates, dev_mem)
-    opt_text = opt.describe() if spec.kind != "module" or foreach is not None or fused is not None else (
-        f"the module's own ({opt.implementation} on {accelerator})")
-    assumptions = [f"optimizer: {opt_text}",
-                   f"attention: {'SDPA flash / memory-efficient kernels (no seq x seq matrix)' if accelerator == 'cuda' else 'the CPU kernels'}",
-                   *alloc.assumptions()]
-    return Plan(model=describe(spec), params=planner.params, world_size=world, devices=devices, num_nodes=num_nodes,
-                precision=precision, batch_size=batch_size, seq_len=seq_len, device_memory=dev_mem,
-                cpu_memory=cpu_mem, reserved_factor=factor,
-                hardware=dict(gpu=hw.gpu, interconnect=hw.interconnect, network=hw.network, accelerator=accelerator),
-                estimates=estimates, recommended=best, reason=reason, notes=planner.notes,
-                elapsed_s=time.perf_counter() - start, block_classes=tuple(spec.block_classes),
-                optimizer=opt_text, allocator=alloc.describe(), assumptions=assumptions)
+    opt_text = (
+        opt.describe()
+        if spec.kind != "module" or foreach is not None or fused is not None
+        else (f"the module's own ({opt.implementation} on {accelerator})")
+    )
+    assumptions = [
+        f"optimizer: {opt_text}",
+        "attention: "
+        + (
+            "SDPA flash / memory-efficient kernels (no seq x seq matrix)"
+            if accelerator == "cuda"
+            else "the CPU kernels"
+        ),
+        *alloc.assumptions(),
+    ]
+    return Plan(
+        model=describe(spec),
+        params=planner.params,
+        world_size=world,
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        device_memory=dev_mem,
+        cpu_memory=cpu_mem,
+        reserved_factor=factor,
+        hardware=dict(gpu=hw.gpu, interconnect=hw.interconnect, network=hw.network, accelerator=accelerator),
+        estimates=estimates,
+        recommended=best,
+        reason=reason,
+        notes=planner.notes,
+        elapsed_s=time.perf_counter() - start,
+        block_classes=tuple(spec.block_classes),
+        optimizer=opt_text,
+        allocator=alloc.describe(),
+        assumptions=assumptions,
+    )
 
 
 # ------------------------------------------------------------------ validation
-def _validate(spec: ModelSpec, batch_size: int, seq_len: Optional[int], devices: int, num_nodes: int,
-              device_memory: Any, cpu_memory: Any, precision: str, accelerator: str,
-              reserved_factor: Optional[float]) -> Tuple[int, int, Optional[int], Optional[int], Optional[float]]:
+def _validate(
+    spec: ModelSpec,
+    batch_size: int,
+    seq_len: Optional[int],
+    devices: int,
+    num_nodes: int,
+    device_memory: Any,
+    cpu_memory: Any,
+    precision: str,
+    accelerator: str,
+    reserved_factor: Optional[float],
+) -> Tuple[int, int, Optional[int], Optional[int], Optional[float]]:
     from shardwise.precision import build_precision
 
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("batch_size", batch_size)):
@@ -225,7 +305,9 @@ def _validate(spec: ModelSpec, batch_size: int, seq_len: Optional[int], devices:
     if spec.kind == "gpt" and seq_len > spec.config.block_size:
         raise PlanError(f"seq_len={seq_len} exceeds {spec.name}'s context length {spec.config.block_size}.")
     if reserved_factor is not None and not reserved_factor >= 1.0:
-        raise PlanError(f"reserved_factor={reserved_factor!r}: the allocator reserves at least what is allocated (>= 1).")
+        raise PlanError(
+            f"reserved_factor={reserved_factor!r}: the allocator reserves at least what is allocated (>= 1)."
+        )
     factor = None if reserved_factor is None else float(reserved_factor)
     return devices * num_nodes, seq_len, dev_mem, cpu_mem, factor
 
@@ -233,8 +315,10 @@ def _validate(spec: ModelSpec, batch_size: int, seq_len: Optional[int], devices:
 def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int, num_nodes: int) -> List[Candidate]:
     if requested is None:
         return default_candidates(world, num_nodes)
-    out = [c if isinstance(c, Candidate) else parse_candidate(c) if isinstance(c, str) else from_strategy(c)
-           for c in requested]
+    out = [
+        c if isinstance(c, Candidate) else parse_candidate(c) if isinstance(c, str) else from_strategy(c)
+        for c in requested
+    ]
     _check_layout(out, world, num_nodes)
     return out
 
@@ -242,29 +326,55 @@ def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int
 def _check_layout(out: List[Candidate], world: int, num_nodes: int) -> None:
     for c in out:
         if c.kind == "fsdp" and c.sharding == "HYBRID_SHARD" and (num_nodes < 2 or world % num_nodes):
-            raise PlanError(f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
-                            f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on "
-                            "one node.")
+            raise PlanError(
+                f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
+                f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on "
+                "one node."
+            )
         if c.activation_checkpointing and c.kind == "ddp":
-            raise PlanError("DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
-                            "(the same replication) or ZeRO with AC.")
+            raise PlanError(
+                "DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
+                "(the same replication) or ZeRO with AC."
+            )
     if not out:
         raise PlanError("No configurations to plan.")
 
 
 # ------------------------------------------------------------------ the planner
 class _Planner:
-    def __init__(self, spec: ModelSpec, cands: List[Candidate], *, world: int, num_nodes: int, precision: str,
-                 seq_len: int, batch_size: int, device_memory: Optional[int], cpu_memory: Optional[int],
-                 allocator: Allocator, hw: Hardware, deepspeed_config: Optional[Dict[str, Any]],
-                 optimizer: OptimizerChoice, target: str, all_micro: bool, workers: Optional[int]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        cands: List[Candidate],
+        *,
+        world: int,
+        num_nodes: int,
+        precision: str,
+        seq_len: int,
+        batch_size: int,
+        device_memory: Optional[int],
+        cpu_memory: Optional[int],
+        allocator: Allocator,
+        hw: Hardware,
+        deepspeed_config: Optional[Dict[str, Any]],
+        optimizer: OptimizerChoice,
+        target: str,
+        all_micro: bool,
+        workers: Optional[int],
+    ) -> None:
         self.spec, self.cands, self.world, self.num_nodes = spec, cands, world, num_nodes
         self.precision, self.seq_len, self.batch_size = precision, seq_len, batch_size
         self.device_memory, self.cpu_memory, self.allocator, self.hw = device_memory, cpu_memory, allocator, hw
         self.deepspeed_config = deepspeed_config
         self.all_micro, self.workers = all_micro, workers
-        self.setting = Setting(world_size=world, num_nodes=num_nodes, seq_len=seq_len, foreach=optimizer.foreach,
-                               optimizer=optimizer, target=target)
+        self.setting = Setting(
+            world_size=world,
+            num_nodes=num_nodes,
+            seq_len=seq_len,
+            foreach=optimizer.foreach,
+            optimizer=optimizer,
+            target=target,
+        )
         self.notes: List[str] = []
         self.per_node = max(1, world // num_nodes)
         full = spec.depth
@@ -296,13 +406,15 @@ class _Planner:
         """
         if cand.kind == "deepspeed":
             half = self.precision not in ("32-true", "64-true")
-            return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing).config_key, \
-                ("bf16-true" if half else self.precision)
+            return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing).config_key, (
+                "bf16-true" if half else self.precision
+            )
         if cand.offload and cand.strategy is not None:  # the user's own FSDP object, on-device part
             return replace(cand.config_key, offload=False, custom=cand.custom + " (on device)"), self.precision
         if cand.offload:
-            return Candidate("fsdp", sharding="FULL_SHARD",
-                             activation_checkpointing=cand.activation_checkpointing).config_key, self.precision
+            return Candidate(
+                "fsdp", sharding="FULL_SHARD", activation_checkpointing=cand.activation_checkpointing
+            ).config_key, self.precision
         return cand.config_key, self.precision
 
     def _views(self, traced: Candidate, precision: str, depth: Optional[int]) -> Tuple[Tuple[str, Any], ...]:
@@ -311,15 +423,19 @@ class _Planner:
         grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
         for c in self.cands:
             if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
-                terms = analytic.zero_terms(c.stage, c.offload, self.stats[depth], self.world, self.precision,
-                                            self.zero)
+                terms = analytic.zero_terms(
+                    c.stage, c.offload, self.stats[depth], self.world, self.precision, self.zero
+                )
                 views.append((_zero_key(c), analytic.zero_view(c.stage, terms, grad_bytes, self.zero)))
         return tuple(views)
 
-    def _jobs(self, traced: Candidate, precision: str, micro: int, accumulation: int,
-              scales: Tuple[float, ...]) -> List[TraceJob]:
-        return [TraceJob(traced, precision, micro, accumulation, d, scales, self._views(traced, precision, d))
-                for d in self.depths]
+    def _jobs(
+        self, traced: Candidate, precision: str, micro: int, accumulation: int, scales: Tuple[float, ...]
+    ) -> List[TraceJob]:
+        return [
+            TraceJob(traced, precision, micro, accumulation, d, scales, self._views(traced, precision, d))
+            for d in self.depths
+        ]
 
     def _run(self, groups: List[Tuple[Candidate, str, int, int, Tuple[float, ...]]]) -> None:
         """Trace every (configuration, precision, micro-batch, accumulation) group at each depth."""
@@ -339,8 +455,10 @@ class _Planner:
         full_m = splits[0][0]
         try:
             self._run([(*self._traced(c), full_m, 1, (1.0,)) for c in self.cands])
-            rows = {c: [self._estimate(c.with_batch(full_m, 1), self.traces[(*self._traced(c), full_m, 1)], 1.0)]
-                    for c in self.cands}
+            rows = {
+                c: [self._estimate(c.with_batch(full_m, 1), self.traces[(*self._traced(c), full_m, 1)], 1.0)]
+                for c in self.cands
+            }
             if len(splits) > 1:
                 # Smaller micro-batches only where the whole batch does not fit: one more trace with
                 # two micro-batches (accumulation keeps gradients between them) answers every size.
@@ -354,8 +472,10 @@ class _Planner:
             return [e for c in self.cands for e in rows[c]]
         except TraceFailed as exc:
             self.failed = str(exc)
-            self.notes.append(f"The model does not run under fake tensors ({exc}); every row is the analytic "
-                              "per-block estimate instead of a trace.")
+            self.notes.append(
+                f"The model does not run under fake tensors ({exc}); every row is the analytic "
+                "per-block estimate instead of a trace."
+            )
             return [e for cand in self.cands for e in self._fallback_for(cand, splits)]
 
     def _estimate(self, cand: Candidate, tr: Trace, r: float) -> Estimate:
@@ -369,12 +489,29 @@ class _Planner:
             method += ", extrapolated from 3-4 blocks"
         return self._finish(cand, allocated, phase, breakdown, host, method, tr.largest_transient)
 
-    def _finish(self, cand: Candidate, allocated: float, phase: str, breakdown: Dict[str, float], host: float,
-                method: str, largest_transient: float = 0.0) -> Estimate:
+    def _finish(
+        self,
+        cand: Candidate,
+        allocated: float,
+        phase: str,
+        breakdown: Dict[str, float],
+        host: float,
+        method: str,
+        largest_transient: float = 0.0,
+    ) -> Estimate:
         sync = getattr(cand.strategy, "accumulation_sync", "reduce_scatter")
-        cost = step_cost(cand, self.hw, params=self.params, flops_per_token=self.spec.flops_per_token(self.seq_len),
-                         batch_size=self.batch_size, seq_len=self.seq_len, world=self.world,
-                         num_nodes=self.num_nodes, precision=self.precision, accumulation_sync=sync)
+        cost = step_cost(
+            cand,
+            self.hw,
+            params=self.params,
+            flops_per_token=self.spec.flops_per_token(self.seq_len),
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            world=self.world,
+            num_nodes=self.num_nodes,
+            precision=self.precision,
+            accumulation_sync=sync,
+        )
         load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
         cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading
         steady = sum(breakdown.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
@@ -384,15 +521,25 @@ class _Planner:
         fits = None
         if self.device_memory is not None:
             fits = reserved <= self.device_memory and (self.cpu_memory is None or cpu <= self.cpu_memory)
-        return Estimate(candidate=cand, allocated=allocated, reserved=reserved, breakdown=breakdown,
-                        cpu_per_node=cpu, step_seconds=cost.seconds, comm_bytes=cost.comm_bytes, method=method,
-                        fits=fits, phase=phase)
+        return Estimate(
+            candidate=cand,
+            allocated=allocated,
+            reserved=reserved,
+            breakdown=breakdown,
+            cpu_per_node=cpu,
+            step_seconds=cost.seconds,
+            comm_bytes=cost.comm_bytes,
+            method=method,
+            fits=fits,
+            phase=phase,
+        )
 
     def _traced_estimate(self, cand: Candidate, tr: Trace, r: float):
         value, phase, parts = _peak(tr, "identity", r)
         p, g, o, b, a = parts
-        breakdown = _split(value, params=min(p, tr.params) + b, grads=min(g, tr.grads), opt=min(o, tr.optimizer),
-                           acts=r * a)
+        breakdown = _split(
+            value, params=min(p, tr.params) + b, grads=min(g, tr.grads), opt=min(o, tr.optimizer), acts=r * a
+        )
         return value, phase, breakdown, 0.0, "traced"
 
     def _fsdp_offload(self, tr: Trace, r: float):
@@ -430,13 +577,17 @@ class _Planner:
             value += terms.bucket + terms.gathered
         traced_grad_bytes = 2.0 if self._traced(cand)[1] in ("bf16-true", "16-true") else 4.0
         grads = terms.grad_partition + (g * 4.0 / traced_grad_bytes if cand.stage == 1 else 0.0)
-        breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer,
-                           acts=r * a)
+        breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer, acts=r * a)
         step = analytic.zero_step_bytes(cand.stage, terms) + tr.buffers
         if step > value:
             value, phase = step, "opt"
-            breakdown = _split(step, params=terms.weights + terms.master + tr.buffers, grads=terms.step_grads,
-                               opt=terms.optimizer, acts=0.0)
+            breakdown = _split(
+                step,
+                params=terms.weights + terms.master + tr.buffers,
+                grads=terms.step_grads,
+                opt=terms.optimizer,
+                acts=0.0,
+            )
         return value, phase, breakdown, terms.host, "ZeRO accounting + traced activations"
 
     def _fallback_for(self, cand: Candidate, splits: List[Tuple[int, int]]) -> List[Estimate]:
@@ -444,8 +595,9 @@ class _Planner:
         for i, (m, k) in enumerate(splits):
             if i > 0 and not (self.all_micro or rows[0].fits is False):
                 break
-            value, breakdown = analytic.fallback_estimate(self.spec, cand, self.full_stats, self.world,
-                                                          self.num_nodes, self.precision, m, self.seq_len, self.zero)
+            value, breakdown = analytic.fallback_estimate(
+                self.spec, cand, self.full_stats, self.world, self.num_nodes, self.precision, m, self.seq_len, self.zero
+            )
             host = 0.0
             if cand.offload:  # per rank on the host: fp32 params, grads, Adam (+ bf16 partition for ZeRO)
                 n = self.full_stats.total / self.world
@@ -496,17 +648,23 @@ def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple
         return None, "no configurations were evaluated"
     fastest = min(estimates, key=lambda e: e.step_seconds)
     if device_memory is None:
-        return fastest, (f"{fastest.label} has the shortest estimated step ({format_seconds(fastest.step_seconds)}); "
-                         "give a device memory to check what fits.")
+        return fastest, (
+            f"{fastest.label} has the shortest estimated step ({format_seconds(fastest.step_seconds)}); "
+            "give a device memory to check what fits."
+        )
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         smallest = min(estimates, key=lambda e: e.reserved)
-        return None, (f"Nothing fits in {format_bytes(device_memory)}: the smallest is {smallest.label} at "
-                      f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten "
-                      "sequences.")
+        return None, (
+            f"Nothing fits in {format_bytes(device_memory)}: the smallest is {smallest.label} at "
+            f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten "
+            "sequences."
+        )
     best = min(fitting, key=lambda e: e.step_seconds)
-    why = (f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
-           f"{format_bytes(device_memory)}, est. {format_seconds(best.step_seconds)} per step)")
+    why = (
+        f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
+        f"{format_bytes(device_memory)}, est. {format_seconds(best.step_seconds)} per step)"
+    )
     ratio = best.step_seconds / max(fastest.step_seconds, 1e-12)
     if fastest is not best and not fastest.fits and ratio >= 1.01:
         speed = f"{ratio:.1f}x as fast" if ratio >= 1.5 else f"{ratio - 1:.0%} faster"

@@ -24,6 +24,7 @@ offload adds host<->device copies over PCIe and the optimizer step on the
 host. Every constant is a named, documented assumption; `--interconnect`,
 `--network` and `--gpu` pick among them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,8 +70,11 @@ class Hardware:
     network: str = "infiniband"
 
     def __post_init__(self) -> None:
-        for value, table, what in ((self.gpu, GPUS, "gpu"), (self.interconnect, INTERCONNECTS, "interconnect"),
-                                   (self.network, NETWORKS, "network")):
+        for value, table, what in (
+            (self.gpu, GPUS, "gpu"),
+            (self.interconnect, INTERCONNECTS, "interconnect"),
+            (self.network, NETWORKS, "network"),
+        ):
             if value not in table:
                 raise PlanError(f"Unknown {what} {value!r}; known: {', '.join(table)}.")
 
@@ -84,9 +88,19 @@ class StepCost:
     comm_bytes: float  # per rank per step
 
 
-def step_cost(cand: Candidate, hw: Hardware, *, params: int, flops_per_token: float, batch_size: int,
-              seq_len: int, world: int, num_nodes: int, precision: str,
-              accumulation_sync: str = "reduce_scatter") -> StepCost:
+def step_cost(
+    cand: Candidate,
+    hw: Hardware,
+    *,
+    params: int,
+    flops_per_token: float,
+    batch_size: int,
+    seq_len: int,
+    world: int,
+    num_nodes: int,
+    precision: str,
+    accumulation_sync: str = "reduce_scatter",
+) -> StepCost:
     """Modelled seconds per optimizer step for one device's `batch_size` sequences."""
     half = precision not in ("32-true", "64-true")
     peak = GPUS[hw.gpu]["half" if half else "single"]
@@ -133,5 +147,6 @@ def step_cost(cand: Candidate, hw: Hardware, *, params: int, flops_per_token: fl
         per_node_gpus = max(1, w // max(1, num_nodes))
         offload += shard / (CPU_ADAM_PARAMS_PER_S / per_node_gpus)
     exposed = max(0.0, comm - OVERLAP * compute)
-    return StepCost(seconds=compute + exposed + offload, compute=compute, comm=comm, offload=offload,
-                    comm_bytes=comm_bytes)
+    return StepCost(
+        seconds=compute + exposed + offload, compute=compute, comm=comm, offload=offload, comm_bytes=comm_bytes
+    )

@@ -12,6 +12,7 @@ every unguarded script that calls plan(). Results come back as pickled
 notebook cannot be pickled by module path: it is traced in forked children
 (which inherit the classes) or, with one worker, in the planning process.
 """
+
 from __future__ import annotations
 
 import io
@@ -57,10 +58,22 @@ class Setting:
 
 def _run(spec: ModelSpec, setting: Setting, job: TraceJob) -> Union[Trace, TraceFailed]:
     try:
-        return trace(spec, job.traced, world_size=setting.world_size, num_nodes=setting.num_nodes,
-                     precision=job.precision, seq_len=setting.seq_len, micro_batch=job.micro_batch,
-                     accumulation=job.accumulation, depth=job.depth, scales=job.scales, views=dict(job.views),
-                     foreach=setting.foreach, optimizer=setting.optimizer, target=setting.target)
+        return trace(
+            spec,
+            job.traced,
+            world_size=setting.world_size,
+            num_nodes=setting.num_nodes,
+            precision=job.precision,
+            seq_len=setting.seq_len,
+            micro_batch=job.micro_batch,
+            accumulation=job.accumulation,
+            depth=job.depth,
+            scales=job.scales,
+            views=dict(job.views),
+            foreach=setting.foreach,
+            optimizer=setting.optimizer,
+            target=setting.target,
+        )
     except TraceFailed as exc:
         return exc
 
@@ -69,8 +82,9 @@ def default_workers(n_jobs: int) -> int:
     return 2 if (os.cpu_count() or 1) >= 2 and n_jobs >= 4 else 1
 
 
-def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
-             workers: Optional[int] = None) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
+def run_jobs(
+    spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob], workers: Optional[int] = None
+) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
     """Every job's Trace (or the TraceFailed it raised), in worker processes when it pays off.
 
     Where the traces run:
@@ -107,10 +121,12 @@ def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
     if spec_bytes is None:
         from shardwise.plan.presets import PlanError
 
-        raise PlanError("This model's classes are defined in __main__ (a script or notebook), so they cannot be sent "
-                        "to a planner worker process, and this process cannot trace them itself (a process group is "
-                        "initialised, or a MemoryTracker runs, and it cannot fork). Plan before the strategy sets up, "
-                        "or move the classes to a module.")
+        raise PlanError(
+            "This model's classes are defined in __main__ (a script or notebook), so they cannot be sent "
+            "to a planner worker process, and this process cannot trace them itself (a process group is "
+            "initialised, or a MemoryTracker runs, and it cannot fork). Plan before the strategy sets up, "
+            "or move the classes to a module."
+        )
     # Longest first (checkpointed, sharded, deep): keeps both workers busy to the end.
     order = _longest_first(jobs)
     pending: "queue.Queue[TraceJob]" = queue.Queue()
@@ -119,8 +135,10 @@ def run_jobs(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
     results: Dict[TraceJob, Union[Trace, TraceFailed]] = {}
     errors: list = []
     header = pickle.dumps((spec_bytes, setting))
-    threads = [threading.Thread(target=_drive, args=(header, pending, results, errors), daemon=True)
-               for _ in range(max(1, min(workers, len(order))))]
+    threads = [
+        threading.Thread(target=_drive, args=(header, pending, results, errors), daemon=True)
+        for _ in range(max(1, min(workers, len(order))))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -136,8 +154,11 @@ def _can_fork() -> bool:
 
 
 def _longest_first(jobs: Sequence[TraceJob]) -> list:
-    return sorted(jobs, key=lambda j: (j.traced.activation_checkpointing, j.traced.kind == "fsdp",
-                                       j.depth or 0, j.accumulation), reverse=True)
+    return sorted(
+        jobs,
+        key=lambda j: (j.traced.activation_checkpointing, j.traced.kind == "fsdp", j.depth or 0, j.accumulation),
+        reverse=True,
+    )
 
 
 def _cost(job: TraceJob) -> float:
@@ -176,8 +197,9 @@ def _shares(jobs: Sequence[TraceJob], workers: int) -> list:
     return [share for share in shares if share]
 
 
-def _run_forked(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
-                workers: int) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
+def _run_forked(
+    spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob], workers: int
+) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
     """Trace in forked children: they inherit the user's classes, so nothing is pickled by module path."""
     import gc
 
@@ -200,7 +222,8 @@ def _run_forked(spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob],
         if not data or status != 0:
             failure = failure or RuntimeError(
                 f"A forked planner worker died while tracing {share[0].traced.label} (exit status {status}); "
-                "SHARDWISE_PLAN_DEBUG=1 shows its output.")
+                "SHARDWISE_PLAN_DEBUG=1 shows its output."
+            )
             continue
         results.update(zip(share, pickle.loads(data)))
     if failure is not None:
@@ -254,9 +277,13 @@ def _drive(header: bytes, pending: "queue.Queue[TraceJob]", results: Dict[TraceJ
     """Feed one worker process jobs until none are left (runs in a thread of the planning process)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "shardwise.plan.jobs"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env,
-                                stderr=None if os.environ.get("SHARDWISE_PLAN_DEBUG") else log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shardwise.plan.jobs"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            stderr=None if os.environ.get("SHARDWISE_PLAN_DEBUG") else log,
+        )
         try:
             _send(proc.stdin, header)
             while not errors:
@@ -313,8 +340,10 @@ def _serve() -> None:
             start = time.perf_counter()
             result = _run(spec, setting, job)
             if os.environ.get("SHARDWISE_PLAN_DEBUG"):
-                print(f"[plan worker] {job.traced.label} depth {job.depth}: {time.perf_counter() - start:.2f}s",
-                      file=sys.stderr)
+                print(
+                    f"[plan worker] {job.traced.label} depth {job.depth}: {time.perf_counter() - start:.2f}s",
+                    file=sys.stderr,
+                )
             _send(results, pickle.dumps(result))
 
 

@@ -6,13 +6,14 @@ the backward keeps only the output and an O(seq) logsumexp per head -- no
 seq x seq matrix. On the CPU the flash kernel handles most calls too, but
 dropout (and some GQA shapes) take the math path, which saves the attention
 probabilities and the dropout mask: seq^2 x heads per layer, which a CUDA
-run never allocates. Inside `target_attention("cuda")` every SDPA call goes through the flash kernel's own op (CPU build, same
-saved tensors as CUDA's flash / memory-efficient kernels: output +
-logsumexp), so the fake trace holds what the GPU will. Models that ask for
+run never allocates. Inside `target_attention("cuda")` every SDPA call goes
+through the flash kernel's own op (CPU build, same saved tensors as CUDA's
+flash / memory-efficient kernels: output + logsumexp), so the fake trace holds what the GPU will. Models that ask for
 `flash_attention_2` are built with SDPA (flash-attn need not be installed)
 and traced the same way. An eager attention (a model that computes
 softmax(QK^T) itself) is traced as written: it keeps the matrix on any device.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,12 +22,24 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
-                         "kernels-community/vllm-flash-attn3")
+FLASH_IMPLEMENTATIONS = (
+    "flash_attention_2",
+    "flash_attention_3",
+    "kernels-community/flash-attn",
+    "kernels-community/vllm-flash-attn3",
+)
 
 
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-           dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
+def _flash(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     if enable_gqa and key.dim() >= 3 and key.size(-3) != query.size(-3):
         # The CUDA kernels read the shared K/V heads in place; expanding them here adds two
         # K/V-sized copies per layer, small next to what the math path would keep.
@@ -38,7 +51,8 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
     out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
     return out[0]
 
 

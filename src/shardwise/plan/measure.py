@@ -10,6 +10,7 @@ DeepSpeed start-up dominate at these sizes. `planning_cost()` times the
 `shardwise plan` command itself (wall, CPU, memory of all its processes).
 Nothing here is used by `plan()` itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,16 @@ class _Probe:
         self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
 
 
-def _run_one(spec: ModelSpec, cand: Candidate, devices: int, precision: str, seq_len: int, steps: int,
-             optimizer: str, deepspeed_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _run_one(
+    spec: ModelSpec,
+    cand: Candidate,
+    devices: int,
+    precision: str,
+    seq_len: int,
+    steps: int,
+    optimizer: str,
+    deepspeed_config: Optional[Dict[str, Any]],
+) -> Dict[str, Any]:
     import shardwise
     from shardwise import Trainer
 
@@ -69,29 +78,63 @@ def _run_one(spec: ModelSpec, cand: Candidate, devices: int, precision: str, seq
     module = spec.training_module(optimizer=optimizer)
     probe = _Probe()
     strategy = cand.build_strategy(spec.block_classes, deepspeed_config=deepspeed_config)
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy,
-                      precision=precision, max_steps=steps, accumulate_grad_batches=cand.accumulation,
-                      callbacks=[probe], enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        accumulate_grad_batches=cand.accumulation,
+        callbacks=[probe],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     n = cand.micro_batch * cand.accumulation * steps * devices
     trainer.fit(module, DataLoader(_Tokens(spec, seq_len, n), batch_size=cand.micro_batch))
     # The process group stays up for the next candidate in this worker (as in train_many).
     return dict(peak=probe.peak, breakdown=probe.breakdown)
 
 
-def _worker(spec: ModelSpec, cands: Sequence[Candidate], devices: int, precision: str, seq_len: int, steps: int,
-            optimizer: str, deepspeed_config: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _worker(
+    spec: ModelSpec,
+    cands: Sequence[Candidate],
+    devices: int,
+    precision: str,
+    seq_len: int,
+    steps: int,
+    optimizer: str,
+    deepspeed_config: Optional[Dict[str, Any]],
+) -> List[Dict[str, Any]]:
     torch.set_num_threads(1)
     return [_run_one(spec, c, devices, precision, seq_len, steps, optimizer, deepspeed_config) for c in cands]
 
 
-def measure(spec: ModelSpec, candidates: Sequence[Candidate], devices: int, precision: str = "32-true",
-            seq_len: int = 32, steps: int = 2, optimizer: str = "adamw",
-            deepspeed_config: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+def measure(
+    spec: ModelSpec,
+    candidates: Sequence[Candidate],
+    devices: int,
+    precision: str = "32-true",
+    seq_len: int = 32,
+    steps: int = 2,
+    optimizer: str = "adamw",
+    deepspeed_config: Optional[Dict[str, Any]] = None,
+) -> List[Dict[str, Any]]:
     """Peak tracked bytes per candidate (the largest over ranks) from real CPU training steps."""
     import shardwise
 
-    per_rank = shardwise.launch(_worker, spec, list(candidates), devices, precision, seq_len, steps, optimizer,
-                                deepspeed_config, devices=devices)
+    per_rank = shardwise.launch(
+        _worker,
+        spec,
+        list(candidates),
+        devices,
+        precision,
+        seq_len,
+        steps,
+        optimizer,
+        deepspeed_config,
+        devices=devices,
+    )
     out = []
     for i in range(len(candidates)):
         runs = [rank[i] for rank in per_rank]
@@ -108,10 +151,19 @@ def accuracy_models() -> Dict[str, Any]:
     from shardwise.plan.presets import gpt_spec, transformer_spec
 
     return {
-        "gpt": (gpt_spec("gpt-6x256", GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=4, n_embd=256,
-                                                tie_embeddings=False)), 64),
-        "transformer": (transformer_spec("transformer-6x128", dict(nlayers=6, nhid=512, ninp=128, nhead=4),
-                                         vocab_size=2000, seq_len=32), 32),
+        "gpt": (
+            gpt_spec(
+                "gpt-6x256",
+                GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=4, n_embd=256, tie_embeddings=False),
+            ),
+            64,
+        ),
+        "transformer": (
+            transformer_spec(
+                "transformer-6x128", dict(nlayers=6, nhid=512, ninp=128, nhead=4), vocab_size=2000, seq_len=32
+            ),
+            32,
+        ),
     }
 
 
@@ -119,29 +171,60 @@ def accuracy_models() -> Dict[str, Any]:
 # (strategies/deepspeed_config.size_limits). Given explicitly, the engine uses them as they are:
 # a 5e8-element reduce bucket allocated whole (2 GB in fp32), and up to 1e9 parameters kept
 # gathered at stage 3. benchmarks/plan_accuracy.py shows the planner follows a user's config too.
-DEEPSPEED_RAW_DEFAULTS = {"zero_optimization": {
-    "reduce_bucket_size": int(5e8), "allgather_bucket_size": int(5e8), "stage3_prefetch_bucket_size": int(5e7),
-    "stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)}}
+DEEPSPEED_RAW_DEFAULTS = {
+    "zero_optimization": {
+        "reduce_bucket_size": int(5e8),
+        "allgather_bucket_size": int(5e8),
+        "stage3_prefetch_bucket_size": int(5e7),
+        "stage3_max_live_parameters": int(1e9),
+        "stage3_max_reuse_distance": int(1e9),
+    }
+}
 
 
-def compare(spec: ModelSpec, seq_len: int, devices: int, candidates: Sequence[str], batch_size: int = 4,
-            precision: str = "32-true", deepspeed_config: Optional[Dict[str, Any]] = None,
-            steps: int = 2) -> List[Dict[str, Any]]:
+def compare(
+    spec: ModelSpec,
+    seq_len: int,
+    devices: int,
+    candidates: Sequence[str],
+    batch_size: int = 4,
+    precision: str = "32-true",
+    deepspeed_config: Optional[Dict[str, Any]] = None,
+    steps: int = 2,
+) -> List[Dict[str, Any]]:
     """Predicted (plan) and measured (real CPU runs) peak tracked bytes per rank for each candidate."""
     from shardwise.plan.core import plan
 
-    p = plan(spec, batch_size=batch_size, seq_len=seq_len, devices=devices, precision=precision,
-             accelerator="cpu", candidates=list(candidates), deepspeed_config=deepspeed_config)
+    p = plan(
+        spec,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        devices=devices,
+        precision=precision,
+        accelerator="cpu",
+        candidates=list(candidates),
+        deepspeed_config=deepspeed_config,
+    )
     rows = {e.candidate.config_key: e for e in p.estimates}
     cands = [e.candidate for e in p.estimates]
-    measured = measure(spec, cands, devices, precision=precision, seq_len=seq_len, steps=steps,
-                       deepspeed_config=deepspeed_config)
+    measured = measure(
+        spec, cands, devices, precision=precision, seq_len=seq_len, steps=steps, deepspeed_config=deepspeed_config
+    )
     out = []
     for cand, m in zip(cands, measured):
         e = rows[cand.config_key]
-        out.append(dict(model=spec.name, devices=devices, config=cand.config_label, predicted=e.allocated,
-                        measured=m["peak"], error=e.allocated / m["peak"] - 1, method=e.method,
-                        ranks=m["ranks"]))
+        out.append(
+            dict(
+                model=spec.name,
+                devices=devices,
+                config=cand.config_label,
+                predicted=e.allocated,
+                measured=m["peak"],
+                error=e.allocated / m["peak"] - 1,
+                method=e.method,
+                ranks=m["ranks"],
+            )
+        )
     return out
 
 
@@ -166,8 +249,11 @@ def planning_cost(args: Sequence[str]) -> Dict[str, Any]:
     """Run `shardwise plan <args> --json`: wall and CPU seconds, peak RSS of all planner processes together."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "plan", *args, "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "plan", *args, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     peak = 0
     chunks = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)

@@ -23,6 +23,7 @@ wins; otherwise, on a CUDA target, groups that left both `foreach` and
 `fused` unset get `foreach=True`, which is what PyTorch picks there (on the
 CPU it picks the for-loop, which is what a CPU trace runs anyway).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -100,8 +101,13 @@ class OptimizerChoice:
         return optimizer
 
 
-def resolve_optimizer(name: str, foreach: Optional[bool] = None, fused: Optional[bool] = None,
-                      paged_resident: float = 0.0, target: str = "cuda") -> OptimizerChoice:
+def resolve_optimizer(
+    name: str,
+    foreach: Optional[bool] = None,
+    fused: Optional[bool] = None,
+    paged_resident: float = 0.0,
+    target: str = "cuda",
+) -> OptimizerChoice:
     key = (name or "adamw").lower().replace("-", "_").strip()
     if key not in _NAMES:
         raise PlanError(f"Unknown optimizer {name!r}; known: {', '.join(optimizer_names())}.")
@@ -116,8 +122,9 @@ def resolve_optimizer(name: str, foreach: Optional[bool] = None, fused: Optional
         f_each, f_used = foreach, fused
     if paged:
         scale *= paged_resident
-    return OptimizerChoice(name=key, base=base, foreach=f_each, fused=f_used, state_scale=scale, paged=paged,
-                           target=target)
+    return OptimizerChoice(
+        name=key, base=base, foreach=f_each, fused=f_used, state_scale=scale, paged=paged, target=target
+    )
 
 
 __all__ = ["OptimizerChoice", "resolve_optimizer", "optimizer_names"]

@@ -13,6 +13,7 @@ would write, so the planner runs the same `configure_model` /
 benchmark trains that very module for real. Depth is a constructor argument
 because the tracer builds 2- and 3-block versions and extrapolates.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,9 +43,17 @@ TRANSFORMER_PRESETS: Dict[str, Dict[str, int]] = {
 TRANSFORMER_VOCAB = 33278
 TRANSFORMER_SEQ = 35
 # Names a user types for the demo sizes.
-_ALIASES = {"demo-1b": "transformer-1b", "demo-2b": "transformer-2b", "1b": "transformer-1b",
-            "2b": "transformer-2b", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
-            "llama2-70b": "llama-2-70b", "llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b"}
+_ALIASES = {
+    "demo-1b": "transformer-1b",
+    "demo-2b": "transformer-2b",
+    "1b": "transformer-1b",
+    "2b": "transformer-2b",
+    "llama2-7b": "llama-2-7b",
+    "llama2-13b": "llama-2-13b",
+    "llama2-70b": "llama-2-70b",
+    "llama3-8b": "llama-3-8b",
+    "llama3-70b": "llama-3-70b",
+}
 
 
 def preset_names() -> List[str]:
@@ -100,8 +109,14 @@ class ModelSpec:
             return AutoModelForCausalLM.from_config(cfg)
         raise PlanError(f"{self.name}: a {self.kind} model cannot be rebuilt at another depth")
 
-    def training_module(self, depth: Optional[int] = None, lr: float = 1e-4, foreach: Optional[bool] = None,
-                        optimizer: str = "adamw", fused: Optional[bool] = None) -> TrainModule:
+    def training_module(
+        self,
+        depth: Optional[int] = None,
+        lr: float = 1e-4,
+        foreach: Optional[bool] = None,
+        optimizer: str = "adamw",
+        fused: Optional[bool] = None,
+    ) -> TrainModule:
         if self.kind == "module":
             return self.module
         return LMModule(self, depth=depth, lr=lr, foreach=foreach, optimizer=optimizer, fused=fused)
@@ -122,8 +137,9 @@ class ModelSpec:
             c = self.config.param_counts()
             outside = c["token_embedding"] + c["position_embedding"] + c["final_norm"] + c["lm_head"]
             largest = max(c["token_embedding"], c["lm_head"], self.hidden * self.ffn)
-            return dict(total=self.config.num_params(), per_block=c["per_block"], outside=outside,
-                        largest_layer=largest)
+            return dict(
+                total=self.config.num_params(), per_block=c["per_block"], outside=outside, largest_layer=largest
+            )
         if self.kind == "transformer":
             from shardwise.models import transformer_num_params
 
@@ -188,8 +204,15 @@ class LMModule(TrainModule):
     `F.nll_loss(model(input, target), target.view(-1))`.
     """
 
-    def __init__(self, spec: ModelSpec, depth: Optional[int] = None, lr: float = 1e-4,
-                 foreach: Optional[bool] = None, optimizer: str = "adamw", fused: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        depth: Optional[int] = None,
+        lr: float = 1e-4,
+        foreach: Optional[bool] = None,
+        optimizer: str = "adamw",
+        fused: Optional[bool] = None,
+    ) -> None:
         super().__init__()
         self.spec, self.depth, self.lr, self.foreach, self.optimizer_name = spec, depth, lr, foreach, optimizer
         self.fused = fused
@@ -213,12 +236,12 @@ class LMModule(TrainModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, foreach=self.foreach,
-                                   fused=self.fused)
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, foreach=self.foreach, fused=self.fused)
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=self.foreach, fused=self.fused)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0, foreach=self.foreach,
-                                 fused=self.fused)
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.lr, weight_decay=0.0, foreach=self.foreach, fused=self.fused
+        )
 
 
 # ------------------------------------------------------------------ resolving --model
@@ -230,20 +253,24 @@ def resolve_model(model: Any, example_batch: Any = None) -> ModelSpec:
         return replace(model.spec, depth=model.depth or model.spec.depth)
     if isinstance(model, TrainModule):
         if example_batch is None:
-            raise PlanError(f"plan({type(model).__name__}(...)) needs example_batch=: the planner runs its "
-                            "training_step and cannot guess what it takes.")
+            raise PlanError(
+                f"plan({type(model).__name__}(...)) needs example_batch=: the planner runs its "
+                "training_step and cannot guess what it takes."
+            )
         return _module_spec(type(model).__name__, model, example_batch=example_batch)
     from shardwise.models import GPTConfig
 
     if isinstance(model, GPTConfig):
         return gpt_spec("gpt", model)
     if isinstance(model, nn.Module):
-        raise PlanError("plan() takes a TrainModule (with example_batch=), a preset name, a GPTConfig or a path "
-                        f"to a Hugging Face config.json; got a bare {type(model).__name__}. Wrap it in a TrainModule.")
+        raise PlanError(
+            "plan() takes a TrainModule (with example_batch=), a preset name, a GPTConfig or a path "
+            f"to a Hugging Face config.json; got a bare {type(model).__name__}. Wrap it in a TrainModule."
+        )
     if not isinstance(model, str):
         raise PlanError(f"Cannot plan for {model!r}: pass a preset name, a config.json path or python:module.Class.")
     if model.startswith("python:"):
-        return _python_spec(model[len("python:"):])
+        return _python_spec(model[len("python:") :])
     if os.path.exists(model) or model.endswith(".json"):
         return hf_spec(model)
     return preset_spec(model)
@@ -257,25 +284,47 @@ def preset_spec(name: str) -> ModelSpec:
         return gpt_spec(key, PRESETS[key])
     if key in TRANSFORMER_PRESETS:
         return transformer_spec(key, TRANSFORMER_PRESETS[key])
-    raise PlanError(f"Unknown model preset {name!r}. Presets: {', '.join(preset_names())}; or give a path to a "
-                    "Hugging Face config.json, or python:module.Class.")
+    raise PlanError(
+        f"Unknown model preset {name!r}. Presets: {', '.join(preset_names())}; or give a path to a "
+        "Hugging Face config.json, or python:module.Class."
+    )
 
 
 def gpt_spec(name: str, config: Any) -> ModelSpec:
     from shardwise.models import Block
 
-    return ModelSpec(name=name, kind="gpt", config=config, depth=config.n_layer, block_classes=(Block,),
-                     vocab_size=config.vocab_size, hidden=config.n_embd, ffn=config.ffn_size, heads=config.n_head,
-                     kv_heads=config.kv_heads, default_seq_len=config.block_size)
+    return ModelSpec(
+        name=name,
+        kind="gpt",
+        config=config,
+        depth=config.n_layer,
+        block_classes=(Block,),
+        vocab_size=config.vocab_size,
+        hidden=config.n_embd,
+        ffn=config.ffn_size,
+        heads=config.n_head,
+        kv_heads=config.kv_heads,
+        default_seq_len=config.block_size,
+    )
 
 
-def transformer_spec(name: str, sizes: Dict[str, int], vocab_size: int = TRANSFORMER_VOCAB,
-                     seq_len: int = TRANSFORMER_SEQ) -> ModelSpec:
+def transformer_spec(
+    name: str, sizes: Dict[str, int], vocab_size: int = TRANSFORMER_VOCAB, seq_len: int = TRANSFORMER_SEQ
+) -> ModelSpec:
     sizes = dict(sizes)
-    return ModelSpec(name=name, kind="transformer", config=sizes, depth=sizes["nlayers"],
-                     block_classes=(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer), vocab_size=vocab_size,
-                     hidden=sizes["ninp"], ffn=sizes["nhid"], heads=sizes["nhead"], kv_heads=sizes["nhead"],
-                     default_seq_len=seq_len)
+    return ModelSpec(
+        name=name,
+        kind="transformer",
+        config=sizes,
+        depth=sizes["nlayers"],
+        block_classes=(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer),
+        vocab_size=vocab_size,
+        hidden=sizes["ninp"],
+        ffn=sizes["nhid"],
+        heads=sizes["nhead"],
+        kv_heads=sizes["nhead"],
+        default_seq_len=seq_len,
+    )
 
 
 def _module_spec(name: str, module: TrainModule, example_batch: Any = None) -> ModelSpec:
@@ -287,8 +336,14 @@ def _module_spec(name: str, module: TrainModule, example_batch: Any = None) -> M
     first = next((t for t in _leaves(example_batch) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
     if first is not None:
         seq = int(first.size(1))
-    spec = ModelSpec(name=name, kind="module", module=module, example_batch=example_batch,
-                     block_classes=_guess_blocks(probe), default_seq_len=seq)
+    spec = ModelSpec(
+        name=name,
+        kind="module",
+        module=module,
+        example_batch=example_batch,
+        block_classes=_guess_blocks(probe),
+        default_seq_len=seq,
+    )
     spec.__dict__["probe"] = probe
     return spec
 
@@ -337,8 +392,9 @@ def hf_spec(path: str) -> ModelSpec:
     """A Hugging Face causal LM from its config.json (a file or a model directory); no weights are read."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise PlanError(f"{path!r} is neither a preset nor an existing config.json. "
-                        f"Presets: {', '.join(preset_names())}.")
+        raise PlanError(
+            f"{path!r} is neither a preset nor an existing config.json. Presets: {', '.join(preset_names())}."
+        )
     try:
         with open(file) as fh:
             raw = json.load(fh)
@@ -352,12 +408,14 @@ def hf_spec(path: str) -> ModelSpec:
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
     causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
-        not architectures or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures))
+        not architectures or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    )
     if not causal:
         raise PlanError(
             f"{file} describes a {model_type or 'model of unknown type'} "
             f"({', '.join(architectures) or 'no architectures'}), "
-            "not a causal language model: the planner builds it with AutoModelForCausalLM. Use a *ForCausalLM config.")
+            "not a causal language model: the planner builds it with AutoModelForCausalLM. Use a *ForCausalLM config."
+        )
     try:
         cfg = AutoConfig.for_model(**raw)
     except Exception as exc:
@@ -367,11 +425,18 @@ def hf_spec(path: str) -> ModelSpec:
     if depth is None or hidden is None:
         raise PlanError(f"{file}: no layer count / hidden size found (num_hidden_layers, hidden_size).")
     heads = _get(cfg, "num_attention_heads", "n_head", default=1)
-    spec = ModelSpec(name=os.path.basename(os.path.dirname(os.path.abspath(file))) or file, kind="hf", config=cfg,
-                     depth=int(depth), vocab_size=int(_get(cfg, "vocab_size")), hidden=int(hidden),
-                     ffn=int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden) or 4 * hidden),
-                     heads=int(heads), kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
-                     default_seq_len=int(_get(cfg, "max_position_embeddings", "n_positions", default=2048)))
+    spec = ModelSpec(
+        name=os.path.basename(os.path.dirname(os.path.abspath(file))) or file,
+        kind="hf",
+        config=cfg,
+        depth=int(depth),
+        vocab_size=int(_get(cfg, "vocab_size")),
+        hidden=int(hidden),
+        ffn=int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden) or 4 * hidden),
+        heads=int(heads),
+        kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        default_seq_len=int(_get(cfg, "max_position_embeddings", "n_positions", default=2048)),
+    )
     spec.block_classes = tuple(_hf_block_names(spec))
     return spec
 
@@ -396,8 +461,9 @@ def _hf_param_counts(spec: ModelSpec) -> Dict[str, int]:
         n2 = sum(p.numel() for p in two.parameters())
         per = n2 - n1
         outside = n1 - per
-        cache.update(total=outside + per * spec.depth, per_block=per, outside=outside,
-                     largest_layer=max(_largest_layer(one), 1))
+        cache.update(
+            total=outside + per * spec.depth, per_block=per, outside=outside, largest_layer=max(_largest_layer(one), 1)
+        )
     return dict(cache)
 
 
@@ -414,8 +480,10 @@ def _python_spec(target: str) -> ModelSpec:
     if isinstance(instance, TrainModule):
         batch_fn = getattr(instance, "example_batch", None)
         if not callable(batch_fn):
-            raise PlanError(f"python:{target} is a TrainModule; give it a method example_batch(batch_size, seq_len) "
-                            "returning one training batch, so the planner can run its training_step.")
+            raise PlanError(
+                f"python:{target} is a TrainModule; give it a method example_batch(batch_size, seq_len) "
+                "returning one training batch, so the planner can run its training_step."
+            )
         spec = _module_spec(attr, instance)
         spec.__dict__["batch_fn"] = batch_fn
         return spec
@@ -423,8 +491,10 @@ def _python_spec(target: str) -> ModelSpec:
 
     if isinstance(instance, GPTConfig):
         return gpt_spec(attr, instance)
-    raise PlanError(f"python:{target} gave a {type(instance).__name__}; it must be a TrainModule class (with "
-                    "example_batch(batch_size, seq_len)) or a GPTConfig.")
+    raise PlanError(
+        f"python:{target} gave a {type(instance).__name__}; it must be a TrainModule class (with "
+        "example_batch(batch_size, seq_len)) or a GPTConfig."
+    )
 
 
 def spec_batch(spec: ModelSpec, batch_size: int, seq_len: int) -> Any:
@@ -449,6 +519,19 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["ModelSpec", "LMModule", "PlanError", "resolve_model", "preset_names", "preset_spec", "hf_spec",
-           "gpt_spec", "transformer_spec", "TRANSFORMER_PRESETS", "spec_batch", "describe", "divisors",
-           "ceil_div"]
+__all__ = [
+    "ModelSpec",
+    "LMModule",
+    "PlanError",
+    "resolve_model",
+    "preset_names",
+    "preset_spec",
+    "hf_spec",
+    "gpt_spec",
+    "transformer_spec",
+    "TRANSFORMER_PRESETS",
+    "spec_batch",
+    "describe",
+    "divisors",
+    "ceil_div",
+]

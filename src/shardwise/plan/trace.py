@@ -36,6 +36,7 @@ Corrections that make fake-mode numbers mean what real ones do:
 - The second step is derived, not traced: it is the first plus what the
   first left behind (optimizer state; DDP's gradient buckets).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,11 +49,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch.distributed as dist
 from torch import nn
 
+from shardwise import step
 from shardwise.memory import MemoryTracker
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec, PlanError, spec_batch
-from shardwise import step
-
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,10 @@ class _PhaseRecorder:
 
     def label(self, phase: str) -> Callable[..., None]:
         """A step hook (step.py's before_backward) that starts `phase`."""
+
         def start(*_: Any) -> None:
             self.phase = phase
+
         return start
 
     def sample(self, cur: Mapping[str, int]) -> None:
@@ -178,11 +180,12 @@ def _propagating() -> bool:
 def fake_world(world_size: int) -> Iterator[None]:
     """A fake default process group of `world_size` ranks (this process is rank 0) for the duration."""
     if dist.is_initialized():
-        raise PlanError("The memory planner needs its own (fake) process group, but one is already initialised in "
-                        "this process. Plan before the strategy sets up (e.g. in the launching process).")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+        raise PlanError(
+            "The memory planner needs its own (fake) process group, but one is already initialised in "
+            "this process. Plan before the strategy sets up (e.g. in the launching process)."
+        )
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     # The propagator runs each new op schema once on global-shape fake tensors, under the active
@@ -220,14 +223,22 @@ def _trace_precision(name: str) -> str:
 def _rank0_env(world_size: int, num_nodes: int):
     from shardwise.distributed.env import single_process_env
 
-    return dataclasses.replace(single_process_env(), world_size=world_size, global_rank=0, local_rank=0,
-                               node_rank=0, num_nodes=num_nodes, local_world_size=max(1, world_size // num_nodes))
+    return dataclasses.replace(
+        single_process_env(),
+        world_size=world_size,
+        global_rank=0,
+        local_rank=0,
+        node_rank=0,
+        num_nodes=num_nodes,
+        local_world_size=max(1, world_size // num_nodes),
+    )
 
 
 def _fresh_module(spec: ModelSpec, depth: Optional[int], optimizer: Any) -> Any:
     if spec.kind != "module":
-        return spec.training_module(depth=depth, foreach=optimizer.foreach, optimizer=optimizer.base,
-                                    fused=optimizer.fused)
+        return spec.training_module(
+            depth=depth, foreach=optimizer.foreach, optimizer=optimizer.base, fused=optimizer.fused
+        )
     # Never touch the user's object: trace a copy whose tensors are meta ones.
     from shardwise.plan.presets import meta_copy
 
@@ -258,10 +269,23 @@ def _build_traced_strategy(cand: Candidate, traced: Candidate, spec: ModelSpec) 
     return traced.build_strategy(spec.block_classes, None)
 
 
-def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, precision: str, seq_len: int,
-          micro_batch: int, accumulation: int, depth: Optional[int], scales: Sequence[float] = (1.0,),
-          views: Optional[Dict[str, View]] = None, foreach: Optional[bool] = None,
-          optimizer: Any = "adamw", target: str = "cpu") -> Trace:
+def trace(
+    spec: ModelSpec,
+    cand: Candidate,
+    *,
+    world_size: int,
+    num_nodes: int,
+    precision: str,
+    seq_len: int,
+    micro_batch: int,
+    accumulation: int,
+    depth: Optional[int],
+    scales: Sequence[float] = (1.0,),
+    views: Optional[Dict[str, View]] = None,
+    foreach: Optional[bool] = None,
+    optimizer: Any = "adamw",
+    target: str = "cpu",
+) -> Trace:
     """Trace the first optimizer step of `cand` on rank 0 (the second is derived); call inside `fake_world`.
 
     optimizer: a name or an OptimizerChoice (plan/optim.py); target: "cuda" traces attention with
@@ -292,8 +316,9 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
         apply_activation_checkpointing(module, set(spec.block_classes))
     result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
     buckets = traced.kind == "ddp" and world_size > 1
-    recorder = _PhaseRecorder(views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales,
-                              optimizer_scale=optimizer.state_scale)
+    recorder = _PhaseRecorder(
+        views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales, optimizer_scale=optimizer.state_scale
+    )
     tracker = recorder.tracker()
     try:
         # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
@@ -301,8 +326,11 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
             model = strategy.setup_module(module)
         with fake, target_attention(target):
             opt_config = module.configure_optimizers()
-            optimizers = opt_config if isinstance(opt_config, (list, tuple)) else [
-                opt_config["optimizer"] if isinstance(opt_config, dict) else opt_config]
+            optimizers = (
+                opt_config
+                if isinstance(opt_config, (list, tuple))
+                else [opt_config["optimizer"] if isinstance(opt_config, dict) else opt_config]
+            )
             optimizers = [strategy.setup_optimizer(optimizer.apply(o)) for o in optimizers]
             batches = [spec_batch(spec, micro_batch, seq_len) for _ in range(accumulation)]
             tracker.register(strategy.unwrap(model), optimizers)
@@ -322,8 +350,16 @@ def trace(spec: ModelSpec, cand: Candidate, *, world_size: int, num_nodes: int, 
     return result
 
 
-def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any], tracker: MemoryTracker,
-                recorder: _PhaseRecorder, optimizers: List[Any], result: Trace) -> None:
+def _train_step(
+    strategy: Any,
+    model: nn.Module,
+    module: Any,
+    batches: List[Any],
+    tracker: MemoryTracker,
+    recorder: _PhaseRecorder,
+    optimizers: List[Any],
+    result: Trace,
+) -> None:
     """The first optimizer step, through the Trainer's own step functions (shardwise/step.py).
 
     Only what the Trainer does around them differs: phase labels instead of
@@ -334,8 +370,9 @@ def _train_step(strategy: Any, model: nn.Module, module: Any, batches: List[Any]
     for i, batch in enumerate(batches):
         last = i == window - 1
         recorder.phase = f"fwd1.{i}"
-        step.forward_backward(strategy, model, (batch,), window=window, last=last,
-                              before_backward=recorder.label(f"bwd1.{i}"))
+        step.forward_backward(
+            strategy, model, (batch,), window=window, last=last, before_backward=recorder.label(f"bwd1.{i}")
+        )
         module._drain_logs()
         if not last:
             # FSDP2 keeps a no-sync micro-batch's unsharded gradients on its own unsharded
@@ -362,7 +399,15 @@ def extrapolate(a: Trace, b: Trace, depth: int) -> Trace:
     for key, (va, parts_a) in a.envelope.items():
         vb, parts_b = b.envelope.get(key, (va, parts_a))
         env[key] = (lin(va, vb), tuple(lin(x, y) for x, y in zip(parts_a, parts_b)))
-    return Trace(depth=depth, micro_batch=a.micro_batch, accumulation=a.accumulation, envelope=env,
-                 params=int(lin(a.params, b.params)), grads=int(lin(a.grads, b.grads)),
-                 optimizer=int(lin(a.optimizer, b.optimizer)), buffers=int(lin(a.buffers, b.buffers)),
-                 units=b.units, largest_transient=max(a.largest_transient, b.largest_transient))
+    return Trace(
+        depth=depth,
+        micro_batch=a.micro_batch,
+        accumulation=a.accumulation,
+        envelope=env,
+        params=int(lin(a.params, b.params)),
+        grads=int(lin(a.grads, b.grads)),
+        optimizer=int(lin(a.optimizer, b.optimizer)),
+        buffers=int(lin(a.buffers, b.buffers)),
+        units=b.units,
+        largest_transient=max(a.largest_transient, b.largest_transient),
+    )

@@ -10,6 +10,7 @@ turn into a block-diagonal mask; `packing="loss"` masks only the boundary
 labels. Global rank 0 writes the token arrays to a cache folder keyed by
 everything that changes them; the other ranks memory-map the same files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -64,8 +65,10 @@ def _kind(path: str) -> str:
         return "json"
     if lower.endswith(".parquet"):
         return "parquet"
-    raise ValueError(f"dataset {path!r}: use a .jsonl/.json file, a .parquet file, or a folder written by "
-                     "datasets' save_to_disk (no hub names: shardwise does not download).")
+    raise ValueError(
+        f"dataset {path!r}: use a .jsonl/.json file, a .parquet file, or a folder written by "
+        "datasets' save_to_disk (no hub names: shardwise does not download)."
+    )
 
 
 def dataset_columns(path: str) -> List[str]:
@@ -109,11 +112,14 @@ def resolve_text_field(columns: Sequence[str], text_field: Optional[str], path: 
         for name in _AUTO_FIELDS:
             if name in columns:
                 return name
-        raise DatasetFieldError(f"dataset {path!r} has none of the usual text fields {list(_AUTO_FIELDS)}; "
-                                f"its fields are {list(columns)}. Set dataset_text_field.")
+        raise DatasetFieldError(
+            f"dataset {path!r} has none of the usual text fields {list(_AUTO_FIELDS)}; "
+            f"its fields are {list(columns)}. Set dataset_text_field."
+        )
     if text_field not in columns:
-        raise DatasetFieldError(f"dataset_text_field={text_field!r} is not a field of {path!r}; "
-                                f"its fields are {list(columns)}.")
+        raise DatasetFieldError(
+            f"dataset_text_field={text_field!r} is not a field of {path!r}; its fields are {list(columns)}."
+        )
     return text_field
 
 
@@ -143,8 +149,10 @@ def resolve_chat_format(chat_template_format: str, tokenizer: Any) -> str:
     if chat_template_format == "auto":
         return "tokenizer" if getattr(tokenizer, "chat_template", None) else "tags"
     if chat_template_format == "tokenizer" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat_template_format='tokenizer' but the tokenizer has no chat_template; "
-                         "use 'tags' (the <|system|>/<|prompter|>/<|assistant|> format) or 'auto'.")
+        raise ValueError(
+            "chat_template_format='tokenizer' but the tokenizer has no chat_template; "
+            "use 'tags' (the <|system|>/<|prompter|>/<|assistant|> format) or 'auto'."
+        )
     return chat_template_format
 
 
@@ -152,8 +160,10 @@ def record_text(value: Any, chat_format: str, tokenizer: Any) -> str:
     if isinstance(value, str):
         return value  # already formatted text: used as is whatever the chat format
     if chat_format == "none":
-        raise ValueError("chat_template_format='none' needs a plain-text field, but the field holds "
-                         f"{type(value).__name__}; use 'auto', 'tags' or 'tokenizer' for chat messages.")
+        raise ValueError(
+            "chat_template_format='none' needs a plain-text field, but the field holds "
+            f"{type(value).__name__}; use 'auto', 'tags' or 'tokenizer' for chat messages."
+        )
     messages = _normalise_messages(value)
     if chat_format == "tokenizer":
         return tokenizer.apply_chat_template(messages, tokenize=False)
@@ -175,8 +185,10 @@ def pack_documents(docs: Sequence[Sequence[int]], block: int, mode: str) -> Dict
     total = int(lengths.sum())
     n = total // block
     if n == 0:
-        raise ValueError(f"the dataset has {total} tokens, fewer than one block of max_seq_len={block}; "
-                         "lower max_seq_len or add data.")
+        raise ValueError(
+            f"the dataset has {total} tokens, fewer than one block of max_seq_len={block}; "
+            "lower max_seq_len or add data."
+        )
     flat = np.fromiter((t for d in docs for t in d), dtype=np.int32, count=total)[: n * block]
     starts = np.zeros(total, dtype=bool)
     starts[np.concatenate([[0], np.cumsum(lengths)[:-1]])] = True
@@ -189,8 +201,11 @@ def pack_documents(docs: Sequence[Sequence[int]], block: int, mode: str) -> Dict
         positions = (idx - last_start).astype(np.int32)
     else:
         positions = np.tile(np.arange(block, dtype=np.int32), n)
-    return {"input_ids": flat.reshape(n, block), "labels": labels.reshape(n, block),
-            "position_ids": positions.reshape(n, block)}
+    return {
+        "input_ids": flat.reshape(n, block),
+        "labels": labels.reshape(n, block),
+        "position_ids": positions.reshape(n, block),
+    }
 
 
 def truncate_documents(docs: Sequence[Sequence[int]], block: int) -> Dict[str, np.ndarray]:
@@ -204,8 +219,11 @@ def truncate_documents(docs: Sequence[Sequence[int]], block: int) -> Dict[str, n
 # -------------------------------------------------------------------- cache
 def _file_fingerprint(path: str) -> List[Any]:
     if os.path.isdir(path):
-        return sorted([f, os.path.getsize(os.path.join(path, f)), int(os.path.getmtime(os.path.join(path, f)))]
-                      for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
+        return sorted(
+            [f, os.path.getsize(os.path.join(path, f)), int(os.path.getmtime(os.path.join(path, f)))]
+            for f in os.listdir(path)
+            if os.path.isfile(os.path.join(path, f))
+        )
     return [os.path.getsize(path), int(os.path.getmtime(path))]
 
 
@@ -217,8 +235,16 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def cache_key(spec: DataSpec, tokenizer: Any) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "spec": asdict(spec), "data": _file_fingerprint(spec.path),
-                       "tok": _tokenizer_fingerprint(tokenizer)}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "spec": asdict(spec),
+            "data": _file_fingerprint(spec.path),
+            "tok": _tokenizer_fingerprint(tokenizer),
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -227,7 +253,7 @@ def _tokenize(dataset: Any, field: str, chat_format: str, tokenizer: Any, spec: 
     docs: List[List[int]] = []
     batch = 256
     for start in range(0, len(dataset), batch):
-        rows = dataset[start:start + batch][field]
+        rows = dataset[start : start + batch][field]
         texts = [record_text(v, chat_format, tokenizer) for v in rows]
         encoded = tokenizer(texts, add_special_tokens=spec.add_special_tokens)["input_ids"]
         for ids in encoded:
@@ -255,8 +281,11 @@ def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
         if part is None or len(part) == 0:
             continue
         docs = _tokenize(part, field, chat_format, tokenizer, spec)
-        arrays = (pack_documents(docs, spec.max_seq_len, spec.packing_mode) if spec.packing
-                  else truncate_documents(docs, spec.max_seq_len))
+        arrays = (
+            pack_documents(docs, spec.max_seq_len, spec.packing_mode)
+            if spec.packing
+            else truncate_documents(docs, spec.max_seq_len)
+        )
         for key, arr in arrays.items():
             np.save(os.path.join(tmp, f"{name}.{key}.npy"), arr)
         examples = arrays["input_ids"].shape[0] if spec.packing else len(arrays["offsets"]) - 1
@@ -277,8 +306,10 @@ class PackedBlocks(Dataset):
     """Fixed-length blocks; every item is a dict of int64 tensors of length max_seq_len."""
 
     def __init__(self, folder: str, split: str, attention_boundaries: bool) -> None:
-        self.arrays = {k: np.load(os.path.join(folder, f"{split}.{k}.npy"), mmap_mode="r")
-                       for k in ("input_ids", "labels", "position_ids")}
+        self.arrays = {
+            k: np.load(os.path.join(folder, f"{split}.{k}.npy"), mmap_mode="r")
+            for k in ("input_ids", "labels", "position_ids")
+        }
         self.attention_boundaries = attention_boundaries
 
     def __len__(self) -> int:
@@ -302,7 +333,7 @@ class Examples(Dataset):
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64))
+        return torch.from_numpy(np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64))
 
 
 class PadCollate:

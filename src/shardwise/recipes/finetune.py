@@ -21,6 +21,7 @@ class, checked against its signature up front. Intermediate checkpoints are
 the strategy's own (`save_steps`); the final model is exported as a
 consolidated Hugging Face folder in `output_dir`, one tensor at a time.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -189,13 +190,17 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     folder = inspect_model_folder(cfg.model_path)
     tok_dir = cfg.tokenizer_path or cfg.model_path
     if cfg.tokenizer_path is None and not folder.has_tokenizer:
-        raise ValueError(f"{cfg.model_path!r} has no tokenizer files (tokenizer.json / tokenizer.model); "
-                         "save the tokenizer there or set tokenizer_path.")
+        raise ValueError(
+            f"{cfg.model_path!r} has no tokenizer files (tokenizer.json / tokenizer.model); "
+            "save the tokenizer there or set tokenizer_path."
+        )
     if cfg.max_seq_len < 2:
         raise ValueError(f"max_seq_len={cfg.max_seq_len}: use at least 2.")
     if folder.max_positions is not None and cfg.max_seq_len > folder.max_positions:
-        raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's maximum of {folder.max_positions} "
-                         f"positions (max_position_embeddings in {cfg.model_path}/config.json). Lower max_seq_len.")
+        raise ValueError(
+            f"max_seq_len={cfg.max_seq_len} exceeds the model's maximum of {folder.max_positions} "
+            f"positions (max_position_embeddings in {cfg.model_path}/config.json). Lower max_seq_len."
+        )
     columns = dataset_columns(cfg.dataset)
     text_field = resolve_text_field(columns, cfg.dataset_text_field, cfg.dataset)
     if cfg.chat_template_format not in CHAT_FORMATS:
@@ -208,8 +213,12 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
         raise ValueError(f"warmup_ratio={cfg.warmup_ratio}: use a fraction in [0, 1).")
     if cfg.max_steps == 0 or cfg.max_steps < -1:
         raise ValueError(f"max_steps={cfg.max_steps}: use a positive number, or -1 for num_train_epochs.")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "logging_steps"):
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+    ):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}={getattr(cfg, name)}: use 1 or more.")
     if cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -219,25 +228,33 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
 
         # Names only here ("cuda": no device check); the device checks come with build_precision below.
         if build_precision(cfg.precision, "cuda").compute_dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attn_implementation='flash_attention_2' with precision={cfg.precision!r}: flash-attn "
-                             "has fp16 / bf16 kernels only, so the first forward would fail. Use "
-                             "precision='bf16-mixed' (or 'bf16-true'), or keep the precision and use "
-                             "attn_implementation='sdpa', which runs in float32.")
+            raise ValueError(
+                f"attn_implementation='flash_attention_2' with precision={cfg.precision!r}: flash-attn "
+                "has fp16 / bf16 kernels only, so the first forward would fail. Use "
+                "precision='bf16-mixed' (or 'bf16-true'), or keep the precision and use "
+                "attn_implementation='sdpa', which runs in float32."
+            )
         if not _has_cuda(cfg):
-            raise ValueError("attn_implementation='flash_attention_2' needs a CUDA GPU (its kernels are CUDA-only) "
-                             "and none is available here. Use attn_implementation='sdpa', which runs everywhere "
-                             "and dispatches to flash kernels on GPUs that support them.")
+            raise ValueError(
+                "attn_implementation='flash_attention_2' needs a CUDA GPU (its kernels are CUDA-only) "
+                "and none is available here. Use attn_implementation='sdpa', which runs everywhere "
+                "and dispatches to flash kernels on GPUs that support them."
+            )
         major, minor = torch.cuda.get_device_capability()
         if major < 8:
-            raise ValueError(f"attn_implementation='flash_attention_2' needs compute capability 8.0 or newer "
-                             f"(Ampere: A100, A10, RTX 30xx; Hopper), but {torch.cuda.get_device_name()} is "
-                             f"{major}.{minor}. Use attn_implementation='sdpa' (its memory-efficient kernel runs "
-                             "here), and precision='16-mixed': this GPU has no fast bf16.")
+            raise ValueError(
+                f"attn_implementation='flash_attention_2' needs compute capability 8.0 or newer "
+                f"(Ampere: A100, A10, RTX 30xx; Hopper), but {torch.cuda.get_device_name()} is "
+                f"{major}.{minor}. Use attn_implementation='sdpa' (its memory-efficient kernel runs "
+                "here), and precision='16-mixed': this GPU has no fast bf16."
+            )
         try:
             import flash_attn  # noqa: F401
         except ImportError as exc:
-            raise ValueError("attn_implementation='flash_attention_2' needs the flash-attn package "
-                             "(pip install flash-attn --no-build-isolation), or use 'sdpa'.") from exc
+            raise ValueError(
+                "attn_implementation='flash_attention_2' needs the flash-attn package "
+                "(pip install flash-attn --no-build-isolation), or use 'sdpa'."
+            ) from exc
     if cfg.optim not in OPTIMIZERS:
         raise ValueError(f"optim={cfg.optim!r}: use one of {OPTIMIZERS}.")
     if cfg.optim == "paged_adamw_32bit":
@@ -246,8 +263,10 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as exc:
-            raise ValueError("optim='paged_adamw_32bit' needs the bitsandbytes package (pip install "
-                             "bitsandbytes), or use optim='adamw'.") from exc
+            raise ValueError(
+                "optim='paged_adamw_32bit' needs the bitsandbytes package (pip install "
+                "bitsandbytes), or use optim='adamw'."
+            ) from exc
     if cfg.optim == "adamw_torch_fused" and not _has_cuda(cfg):
         raise ValueError("optim='adamw_torch_fused' is the CUDA fused kernel; use optim='adamw' here.")
     if cfg.export_dtype is not None and cfg.export_dtype not in DTYPES:
@@ -260,6 +279,7 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
 # --------------------------------------------------------------- schedule
 def lr_lambda(total_steps: int, warmup_steps: int, kind: str):
     """Multiplier of the peak learning rate at optimizer step `s` (linear warm-up, then `kind`)."""
+
     def fn(step: int) -> float:
         if step < warmup_steps:
             return step / max(1, warmup_steps)
@@ -316,8 +336,9 @@ def _module_class():
         def init_weights(self) -> None:
             # Called by the strategy after the shards are allocated (materialize.py):
             # rank 0 reads, every rank receives its slices; then the computed buffers.
-            self.load_report = hf_model.load_rank0_and_distribute(self.model, self.folder.path,
-                                                                  self.folder.weight_files)
+            self.load_report = hf_model.load_rank0_and_distribute(
+                self.model, self.folder.path, self.folder.weight_files
+            )
             hf_model.recompute_buffers(self.model)
 
         def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -367,8 +388,10 @@ def _module_class():
                 entry = self.history[-1]
                 if self.trainer.is_global_zero:
                     rate = step / max(1e-9, time.time() - self._t0)
-                    print(f"[finetune] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} "
-                          f"({rate:.2f} steps/s)", flush=True)
+                    print(
+                        f"[finetune] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} ({rate:.2f} steps/s)",
+                        flush=True,
+                    )
 
         def on_train_end(self) -> None:
             self._sync_history()
@@ -383,8 +406,9 @@ def _module_class():
             if not self._unsynced:
                 return
             means = ops.reduce(torch.stack([m for _, _, m in self._unsynced]), "mean").tolist()
-            self.history.extend({"step": step, "loss": loss, "lr": lr}
-                                for (step, lr, _), loss in zip(self._unsynced, means))
+            self.history.extend(
+                {"step": step, "loss": loss, "lr": lr} for (step, lr, _), loss in zip(self._unsynced, means)
+            )
             self._unsynced = []
 
         def configure_optimizers(self) -> Any:
@@ -397,8 +421,14 @@ def _module_class():
                     (decay if len(hf_model.full_shape(p)) >= 2 else no_decay).append(p)
             # No empty group: DeepSpeed drops those, and the LR scheduler would then
             # have more learning rates than the engine's optimizer has groups.
-            groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+            groups = [
+                g
+                for g in (
+                    {"params": decay, "weight_decay": cfg.weight_decay},
+                    {"params": no_decay, "weight_decay": 0.0},
+                )
+                if g["params"]
+            ]
             kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
             on_cuda = self.device.type == "cuda"
             if cfg.optim == "paged_adamw_32bit":
@@ -410,7 +440,8 @@ def _module_class():
                 optimizer = torch.optim.AdamW(groups, fused=fused or None, **kwargs)
             warmup = math.ceil(self.total_steps * cfg.warmup_ratio)
             schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lr_lambda(self.total_steps, warmup, cfg.lr_scheduler_type))
+                optimizer, lr_lambda(self.total_steps, warmup, cfg.lr_scheduler_type)
+            )
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     return CausalLMModule
@@ -433,23 +464,34 @@ def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixe
     import inspect
 
     if not isinstance(cfg.strategy_options or {}, dict):
-        raise ValueError(f"strategy_options must be a mapping of {cls.__name__} arguments, "
-                         f"got {type(cfg.strategy_options).__name__}.")
+        raise ValueError(
+            f"strategy_options must be a mapping of {cls.__name__} arguments, "
+            f"got {type(cfg.strategy_options).__name__}."
+        )
     options = dict(cfg.strategy_options or {})
-    valid = [n for n, p in inspect.signature(cls.__init__).parameters.items()
-             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    valid = [
+        n
+        for n, p in inspect.signature(cls.__init__).parameters.items()
+        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
     for key, value in options.items():
         if key in owned:
-            raise ValueError(f"strategy_options[{key!r}]: the recipe sets {cls.__name__}'s {key} from its own "
-                             f"option {owned[key]!r}; set {owned[key]}: {value!r} instead of putting it in "
-                             "strategy_options.")
+            raise ValueError(
+                f"strategy_options[{key!r}]: the recipe sets {cls.__name__}'s {key} from its own "
+                f"option {owned[key]!r}; set {owned[key]}: {value!r} instead of putting it in "
+                "strategy_options."
+            )
         if key not in valid:
             allowed = [n for n in valid if n not in owned]
-            raise ValueError(f"strategy_options[{key!r}] is not an argument of {cls.__name__} "
-                             f"(strategy={cfg.strategy!r}). Valid: {', '.join(allowed)}.")
+            raise ValueError(
+                f"strategy_options[{key!r}] is not an argument of {cls.__name__} "
+                f"(strategy={cfg.strategy!r}). Valid: {', '.join(allowed)}."
+            )
         if key in fixed and fixed[key] != value:
-            raise ValueError(f"strategy_options[{key!r}]={value!r} contradicts strategy={cfg.strategy!r}, which "
-                             f"means {key}={fixed[key]!r}. Use strategy='deepspeed' with the options, or drop it.")
+            raise ValueError(
+                f"strategy_options[{key!r}]={value!r} contradicts strategy={cfg.strategy!r}, which "
+                f"means {key}={fixed[key]!r}. Use strategy='deepspeed' with the options, or drop it."
+            )
     return options
 
 
@@ -464,8 +506,9 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
         try:
             named = resolve(cfg.strategy)
         except ValueError:
-            raise ValueError(f"strategy={cfg.strategy!r} is not a fine-tuning strategy. "
-                             f"Valid: {', '.join(recipe_strategies())}.") from None
+            raise ValueError(
+                f"strategy={cfg.strategy!r} is not a fine-tuning strategy. Valid: {', '.join(recipe_strategies())}."
+            ) from None
         name, kind, implied = named.name, named.kind, named.options
     blocks = model_block_names(folder.config)
     owned = {"precision": "precision", "timeout_s": "timeout_s"}
@@ -474,48 +517,73 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
         owned["activation_checkpointing_policy"] = "gradient_checkpointing"
         checkpointing["activation_checkpointing_policy"] = list(cfg.auto_wrap_policy or blocks)
         if not checkpointing["activation_checkpointing_policy"]:
-            raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
-                             "decoder layer to checkpoint; set auto_wrap_policy to the block class name(s).")
+            raise ValueError(
+                f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
+                "decoder layer to checkpoint; set auto_wrap_policy to the block class name(s)."
+            )
     if kind == "fsdp":
         # A name like fsdp_hybrid_shard fixes what the recipe's own field would otherwise say.
         sharding = implied.get("sharding_strategy", cfg.sharding_strategy)
         offload = implied.get("cpu_offload", cfg.cpu_offload)
         for field_name, value in (("sharding_strategy", sharding), ("cpu_offload", offload)):
             if getattr(cfg, field_name) not in (value, FinetuneConfig.__dataclass_fields__[field_name].default):
-                raise ValueError(f"{field_name}={getattr(cfg, field_name)!r} contradicts strategy={cfg.strategy!r}, "
-                                 f"which means {field_name}={value!r}. Use strategy='fsdp' with {field_name}, "
-                                 "or drop it.")
+                raise ValueError(
+                    f"{field_name}={getattr(cfg, field_name)!r} contradicts strategy={cfg.strategy!r}, "
+                    f"which means {field_name}={value!r}. Use strategy='fsdp' with {field_name}, "
+                    "or drop it."
+                )
         wrap = cfg.auto_wrap_policy or blocks
         if not wrap:
-            raise ValueError(f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
-                             "transformer block to shard by; set auto_wrap_policy to the block class name(s).")
+            raise ValueError(
+                f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
+                "transformer block to shard by; set auto_wrap_policy to the block class name(s)."
+            )
         owned.update({k: k for k in ("auto_wrap_policy", "sharding_strategy", "cpu_offload", "state_dict_type")})
         options = _strategy_options(cfg, FSDPStrategy, owned, {})
-        return FSDPStrategy(auto_wrap_policy=list(wrap), sharding_strategy=sharding,
-                            cpu_offload=offload, state_dict_type=cfg.state_dict_type,
-                            timeout_s=cfg.timeout_s, **checkpointing, **options)
+        return FSDPStrategy(
+            auto_wrap_policy=list(wrap),
+            sharding_strategy=sharding,
+            cpu_offload=offload,
+            state_dict_type=cfg.state_dict_type,
+            timeout_s=cfg.timeout_s,
+            **checkpointing,
+            **options,
+        )
     if kind == "deepspeed":
         from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
-        fsdp_only = [f for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
-                     if getattr(cfg, f) != default]
+        fsdp_only = [
+            f
+            for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
+            if getattr(cfg, f) != default
+        ]
         if fsdp_only:
-            raise ValueError(f"{', '.join(fsdp_only)} configure FSDP; strategy={cfg.strategy!r} does not use "
-                             "them. Remove them (DeepSpeed's ZeRO stage comes from the strategy name).")
+            raise ValueError(
+                f"{', '.join(fsdp_only)} configure FSDP; strategy={cfg.strategy!r} does not use "
+                "them. Remove them (DeepSpeed's ZeRO stage comes from the strategy name)."
+            )
         owned["cpu_offload"] = "cpu_offload"
         # 'deepspeed' alone leaves the stage to strategy_options / the DeepSpeed config (default 2).
         fixed = {} if name == "deepspeed" else implied
         options = _strategy_options(cfg, DeepSpeedStrategy, owned, fixed)
-        return DeepSpeedStrategy(**{**fixed, **options}, cpu_offload=True if cfg.cpu_offload else None,
-                                 timeout_s=cfg.timeout_s, **checkpointing)
+        return DeepSpeedStrategy(
+            **{**fixed, **options},
+            cpu_offload=True if cfg.cpu_offload else None,
+            timeout_s=cfg.timeout_s,
+            **checkpointing,
+        )
     if cfg.gradient_checkpointing:
-        raise ValueError("gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
-                         "use strategy='fsdp' or a deepspeed one.")
+        raise ValueError(
+            "gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
+            "use strategy='fsdp' or a deepspeed one."
+        )
     if kind == "ddp":
         return DDPStrategy(timeout_s=cfg.timeout_s, **_strategy_options(cfg, DDPStrategy, owned, {}))
     if cfg.strategy_options:
-        raise ValueError(f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
-                         "choose fsdp, ddp or a deepspeed strategy to pass them.")
+        raise ValueError(
+            f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
+            "choose fsdp, ddp or a deepspeed strategy to pass them."
+        )
     return "auto" if name == "auto" else SingleDeviceStrategy()
 
 
@@ -525,10 +593,17 @@ def _callbacks(cfg: FinetuneConfig) -> List[Any]:
     try:
         from shardwise.callbacks import ModelCheckpoint
     except ImportError as exc:  # the checkpoint layer ships separately
-        raise RuntimeError("save_steps needs shardwise.callbacks.ModelCheckpoint, which this installation "
-                           "lacks; drop save_steps or update shardwise.") from exc
-    return [ModelCheckpoint(dirpath=os.path.join(cfg.output_dir, "checkpoints"),
-                            every_n_train_steps=cfg.save_steps, save_top_k=cfg.save_total_limit)]
+        raise RuntimeError(
+            "save_steps needs shardwise.callbacks.ModelCheckpoint, which this installation "
+            "lacks; drop save_steps or update shardwise."
+        ) from exc
+    return [
+        ModelCheckpoint(
+            dirpath=os.path.join(cfg.output_dir, "checkpoints"),
+            every_n_train_steps=cfg.save_steps,
+            save_top_k=cfg.save_total_limit,
+        )
+    ]
 
 
 def _steps_per_epoch(n_examples: int, world: int, cfg: FinetuneConfig) -> int:
@@ -539,14 +614,13 @@ def _steps_per_epoch(n_examples: int, world: int, cfg: FinetuneConfig) -> int:
 
 def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) -> FinetuneResult:
     """One worker's whole run (every rank executes it)."""
-    import torch
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
+    from shardwise.memory import parse_bytes
     from shardwise.recipes.data import DataSpec, prepare_data
     from shardwise.recipes.hf_model import export_hf_folder
     from shardwise.seed import seed_everything
-    from shardwise.memory import parse_bytes
     from shardwise.strategies.base import Strategy
     from shardwise.trainer import Trainer
 
@@ -554,30 +628,59 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     folder = checked["folder"]
     seed_everything(cfg.seed)
     callbacks = _callbacks(cfg)
-    trainer = Trainer(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-                      strategy=_build_strategy(cfg, folder), precision=cfg.precision,
-                      max_steps=cfg.max_steps, max_epochs=None if cfg.max_steps > 0 else cfg.num_train_epochs,
-                      accumulate_grad_batches=cfg.gradient_accumulation_steps,
-                      gradient_clip_val=cfg.max_grad_norm, log_every_n_steps=cfg.logging_steps,
-                      val_check_interval=(cfg.eval_steps * cfg.gradient_accumulation_steps
-                                          if cfg.eval_steps else None),
-                      callbacks=callbacks, enable_checkpointing=bool(callbacks),
-                      enable_progress_bar=cfg.enable_progress_bar, default_root_dir=cfg.output_dir)
+    trainer = Trainer(
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        strategy=_build_strategy(cfg, folder),
+        precision=cfg.precision,
+        max_steps=cfg.max_steps,
+        max_epochs=None if cfg.max_steps > 0 else cfg.num_train_epochs,
+        accumulate_grad_batches=cfg.gradient_accumulation_steps,
+        gradient_clip_val=cfg.max_grad_norm,
+        log_every_n_steps=cfg.logging_steps,
+        val_check_interval=(cfg.eval_steps * cfg.gradient_accumulation_steps if cfg.eval_steps else None),
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=cfg.enable_progress_bar,
+        default_root_dir=cfg.output_dir,
+    )
     # Join the process group now (the base contract's part only; the strategy
     # builds its mesh later in fit) so the tokenised-data cache can be built by
     # rank 0 while the other ranks wait at a barrier.
     Strategy.setup_environment(trainer.strategy)
     tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
-    spec = DataSpec(path=os.path.abspath(cfg.dataset), text_field=checked["text_field"],
-                    chat_template_format=cfg.chat_template_format, max_seq_len=cfg.max_seq_len,
-                    packing=cfg.packing, packing_mode=cfg.packing_mode, add_special_tokens=cfg.add_special_tokens,
-                    append_eos=cfg.append_concat_token, eval_split_ratio=cfg.eval_split_ratio, seed=cfg.seed)
+    spec = DataSpec(
+        path=os.path.abspath(cfg.dataset),
+        text_field=checked["text_field"],
+        chat_template_format=cfg.chat_template_format,
+        max_seq_len=cfg.max_seq_len,
+        packing=cfg.packing,
+        packing_mode=cfg.packing_mode,
+        add_special_tokens=cfg.add_special_tokens,
+        append_eos=cfg.append_concat_token,
+        eval_split_ratio=cfg.eval_split_ratio,
+        seed=cfg.seed,
+    )
     data = prepare_data(spec, tokenizer, cfg.cache_dir or os.path.join(cfg.output_dir, "tokenized"))
-    train_loader = DataLoader(data.train, batch_size=cfg.per_device_train_batch_size, shuffle=True,
-                              collate_fn=data.collate, num_workers=cfg.dataloader_num_workers)
-    eval_loader = (DataLoader(data.eval, batch_size=cfg.per_device_eval_batch_size, shuffle=False,
-                              collate_fn=data.collate, num_workers=cfg.dataloader_num_workers)
-                   if data.eval is not None and cfg.eval_steps else None)
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.per_device_train_batch_size,
+        shuffle=True,
+        collate_fn=data.collate,
+        num_workers=cfg.dataloader_num_workers,
+    )
+    eval_loader = (
+        DataLoader(
+            data.eval,
+            batch_size=cfg.per_device_eval_batch_size,
+            shuffle=False,
+            collate_fn=data.collate,
+            num_workers=cfg.dataloader_num_workers,
+        )
+        if data.eval is not None and cfg.eval_steps
+        else None
+    )
     world = trainer.devices * trainer.num_nodes
     total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_train_epochs * _steps_per_epoch(len(data.train), world, cfg)
     module = build_module(cfg, folder, total)
@@ -585,12 +688,23 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     # The consolidated Hugging Face folder, gathered one tensor at a time.
     export_dtype = cast_dtype(cfg.export_dtype)
-    export_hf_folder(module.model, cfg.output_dir, config=folder.config, tokenizer=tokenizer,
-                     source_dir=cfg.model_path, max_shard_size=parse_bytes(cfg.max_shard_size), dtype=export_dtype)
-    result = FinetuneResult(output_dir=os.path.abspath(cfg.output_dir), losses=module.history,
-                            eval_losses=module.eval_history,
-                            load=dataclasses.asdict(module.load_report) if module.load_report else {},
-                            data=data.summary, extra=after_fit(module) if after_fit is not None else None)
+    export_hf_folder(
+        module.model,
+        cfg.output_dir,
+        config=folder.config,
+        tokenizer=tokenizer,
+        source_dir=cfg.model_path,
+        max_shard_size=parse_bytes(cfg.max_shard_size),
+        dtype=export_dtype,
+    )
+    result = FinetuneResult(
+        output_dir=os.path.abspath(cfg.output_dir),
+        losses=module.history,
+        eval_losses=module.eval_history,
+        load=dataclasses.asdict(module.load_report) if module.load_report else {},
+        data=data.summary,
+        extra=after_fit(module) if after_fit is not None else None,
+    )
     if trainer.is_global_zero:
         with open(os.path.join(cfg.output_dir, "finetune_history.json"), "w") as fh:
             json.dump({k: v for k, v in dataclasses.asdict(result).items() if k != "extra"}, fh, indent=2)
@@ -598,8 +712,9 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     return result
 
 
-def finetune(config: Union[FinetuneConfig, Dict[str, Any], str],
-             after_fit: Optional[Callable[[Any], Any]] = None) -> FinetuneResult:
+def finetune(
+    config: Union[FinetuneConfig, Dict[str, Any], str], after_fit: Optional[Callable[[Any], Any]] = None
+) -> FinetuneResult:
     """Fine-tune and export; returns global rank 0's result (losses per step, eval losses, load report).
 
     `config`: a FinetuneConfig, a dict of its fields, or a YAML file path.
@@ -617,9 +732,11 @@ def finetune(config: Union[FinetuneConfig, Dict[str, Any], str],
     if detect_env() is None:
         devices = resolve_devices(cfg.devices, resolve_accelerator(cfg.accelerator))
         if cfg.num_nodes > 1:
-            raise RuntimeError(f"num_nodes={cfg.num_nodes}: start one launcher per node, e.g. `shardwise launch "
-                               f"--nnodes {cfg.num_nodes} --node-rank <i> --nproc-per-node {devices} "
-                               "--master-addr <node 0> shardwise finetune --config ...` (examples/slurm/).")
+            raise RuntimeError(
+                f"num_nodes={cfg.num_nodes}: start one launcher per node, e.g. `shardwise launch "
+                f"--nnodes {cfg.num_nodes} --node-rank <i> --nproc-per-node {devices} "
+                "--master-addr <node 0> shardwise finetune --config ...` (examples/slurm/)."
+            )
         if devices > 1:
             return launch(_run, cfg, after_fit, devices=devices)[0]
     return _run(cfg, after_fit)

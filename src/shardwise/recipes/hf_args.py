@@ -7,6 +7,7 @@ mapped key by key, and every name it cannot honour yields one note saying
 why, so nothing is dropped silently. Our own spellings pass through, so the
 two can be mixed. Every name is listed in shardwise/compat.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,15 +23,18 @@ from shardwise.strategies.fsdp_compat import NOTHING_TO_DO, sharding_strategy_na
 
 # Same meaning, another name (HF TrainingArguments / the seed script -> FinetuneConfig).
 RENAMED = {
-    "model_name": "model_path", "model_name_or_path": "model_path",
-    "dataset_name": "dataset", "ddp_timeout": "timeout_s", "config": "config",
+    "model_name": "model_path",
+    "model_name_or_path": "model_path",
+    "dataset_name": "dataset",
+    "ddp_timeout": "timeout_s",
+    "config": "config",
 }
 # HF flags with no effect here, and why (one note each when passed).
 NOT_HONOURED = {
     "log_level": "shardwise prints rank 0's progress lines; set the Python logging level yourself for more",
     "log_level_replica": "only rank 0 prints progress",
     "push_to_hub": "shardwise never uploads: the Hugging Face folder is written to output_dir; upload it with "
-                   "`huggingface-cli upload`",
+    "`huggingface-cli upload`",
     "hub_private_repo": "shardwise never uploads (see push_to_hub)",
     "hub_strategy": "shardwise never uploads (see push_to_hub)",
     "hub_model_id": "shardwise never uploads (see push_to_hub)",
@@ -39,11 +43,27 @@ NOT_HONOURED = {
     "do_eval": "evaluation runs when eval_steps is set",
 }
 # The launcher's business (accelerate launch / yaml): give them to `shardwise launch`.
-LAUNCHER_KEYS = ("machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "same_network",
-                 "gpu_ids", "num_cpu_threads_per_process")
+LAUNCHER_KEYS = (
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "rdzv_backend",
+    "same_network",
+    "gpu_ids",
+    "num_cpu_threads_per_process",
+)
 # Accelerate yaml keys that describe the environment and change nothing.
-DESCRIPTIVE_KEYS = ("compute_environment", "main_training_function", "debug", "downcast_bf16", "tpu_env",
-                    "tpu_use_cluster", "tpu_use_sudo", "enable_cpu_affinity", "dynamo_config")
+DESCRIPTIVE_KEYS = (
+    "compute_environment",
+    "main_training_function",
+    "debug",
+    "downcast_bf16",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "enable_cpu_affinity",
+    "dynamo_config",
+)
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -115,12 +135,16 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
                 if _has_cuda():
                     values.append(("attn_implementation", "flash_attention_2"))
                 else:
-                    notes.append("--use_flash_attn True: flash-attn kernels are CUDA-only and no GPU is visible; "
-                                 "using attn_implementation=sdpa (which uses flash kernels on GPUs that have them).")
+                    notes.append(
+                        "--use_flash_attn True: flash-attn kernels are CUDA-only and no GPU is visible; "
+                        "using attn_implementation=sdpa (which uses flash kernels on GPUs that have them)."
+                    )
         elif flag == "use_reentrant":
             if value is None or _bool(value):
-                notes.append("--use_reentrant True: shardwise checkpoints activations non-reentrantly (reentrant "
-                             "checkpointing does not compose with FSDP's hooks); not honoured.")
+                notes.append(
+                    "--use_reentrant True: shardwise checkpoints activations non-reentrantly (reentrant "
+                    "checkpointing does not compose with FSDP's hooks); not honoured."
+                )
         elif flag in ("evaluation_strategy", "eval_strategy", "save_strategy", "logging_strategy"):
             values += _interval_strategy(flag, value, notes)
         elif flag == "splits":
@@ -136,8 +160,10 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         elif flag in NOT_HONOURED:
             notes.append(f"--{flag}: {NOT_HONOURED[flag]}; not honoured.")
         elif flag in LAUNCHER_KEYS:
-            notes.append(f"--{flag}: a launcher setting; pass it to `shardwise launch` (--node-rank, --master-addr, "
-                         "--master-port); not used by shardwise finetune.")
+            notes.append(
+                f"--{flag}: a launcher setting; pass it to `shardwise launch` (--node-rank, --master-addr, "
+                "--master-port); not used by shardwise finetune."
+            )
         else:
             values.append((flag, value))  # unknown: jsonargparse names it and lists the valid options
     return _emit(values), notes
@@ -145,23 +171,35 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
 
 def _interval_strategy(flag: str, value: Optional[str], notes: List[str]) -> List[Tuple[str, Any]]:
     kind = str(value or "steps").strip().lower()
-    field = {"evaluation_strategy": "eval_steps", "eval_strategy": "eval_steps", "save_strategy": "save_steps",
-             "logging_strategy": "logging_steps"}[flag]
+    field = {
+        "evaluation_strategy": "eval_steps",
+        "eval_strategy": "eval_steps",
+        "save_strategy": "save_steps",
+        "logging_strategy": "logging_steps",
+    }[flag]
     if kind == "steps":
         return []  # our *_steps options are step intervals already
     if kind == "no" and field != "logging_steps":
         return [(field, None)]
-    raise ValueError(f"--{flag} {value}: shardwise finetune counts in optimizer steps; use --{flag} steps with "
-                     f"--{field} N" + (" (or leave it unset for none)." if field != "logging_steps" else "."))
+    raise ValueError(
+        f"--{flag} {value}: shardwise finetune counts in optimizer steps; use --{flag} steps with "
+        f"--{field} N" + (" (or leave it unset for none)." if field != "logging_steps" else ".")
+    )
 
 
 def _check_splits(value: Optional[str]) -> List[str]:
     names = [s.strip() for s in str(value or "").split(",") if s.strip()]
-    if not names or names[0] != "train" or len(names) > 2 or (len(names) == 2 and names[1] not in
-                                                               ("test", "validation", "eval")):
-        raise ValueError(f"--splits {value!r}: shardwise finetune trains on the 'train' split and evaluates on the "
-                         "dataset's 'test' or 'validation' split (else it holds out eval_split_ratio); use "
-                         "--splits train,test or omit it.")
+    if (
+        not names
+        or names[0] != "train"
+        or len(names) > 2
+        or (len(names) == 2 and names[1] not in ("test", "validation", "eval"))
+    ):
+        raise ValueError(
+            f"--splits {value!r}: shardwise finetune trains on the 'train' split and evaluates on the "
+            "dataset's 'test' or 'validation' split (else it holds out eval_split_ratio); use "
+            "--splits train,test or omit it."
+        )
     return []  # what we do anyway
 
 
@@ -179,8 +217,10 @@ def _fsdp_flag(value: str) -> Tuple[Dict[str, Any], List[str]]:
         elif word == "offload":
             out["cpu_offload"] = True
         elif word != "auto_wrap":  # auto_wrap by the model's blocks is what we always do
-            raise ValueError(f"--fsdp {value!r}: unknown word {word!r}; use full_shard, shard_grad_op, "
-                             "hybrid_shard, no_shard, offload, auto_wrap.")
+            raise ValueError(
+                f"--fsdp {value!r}: unknown word {word!r}; use full_shard, shard_grad_op, "
+                "hybrid_shard, no_shard, offload, auto_wrap."
+            )
     return out, notes
 
 
@@ -202,8 +242,10 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
     top = {k: v for k, v in raw.items() if k != "fsdp_config"}
     fsdp = dict(raw.get("fsdp_config") or {})
     if "fsdp_config" not in raw:  # a TrainingArguments fsdp_config: only FSDP keys, maybe without the prefix
-        fsdp, top = {k: v for k, v in raw.items() if k.startswith("fsdp_") or k not in _TOP_KEYS}, \
-                    {k: v for k, v in raw.items() if k in _TOP_KEYS}
+        fsdp, top = (
+            {k: v for k, v in raw.items() if k.startswith("fsdp_") or k not in _TOP_KEYS},
+            {k: v for k, v in raw.items() if k in _TOP_KEYS},
+        )
     kind = str(top.pop("distributed_type", "FSDP" if fsdp else "NO")).upper()
     if kind == "FSDP":
         out["strategy"] = "fsdp"
@@ -217,8 +259,9 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
         offload = str(ds.get("offload_optimizer_device", "none")).lower() == "cpu"
         out["strategy"] = f"deepspeed_stage_{stage}" + ("_offload" if offload and stage in (2, 3) else "")
     else:
-        raise ValueError(f"{source}: distributed_type {kind!r} is not supported; use FSDP, DEEPSPEED, MULTI_GPU, "
-                         "MULTI_CPU or NO.")
+        raise ValueError(
+            f"{source}: distributed_type {kind!r} is not supported; use FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU or NO."
+        )
     if "mixed_precision" in top:
         mp = str(top.pop("mixed_precision")).lower()
         out["precision"] = {"bf16": "bf16-mixed", "fp16": "16-mixed", "no": "32-true", "fp8": "fp8"}.get(mp, mp)
@@ -234,8 +277,10 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
     for key in launcher:
         top.pop(key)
     if launcher and machines > 1:
-        notes.append(f"{source}: {', '.join(launcher)} are the launcher's; pass them to `shardwise launch` "
-                     "(--node-rank, --master-addr, --master-port) on each node.")
+        notes.append(
+            f"{source}: {', '.join(launcher)} are the launcher's; pass them to `shardwise launch` "
+            "(--node-rank, --master-addr, --master-port) on each node."
+        )
     for key in DESCRIPTIVE_KEYS:
         top.pop(key, None)
     for key in ("fsdp_version",):
@@ -245,8 +290,9 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
     # The fsdp_config section, with or without the fsdp_ prefix.
     fsdp = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in fsdp.items()}
     if str(fsdp.pop("version", 2)) == "1":
-        notes.append(f"{source}: fsdp_version 1 asks for FSDP1; shardwise runs FSDP2 (fully_shard) with the same "
-                     "settings.")
+        notes.append(
+            f"{source}: fsdp_version 1 asks for FSDP1; shardwise runs FSDP2 (fully_shard) with the same settings."
+        )
     if "sharding_strategy" in fsdp:
         name, reshard = sharding_strategy_name(fsdp.pop("sharding_strategy"))
         out["sharding_strategy"] = name
@@ -254,7 +300,7 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
             options["reshard_after_forward"] = reshard
     if "reshard_after_forward" in fsdp:  # FSDP2's own spelling (Accelerate with fsdp_version 2)
         value = fsdp.pop("reshard_after_forward")
-        if isinstance(value, str) and not value.lower() in TRUE + ("false", "0", "no", "off"):
+        if isinstance(value, str) and value.lower() not in TRUE + ("false", "0", "no", "off"):
             name, reshard = sharding_strategy_name(value)
             out["sharding_strategy"] = name
             options["reshard_after_forward"] = name != "SHARD_GRAD_OP" if reshard is None else reshard
@@ -265,13 +311,16 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
     min_params = fsdp.pop("min_num_params", None)
     if policy == "TRANSFORMER_BASED_WRAP":
         if layers:
-            out["auto_wrap_policy"] = [s.strip() for s in (layers if isinstance(layers, list) else
-                                                            str(layers).split(",")) if s.strip()]
+            out["auto_wrap_policy"] = [
+                s.strip() for s in (layers if isinstance(layers, list) else str(layers).split(",")) if s.strip()
+            ]
     elif policy in ("SIZE_BASED_WRAP", "NO_WRAP"):
-        notes.append(f"{source}: fsdp_auto_wrap_policy {policy}"
-                     + (f" (min_num_params={min_params})" if min_params else "")
-                     + " is not honoured: the recipe shards by the model's transformer blocks (its "
-                       "_no_split_modules, or fsdp_transformer_layer_cls_to_wrap).")
+        notes.append(
+            f"{source}: fsdp_auto_wrap_policy {policy}"
+            + (f" (min_num_params={min_params})" if min_params else "")
+            + " is not honoured: the recipe shards by the model's transformer blocks (its "
+            "_no_split_modules, or fsdp_transformer_layer_cls_to_wrap)."
+        )
     else:
         raise ValueError(f"{source}: fsdp_auto_wrap_policy {policy!r}; use TRANSFORMER_BASED_WRAP.")
     if "offload_params" in fsdp:
@@ -280,10 +329,15 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
         out["state_dict_type"] = state_dict_type_name(fsdp.pop("state_dict_type"))
     if "activation_checkpointing" in fsdp:
         out["gradient_checkpointing"] = _bool(fsdp.pop("activation_checkpointing"))
-    for key, theirs in (("cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
-                        ("sync_module_states", "sync_module_states"), ("use_orig_params", "use_orig_params"),
-                        ("forward_prefetch", "forward_prefetch"), ("backward_prefetch", "backward_prefetch"),
-                        ("backward_prefetch_policy", "backward_prefetch"), ("limit_all_gathers", "limit_all_gathers")):
+    for key, theirs in (
+        ("cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
+        ("sync_module_states", "sync_module_states"),
+        ("use_orig_params", "use_orig_params"),
+        ("forward_prefetch", "forward_prefetch"),
+        ("backward_prefetch", "backward_prefetch"),
+        ("backward_prefetch_policy", "backward_prefetch"),
+        ("limit_all_gathers", "limit_all_gathers"),
+    ):
         if key in fsdp:
             value = fsdp.pop(key)
             notes.append(f"{source}: fsdp_{key}={value} has nothing to do here: {NOTHING_TO_DO[theirs]}.")
@@ -295,8 +349,16 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
 
 
 # Top-level Accelerate keys (outside its fsdp_config section).
-_TOP_KEYS = ("distributed_type", "mixed_precision", "num_machines", "num_processes", "use_cpu", "deepspeed_config",
-             *LAUNCHER_KEYS, *DESCRIPTIVE_KEYS)
+_TOP_KEYS = (
+    "distributed_type",
+    "mixed_precision",
+    "num_machines",
+    "num_processes",
+    "use_cpu",
+    "deepspeed_config",
+    *LAUNCHER_KEYS,
+    *DESCRIPTIVE_KEYS,
+)
 
 
 def _emit(values: List[Tuple[str, Any]]) -> List[str]:

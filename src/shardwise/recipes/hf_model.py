@@ -11,6 +11,7 @@ tensor on every rank: GBs for a 128k-token embedding. Non-persistent buffers
 gathers one tensor at a time into checkpoint/hf_shards.py's writer on rank 0
 and adds the config and tokenizer files, so `from_pretrained` loads the folder.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,18 @@ from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.materialize import canonical_name
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
 
 class ModelFolderError(ValueError):
     """The model folder cannot be loaded (missing config or weights, unsupported format)."""
@@ -62,12 +73,16 @@ def inspect_model_folder(path: str) -> ModelFolder:
     """Check a local HF folder has a config and safetensors weights; raise ModelFolderError otherwise."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ModelFolderError(f"model path {path!r} is not a folder. Give a local Hugging Face model folder "
-                               "(config.json + *.safetensors + tokenizer files); shardwise does not download.")
+        raise ModelFolderError(
+            f"model path {path!r} is not a folder. Give a local Hugging Face model folder "
+            "(config.json + *.safetensors + tokenizer files); shardwise does not download."
+        )
     present = sorted(os.listdir(path))
     if "config.json" not in present:
-        raise ModelFolderError(f"{path!r} has no config.json, so the architecture is unknown. Files there: "
-                               f"{present or 'none'}. Save the model with save_pretrained().")
+        raise ModelFolderError(
+            f"{path!r} has no config.json, so the architecture is unknown. Files there: "
+            f"{present or 'none'}. Save the model with save_pretrained()."
+        )
     if SAFE_INDEX in present:
         files = weight_files(path)
         missing = [f for f in files if f not in present]
@@ -77,10 +92,15 @@ def inspect_model_folder(path: str) -> ModelFolder:
         files = [SAFE_SINGLE]
     else:
         other = [f for f in present if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack"))]
-        hint = (f" It has {other}: convert them to safetensors first (load once with from_pretrained and "
-                "save_pretrained(safe_serialization=True))." if other else "")
-        raise ModelFolderError(f"{path!r} has a config.json but no weights ({SAFE_SINGLE} or {SAFE_INDEX})."
-                               f"{hint} Files there: {present}.")
+        hint = (
+            f" It has {other}: convert them to safetensors first (load once with from_pretrained and "
+            "save_pretrained(safe_serialization=True))."
+            if other
+            else ""
+        )
+        raise ModelFolderError(
+            f"{path!r} has a config.json but no weights ({SAFE_SINGLE} or {SAFE_INDEX}).{hint} Files there: {present}."
+        )
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -88,8 +108,9 @@ def inspect_model_folder(path: str) -> ModelFolder:
     return ModelFolder(path, config, files, has_tok, _max_positions(config))
 
 
-def build_meta_model(folder: ModelFolder, attn_implementation: str = "sdpa",
-                     dtype: Optional[torch.dtype] = None) -> nn.Module:
+def build_meta_model(
+    folder: ModelFolder, attn_implementation: str = "sdpa", dtype: Optional[torch.dtype] = None
+) -> nn.Module:
     """The architecture in the strategy's init context; no weights read.
 
     That context is the meta device (FSDP, DDP, ZeRO 0-2) or
@@ -105,8 +126,9 @@ def build_meta_model(folder: ModelFolder, attn_implementation: str = "sdpa",
     if zero_init:
         from transformers.initialization import no_init_weights
     with no_init_weights() if zero_init else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(folder.config, attn_implementation=attn_implementation,
-                                                 dtype=dtype or torch.get_default_dtype())
+        model = AutoModelForCausalLM.from_config(
+            folder.config, attn_implementation=attn_implementation, dtype=dtype or torch.get_default_dtype()
+        )
     if zero_init:
         model.tie_weights()  # part of the init no_init_weights skipped
     folder.no_split_modules = no_split_module_names(model)
@@ -132,8 +154,10 @@ def model_block_names(config: Any) -> List[str]:
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError as exc:
-        raise ModelFolderError(f"{type(config).__name__} has no causal-LM class in transformers "
-                               f"(model_type={getattr(config, 'model_type', None)!r}).") from exc
+        raise ModelFolderError(
+            f"{type(config).__name__} has no causal-LM class in transformers "
+            f"(model_type={getattr(config, 'model_type', None)!r})."
+        ) from exc
     return sorted(getattr(cls, "_no_split_modules", None) or [])
 
 
@@ -174,8 +198,9 @@ def _mesh_coordinate(mesh: Any, rank: int) -> Optional[List[int]]:
     return hits[0].tolist() if len(hits) else None
 
 
-def shard_slices(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-                 placements: Sequence[Any]) -> Tuple[slice, ...]:
+def shard_slices(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Any]
+) -> Tuple[slice, ...]:
     """The slice of the full tensor that mesh coordinate `coord` holds (Shard / Replicate placements).
 
     Shard(d) splits like torch.chunk: ceil(n / k) rows per rank, the last ones
@@ -273,7 +298,8 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
         raise ModelFolderError(
             f"{path!r} does not match the architecture in its config.json: "
             + (f"missing {len(missing)} tensor(s) {missing[:8]}; " if missing else "")
-            + (f"shape mismatch {mismatched[:8]}" if mismatched else ""))
+            + (f"shape mismatch {mismatched[:8]}" if mismatched else "")
+        )
     report.unexpected = sorted(set(by_key) - used)
     position = {key: i for i, (_, key, _) in enumerate(plan)}
     order.sort(key=lambda item: position[item[1]])  # file by file, in file order: sequential reads
@@ -296,8 +322,10 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     report.peak_growth = peak_rss_bytes() - report.rss_before
     report.end_growth = current_rss_bytes() - report.rss_before
     if report.unexpected and rank == 0:
-        warnings.warn(f"{len(report.unexpected)} checkpoint tensor(s) not used by the model: "
-                      f"{report.unexpected[:8]}", stacklevel=2)
+        warnings.warn(
+            f"{len(report.unexpected)} checkpoint tensor(s) not used by the model: {report.unexpected[:8]}",
+            stacklevel=2,
+        )
     return report
 
 
@@ -402,8 +430,11 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
         tensor.copy_(full.to(dtype=tensor.dtype))
     if ops.world_size() > 1:
         device = ops.collective_device()
-        buf = (tensor.contiguous().to(device) if rank == 0
-               else torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
+        buf = (
+            tensor.contiguous().to(device)
+            if rank == 0
+            else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        )
         dist.broadcast(buf, src=0)
         if rank != 0:
             tensor.copy_(buf)
@@ -414,7 +445,9 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
     part = param.ds_tensor.data.view(-1)
     n, numel = part.numel(), int(param.ds_numel)
     group = getattr(param, "ds_process_group", None)
-    members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))] if ops.world_size() > 1 else [0]
+    members = (
+        [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))] if ops.world_size() > 1 else [0]
+    )
     step = max(1, CHUNK_BYTES // part.element_size())
     rank = ops.rank()
     if len(members) != ops.world_size():
@@ -426,6 +459,7 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
             if rank == 0:
                 param.data.copy_(full.to(dtype=param.dtype).view(param.data.shape))
         return
+
     def bounds(index: int) -> Tuple[int, int]:  # the flat range the index-th member holds (unpadded)
         return index * n, min((index + 1) * n, numel)
 
@@ -437,14 +471,14 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
                 part[: max(0, hi - lo)].copy_(flat[lo:hi])
                 continue
             for start in range(lo, hi, step):
-                dist.send(flat[start:min(start + step, hi)].contiguous().to(ops.collective_device()), dst=dst)
+                dist.send(flat[start : min(start + step, hi)].contiguous().to(ops.collective_device()), dst=dst)
         return
     lo, hi = bounds(members.index(rank))
     for start in range(lo, hi, step):
         stop = min(start + step, hi)
         piece = scratch.get([stop - start], part.dtype, ops.collective_device())
         dist.recv(piece, src=0)
-        part[start - lo:stop - lo].copy_(piece)
+        part[start - lo : stop - lo].copy_(piece)
 
 
 # ------------------------------------------------------------------ export
@@ -482,9 +516,16 @@ def gathered(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 @torch.no_grad()
-def export_hf_folder(model: nn.Module, out_dir: str, *, config: Any, tokenizer: Any = None,
-                     source_dir: Optional[str] = None, max_shard_size: int = 5 * 2**30,
-                     dtype: Optional[torch.dtype] = None) -> Optional[str]:
+def export_hf_folder(
+    model: nn.Module,
+    out_dir: str,
+    *,
+    config: Any,
+    tokenizer: Any = None,
+    source_dir: Optional[str] = None,
+    max_shard_size: int = 5 * 2**30,
+    dtype: Optional[torch.dtype] = None,
+) -> Optional[str]:
     """Write a Hugging Face folder from a (sharded) model; every rank calls it, rank 0 writes.
 
     One tensor is all-gathered at a time; rank 0 keeps the current shard

@@ -6,6 +6,7 @@ name fails with the list of valid ones before any process is started.
 Importing the strategies does not import DeepSpeed (an extra): only building
 or running a DeepSpeedStrategy does.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Union
@@ -23,14 +24,19 @@ from shardwise.strategies.single import SingleDeviceStrategy
 # checkpoint/ names no strategy, so the strategy side registers it.
 register_reader(deepspeed_checkpoint.FORMAT, deepspeed_checkpoint.DeepSpeedReader)
 
-CLASSES: Dict[str, type] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy,
-                           "deepspeed": DeepSpeedStrategy}
+CLASSES: Dict[str, type] = {
+    "single": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "deepspeed": DeepSpeedStrategy,
+}
 
 STRATEGY_NAMES = ("auto", *STRATEGIES)
 
 
-def build_strategy(strategy: Union[str, Strategy], world_size: int = 1, blocks: Optional[Iterable[Any]] = None,
-                   **options: Any) -> Strategy:
+def build_strategy(
+    strategy: Union[str, Strategy], world_size: int = 1, blocks: Optional[Iterable[Any]] = None, **options: Any
+) -> Strategy:
     """Turn a name (or an instance, returned as is) into a strategy.
 
     `blocks`: the model's block classes, if known. FSDP then wraps each block as
@@ -49,19 +55,32 @@ def build_strategy(strategy: Union[str, Strategy], world_size: int = 1, blocks: 
     try:
         named = resolve(strategy, allow_ac=True)
     except ValueError:
-        raise ValueError(f"Unknown strategy {strategy!r}. Valid names: auto, {valid_names()}; or pass a strategy "
-                         "object such as FSDPStrategy(...).") from None
+        raise ValueError(
+            f"Unknown strategy {strategy!r}. Valid names: auto, {valid_names()}; or pass a strategy "
+            "object such as FSDPStrategy(...)."
+        ) from None
     kwargs = {**named.options, **options}
     units = set(blocks) if blocks else None
     if named.activation_checkpointing:
         if not units or named.kind not in ("fsdp", "deepspeed"):
-            raise ValueError(f"strategy={strategy!r}: activation checkpointing needs your block class; pass "
-                             "FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}) "
-                             "(or DeepSpeedStrategy(..., activation_checkpointing_policy={Block})).")
+            raise ValueError(
+                f"strategy={strategy!r}: activation checkpointing needs your block class; pass "
+                "FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}) "
+                "(or DeepSpeedStrategy(..., activation_checkpointing_policy={Block}))."
+            )
         kwargs["activation_checkpointing_policy"] = units
     if named.kind == "fsdp" and units:
         kwargs.setdefault("auto_wrap_policy", units)
     return CLASSES[named.kind](**kwargs)
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "build_strategy",
-           "STRATEGY_NAMES", "wrap"]
+
+__all__ = [
+    "Strategy",
+    "SingleDeviceStrategy",
+    "DDPStrategy",
+    "FSDPStrategy",
+    "DeepSpeedStrategy",
+    "build_strategy",
+    "STRATEGY_NAMES",
+    "wrap",
+]

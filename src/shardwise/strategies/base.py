@@ -22,6 +22,7 @@ can call them too (see README, "Without the Trainer"):
         strategy.optimizer_step(optimizer)
         optimizer.zero_grad()
 """
+
 from __future__ import annotations
 
 import atexit
@@ -43,8 +44,16 @@ from torch.distributed.fsdp.wrap import enable_wrap
 from shardwise.checkpoint.formats import load_model_and_optimizers, save_model_and_optimizers
 from shardwise.data import distribute_dataloader
 from shardwise.distributed import faults, ops
-from shardwise.distributed.env import (DistEnv, backend_for, detect_env, device_for, resolve_accelerator,
-                                       set_cpu_threads, single_process_env, tune_cpu_allocator)
+from shardwise.distributed.env import (
+    DistEnv,
+    backend_for,
+    detect_env,
+    device_for,
+    resolve_accelerator,
+    set_cpu_threads,
+    single_process_env,
+    tune_cpu_allocator,
+)
 from shardwise.precision import Precision, build_precision
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
 
@@ -116,27 +125,42 @@ class Strategy:
         self.fake_mode: Any = None
 
     # ------------------------------------------------------------------ set-up
-    def connect(self, accelerator: str = "auto", precision: Union[str, Precision, None] = None,
-                num_nodes: int = 1, devices: int = 1, timeout_s: Optional[float] = None) -> None:
+    def connect(
+        self,
+        accelerator: str = "auto",
+        precision: Union[str, Precision, None] = None,
+        num_nodes: int = 1,
+        devices: int = 1,
+        timeout_s: Optional[float] = None,
+    ) -> None:
         """Receive the Trainer's settings (accelerator, precision, layout, collective timeout) before setup."""
         self.accelerator = resolve_accelerator(accelerator)
         if timeout_s is not None:  # Trainer(timeout_s=...) wins over the strategy's default
             if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-                raise ValueError(f"timeout_s={timeout_s!r}: use a positive number of seconds (how long a "
-                                 "collective waits for a rank that stopped responding before the run fails).")
+                raise ValueError(
+                    f"timeout_s={timeout_s!r}: use a positive number of seconds (how long a "
+                    "collective waits for a rank that stopped responding before the run fails)."
+                )
             self.timeout_s = float(timeout_s)
         if precision is not None and self._precision_arg is not None:
             mine = build_precision(self._precision_arg, self.accelerator).name
             theirs = build_precision(precision, self.accelerator).name
             if mine != theirs:
-                raise ValueError(f"The strategy was given precision={mine!r} but the Trainer "
-                                 f"precision={theirs!r}; set it in one place.")
+                raise ValueError(
+                    f"The strategy was given precision={mine!r} but the Trainer "
+                    f"precision={theirs!r}; set it in one place."
+                )
         self.precision = build_precision(precision or self._precision_arg or "32-true", self.accelerator)
         self.num_nodes = num_nodes
         self.devices = devices
 
-    def configure_training(self, accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
-                           gradient_clip_algorithm: str = "norm", micro_batch_size: Optional[int] = None) -> None:
+    def configure_training(
+        self,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: str = "norm",
+        micro_batch_size: Optional[int] = None,
+    ) -> None:
         """Receive the loop's settings before launch; a no-op unless the engine owns them.
 
         DeepSpeed's engine does accumulation, clipping and sizes its buffers by
@@ -164,8 +188,11 @@ class Strategy:
         if not dist.is_initialized():
             if self.env.is_distributed:
                 faults.maybe_check_collectives(self.name)
-                self._init_process_group(self.env.global_rank, self.env.world_size,
-                                         init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}")
+                self._init_process_group(
+                    self.env.global_rank,
+                    self.env.world_size,
+                    init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
+                )
             elif self.needs_process_group:
                 # A world of one rendezvous with itself: an in-process store, no port. (A tcp://
                 # rendezvous under torch's elastic agent, which sets TORCHELASTIC_USE_AGENT_STORE,
@@ -173,12 +200,17 @@ class Strategy:
                 self._init_process_group(0, 1, store=dist.HashStore())
         self.grad_scaler = self.precision.grad_scaler(self.root_device)
 
-    def _init_process_group(self, rank: int, world_size: int, init_method: Optional[str] = None,
-                            store: Optional[dist.Store] = None) -> None:
+    def _init_process_group(
+        self, rank: int, world_size: int, init_method: Optional[str] = None, store: Optional[dist.Store] = None
+    ) -> None:
         """The one place shardwise creates the default process group (and destroys it at exit)."""
         dist.init_process_group(
-            backend=backend_for(self.root_device.type), rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=self.timeout_s), init_method=init_method, store=store,
+            backend=backend_for(self.root_device.type),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+            init_method=init_method,
+            store=store,
             # NCCL bound to this rank's GPU: communicators are created eagerly on it,
             # and mesh subgroups / point-to-point pairs split from it instead of each
             # building its own (the recipe's loader would otherwise add W-1 on rank 0).
@@ -240,16 +272,18 @@ class Strategy:
 
     def _torch_wrap(self, module: nn.Module, **overrides: Any) -> nn.Module:
         if overrides:
-            warnings.warn(f"wrap(..., {', '.join(overrides)}=...) inside configure_model: shardwise shards the "
-                          "module as its own unit with the strategy's settings; per-unit overrides are ignored.",
-                          stacklevel=3)
+            warnings.warn(
+                f"wrap(..., {', '.join(overrides)}=...) inside configure_model: shardwise shards the "
+                "module as its own unit with the strategy's settings; per-unit overrides are ignored.",
+                stacklevel=3,
+            )
         return self._manual_wrap(module)
 
     def _manual_wrap(self, module: nn.Module) -> nn.Module:
         return module
 
     def materialize(self, module: nn.Module, device: Optional[torch.device] = None) -> None:
-        """Allocate and initialise meta tensors on `device` (default: this rank's), the same weights under every strategy.
+        """Allocate and initialise meta tensors on `device` (default: this rank's): the same weights under any strategy.
 
         In fake mode (setup_fake_environment) every tensor becomes a fake one of the same
         shape instead: nothing is allocated and no initialisation runs.
@@ -260,8 +294,9 @@ class Strategy:
             return
         if has_meta_tensors(module):
             init_weights = getattr(module, "init_weights", None)
-            materialize_module(module, device or self.root_device, global_seed(),
-                               init_weights if callable(init_weights) else None)
+            materialize_module(
+                module, device or self.root_device, global_seed(), init_weights if callable(init_weights) else None
+            )
 
     def _prepare(self, module: nn.Module) -> nn.Module:
         """Shared first step: dtype for true-half runs, then device."""
@@ -282,8 +317,9 @@ class Strategy:
         return optimizer
 
     def setup_dataloader(self, dataloader, shuffle: Optional[bool] = None, seed: Optional[int] = None):
-        return distribute_dataloader(dataloader, self.world_size, self.global_rank,
-                                     seed=global_seed() if seed is None else seed, shuffle=shuffle)
+        return distribute_dataloader(
+            dataloader, self.world_size, self.global_rank, seed=global_seed() if seed is None else seed, shuffle=shuffle
+        )
 
     # ------------------------------------------------------------------ steps
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -327,8 +363,13 @@ class Strategy:
     def _grads(self, model: nn.Module) -> List[torch.Tensor]:
         return [p for p in model.parameters() if p.grad is not None]
 
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_norm: Optional[float] = None, max_value: Optional[float] = None) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: Optional[float] = None,
+        max_value: Optional[float] = None,
+    ) -> Optional[torch.Tensor]:
         """Clip by global norm (or value); return the total norm before clipping."""
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(optimizer)
@@ -406,8 +447,14 @@ class Strategy:
         return "full"
 
     def save_checkpoint(self, path: str, state: Dict[str, Any]) -> Optional[Any]:
-        return save_model_and_optimizers(self.module, self.optimizers, path, state, self.checkpoint_format,
-                                         async_save=bool(getattr(self, "async_save", False)))
+        return save_model_and_optimizers(
+            self.module,
+            self.optimizers,
+            path,
+            state,
+            self.checkpoint_format,
+            async_save=bool(getattr(self, "async_save", False)),
+        )
 
     def load_checkpoint(self, path: str, checkpoint_format: str) -> Dict[str, Any]:
         return load_model_and_optimizers(self.module, self.optimizers, path, checkpoint_format)
@@ -419,4 +466,3 @@ class Strategy:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
-

@@ -6,6 +6,7 @@ same weights as an FSDP or single-device run with the same seed. Gradients
 live in DDP's communication buckets (gradient_as_bucket_view) instead of in
 a second copy, which is the lowest-memory DDP configuration.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,12 +21,21 @@ from shardwise.strategies.base import Strategy
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, precision: Any = None, find_unused_parameters: bool = False,
-                 static_graph: bool = False, gradient_as_bucket_view: bool = True,
-                 bucket_cap_mb: Optional[float] = None, timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        precision: Any = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: Optional[float] = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
         super().__init__(precision=precision, timeout_s=timeout_s)
-        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                               gradient_as_bucket_view=gradient_as_bucket_view)
+        self.ddp_kwargs = dict(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
 

@@ -18,6 +18,7 @@ the gloo group our base class created. Checkpoints go through the engine
 (its sharded layout) and are converted with zero_to_fp32, checked against a
 manifest of every parameter (see deepspeed_checkpoint.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,11 +35,18 @@ from torch import nn
 
 from shardwise.strategies.base import Strategy, global_seed
 from shardwise.strategies.deepspeed_checkpoint import load_engine_checkpoint, save_engine_checkpoint
-from shardwise.strategies.deepspeed_config import (DeepSpeedConfigError, _offload_device, build_config,
-                                                   cpu_adam_problem, load_config, size_limits)
+from shardwise.strategies.deepspeed_config import (
+    DeepSpeedConfigError,
+    _offload_device,
+    build_config,
+    cpu_adam_problem,
+    load_config,
+    size_limits,
+)
 from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
 from shardwise.strategies.materialize import _reset_fn, _reset_own, module_seed, rng_devices
+
 
 class DeepSpeedStrategy(Strategy):
     """ZeRO data parallelism through DeepSpeed's engine. See README "DeepSpeed ZeRO" for every knob.
@@ -51,12 +59,21 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     needs_process_group = True  # DeepSpeed's collectives assume a group, even for one process
 
-    def __init__(self, stage: Optional[int] = None, offload_optimizer: Optional[bool] = None,
-                 offload_parameters: Optional[bool] = None, partition_activations: Optional[bool] = None,
-                 cpu_checkpointing: Optional[bool] = None, contiguous_memory_optimization: Optional[bool] = None,
-                 activation_checkpointing_policy: Any = None, config: Union[None, str, Dict[str, Any]] = None,
-                 cpu_offload: Optional[bool] = None, logging_level: int = logging.WARNING,
-                 precision: Any = None, timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        stage: Optional[int] = None,
+        offload_optimizer: Optional[bool] = None,
+        offload_parameters: Optional[bool] = None,
+        partition_activations: Optional[bool] = None,
+        cpu_checkpointing: Optional[bool] = None,
+        contiguous_memory_optimization: Optional[bool] = None,
+        activation_checkpointing_policy: Any = None,
+        config: Union[None, str, Dict[str, Any]] = None,
+        cpu_offload: Optional[bool] = None,
+        logging_level: int = logging.WARNING,
+        precision: Any = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
         super().__init__(precision=precision, timeout_s=timeout_s)
         self.user_config = load_config(config)
         for key in ("optimizer", "scheduler"):
@@ -64,14 +81,20 @@ class DeepSpeedStrategy(Strategy):
                 raise DeepSpeedConfigError(
                     f"The DeepSpeed config has a {key!r} section, but shardwise takes the optimizer and LR "
                     f"scheduler from configure_optimizers(). Remove the section and return the optimizer "
-                    "there (DeepSpeedCPUAdam for offloaded training, or torch Adam/AdamW).")
+                    "there (DeepSpeedCPUAdam for offloaded training, or torch Adam/AdamW)."
+                )
         if cpu_offload is not None:  # Lightning 1.x's DeepSpeedPlugin(cpu_offload=True)
             offload_optimizer = cpu_offload if offload_optimizer is None else offload_optimizer
             if (stage if stage is not None else self.user_config.get("zero_optimization", {}).get("stage")) == 3:
                 offload_parameters = cpu_offload if offload_parameters is None else offload_parameters
-        self.args = dict(stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
-                         partition_activations=partition_activations, cpu_checkpointing=cpu_checkpointing,
-                         contiguous_memory_optimization=contiguous_memory_optimization)
+        self.args = dict(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            partition_activations=partition_activations,
+            cpu_checkpointing=cpu_checkpointing,
+            contiguous_memory_optimization=contiguous_memory_optimization,
+        )
         build_policy_fn(activation_checkpointing_policy, "activation_checkpointing_policy")
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.logging_level = logging_level
@@ -86,12 +109,14 @@ class DeepSpeedStrategy(Strategy):
             if problem is not None:
                 raise DeepSpeedConfigError(
                     f"offload_optimizer=True steps the optimizer on the host with DeepSpeedCPUAdam, which is "
-                    f"required here but unavailable: {problem}. Install it, or set offload_optimizer=False.")
+                    f"required here but unavailable: {problem}. Install it, or set offload_optimizer=False."
+                )
 
     # ------------------------------------------------------------- config
     def _build_config(self) -> Dict[str, Any]:
-        return build_config(self.user_config, self.args, self.precision.name if self.precision else None,
-                            self.loop, self.world_hint)
+        return build_config(
+            self.user_config, self.args, self.precision.name if self.precision else None, self.loop, self.world_hint
+        )
 
     @property
     def stage(self) -> int:
@@ -109,21 +134,36 @@ class DeepSpeedStrategy(Strategy):
     def offload_parameters(self) -> bool:
         return bool(_offload_device(self.config["zero_optimization"], "offload_param"))
 
-    def connect(self, accelerator: str = "auto", precision: Any = None, num_nodes: int = 1, devices: int = 1,
-                timeout_s: Optional[float] = None) -> None:
+    def connect(
+        self,
+        accelerator: str = "auto",
+        precision: Any = None,
+        num_nodes: int = 1,
+        devices: int = 1,
+        timeout_s: Optional[float] = None,
+    ) -> None:
         super().connect(accelerator, precision, num_nodes=num_nodes, devices=devices, timeout_s=timeout_s)
         ensure_accelerator_env(self.accelerator)
         self.world_hint = max(1, num_nodes * devices)
         self.config = self._build_config()
 
-    def configure_training(self, accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
-                           gradient_clip_algorithm: str = "norm", micro_batch_size: Optional[int] = None) -> None:
+    def configure_training(
+        self,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: str = "norm",
+        micro_batch_size: Optional[int] = None,
+    ) -> None:
         if gradient_clip_val is not None and gradient_clip_algorithm != "norm":
-            raise DeepSpeedConfigError("DeepSpeed clips gradients by global norm only; "
-                                       f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not available.")
-        self.loop = dict(accumulate_grad_batches=accumulate_grad_batches,
-                         gradient_clip_val=float(gradient_clip_val) if gradient_clip_val is not None else None,
-                         micro_batch_size=micro_batch_size)
+            raise DeepSpeedConfigError(
+                "DeepSpeed clips gradients by global norm only; "
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not available."
+            )
+        self.loop = dict(
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=float(gradient_clip_val) if gradient_clip_val is not None else None,
+            micro_batch_size=micro_batch_size,
+        )
         self.config = self._build_config()
 
     # ------------------------------------------------------------- set-up
@@ -133,22 +173,29 @@ class DeepSpeedStrategy(Strategy):
         ensure_accelerator_env(self.accelerator)
         super().setup_environment()
         # DeepSpeed reads these even when the group exists (device choice, logging).
-        for key, value in (("RANK", self.global_rank), ("LOCAL_RANK", self.local_rank),
-                           ("WORLD_SIZE", self.world_size), ("LOCAL_WORLD_SIZE", self.env.local_world_size)):
+        for key, value in (
+            ("RANK", self.global_rank),
+            ("LOCAL_RANK", self.local_rank),
+            ("WORLD_SIZE", self.world_size),
+            ("LOCAL_WORLD_SIZE", self.env.local_world_size),
+        ):
             os.environ.setdefault(key, str(value))
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
         # DeepSpeed's comm layer compiles a shared-memory all-reduce op on first use
         # (minutes on a fresh machine); it serves only inference_all_reduce, which
         # training never calls, so skip building it.
         ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # the attribute is shadowed by torch
-        if getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None) is None and \
-                hasattr(ds_torch_comm, "build_shm_op"):
+        if getattr(importlib.import_module("deepspeed.comm.comm"), "cdb", None) is None and hasattr(
+            ds_torch_comm, "build_shm_op"
+        ):
             ds_torch_comm.build_shm_op = lambda: None
         # Adopt our process group instead of letting DeepSpeed create (or MPI-discover) one.
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
         if deepspeed.comm.get_world_size() != dist.get_world_size():
-            raise RuntimeError(f"deepspeed.comm sees world size {deepspeed.comm.get_world_size()} but the process "
-                               f"group has {dist.get_world_size()}.")
+            raise RuntimeError(
+                f"deepspeed.comm sees world size {deepspeed.comm.get_world_size()} but the process "
+                f"group has {dist.get_world_size()}."
+            )
         self.world_hint = dist.get_world_size()
         self.config = self._build_config()
         self.grad_scaler = None  # DeepSpeed scales fp16 losses itself
@@ -157,8 +204,10 @@ class DeepSpeedStrategy(Strategy):
         # The engine allocates its flat buffers and partitions in C++ and Python outside the
         # module's materialisation, so there is no fake mode to honour; the planner traces a
         # ZeRO stage as DDP and applies ZeRO's partitioning analytically (plan/analytic.py).
-        raise NotImplementedError("DeepSpeedStrategy cannot be set up on fake tensors; the memory planner traces "
-                                  "ZeRO stages as DDP and partitions the states analytically.")
+        raise NotImplementedError(
+            "DeepSpeedStrategy cannot be set up on fake tensors; the memory planner traces "
+            "ZeRO stages as DDP and partitions the states analytically."
+        )
 
     @contextlib.contextmanager
     def module_init_context(self) -> Iterator[None]:
@@ -176,8 +225,10 @@ class DeepSpeedStrategy(Strategy):
         # without AVX512-FP16 (AMD EPYC). check_zero3_dtypes() guards the result.
         # fork_rng: construction-time init is thrown away (setup_module re-initialises),
         # so it must not advance the global RNG that DDP's meta build leaves untouched.
-        with torch.random.fork_rng(devices=rng_devices()), deepspeed.zero.Init(
-                config_dict_or_path=copy.deepcopy(self.config), remote_device=remote, dtype=None):
+        with (
+            torch.random.fork_rng(devices=rng_devices()),
+            deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(self.config), remote_device=remote, dtype=None),
+        ):
             yield
 
     def _param_dtype(self) -> torch.dtype:
@@ -197,11 +248,15 @@ class DeepSpeedStrategy(Strategy):
             module = module.to(self.root_device)
         if self.activation_checkpointing_policy is not None:
             self.num_checkpointed = apply_deepspeed_checkpointing(module, self.activation_checkpointing_policy)
-        elif self.config.get("activation_checkpointing", {}).get("partition_activations") or \
-                self.config.get("activation_checkpointing", {}).get("cpu_checkpointing"):
-            warnings.warn("partition_activations / cpu_checkpointing act only on layers run through "
-                          "deepspeed.checkpointing.checkpoint; pass activation_checkpointing_policy={YourBlock} "
-                          "to have shardwise wrap them.", stacklevel=2)
+        elif self.config.get("activation_checkpointing", {}).get("partition_activations") or self.config.get(
+            "activation_checkpointing", {}
+        ).get("cpu_checkpointing"):
+            warnings.warn(
+                "partition_activations / cpu_checkpointing act only on layers run through "
+                "deepspeed.checkpointing.checkpoint; pass activation_checkpointing_policy={YourBlock} "
+                "to have shardwise wrap them.",
+                stacklevel=2,
+            )
         self._configure_activation_checkpointing()
         self.module = module
         return module
@@ -220,28 +275,36 @@ class DeepSpeedStrategy(Strategy):
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
         number = ac.get("number_checkpoints") or self.num_checkpointed or None
         if ac.get("contiguous_memory_optimization") and not number:
-            raise DeepSpeedConfigError("contiguous_memory_optimization=True needs the number of checkpointed "
-                                       "layers: pass activation_checkpointing_policy={YourBlock} or set "
-                                       "activation_checkpointing.number_checkpoints in the config.")
+            raise DeepSpeedConfigError(
+                "contiguous_memory_optimization=True needs the number of checkpointed "
+                "layers: pass activation_checkpointing_policy={YourBlock} or set "
+                "activation_checkpointing.number_checkpoints in the config."
+            )
         deepspeed.checkpointing.configure(
-            None, partition_activations=bool(ac.get("partition_activations")),
-            contiguous_checkpointing=bool(ac.get("contiguous_memory_optimization")), num_checkpoints=number,
+            None,
+            partition_activations=bool(ac.get("partition_activations")),
+            contiguous_checkpointing=bool(ac.get("contiguous_memory_optimization")),
+            num_checkpoints=number,
             checkpoint_in_cpu=bool(ac.get("cpu_checkpointing")),
-            synchronize=bool(ac.get("synchronize_checkpoint_boundary")), profile=False)
+            synchronize=bool(ac.get("synchronize_checkpoint_boundary")),
+            profile=False,
+        )
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Build the engine around the model and this optimizer (DeepSpeed drives exactly one)."""
         if self.engine is not None:
-            raise RuntimeError("DeepSpeed drives exactly one optimizer per model, but configure_optimizers() "
-                               "returned more than one. Merge them into param groups of one optimizer.")
+            raise RuntimeError(
+                "DeepSpeed drives exactly one optimizer per model, but configure_optimizers() "
+                "returned more than one. Merge them into param groups of one optimizer."
+            )
         if self.module is None:
             raise RuntimeError("Call setup_module(model) before setup_optimizer(optimizer).")
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
         optimizer = self._maybe_cpu_optimizer(optimizer)
         self._fill_size_limits()
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
-                                                          config=copy.deepcopy(self.config),
-                                                          dist_init_required=False)
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=self.module, optimizer=optimizer, config=copy.deepcopy(self.config), dist_init_required=False
+        )
         self.engine = engine
         self.optimizers.append(ds_optimizer)
         return ds_optimizer
@@ -269,14 +332,21 @@ class DeepSpeedStrategy(Strategy):
             raise TypeError(
                 f"offload_optimizer=True needs DeepSpeedCPUAdam (or DeepSpeedCPUAdagrad / DeepSpeedCPULion): the "
                 f"offloaded step runs on the host. configure_optimizers() returned {type(optimizer).__name__}; "
-                "return deepspeed.ops.adam.DeepSpeedCPUAdam(...) or torch.optim.AdamW (swapped automatically).")
+                "return deepspeed.ops.adam.DeepSpeedCPUAdam(...) or torch.optim.AdamW (swapped automatically)."
+            )
         groups = optimizer.param_groups
         if any(g.get("amsgrad") for g in groups):
             raise TypeError("DeepSpeedCPUAdam has no amsgrad; use amsgrad=False with offload_optimizer=True.")
         adamw = isinstance(optimizer, torch.optim.AdamW) or bool(groups[0].get("decoupled_weight_decay"))
         first = groups[0]
-        return DeepSpeedCPUAdam(groups, lr=float(first["lr"]), betas=tuple(first["betas"]), eps=first["eps"],
-                                weight_decay=first["weight_decay"], adamw_mode=adamw)
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=float(first["lr"]),
+            betas=tuple(first["betas"]),
+            eps=first["eps"],
+            weight_decay=first["weight_decay"],
+            adamw_mode=adamw,
+        )
 
     # ------------------------------------------------------------- steps
     def _engine(self) -> Any:
@@ -313,8 +383,13 @@ class DeepSpeedStrategy(Strategy):
         self._engine().set_gradient_accumulation_boundary(not enabled)
         yield
 
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_norm: Optional[float] = None, max_value: Optional[float] = None) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: Optional[float] = None,
+        max_value: Optional[float] = None,
+    ) -> Optional[torch.Tensor]:
         """The engine clips inside step() at config['gradient_clipping']; this only checks they agree.
 
         Returns None: the norm exists only once the engine has stepped
@@ -327,14 +402,17 @@ class DeepSpeedStrategy(Strategy):
             raise DeepSpeedConfigError(
                 f"clip_gradients(max_norm={max_norm}) but the engine clips at gradient_clipping={configured} "
                 "inside its step. Pass the value before the engine is built: Trainer(gradient_clip_val=...) "
-                "or strategy.configure_training(gradient_clip_val=...).")
+                "or strategy.configure_training(gradient_clip_val=...)."
+            )
         return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         engine = self._engine()
         if not engine.is_gradient_accumulation_boundary():
-            raise RuntimeError("optimizer_step() after a non-final micro-batch: run the last micro-batch of each "
-                               "window under strategy.no_backward_sync(model, enabled=False).")
+            raise RuntimeError(
+                "optimizer_step() after a non-final micro-batch: run the last micro-batch of each "
+                "window under strategy.no_backward_sync(model, enabled=False)."
+            )
         engine.step()
         return bool(engine.was_step_applied())  # False when fp16 loss scaling skipped an overflow
 
@@ -389,9 +467,13 @@ def check_zero3_dtypes(root: nn.Module, expected: torch.dtype) -> None:
     weights a user exports have lost precision. Parameters built outside
     zero.Init (no `ds_tensor`) are the module's own and are not checked.
     """
-    wrong = [(name, p.ds_tensor.dtype) for name, p in root.named_parameters()
-             if getattr(p, "ds_tensor", None) is not None and p.ds_tensor.is_floating_point()
-             and p.ds_tensor.dtype != expected]
+    wrong = [
+        (name, p.ds_tensor.dtype)
+        for name, p in root.named_parameters()
+        if getattr(p, "ds_tensor", None) is not None
+        and p.ds_tensor.is_floating_point()
+        and p.ds_tensor.dtype != expected
+    ]
     if wrong:
         import deepspeed
 
@@ -400,7 +482,8 @@ def check_zero3_dtypes(root: nn.Module, expected: torch.dtype) -> None:
             f"DeepSpeed ZeRO-3 built {len(wrong)} parameter partitions in {dtype} (first: {name!r}) but the "
             f"precision asks for {expected}. DeepSpeed {deepspeed.__version__} chose the dtype itself; set the "
             "precision through Trainer(precision=...) only (not zero.Init or a config's dtype), or report "
-            "this with your DeepSpeed version.")
+            "this with your DeepSpeed version."
+        )
 
 
 @torch.no_grad()
@@ -471,6 +554,7 @@ def apply_deepspeed_checkpointing(root: nn.Module, policy: Any) -> int:
                 return _original(*args, **kwargs)
             positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
             if kwargs or len(positions) < len(args):
+
                 def run(*tensors: torch.Tensor) -> Any:
                     full = list(args)
                     for i, t in zip(positions, tensors):
@@ -484,6 +568,8 @@ def apply_deepspeed_checkpointing(root: nn.Module, policy: Any) -> int:
         module._shardwise_ds_checkpointed = True
         count += 1
     if count == 0:
-        raise ValueError(f"activation_checkpointing_policy={policy!r} matched no module of "
-                         f"{type(root).__name__}. The model contains: {describe_modules(root)}.")
+        raise ValueError(
+            f"activation_checkpointing_policy={policy!r} matched no module of "
+            f"{type(root).__name__}. The model contains: {describe_modules(root)}."
+        )
     return count

@@ -22,6 +22,7 @@ the three DeepSpeed types its own files hold (`DS_SAFE_GLOBALS`). Every file
 is also checksummed in the manifest after the save (each rank hashes a share)
 and verified before loading or converting.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,26 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from shardwise.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                         CorruptCheckpointError)
-from shardwise.checkpoint.integrity import (hash_files, record_checksums, verify_directory, write_error,
-                                            write_json_durably)
-from shardwise.checkpoint.layout import (MANIFEST_NAME, read_manifest, read_trainer_state, remove_checkpoint,
-                                         write_trainer_state)
+from shardwise.checkpoint.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
+from shardwise.checkpoint.integrity import (
+    hash_files,
+    record_checksums,
+    verify_directory,
+    write_error,
+    write_json_durably,
+)
+from shardwise.checkpoint.layout import (
+    MANIFEST_NAME,
+    read_manifest,
+    read_trainer_state,
+    remove_checkpoint,
+    write_trainer_state,
+)
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo
 from shardwise.checkpoint.safety import iter_files, safe_torch_load, unsafe_error, unsafe_globals
 from shardwise.distributed import ops
@@ -46,10 +61,12 @@ from shardwise.strategies.deepspeed_env import ensure_accelerator_env
 
 FORMAT = "deepspeed"
 #: What DeepSpeed 0.19's ZeRO files pickle besides tensors and plain data (found by scanning stages 0-3).
-DS_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                   "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                   "deepspeed.runtime.zero.config.ZeroStageEnum",
-                   "deepspeed.utils.tensor_fragment.fragment_address")
+DS_SAFE_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
 ENGINE_TAG = "engine"
 UNIVERSAL_TAG = "universal"
 PARAMS_NAME = "deepspeed.json"
@@ -61,8 +78,12 @@ def describe_model(module: nn.Module) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 parameters are empty locally
-        entry = {"shape": list(shape), "dtype": str(p.dtype).replace("torch.", ""), "kind": "parameter",
-                 "requires_grad": bool(p.requires_grad)}
+        entry = {
+            "shape": list(shape),
+            "dtype": str(p.dtype).replace("torch.", ""),
+            "kind": "parameter",
+            "requires_grad": bool(p.requires_grad),
+        }
         if id(p) in owners:
             entry["alias_of"] = owners[id(p)]
         else:
@@ -79,8 +100,10 @@ def describe_model(module: nn.Module) -> Dict[str, Dict[str, Any]]:
 def read_params(path: str) -> Dict[str, Any]:
     file = os.path.join(path, PARAMS_NAME)
     if not os.path.exists(file):
-        raise CorruptCheckpointError(f"{path} has no {PARAMS_NAME}: it is not a complete shardwise DeepSpeed "
-                                     "checkpoint (or it was written by another tool).")
+        raise CorruptCheckpointError(
+            f"{path} has no {PARAMS_NAME}: it is not a complete shardwise DeepSpeed "
+            "checkpoint (or it was written by another tool)."
+        )
     with open(file) as fh:
         return json.load(fh)
 
@@ -98,9 +121,12 @@ def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> N
     if strategy.is_global_zero:
         try:
             write_trainer_state(path, state)
-            info = {"stage": strategy.stage, "world_size": strategy.world_size,
-                    "precision": strategy.precision.name if strategy.precision else None,
-                    "tensors": describe_model(strategy.module)}
+            info = {
+                "stage": strategy.stage,
+                "world_size": strategy.world_size,
+                "precision": strategy.precision.name if strategy.precision else None,
+                "tensors": describe_model(strategy.module),
+            }
             write_json_durably(os.path.join(path, PARAMS_NAME), info)
         except (OSError, CheckpointError) as exc:
             error = write_error(exc, path)
@@ -110,7 +136,7 @@ def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> N
     if error is None:
         try:
             files = [f for f in iter_files(path) if f != MANIFEST_NAME]
-            sums = hash_files(path, files[strategy.global_rank::strategy.world_size])
+            sums = hash_files(path, files[strategy.global_rank :: strategy.world_size])
         except OSError as exc:
             error = write_error(exc, path)
     gathered = ops.all_gather_object((sums, None if error is None else str(error)))
@@ -120,8 +146,9 @@ def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> N
         except (OSError, CheckpointError) as exc:
             error = write_error(exc, path)
     strategy.barrier("deepspeed-checksums")
-    errors = [e for _, e in gathered if e] + ([str(error)] if error is not None and not any(
-        e for _, e in gathered) else [])
+    errors = [e for _, e in gathered if e] + (
+        [str(error)] if error is not None and not any(e for _, e in gathered) else []
+    )
     if errors:
         # Every rank knows and raises together (no rank left waiting); the
         # temporary directory is removed here since no commit will follow.
@@ -146,18 +173,19 @@ def check_engine_files(path: str) -> None:
 
 def verify_checkpoint(strategy: Any, path: str) -> None:
     """Checksums (a share per rank, verdicts shared) and the global scan, before DeepSpeed reads anything."""
-    verify_directory(path, read_manifest(path), strategy.global_rank, strategy.world_size,
-                     gather=ops.all_gather_object)
+    verify_directory(path, read_manifest(path), strategy.global_rank, strategy.world_size, gather=ops.all_gather_object)
     check_engine_files(path)
 
 
-def load_engine_checkpoint(strategy: Any, path: str, checkpoint_format: str = FORMAT,
-                           load_optimizer_states: bool = True) -> Dict[str, Any]:
+def load_engine_checkpoint(
+    strategy: Any, path: str, checkpoint_format: str = FORMAT, load_optimizer_states: bool = True
+) -> Dict[str, Any]:
     if checkpoint_format != FORMAT:
         raise CheckpointFormatError(
             f"{path} is a {checkpoint_format!r} checkpoint, which the DeepSpeed engine cannot load. Convert it to "
             f"weights (`shardwise convert {path} weights.safetensors`), load them into the model in "
-            "configure_model, and start a new run (the optimizer state does not carry over).")
+            "configure_model, and start a new run (the optimizer state does not carry over)."
+        )
     verify_checkpoint(strategy, path)
     info = read_params(path)
     engine = strategy._engine()
@@ -166,8 +194,13 @@ def load_engine_checkpoint(strategy: Any, path: str, checkpoint_format: str = FO
         tag = _universal_for(strategy, path, info)
     engine._config.load_universal_checkpoint = tag == UNIVERSAL_TAG  # read by load_checkpoint only
     try:
-        loaded, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=load_optimizer_states,
-                                           load_lr_scheduler_states=False, load_module_strict=True)
+        loaded, _ = engine.load_checkpoint(
+            path,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=False,
+            load_module_strict=True,
+        )
     finally:
         engine._config.load_universal_checkpoint = False
     if loaded is None:
@@ -197,7 +230,8 @@ def _universal_for(strategy: Any, path: str, info: Dict[str, Any]) -> str:
             f"{path} was saved by {info['world_size']} ranks and this run has {strategy.world_size}. Converting it "
             f"to DeepSpeed's universal checkpoint failed ({error}). Resume with devices x num_nodes = "
             f"{info['world_size']}, or start a new run from its weights: `shardwise convert {path} "
-            "weights.safetensors` and load them in configure_model.")
+            "weights.safetensors` and load them in configure_model."
+        )
     return UNIVERSAL_TAG
 
 
@@ -208,8 +242,15 @@ def to_universal(engine_dir: str, output_dir: str) -> None:
     # inject_missing_state: stages 1-2 need a universal_checkpoint_info entry that only tensor-parallel
     # clients (Megatron) write; for pure data parallelism DeepSpeed's own default (its version) is right.
     # Without it a ZeRO-1/2 checkpoint could not resume at another world size (stage 3 never needed it).
-    args = argparse.Namespace(input_folder=engine_dir, output_folder=output_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=engine_dir,
+        output_folder=output_dir,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     ds_to_universal.main(args)
 
 
@@ -231,13 +272,17 @@ def consolidate(path: str, names: Optional[Iterable[str]] = None) -> Dict[str, t
         if name not in state and owner is not None and owner in state:
             state[name] = state[owner]
     missing = [n for n in expected if n not in state]
-    wrong = [f"{n}: {tuple(state[n].shape)} instead of {tuple(expected[n]['shape'])}"
-             for n in expected if n in state and tuple(state[n].shape) != tuple(expected[n]["shape"])]
+    wrong = [
+        f"{n}: {tuple(state[n].shape)} instead of {tuple(expected[n]['shape'])}"
+        for n in expected
+        if n in state and tuple(state[n].shape) != tuple(expected[n]["shape"])
+    ]
     if missing or wrong:
         lines = [f"  - missing {n}" for n in missing[:20]] + [f"  - {w}" for w in wrong[:20]]
         raise CorruptCheckpointError(
             f"Consolidating {path} lost {len(missing)} tensor(s) and mis-shaped {len(wrong)} of the "
-            f"{len(expected)} the model had:\n" + "\n".join(lines))
+            f"{len(expected)} the model had:\n" + "\n".join(lines)
+        )
     wanted = list(expected) if names is None else list(names)
     return {n: state[n].detach().contiguous() for n in wanted}
 
@@ -277,4 +322,3 @@ class DeepSpeedReader(CheckpointReader):
 
     def trainer_state(self) -> Dict[str, Any]:
         return read_trainer_state(self.path)
-

@@ -9,6 +9,7 @@ and disagree the error names both. It is a pure function, called from the
 strategy's constructor and again as the Trainer's settings arrive, so every
 contradiction surfaces in the user's process before a worker starts.
 """
+
 from __future__ import annotations
 
 import copy
@@ -71,7 +72,8 @@ def reconcile(section: Dict[str, Any], key: str, ours: Any, path: str, ours_name
     if ours is not None and theirs != ours:
         raise DeepSpeedConfigError(
             f"The DeepSpeed config sets {path}={theirs!r} but {ours_name}={ours!r}. "
-            "Set it in one place (the config wins only where shardwise has no value of its own).")
+            "Set it in one place (the config wins only where shardwise has no value of its own)."
+        )
     return theirs
 
 
@@ -108,8 +110,13 @@ def cpu_adam_problem() -> Optional[str]:
     return None
 
 
-def build_config(user_config: Dict[str, Any], args: Dict[str, Any], precision: Optional[str] = None,
-                 loop: Optional[Dict[str, Any]] = None, world_size: Optional[int] = None) -> Dict[str, Any]:
+def build_config(
+    user_config: Dict[str, Any],
+    args: Dict[str, Any],
+    precision: Optional[str] = None,
+    loop: Optional[Dict[str, Any]] = None,
+    world_size: Optional[int] = None,
+) -> Dict[str, Any]:
     """User config + strategy arguments + precision + loop settings -> DeepSpeed's config (or an error).
 
     `precision` (a shardwise precision name), `loop` (accumulate_grad_batches,
@@ -122,15 +129,20 @@ def build_config(user_config: Dict[str, Any], args: Dict[str, Any], precision: O
     if stage not in STAGES:
         raise DeepSpeedConfigError(
             f"ZeRO stage={stage!r} does not exist. Stages: 0 (plain data parallel), 1 (shard optimizer "
-            "state), 2 (+ gradients), 3 (+ parameters).")
+            "state), 2 (+ gradients), 3 (+ parameters)."
+        )
     zero["stage"] = stage
     pin = torch.cuda.is_available()  # pinned host memory only helps device copies
-    for arg, key, ok in (("offload_optimizer", "offload_optimizer", stage >= 1),
-                         ("offload_parameters", "offload_param", stage == 3)):
+    for arg, key, ok in (
+        ("offload_optimizer", "offload_optimizer", stage >= 1),
+        ("offload_parameters", "offload_param", stage == 3),
+    ):
         theirs, ours = _offload_device(zero, key), args[arg]
         if theirs is not None and ours is not None and theirs != ours:
-            raise DeepSpeedConfigError(f"The DeepSpeed config sets zero_optimization.{key}.device="
-                                       f"{zero[key].get('device')!r} but {arg}={ours!r}; set it in one place.")
+            raise DeepSpeedConfigError(
+                f"The DeepSpeed config sets zero_optimization.{key}.device="
+                f"{zero[key].get('device')!r} but {arg}={ours!r}; set it in one place."
+            )
         if ours and theirs is None:
             zero[key] = {"device": "cpu", "pin_memory": pin}
         if (theirs or ours) and not ok:
@@ -140,18 +152,24 @@ def build_config(user_config: Dict[str, Any], args: Dict[str, Any], precision: O
     for arg in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         reconcile(ac, arg, args[arg], f"activation_checkpointing.{arg}", arg)
     if ac.get("contiguous_memory_optimization") and not ac.get("partition_activations"):
-        raise DeepSpeedConfigError("contiguous_memory_optimization=True works only together with "
-                                   "partition_activations=True (DeepSpeed packs the partitioned activations).")
+        raise DeepSpeedConfigError(
+            "contiguous_memory_optimization=True works only together with "
+            "partition_activations=True (DeepSpeed packs the partitioned activations)."
+        )
     if ac:
         cfg["activation_checkpointing"] = ac
     _reconcile_precision(cfg, precision)
     _reconcile_loop(cfg, loop or {}, world_size)
     # Fill the rest quietly: allow any torch optimizer, and keep DeepSpeed's
     # periodic stdout reports and timers out of the user's progress bar.
-    for key, value in (("zero_allow_untested_optimizer", True), ("steps_per_print", 2**31 - 1),
-                       ("wall_clock_breakdown", False)):
+    for key, value in (
+        ("zero_allow_untested_optimizer", True),
+        ("steps_per_print", 2**31 - 1),
+        ("wall_clock_breakdown", False),
+    ):
         cfg.setdefault(key, value)
     return cfg
+
 
 def _reconcile_precision(cfg: Dict[str, Any], name: Optional[str]) -> None:
     if name is None:
@@ -163,22 +181,36 @@ def _reconcile_precision(cfg: Dict[str, Any], name: Optional[str]) -> None:
         enabled = (cfg.get(section) or {}).get("enabled")
         enabled = None if _unset(enabled) else bool(enabled)
         if enabled is not None and enabled != (section == want):
-            raise DeepSpeedConfigError(f"The DeepSpeed config sets {section}.enabled={enabled} but the "
-                                       f"Trainer's precision={name!r}; set precision in one place.")
+            raise DeepSpeedConfigError(
+                f"The DeepSpeed config sets {section}.enabled={enabled} but the "
+                f"Trainer's precision={name!r}; set precision in one place."
+            )
         if section == want:
             _section(cfg, section)["enabled"] = True  # fp16: DeepSpeed's dynamic loss scaling by default
 
+
 def _reconcile_loop(cfg: Dict[str, Any], loop: Dict[str, Any], world_size: Optional[int]) -> None:
-    reconcile(cfg, "gradient_accumulation_steps", loop.get("accumulate_grad_batches"),
-              "gradient_accumulation_steps", "Trainer(accumulate_grad_batches)")
-    reconcile(cfg, "gradient_clipping", loop.get("gradient_clip_val"),
-              "gradient_clipping", "Trainer(gradient_clip_val)")
+    reconcile(
+        cfg,
+        "gradient_accumulation_steps",
+        loop.get("accumulate_grad_batches"),
+        "gradient_accumulation_steps",
+        "Trainer(accumulate_grad_batches)",
+    )
+    reconcile(
+        cfg, "gradient_clipping", loop.get("gradient_clip_val"), "gradient_clipping", "Trainer(gradient_clip_val)"
+    )
     if "gradient_clip_val" in loop and _unset(cfg.get("gradient_clipping")):
         # No clipping was asked for, and DeepSpeed clips at norm 1.0 when the key is
         # absent: an unclipped run would take smaller steps than under DDP or FSDP.
         cfg["gradient_clipping"] = 0.0
-    micro = reconcile(cfg, "train_micro_batch_size_per_gpu", loop.get("micro_batch_size"),
-                      "train_micro_batch_size_per_gpu", "the DataLoader's batch_size")
+    micro = reconcile(
+        cfg,
+        "train_micro_batch_size_per_gpu",
+        loop.get("micro_batch_size"),
+        "train_micro_batch_size_per_gpu",
+        "the DataLoader's batch_size",
+    )
     if micro is None:  # a hand-written loop that never said: DeepSpeed only uses it for reporting
         micro = cfg["train_micro_batch_size_per_gpu"] = 1
     gas = cfg.setdefault("gradient_accumulation_steps", 1)
@@ -189,15 +221,21 @@ def _reconcile_loop(cfg: Dict[str, Any], loop: Dict[str, Any], world_size: Optio
     elif world_size is not None and total != expected:  # the world size is known from connect() on
         raise DeepSpeedConfigError(
             f"The DeepSpeed config sets train_batch_size={total} but micro-batch {micro} x accumulation "
-            f"{gas} x world size {world_size} = {expected}. Remove train_batch_size or make them agree.")
+            f"{gas} x world size {world_size} = {expected}. Remove train_batch_size or make them agree."
+        )
 
 
 # DeepSpeed's size limits (in elements) are absolute numbers chosen for ~10B-parameter
 # models: buckets are allocated whole (2 GB per rank in fp32 at stage 3) and ZeRO-3
 # keeps up to max_live_parameters gathered, so for a small model they mean "allocate
 # gigabytes of buffers" and "never re-shard", hiding what ZeRO saves.
-SIZE_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                 "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+SIZE_DEFAULTS = {
+    "reduce_bucket_size": 5e8,
+    "allgather_bucket_size": 5e8,
+    "stage3_prefetch_bucket_size": 5e7,
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+}
 
 
 def size_limits(numels: List[int], user_zero: Optional[Dict[str, Any]] = None) -> Dict[str, int]:
@@ -212,5 +250,8 @@ def size_limits(numels: List[int], user_zero: Optional[Dict[str, Any]] = None) -
     cap = max(max(numels), sum(numels) // 8, 2**20)
     user_zero = user_zero or {}
     # DeepSpeed accepts the stage-3 keys with or without their "stage3_" prefix.
-    return {key: int(min(default, cap)) for key, default in SIZE_DEFAULTS.items()
-            if _unset(user_zero.get(key)) and _unset(user_zero.get(key.replace("stage3_", "")))}
+    return {
+        key: int(min(default, cap))
+        for key, default in SIZE_DEFAULTS.items()
+        if _unset(user_zero.get(key)) and _unset(user_zero.get(key.replace("stage3_", "")))
+    }

@@ -6,6 +6,7 @@ of its checkpoints (deepspeed_checkpoint.py, which runs without a strategy) go
 through `ensure_accelerator_env` / `import_deepspeed` here. Importing this module
 does not import DeepSpeed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,7 +42,8 @@ def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
             raise DeepSpeedConfigError(
                 f"DS_ACCELERATOR={inherited!r} is set in the environment but the model trains on CUDA: DeepSpeed "
                 "would keep its buffers and collectives on that accelerator. Unset DS_ACCELERATOR (or set it "
-                "to cuda) for GPU runs.")
+                "to cuda) for GPU runs."
+            )
         if "deepspeed" in sys.modules:
             from deepspeed.accelerator import get_accelerator, set_accelerator
 
@@ -59,8 +61,10 @@ def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
             os.environ["DS_ACCELERATOR"] = "cpu"
             _DS_ACCELERATOR_SET_HERE = True
         if os.environ["DS_ACCELERATOR"] != "cpu":
-            raise DeepSpeedConfigError(f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']!r} but training runs on "
-                                       "the CPU; unset it or set DS_ACCELERATOR=cpu.")
+            raise DeepSpeedConfigError(
+                f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']!r} but training runs on "
+                "the CPU; unset it or set DS_ACCELERATOR=cpu."
+            )
         return
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
@@ -82,6 +86,9 @@ def import_deepspeed(accelerator: Optional[str] = None, log_level: int = logging
     logger.setLevel(log_level)  # its INFO lines would bury the progress bar
     # DeepSpeed calls torch collectives that torch has deprecated; the warning
     # repeats every step and names nothing the user can change.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    )
     return deepspeed

@@ -16,29 +16,38 @@ NO_SHARD is a replicate-only 2-D mesh, and limit_all_gathers is always on in
 FSDP2 (it rate-limits all-gathers by design), so the flag is accepted and
 has nothing to switch.
 """
+
 from __future__ import annotations
 
 import contextlib
 import inspect
 import warnings
 from collections import Counter
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, CheckpointWrapper,
-                                                                         checkpoint_wrapper)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardwise.distributed import ops
-from shardwise.strategies.base import Strategy
-from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 from shardwise.strategies import selective_ac
-from shardwise.strategies.fsdp_compat import (note_accepted, offload_flag, precision_from_mixed_precision,
-                                            sharding_strategy_name, state_dict_type_name)
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.fsdp_compat import (
+    note_accepted,
+    offload_flag,
+    precision_from_mixed_precision,
+    sharding_strategy_name,
+    state_dict_type_name,
+)
+from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
@@ -70,7 +79,9 @@ def build_policy_fn(policy: Policy, what: str) -> Optional[Callable[[nn.Module, 
         names = {p for p in items if isinstance(p, str)}
         bad = [p for p in items if not isinstance(p, (type, str))]
         if bad or not items:
-            raise TypeError(f"{what} must be a set of nn.Module classes (or class names), or a callable; got {policy!r}")
+            raise TypeError(
+                f"{what} must be a set of nn.Module classes (or class names), or a callable; got {policy!r}"
+            )
         return lambda m, _numel: isinstance(m, classes) or type(m).__name__ in names
     if callable(policy):
         try:
@@ -82,8 +93,9 @@ def build_policy_fn(policy: Policy, what: str) -> Optional[Callable[[nn.Module, 
             # FSDP1 also asks whether to look inside a module at all (recurse=True): size-based
             # policies never descend into nn.MultiheadAttention, whose forward reads
             # out_proj.weight directly, so an out_proj unit would never be gathered.
-            fn.descend = lambda m: bool(policy(module=m, recurse=True,
-                                               nonwrapped_numel=sum(p.numel() for p in m.parameters())))
+            fn.descend = lambda m: bool(
+                policy(module=m, recurse=True, nonwrapped_numel=sum(p.numel() for p in m.parameters()))
+            )
             return fn
         return lambda m, _numel: bool(policy(m))
     raise TypeError(f"{what} must be a set of nn.Module classes, class names, or a callable; got {policy!r}")
@@ -94,8 +106,9 @@ def describe_modules(module: nn.Module, limit: int = 8) -> str:
     return ", ".join(f"{name} ({n})" for name, n in counts.most_common(limit))
 
 
-def apply_activation_checkpointing(module: nn.Module, policy: Policy, mode: str = "full",
-                                   option: Union[str, int, None] = None) -> int:
+def apply_activation_checkpointing(
+    module: nn.Module, policy: Policy, mode: str = "full", option: Union[str, int, None] = None
+) -> int:
     """Wrap every module the policy selects in non-reentrant activation checkpointing.
 
     mode "full" recomputes each selected block; "selective" with option "op" saves matmul and
@@ -114,8 +127,9 @@ def apply_activation_checkpointing(module: nn.Module, policy: Policy, mode: str 
             if fn(child, 0):
                 extra = selective_ac.checkpoint_kwargs(mode, option, count)
                 if extra is not None:
-                    setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                             **extra))
+                    setattr(
+                        parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
+                    )
                 count += 1
     if count == 0:
         raise ValueError(
@@ -169,16 +183,23 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = moved[id(buf)]
 
 
-def build_device_mesh(sharding_strategy: str, world_size: int, num_nodes: int, device_type: str,
-                      device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None) -> DeviceMesh:
+def build_device_mesh(
+    sharding_strategy: str,
+    world_size: int,
+    num_nodes: int,
+    device_type: str,
+    device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None,
+) -> DeviceMesh:
     """1-D mesh for sharding within the world, 2-D (replicate, shard) for hybrid / replicate-only."""
     if isinstance(device_mesh, DeviceMesh):
         return device_mesh
     if device_mesh is not None:
         replicate, shard = device_mesh
         if replicate * shard != world_size:
-            raise ValueError(f"device_mesh={tuple(device_mesh)} has {replicate * shard} ranks but the world "
-                             f"size is {world_size}; replicate x shard must equal it.")
+            raise ValueError(
+                f"device_mesh={tuple(device_mesh)} has {replicate * shard} ranks but the world "
+                f"size is {world_size}; replicate x shard must equal it."
+            )
         return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
     if sharding_strategy == "HYBRID_SHARD":
         # Replicate across nodes, shard within one. On one node that is a 1 x N mesh: FSDP2
@@ -191,7 +212,9 @@ def build_device_mesh(sharding_strategy: str, world_size: int, num_nodes: int, d
                 f"HYBRID_SHARD replicates across nodes and shards within one, but the world size {world_size} "
                 f"is not a multiple of num_nodes={num_nodes}. Give device_mesh=(replicate, shard) explicitly."
             )
-        return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard")
+        )
     if sharding_strategy == "NO_SHARD":
         return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
@@ -225,44 +248,67 @@ class FSDPStrategy(Strategy):
     # the device's backend, since gloo cannot reduce-scatter the CUDA tensors of a CUDA mesh.
     needs_process_group = True
 
-    def __init__(self, auto_wrap_policy: Policy = None, activation_checkpointing_policy: Policy = None,
-                 sharding_strategy: str = "FULL_SHARD", cpu_offload: bool = False,
-                 state_dict_type: str = "sharded", device_mesh: Any = None,
-                 limit_all_gathers: Optional[bool] = None, reshard_after_forward: Optional[bool] = None,
-                 precision: Any = None, timeout_s: float = 1800.0, async_save: bool = False,
-                 accumulation_sync: str = "reduce_scatter", optimizer_on_local_shards: Optional[bool] = None,
-                 mixed_precision: Any = None, activation_checkpointing: Policy = None,
-                 use_orig_params: Optional[bool] = None, sync_module_states: Optional[bool] = None,
-                 backward_prefetch: Any = None, forward_prefetch: Optional[bool] = None,
-                 activation_checkpointing_mode: str = "full", selective_ac_option: Union[str, int, None] = None,
-                 **_unknown: Any) -> None:
+    def __init__(
+        self,
+        auto_wrap_policy: Policy = None,
+        activation_checkpointing_policy: Policy = None,
+        sharding_strategy: str = "FULL_SHARD",
+        cpu_offload: bool = False,
+        state_dict_type: str = "sharded",
+        device_mesh: Any = None,
+        limit_all_gathers: Optional[bool] = None,
+        reshard_after_forward: Optional[bool] = None,
+        precision: Any = None,
+        timeout_s: float = 1800.0,
+        async_save: bool = False,
+        accumulation_sync: str = "reduce_scatter",
+        optimizer_on_local_shards: Optional[bool] = None,
+        mixed_precision: Any = None,
+        activation_checkpointing: Policy = None,
+        use_orig_params: Optional[bool] = None,
+        sync_module_states: Optional[bool] = None,
+        backward_prefetch: Any = None,
+        forward_prefetch: Optional[bool] = None,
+        activation_checkpointing_mode: str = "full",
+        selective_ac_option: Union[str, int, None] = None,
+        **_unknown: Any,
+    ) -> None:
         # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
         # names; what FSDP2 has nothing to do for is accepted and explained once per process.
         if mixed_precision is not None:
             mapped = precision_from_mixed_precision(mixed_precision)
             if precision is not None and str(precision) != mapped:
-                raise ValueError(f"FSDPStrategy got precision={precision!r} and mixed_precision meaning {mapped!r}; "
-                                 "pass one of them.")
+                raise ValueError(
+                    f"FSDPStrategy got precision={precision!r} and mixed_precision meaning {mapped!r}; "
+                    "pass one of them."
+                )
             precision = mapped
         if activation_checkpointing is not None:  # Lightning 2.0's name for the policy
             if activation_checkpointing_policy is not None:
-                raise ValueError("Pass activation_checkpointing_policy or activation_checkpointing (its older "
-                                 "name), not both.")
+                raise ValueError(
+                    "Pass activation_checkpointing_policy or activation_checkpointing (its older name), not both."
+                )
             activation_checkpointing_policy = activation_checkpointing
-        for name, value in (("use_orig_params", use_orig_params), ("sync_module_states", sync_module_states),
-                            ("backward_prefetch", backward_prefetch), ("forward_prefetch", forward_prefetch),
-                            ("limit_all_gathers", limit_all_gathers)):
+        for name, value in (
+            ("use_orig_params", use_orig_params),
+            ("sync_module_states", sync_module_states),
+            ("backward_prefetch", backward_prefetch),
+            ("forward_prefetch", forward_prefetch),
+            ("limit_all_gathers", limit_all_gathers),
+        ):
             if value is not None:
                 note_accepted(name, value)
         super().__init__(precision=precision, timeout_s=timeout_s)
         if _unknown:
-            raise TypeError(f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
-                            "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
-                            "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
-                            "accumulation_sync, optimizer_on_local_shards, activation_checkpointing_mode, "
-                            "selective_ac_option, and Lightning's / torch's "
-                            "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
-                            "backward_prefetch, forward_prefetch.")
+            raise TypeError(
+                f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
+                "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
+                "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
+                "accumulation_sync, optimizer_on_local_shards, activation_checkpointing_mode, "
+                "selective_ac_option, and Lightning's / torch's "
+                "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
+                "backward_prefetch, forward_prefetch."
+            )
         sharding_strategy, implied_reshard = sharding_strategy_name(sharding_strategy)
         if reshard_after_forward is None:
             reshard_after_forward = implied_reshard
@@ -270,13 +316,16 @@ class FSDPStrategy(Strategy):
         cpu_offload = offload_flag(cpu_offload)
         # "full" recomputes each checkpointed block; "selective": see selective_ac.py.
         self.activation_checkpointing_mode, self.selective_ac_option = selective_ac.normalize(
-            activation_checkpointing_mode, selective_ac_option)
+            activation_checkpointing_mode, selective_ac_option
+        )
         # None: step non-torch optimizers (bitsandbytes, ...) on the local shards; see local_optim.py.
         self.optimizer_on_local_shards = optimizer_on_local_shards
         if accumulation_sync not in ACCUMULATION_SYNCS:
-            raise ValueError(f"Unknown accumulation_sync {accumulation_sync!r}. Valid: 'reduce_scatter' (default: "
-                             "gradients stay sharded between micro-batches) or 'none' (no communication until "
-                             "the last micro-batch; keeps every unit's full gradient).")
+            raise ValueError(
+                f"Unknown accumulation_sync {accumulation_sync!r}. Valid: 'reduce_scatter' (default: "
+                "gradients stay sharded between micro-batches) or 'none' (no communication until "
+                "the last micro-batch; keeps every unit's full gradient)."
+            )
         self.accumulation_sync = accumulation_sync
         # Fail on malformed policies now, not inside every worker.
         build_policy_fn(auto_wrap_policy, "auto_wrap_policy")
@@ -287,40 +336,56 @@ class FSDPStrategy(Strategy):
         self.cpu_offload = bool(cpu_offload)
         self.state_dict_type = state_dict_type
         if async_save and state_dict_type != "sharded":
-            raise ValueError("async_save=True needs state_dict_type='sharded' (a full checkpoint is gathered "
-                             "to rank 0 and written synchronously).")
+            raise ValueError(
+                "async_save=True needs state_dict_type='sharded' (a full checkpoint is gathered "
+                "to rank 0 and written synchronously)."
+            )
         # Stage this rank's shards to host memory, then write them in a background thread.
         self.async_save = bool(async_save)
         self.device_mesh_arg = device_mesh
         self.limit_all_gathers = limit_all_gathers  # accepted for FSDP1 code; FSDP2 always limits
-        self.reshard_after_forward = (sharding_strategy != "SHARD_GRAD_OP"
-                                      if reshard_after_forward is None else reshard_after_forward)
+        self.reshard_after_forward = (
+            sharding_strategy != "SHARD_GRAD_OP" if reshard_after_forward is None else reshard_after_forward
+        )
         self.mesh: Optional[DeviceMesh] = None
         self._manual_units: List[nn.Module] = []
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.mesh = build_device_mesh(self.sharding_strategy, dist.get_world_size(),
-                                      getattr(self, "num_nodes", 1) or 1, self.root_device.type, self.device_mesh_arg)
+        self.mesh = build_device_mesh(
+            self.sharding_strategy,
+            dist.get_world_size(),
+            getattr(self, "num_nodes", 1) or 1,
+            self.root_device.type,
+            self.device_mesh_arg,
+        )
         if self.precision.needs_grad_scaler:  # CUDA fp16: inf checks must agree across shards
             self.grad_scaler = ShardedGradScaler()
         if self.cpu_offload and self.root_device.type == "cpu":
-            warnings.warn("FSDPStrategy(cpu_offload=True) does nothing on CPU: parameters already live in "
-                          "host memory. It offloads parameters, gradients and optimizer state on CUDA.",
-                          stacklevel=2)
+            warnings.warn(
+                "FSDPStrategy(cpu_offload=True) does nothing on CPU: parameters already live in "
+                "host memory. It offloads parameters, gradients and optimizer state on CUDA.",
+                stacklevel=2,
+            )
 
     def setup_fake_environment(self, env: Any, fake_mode: Any) -> None:
         """Planning (base.Strategy.setup_fake_environment): the mesh of `env`'s world on the existing fake group."""
         super().setup_fake_environment(env, fake_mode)
-        self.mesh = build_device_mesh(self.sharding_strategy, env.world_size, getattr(self, "num_nodes", 1) or 1,
-                                      self.root_device.type, self.device_mesh_arg)
+        self.mesh = build_device_mesh(
+            self.sharding_strategy,
+            env.world_size,
+            getattr(self, "num_nodes", 1) or 1,
+            self.root_device.type,
+            self.device_mesh_arg,
+        )
 
     def _fsdp_kwargs(self) -> dict:
         kwargs: dict = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
         if self.precision.mixed:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype,
-                                                       reduce_dtype=self.precision.reduce_dtype)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=self.precision.compute_dtype, reduce_dtype=self.precision.reduce_dtype
+            )
         if self.cpu_offload and self.root_device.type == "cuda":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         return kwargs
@@ -340,8 +405,12 @@ class FSDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self._prepare(module)
         if self.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(module, self.activation_checkpointing_policy,
-                                           self.activation_checkpointing_mode, self.selective_ac_option)
+            apply_activation_checkpointing(
+                module,
+                self.activation_checkpointing_policy,
+                self.activation_checkpointing_mode,
+                self.selective_ac_option,
+            )
         units = select_units(module, self.auto_wrap_policy)
         if self.auto_wrap_policy is not None and not units:
             raise ValueError(

@@ -7,6 +7,7 @@ to the one FSDPStrategy understands; a setting FSDP2 has no use for is
 accepted and explained once per process (`note_once`), never silently dropped
 and never a TypeError. The table of every name lives in shardwise/compat.py.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -21,18 +22,18 @@ _BY_NUMBER = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHA
 # Settings FSDP2 has nothing to do for, and why (said once per process when passed).
 NOTHING_TO_DO = {
     "use_orig_params": "FSDP2 always keeps the original parameters (each one is a DTensor holding its own "
-                       "shard; there is no flat parameter), which is what use_orig_params=True asked FSDP1 for",
+    "shard; there is no flat parameter), which is what use_orig_params=True asked FSDP1 for",
     "sync_module_states": "shardwise builds the model on the meta device and every rank materialises its own "
-                          "shard with the same seed-determined init (or loads it from the checkpoint / weights "
-                          "files), so there is nothing to broadcast from rank 0",
+    "shard with the same seed-determined init (or loads it from the checkpoint / weights "
+    "files), so there is nothing to broadcast from rank 0",
     "backward_prefetch": "FSDP2 always issues the next unit's all-gather before the current unit's backward "
-                         "(BACKWARD_PRE's behaviour); there is nothing to choose",
+    "(BACKWARD_PRE's behaviour); there is nothing to choose",
     "forward_prefetch": "FSDP2 overlaps each unit's all-gather with the previous unit's compute on its own; "
-                        "shardwise does not configure explicit forward prefetching",
+    "shardwise does not configure explicit forward prefetching",
     "limit_all_gathers": "FSDP2 always rate-limits its all-gathers by design, which is what "
-                         "limit_all_gathers=True asked FSDP1 for",
+    "limit_all_gathers=True asked FSDP1 for",
     "cpu_ram_efficient_loading": "shardwise never loads a full copy per rank: the model is built on the meta "
-                                 "device and each rank materialises or loads only its own shard",
+    "device and each rank materialises or loads only its own shard",
 }
 
 _noted: Set[str] = set()
@@ -48,8 +49,9 @@ def note_once(key: str, message: str, stacklevel: int = 3) -> None:
 
 def note_accepted(name: str, value: Any) -> None:
     # stacklevel: the warning points at the user's FSDPStrategy(...) line.
-    note_once(name, f"FSDPStrategy({name}={value!r}) is accepted and has nothing to do: {NOTHING_TO_DO[name]}.",
-              stacklevel=4)
+    note_once(
+        name, f"FSDPStrategy({name}={value!r}) is accepted and has nothing to do: {NOTHING_TO_DO[name]}.", stacklevel=4
+    )
 
 
 def sharding_strategy_name(value: Any) -> Tuple[str, Optional[bool]]:
@@ -68,8 +70,10 @@ def sharding_strategy_name(value: Any) -> Tuple[str, Optional[bool]]:
     if name == "_HYBRID_SHARD_ZERO2":
         return "HYBRID_SHARD", False
     if name not in SHARDING_STRATEGIES:
-        raise ValueError(f"Unknown sharding_strategy {value!r}. Valid: {', '.join(SHARDING_STRATEGIES)} (as strings, "
-                         "torch.distributed.fsdp.ShardingStrategy members or Accelerate's numbers 1-5).")
+        raise ValueError(
+            f"Unknown sharding_strategy {value!r}. Valid: {', '.join(SHARDING_STRATEGIES)} (as strings, "
+            "torch.distributed.fsdp.ShardingStrategy members or Accelerate's numbers 1-5)."
+        )
     return name, None
 
 
@@ -81,8 +85,11 @@ def offload_flag(value: Any) -> bool:
         return bool(value.offload_params)
     if type(value).__name__ == "CPUOffloadPolicy":  # FSDP2's own policy object
         if not getattr(value, "pin_memory", True):
-            note_once("cpu_offload.pin_memory", "FSDPStrategy(cpu_offload=CPUOffloadPolicy(pin_memory=False)): "
-                      "shardwise offloads with pinned host memory; pin_memory=False is not honoured.")
+            note_once(
+                "cpu_offload.pin_memory",
+                "FSDPStrategy(cpu_offload=CPUOffloadPolicy(pin_memory=False)): "
+                "shardwise offloads with pinned host memory; pin_memory=False is not honoured.",
+            )
         return True
     if isinstance(value, (int, str)) and str(value).lower() in ("0", "1", "true", "false"):
         return str(value).lower() in ("1", "true")
@@ -90,19 +97,27 @@ def offload_flag(value: Any) -> bool:
 
 
 def state_dict_type_name(value: Any) -> str:
-    """"sharded" / "full" from Lightning's strings, Accelerate's names or torch's StateDictType enum."""
+    """ "sharded" / "full" from Lightning's strings, Accelerate's names or torch's StateDictType enum."""
     name = str(getattr(value, "name", value)).strip().lower()
     name = {"sharded_state_dict": "sharded", "full_state_dict": "full"}.get(name, name)
     if name in ("sharded", "full"):
         return name
     if name == "local_state_dict":
-        raise ValueError("state_dict_type=LOCAL_STATE_DICT is FSDP1's flat-parameter format, which FSDP2 does not "
-                         "have. Use 'sharded' (torch.distributed.checkpoint, resumable at any world size) or 'full'.")
-    raise ValueError(f"Unknown state_dict_type {value!r}. Valid: 'sharded' (SHARDED_STATE_DICT) or 'full' "
-                     "(FULL_STATE_DICT).")
+        raise ValueError(
+            "state_dict_type=LOCAL_STATE_DICT is FSDP1's flat-parameter format, which FSDP2 does not "
+            "have. Use 'sharded' (torch.distributed.checkpoint, resumable at any world size) or 'full'."
+        )
+    raise ValueError(
+        f"Unknown state_dict_type {value!r}. Valid: 'sharded' (SHARDED_STATE_DICT) or 'full' (FULL_STATE_DICT)."
+    )
 
 
-_PRECISION_BY_DTYPE = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", torch.float32: "32-true", None: "32-true"}
+_PRECISION_BY_DTYPE = {
+    torch.bfloat16: "bf16-mixed",
+    torch.float16: "16-mixed",
+    torch.float32: "32-true",
+    None: "32-true",
+}
 
 
 def precision_from_mixed_precision(mp: Any) -> str:
@@ -115,14 +130,22 @@ def precision_from_mixed_precision(mp: Any) -> str:
     if isinstance(mp, str):
         return mp  # a precision name ("bf16-mixed"), as Lightning's Fabric also takes
     if not hasattr(mp, "param_dtype"):
-        raise TypeError(f"mixed_precision={mp!r}: pass torch.distributed.fsdp.MixedPrecision(param_dtype=...), "
-                        "MixedPrecisionPolicy(...), or a precision name such as 'bf16-mixed'.")
+        raise TypeError(
+            f"mixed_precision={mp!r}: pass torch.distributed.fsdp.MixedPrecision(param_dtype=...), "
+            "MixedPrecisionPolicy(...), or a precision name such as 'bf16-mixed'."
+        )
     if mp.param_dtype not in _PRECISION_BY_DTYPE:
         raise ValueError(f"mixed_precision param_dtype={mp.param_dtype} is not supported; use bfloat16 or float16.")
     name = _PRECISION_BY_DTYPE[mp.param_dtype]
-    ignored = [f"{field}={getattr(mp, field)}" for field in ("reduce_dtype", "buffer_dtype")
-               if getattr(mp, field, None) not in (None, torch.float32)]
+    ignored = [
+        f"{field}={getattr(mp, field)}"
+        for field in ("reduce_dtype", "buffer_dtype")
+        if getattr(mp, field, None) not in (None, torch.float32)
+    ]
     if ignored:
-        note_once("mixed_precision.dtypes", f"FSDPStrategy(mixed_precision=...) maps to precision={name!r}, which "
-                  f"reduces gradients in fp32 and keeps buffers in fp32; {', '.join(ignored)} is not honoured.")
+        note_once(
+            "mixed_precision.dtypes",
+            f"FSDPStrategy(mixed_precision=...) maps to precision={name!r}, which "
+            f"reduces gradients in fp32 and keeps buffers in fp32; {', '.join(ignored)} is not honoured.",
+        )
     return name

@@ -8,6 +8,7 @@ gradient and its state, so its step can run on plain local tensors. Optimizers
 whose update needs a global norm (LAMB, Adafactor) are not element-wise and need
 DTensor support instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,11 @@ def apply_local_shard_step(optimizer: torch.optim.Optimizer) -> torch.optim.Opti
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if any(a is not None for a in args) or kwargs.get("closure") is not None:
-            raise ValueError(f"{type(self).__name__}.step(closure) is not supported on local shards: the closure's "
-                             "backward fills the sharded gradients after the step has read them. Call backward, "
-                             "then step() without a closure.")
+            raise ValueError(
+                f"{type(self).__name__}.step(closure) is not supported on local shards: the closure's "
+                "backward fills the sharded gradients after the step has read them. Call backward, "
+                "then step() without a closure."
+            )
         with on_local_shards(self):
             return inner_step()
 
@@ -59,7 +62,8 @@ def apply_local_shard_step(optimizer: torch.optim.Optimizer) -> torch.optim.Opti
                 f"({', '.join(keys)}; e.g. an 8-bit optimizer's per-block scales), stepped on each rank's local "
                 "shard under FSDP. It has no global layout, so it cannot be saved in a checkpoint that loads "
                 "correctly: use its 32-bit variant (e.g. bitsandbytes PagedAdamW32bit / AdamW32bit) to checkpoint, "
-                "or DeepSpeed ZeRO, which steps the optimizer on its own flat partitions.")
+                "or DeepSpeed ZeRO, which steps the optimizer on its own flat partitions."
+            )
         return inner_state_dict()
 
     # Bound methods, so torch's LR schedulers can still wrap `optimizer.step.__func__`.
@@ -108,8 +112,9 @@ def _restore(optimizer: torch.optim.Optimizer, key: str, value: Any, param: DTen
         return value  # step counters, hyperparameters
     if value.shape == local.shape:
         # Shaped like the shard: the same layout as the parameter (exp_avg, exp_avg_sq, momentum).
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     if not hasattr(optimizer, "_shardwise_rank_local_state"):
         optimizer._shardwise_rank_local_state = set()
     optimizer._shardwise_rank_local_state.add(key)

@@ -19,6 +19,7 @@ same seed, so a GPU run would otherwise start from other weights under
 children-first, matching eager construction, where a parent's own init code
 (e.g. nn.MultiheadAttention zeroing out_proj.bias) runs after its children's.
 """
+
 from __future__ import annotations
 
 import os
@@ -131,13 +132,15 @@ def _reset_own(module: nn.Module, fn: Callable[[], None]) -> None:
 
 
 @torch.no_grad()
-def materialize_module(module: nn.Module, device: torch.device, seed: int,
-                       init_weights: Optional[Callable[[], None]] = None) -> int:
+def materialize_module(
+    module: nn.Module, device: torch.device, seed: int, init_weights: Optional[Callable[[], None]] = None
+) -> int:
     """Allocate meta tensors on `device` and initialise them; return how many were materialised.
 
     `init_weights`: the user's TrainModule.init_weights hook, which replaces
     the per-module reset_parameters pass when defined.
     """
+
     def named_tensors() -> List[Tuple[str, torch.Tensor]]:
         out = []
         for prefix, mod in module.named_modules():
@@ -181,8 +184,9 @@ def materialize_module(module: nn.Module, device: torch.device, seed: int,
     return len(meta_names)
 
 
-def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[int, int],
-                      user_hook: bool = False) -> None:
+def check_initialized(
+    targets: List[Tuple[str, torch.Tensor]], versions: Dict[int, int], user_hook: bool = False
+) -> None:
     bad = []
     for name, t in targets:
         local = _local(t)
@@ -195,11 +199,13 @@ def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[in
     listing = "\n".join(f"  - {name}: {why}" for name, why in bad[:20])
     more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
     owners = sorted({name.rsplit(".", 1)[0] if "." in name else "<root>" for name, _ in bad})
-    fix = ("your TrainModule.init_weights() must initialise every parameter and buffer"
-           if user_hook else
-           "give the owning module(s) a reset_parameters() method that initialises their own "
-           "parameters and buffers (including computed buffers such as positional tables), or "
-           "define TrainModule.init_weights() to initialise the whole model")
+    fix = (
+        "your TrainModule.init_weights() must initialise every parameter and buffer"
+        if user_hook
+        else "give the owning module(s) a reset_parameters() method that initialises their own "
+        "parameters and buffers (including computed buffers such as positional tables), or "
+        "define TrainModule.init_weights() to initialise the whole model"
+    )
     raise UninitializedParameterError(
         f"{len(bad)} tensor(s) were not initialised after building the model on the meta device:\n"
         f"{listing}{more}\nModules: {', '.join(owners[:10])}.\nFix: {fix}. "
@@ -210,8 +216,15 @@ def check_initialized(targets: List[Tuple[str, torch.Tensor]], versions: Dict[in
 # ------------------------------------------------------ writes lost on meta
 # In-place by name but writing no values: flags and storage placement.
 _NOT_WRITES = {"requires_grad_", "share_memory_", "detach_", "rename_", "refine_names_", "retain_grad"}
-_INIT_FRAMES = {"__init__", "reset_parameters", "_reset_parameters", "_init_weights", "post_init",
-                "init_weights", "_initialize_weights"}
+_INIT_FRAMES = {
+    "__init__",
+    "reset_parameters",
+    "_reset_parameters",
+    "_init_weights",
+    "post_init",
+    "init_weights",
+    "_initialize_weights",
+}
 
 
 class DiscardedInitError(RuntimeError):
@@ -235,9 +248,15 @@ class watch_meta_writes(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         target = args[0] if args else None
-        if name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and \
-                isinstance(target, torch.Tensor) and \
-                target.is_meta and isinstance(target, nn.Parameter) and not self._in_construction():
+        if (
+            name.endswith("_")
+            and not name.startswith("_")
+            and name not in _NOT_WRITES
+            and isinstance(target, torch.Tensor)
+            and target.is_meta
+            and isinstance(target, nn.Parameter)
+            and not self._in_construction()
+        ):
             self.writes.setdefault(id(target), f"{name} at {self._user_frame()}")
         return func(*args, **kwargs)
 
@@ -272,4 +291,5 @@ class watch_meta_writes(torch.overrides.TorchFunctionMode):
             "instead. Move that code into TrainModule.init_weights(), which runs on the materialised weights under "
             "every strategy (it replaces the default initialisation: initialise every tensor there, e.g. call each "
             "module's reset_parameters() first). To load pretrained weights, use fit(ckpt_path=...) or load them "
-            "in init_weights().")
+            "in init_weights()."
+        )

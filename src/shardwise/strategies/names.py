@@ -7,6 +7,7 @@ only the callers that know it (the planner, the demo) accept the suffix.
 Older spellings are aliases, so a command line that worked keeps working.
 This module imports nothing, so any layer can use the table.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,11 +30,18 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
 }
 
 ALIASES = {
-    "single_device": "single", "dp": "ddp", "fsdp2": "fsdp", "fsdp_full_shard": "fsdp",
-    "fsdp_grad_op": "fsdp_shard_grad_op", "fsdp_full_shard_offload": "fsdp_cpu_offload",
+    "single_device": "single",
+    "dp": "ddp",
+    "fsdp2": "fsdp",
+    "fsdp_full_shard": "fsdp",
+    "fsdp_grad_op": "fsdp_shard_grad_op",
+    "fsdp_full_shard_offload": "fsdp_cpu_offload",
     "fsdp_offload": "fsdp_cpu_offload",
-    "zero1": "deepspeed_stage_1", "zero2": "deepspeed_stage_2", "zero3": "deepspeed_stage_3",
-    "zero2_offload": "deepspeed_stage_2_offload", "zero3_offload": "deepspeed_stage_3_offload",
+    "zero1": "deepspeed_stage_1",
+    "zero2": "deepspeed_stage_2",
+    "zero3": "deepspeed_stage_3",
+    "zero2_offload": "deepspeed_stage_2_offload",
+    "zero3_offload": "deepspeed_stage_3_offload",
 }
 
 AC_SUFFIX = "_ac"
@@ -73,8 +81,12 @@ def resolve(name: str, allow_ac: bool = False) -> Named:
 
 def name_for(kind: str, options: Dict[str, Any], activation_checkpointing: bool = False) -> str:
     """The table's name for a configuration (the inverse of `resolve`); ValueError if it has none."""
-    defaults = {"sharding_strategy": "FULL_SHARD", "cpu_offload": False,
-                "offload_optimizer": False, "offload_parameters": False}
+    defaults = {
+        "sharding_strategy": "FULL_SHARD",
+        "cpu_offload": False,
+        "offload_optimizer": False,
+        "offload_parameters": False,
+    }
     wanted = {k: v for k, v in options.items() if v != defaults.get(k, object())}
     for name, (k, opts) in STRATEGIES.items():
         if k == kind and opts == wanted and name != "deepspeed":  # "deepspeed" is stage 2's short alias

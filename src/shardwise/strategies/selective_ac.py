@@ -16,6 +16,7 @@ Selective checkpointing buys back most of that compute for a little memory:
 `checkpoint_kwargs(mode, option)` returns what `checkpoint_wrapper` needs for
 a block, or None when that block is not to be checkpointed.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -30,8 +31,12 @@ MODES = ("full", "selective")
 _aten = torch.ops.aten
 # The ops whose outputs "op" mode saves (torchtitan's list, without the CUDA-only collectives).
 SAVE_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_flash_attention.default,
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten.max.default,  # fp8-style amax reductions: cheap to keep, costly to recompute
 }
@@ -41,8 +46,10 @@ def normalize(mode: str, option: Union[str, int, None]) -> tuple:
     """("full", None) | ("selective", "op") | ("selective", N>=1); raises with the valid choices."""
     mode = str(mode).lower()
     if mode not in MODES:
-        raise ValueError(f"activation_checkpointing_mode={mode!r}: use 'full' (recompute each selected block) or "
-                         "'selective' (with selective_ac_option='op' or an integer N).")
+        raise ValueError(
+            f"activation_checkpointing_mode={mode!r}: use 'full' (recompute each selected block) or "
+            "'selective' (with selective_ac_option='op' or an integer N)."
+        )
     if mode == "full":
         return "full", None
     option = "op" if option is None else option
@@ -50,8 +57,10 @@ def normalize(mode: str, option: Union[str, int, None]) -> tuple:
         option = int(option)
     if option == "op" or (isinstance(option, int) and not isinstance(option, bool) and option >= 1):
         return "selective", option
-    raise ValueError(f"selective_ac_option={option!r}: use 'op' (save matmul / attention outputs, recompute the "
-                     "rest) or an integer N >= 1 (checkpoint every N-th block).")
+    raise ValueError(
+        f"selective_ac_option={option!r}: use 'op' (save matmul / attention outputs, recompute the "
+        "rest) or an integer N >= 1 (checkpoint every N-th block)."
+    )
 
 
 def _op_context():
