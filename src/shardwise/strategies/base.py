@@ -82,20 +82,23 @@ def global_seed() -> int:
     return seed
 
 
-def _destroy_process_group() -> None:
-    """At exit: leave together, then destroy. A rank that tears its transport down while a peer
-    still talks to it can abort in C++ ("terminate called without an active exception"), seen
-    after two fit() calls in one process; a barrier first makes every rank leave at once."""
+def _leave_process_group(failing: bool = False) -> None:
+    """Leave together, then destroy. A rank that tears its transport down while a peer still talks to
+    it can abort in C++ ("terminate called without an active exception"), seen when one rank left
+    while another was still writing a file; a barrier first makes every rank leave at once. Not when
+    `failing`: the peers may be stuck in a collective, and the error must surface now."""
     if dist.is_available() and dist.is_initialized():
-        # Not after an uncaught exception (Python sets sys.last_value before the
-        # atexit handlers): the peers may be stuck in a collective, and the error
-        # must surface now, not after a wait.
-        if getattr(sys, "last_value", None) is None:
+        if not failing:
             try:
                 ops.barrier("exit", timeout_s=60.0)
             except Exception:  # a peer is gone already: nothing to wait for
                 pass
         dist.destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """At exit. Python sets sys.last_value before the atexit handlers after an uncaught exception."""
+    _leave_process_group(failing=getattr(sys, "last_value", None) is not None)
 
 
 class Strategy:
@@ -464,5 +467,5 @@ class Strategy:
 
     def teardown(self) -> None:
         if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+            _leave_process_group(failing=sys.exc_info()[0] is not None)
             self._owns_process_group = False
