@@ -94,9 +94,13 @@ def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int, sh
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     sampler = ResumableSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    return rebuild(loader, sampler=sampler)
+
+
+def rebuild(loader: DataLoader, **changes: Any) -> DataLoader:
+    """The same DataLoader (dataset, batch size, collate_fn, workers, ...) with `changes` applied."""
     kwargs: Dict[str, Any] = dict(
         batch_size=loader.batch_size,
-        sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
@@ -109,7 +113,7 @@ def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int, sh
     )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, **kwargs)
+    return DataLoader(loader.dataset, **{**kwargs, **changes})
 
 
 def find_sampler(loader: Any) -> Optional[ResumableSampler]:

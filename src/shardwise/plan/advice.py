@@ -23,6 +23,9 @@ import os
 import warnings
 from typing import Any, Optional, Tuple
 
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from shardwise.data import rebuild
 from shardwise.distributed.env import detect_env
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, parse_candidate
@@ -250,30 +253,15 @@ def _apply_split(trainer: Any, loader: Any, cand: Candidate) -> str:
 
 def rebatch(loader: Any, batch_size: int) -> Any:
     """The same DataLoader at another batch_size, or None if it cannot be rebuilt faithfully."""
-    from torch.utils.data import BatchSampler, DataLoader, IterableDataset
-
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         return None
     if type(loader.batch_sampler) is not BatchSampler:
         return None  # a custom batch sampler decides the batch itself
-    kwargs = dict(
-        batch_size=batch_size,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+    changes = {"batch_size": batch_size}
     if not isinstance(loader.dataset, IterableDataset):
-        kwargs["sampler"] = loader.sampler  # the same order (shuffled or not); the Trainer distributes it
+        changes["sampler"] = loader.sampler  # the same order (shuffled or not); the Trainer distributes it
     try:
-        return DataLoader(loader.dataset, **kwargs)
+        return rebuild(loader, **changes)
     except (TypeError, ValueError):
         return None
 
