@@ -113,13 +113,9 @@ def test_lr_schedules():
 
 
 def test_flash_attention_with_fp32_is_refused_before_any_worker(assets, monkeypatch):
-    import sys
+    from shardwise.recipes import finetune as recipe_module
 
-    import shardwise.distributed.launch  # noqa: F401  (the package re-exports the function under the same name)
-
-    monkeypatch.setattr(
-        sys.modules["shardwise.distributed.launch"], "launch", lambda *a, **k: pytest.fail("a worker was started")
-    )
+    monkeypatch.setattr(recipe_module, "launch", lambda *a, **k: pytest.fail("a worker was started"))
     for precision in ("32-true", "64-true"):
         with pytest.raises(
             ValueError,

@@ -23,13 +23,18 @@ import os
 import warnings
 from typing import Any, Optional, Tuple
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from shardwise.data import rebuild
 from shardwise.distributed.env import detect_env
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, parse_candidate
+from shardwise.plan.core import plan
 from shardwise.plan.presets import PlanError
+from shardwise.strategies.ddp import DDPStrategy
+from shardwise.strategies.fsdp import FSDPStrategy
+from shardwise.strategies.single import SingleDeviceStrategy
 
 CHOICE_ENV = "SHARDWISE_PLAN_CHOICE"
 
@@ -55,8 +60,6 @@ def auto_device_budget(total: int, world_size: int) -> Tuple[int, str]:
 
 
 def _auto_note(world_size: int) -> str:
-    import torch
-
     return auto_device_budget(
         int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory), world_size
     )[1]
@@ -86,9 +89,6 @@ def resolve_device_memory(value: Any, accelerator: str, world_size: int = 1) -> 
 
 def candidate_for(strategy: Any) -> Optional[Candidate]:
     """The planner's candidate for a strategy object (None for strategies it does not model)."""
-    from shardwise.strategies.ddp import DDPStrategy
-    from shardwise.strategies.fsdp import FSDPStrategy
-    from shardwise.strategies.single import SingleDeviceStrategy
 
     if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
         return Candidate("ddp")
@@ -176,8 +176,6 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
 
 
 def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:
-    from shardwise.plan.core import plan
-
     # The whole process plans in-line (no worker processes): this is the user's training process.
     return plan(
         module,

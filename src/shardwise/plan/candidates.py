@@ -16,7 +16,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from shardwise.plan.presets import PlanError, divisors
+from shardwise.strategies import DDPStrategy, FSDPStrategy
+from shardwise.strategies.deepspeed import DeepSpeedStrategy
 from shardwise.strategies.names import AC_SUFFIX, name_for, resolve
+from shardwise.strategies.single import SingleDeviceStrategy
 
 FSDP_SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
@@ -119,7 +122,6 @@ class Candidate:
                 cpu_offload=self.offload,
                 precision=precision,
             )
-        from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy(
             stage=self.stage,
@@ -189,8 +191,6 @@ def from_strategy(strategy: Any) -> Candidate:
     its checkpointing policy, mesh, gradient-bucket layout and accumulation
     mode); DeepSpeed with its stage, offload and resolved configuration.
     """
-    from shardwise.strategies import DDPStrategy, FSDPStrategy
-    from shardwise.strategies.single import SingleDeviceStrategy
 
     if isinstance(strategy, str):
         from shardwise.strategies import build_strategy

@@ -15,6 +15,7 @@ notebook cannot be pickled by module path: it is traced in forked children
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -28,6 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+import torch
+import torch.distributed as dist
+
+from shardwise.memory import active_tracker
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec
 from shardwise.plan.trace import Trace, TraceFailed, View, fake_world, trace
@@ -98,9 +103,6 @@ def run_jobs(
       group (a fork would inherit it) or cannot fork; the model must then pickle by
       reference to modules a fresh interpreter can import.
     """
-    import torch.distributed as dist
-
-    from shardwise.memory import active_tracker
 
     jobs = list(dict.fromkeys(jobs))
     workers = default_workers(len(jobs)) if workers is None else workers
@@ -201,7 +203,6 @@ def _run_forked(
     spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob], workers: int
 ) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
     """Trace in forked children: they inherit the user's classes, so nothing is pickled by module path."""
-    import gc
 
     shares = _shares(jobs, workers)
     # Garbage that holds native objects with threads (an earlier run's ProcessGroupGloo) must be
@@ -254,10 +255,6 @@ def _fork_children(spec: ModelSpec, setting: Setting, shares: list) -> list:
 
 
 def _child(spec: ModelSpec, setting: Setting, share: Sequence[TraceJob], fd: int) -> None:
-    import torch
-
-    from shardwise.memory import active_tracker
-
     torch.set_num_threads(1)
     if not os.environ.get("SHARDWISE_PLAN_DEBUG"):
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -320,7 +317,6 @@ def _receive(stream: Any) -> Optional[bytes]:
 
 def _serve() -> None:
     """Worker process: read (spec, setting), then trace jobs one by one until stdin closes."""
-    import torch
 
     torch.set_num_threads(1)
     results = os.fdopen(os.dup(1), "wb")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.models import PRESETS, Block, GPTConfig
 from shardwise.module import TrainModule
 
 
@@ -57,8 +58,6 @@ _ALIASES = {
 
 
 def preset_names() -> List[str]:
-    from shardwise.models import PRESETS
-
     return sorted(PRESETS) + sorted(TRANSFORMER_PRESETS)
 
 
@@ -258,7 +257,6 @@ def resolve_model(model: Any, example_batch: Any = None) -> ModelSpec:
                 "training_step and cannot guess what it takes."
             )
         return _module_spec(type(model).__name__, model, example_batch=example_batch)
-    from shardwise.models import GPTConfig
 
     if isinstance(model, GPTConfig):
         return gpt_spec("gpt", model)
@@ -277,8 +275,6 @@ def resolve_model(model: Any, example_batch: Any = None) -> ModelSpec:
 
 
 def preset_spec(name: str) -> ModelSpec:
-    from shardwise.models import PRESETS
-
     key = _ALIASES.get(name.lower().strip(), name.lower().strip())
     if key in PRESETS:
         return gpt_spec(key, PRESETS[key])
@@ -291,8 +287,6 @@ def preset_spec(name: str) -> ModelSpec:
 
 
 def gpt_spec(name: str, config: Any) -> ModelSpec:
-    from shardwise.models import Block
-
     return ModelSpec(
         name=name,
         kind="gpt",
@@ -487,7 +481,6 @@ def _python_spec(target: str) -> ModelSpec:
         spec = _module_spec(attr, instance)
         spec.__dict__["batch_fn"] = batch_fn
         return spec
-    from shardwise.models import GPTConfig
 
     if isinstance(instance, GPTConfig):
         return gpt_spec(attr, instance)

@@ -50,9 +50,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import step
+from shardwise.distributed.env import single_process_env
 from shardwise.memory import MemoryTracker
 from shardwise.plan.candidates import Candidate
-from shardwise.plan.presets import ModelSpec, PlanError, spec_batch
+from shardwise.plan.kernels import target_attention
+from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
+from shardwise.plan.presets import ModelSpec, PlanError, meta_copy, spec_batch
+from shardwise.strategies.ddp import DDPStrategy
 
 
 @dataclass(frozen=True)
@@ -221,8 +225,6 @@ def _trace_precision(name: str) -> str:
 
 
 def _rank0_env(world_size: int, num_nodes: int):
-    from shardwise.distributed.env import single_process_env
-
     return dataclasses.replace(
         single_process_env(),
         world_size=world_size,
@@ -240,7 +242,6 @@ def _fresh_module(spec: ModelSpec, depth: Optional[int], optimizer: Any) -> Any:
             depth=depth, foreach=optimizer.foreach, optimizer=optimizer.base, fused=optimizer.fused
         )
     # Never touch the user's object: trace a copy whose tensors are meta ones.
-    from shardwise.plan.presets import meta_copy
 
     return meta_copy(spec.module)
 
@@ -292,10 +293,6 @@ def trace(
     CUDA's kernels and the optimizer with CUDA's defaults (plan/kernels.py, plan/optim.py).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from shardwise.plan.kernels import target_attention
-    from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
-    from shardwise.strategies.ddp import DDPStrategy
 
     if not isinstance(optimizer, OptimizerChoice):
         optimizer = resolve_optimizer(optimizer, foreach=foreach, target=target)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import os
@@ -33,8 +34,31 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
+import torch
+from torch.utils.data import DataLoader
+
+from shardwise.distributed import ops
+from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
+from shardwise.distributed.launch import launch
 from shardwise.dtypes import DTYPES, cast_dtype
+from shardwise.memory import parse_bytes
+from shardwise.module import TrainModule
+from shardwise.precision import build_precision
+from shardwise.recipes import hf_model
+from shardwise.recipes.data import (
+    CHAT_FORMATS,
+    PACKING_MODES,
+    DataSpec,
+    dataset_columns,
+    prepare_data,
+    resolve_text_field,
+)
+from shardwise.recipes.hf_model import export_hf_folder, inspect_model_folder, model_block_names
+from shardwise.seed import seed_everything
+from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from shardwise.strategies.base import Strategy
 from shardwise.strategies.names import STRATEGIES, resolve
+from shardwise.trainer import Trainer
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -172,16 +196,11 @@ class FinetuneResult:
 
 # ------------------------------------------------------------------ checks
 def _has_cuda(cfg: FinetuneConfig) -> bool:
-    import torch
-
     return cfg.accelerator in ("auto", "cuda") and torch.cuda.is_available()
 
 
 def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     """Every check that needs no worker; raises ValueError (or a subclass) with the fix."""
-    from shardwise.precision import build_precision
-    from shardwise.recipes.data import CHAT_FORMATS, PACKING_MODES, dataset_columns, resolve_text_field
-    from shardwise.recipes.hf_model import inspect_model_folder
 
     if not cfg.model_path:
         raise ValueError("model_path is required: a local Hugging Face model folder.")
@@ -301,12 +320,6 @@ def build_module(cfg: FinetuneConfig, folder: Any, total_steps: int) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _module_class():
-    import torch
-
-    from shardwise.distributed import ops
-    from shardwise.module import TrainModule
-    from shardwise.recipes import hf_model
-
     class CausalLMModule(TrainModule):
         """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
 
@@ -461,7 +474,6 @@ def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixe
     what the strategy name already implies (deepspeed_stage_3 -> stage=3);
     an option may repeat it but not contradict it.
     """
-    import inspect
 
     if not isinstance(cfg.strategy_options or {}, dict):
         raise ValueError(
@@ -497,8 +509,6 @@ def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixe
 
 def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
     """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front)."""
-    from shardwise.recipes.hf_model import model_block_names
-    from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
     if cfg.strategy.lower().strip() == "auto":
         name, kind, implied = "auto", "auto", {}
@@ -614,15 +624,7 @@ def _steps_per_epoch(n_examples: int, world: int, cfg: FinetuneConfig) -> int:
 
 def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) -> FinetuneResult:
     """One worker's whole run (every rank executes it)."""
-    from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
-
-    from shardwise.memory import parse_bytes
-    from shardwise.recipes.data import DataSpec, prepare_data
-    from shardwise.recipes.hf_model import export_hf_folder
-    from shardwise.seed import seed_everything
-    from shardwise.strategies.base import Strategy
-    from shardwise.trainer import Trainer
 
     checked = validate_config(cfg)
     folder = checked["folder"]
@@ -724,8 +726,6 @@ def finetune(
     TrainModule (its `.model` is the sharded HF model); its return value is
     `result.extra`. It must be a module-level function for multi-process runs.
     """
-    from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
-    from shardwise.distributed.launch import launch
 
     cfg = coerce_config(config)
     validate_config(cfg)  # before any worker starts
