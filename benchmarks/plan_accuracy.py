@@ -27,19 +27,6 @@ from typing import List, Tuple
 
 SECTION = "## Memory planner (issue 6)"
 MODELS = ("gpt", "transformer")
-FULL = [
-    "ddp",
-    "fsdp_no_shard",
-    "fsdp_shard_grad_op",
-    "fsdp",
-    "fsdp_no_shard_ac",
-    "fsdp_shard_grad_op_ac",
-    "fsdp_ac",
-    "deepspeed_stage_1",
-    "deepspeed_stage_2",
-    "deepspeed_stage_3",
-    "deepspeed_stage_3_ac",
-]
 PLAN_70B = [
     "--model",
     "llama-2-70b",
@@ -63,14 +50,16 @@ def mib(n: float) -> str:
 
 
 def accuracy(quick: bool) -> Tuple[List[str], float]:
-    from shardwise.plan.measure import accuracy_models, compare
+    from shardwise.plan.measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare
 
     lines = ["| model | procs | configuration | predicted MiB | measured MiB | error |", "|---|---|---|---:|---:|---:|"]
     worst = 0.0
     for name in MODELS:
         spec, seq = accuracy_models()[name]
         for devices in (1, 2):
-            cands = FULL if not quick else ["ddp", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"]
+            cands = (
+                ACCURACY_CONFIGURATIONS if not quick else ["ddp", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"]
+            )
             for r in compare(spec, seq, devices, cands):
                 worst = max(worst, abs(r["error"]))
                 lines.append(

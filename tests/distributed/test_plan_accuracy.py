@@ -15,22 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.plan.measure import accuracy_models, compare
+from shardwise.plan.measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare
 
 TOLERANCE = 0.10
-FULL = [
-    "ddp",
-    "fsdp_no_shard",
-    "fsdp_shard_grad_op",
-    "fsdp",
-    "fsdp_no_shard_ac",
-    "fsdp_shard_grad_op_ac",
-    "fsdp_ac",
-    "deepspeed_stage_1",
-    "deepspeed_stage_2",
-    "deepspeed_stage_3",
-    "deepspeed_stage_3_ac",
-]
 QUICK = {
     ("gpt", 2): ["ddp", "fsdp_shard_grad_op", "fsdp_ac", "deepspeed_stage_2", "deepspeed_stage_3"],
     ("transformer", 1): ["fsdp_no_shard", "fsdp", "deepspeed_stage_1"],
@@ -65,4 +52,4 @@ def test_predicted_peak_within_10_percent(model, devices, request):
 def test_predicted_peak_within_10_percent_full_matrix(model, devices):
     pytest.importorskip("deepspeed")
     spec, seq = accuracy_models()[model]
-    _check(compare(spec, seq, devices, FULL))
+    _check(compare(spec, seq, devices, ACCURACY_CONFIGURATIONS))

@@ -240,10 +240,8 @@ class _RecordingLM(TinyLM):
         return super().training_step(batch)
 
 
-def test_auto_strategy_runs_the_chosen_micro_batch_split(capsys):
-    """16 sequences per step do not fit at once in 3.2 MB: the plan splits them, and the run uses that split."""
-    module = _RecordingLM()
-    trainer = Trainer(
+def _auto_trainer_at_3_2_mb() -> Trainer:
+    return Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=1,
@@ -253,6 +251,12 @@ def test_auto_strategy_runs_the_chosen_micro_batch_split(capsys):
         strategy="auto",
         device_memory=3_200_000,
     )
+
+
+def test_auto_strategy_runs_the_chosen_micro_batch_split(capsys):
+    """16 sequences per step do not fit at once in 3.2 MB: the plan splits them, and the run uses that split."""
+    module = _RecordingLM()
+    trainer = _auto_trainer_at_3_2_mb()
     trainer.fit(module, DataLoader(TensorDataset(torch.randint(0, 256, (64, 33))), batch_size=16))
     out = capsys.readouterr().out
     chosen = out.split("chose ", 1)[1]
@@ -270,16 +274,7 @@ def test_auto_strategy_refuses_a_loader_it_cannot_rebatch():
 
     data = TensorDataset(torch.randint(0, 256, (64, 33)))
     loader = DataLoader(data, batch_sampler=Pairs(SequentialSampler(data), batch_size=16, drop_last=False))
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        strategy="auto",
-        device_memory=3_200_000,
-    )
+    trainer = _auto_trainer_at_3_2_mb()
     with pytest.raises(
         ValueError, match=r"DataLoader\(\.\.\., batch_size=\d+\) and Trainer\(accumulate_grad_batches=\d+\)"
     ):

@@ -146,6 +146,22 @@ def measure(
 # ------------------------------------------------------------------ predicted vs measured
 # Small enough for CPU, deep enough (6 repeated units) that the planner extrapolates from
 # its 3- and 4-block traces, with parameters on both sides of ZeRO-3's persistence threshold.
+# Every configuration the accuracy check runs for real and plans (the test and the benchmark alike).
+ACCURACY_CONFIGURATIONS = (
+    "ddp",
+    "fsdp_no_shard",
+    "fsdp_shard_grad_op",
+    "fsdp",
+    "fsdp_no_shard_ac",
+    "fsdp_shard_grad_op_ac",
+    "fsdp_ac",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_ac",
+)
+
+
 def accuracy_models() -> Dict[str, Any]:
     from shardwise.models import GPTConfig
     from shardwise.plan.presets import gpt_spec, transformer_spec
