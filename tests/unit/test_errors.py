@@ -20,6 +20,18 @@ def test_unknown_strategy_lists_valid_names():
     assert "ddp" in str(err.value) and "deepspeed_stage_3_offload" in str(err.value)
 
 
+def test_a_checkpointing_name_without_the_block_class_says_which_object_to_pass():
+    # The planner and the demo know the model's blocks; the Trainer, given only a name, does not.
+    with pytest.raises(
+        ValueError,
+        match=r"strategy='fsdp_ac'.*FSDPStrategy\(auto_wrap_policy=\{Block\}, "
+        r"activation_checkpointing_policy=\{Block\}\)",
+    ):
+        Trainer(accelerator="cpu", devices=1, strategy="fsdp_ac")
+    # Older planner spellings are aliases of the table's names.
+    assert type(Trainer(accelerator="cpu", devices=1, strategy="zero3").strategy).__name__ == "DeepSpeedStrategy"
+
+
 def test_unknown_precision_lists_valid_names():
     with pytest.raises(ValueError, match="Unknown precision 'bf17'") as err:
         Trainer(accelerator="cpu", devices=1, precision="bf17")
