@@ -52,7 +52,8 @@ class _Probe:
 
         if not trainer.is_last_microbatch:
             return
-        self.last_loss = float(outputs)
+        # detached: float() of a tensor that requires grad warns (once per rank) in torch
+        self.last_loss = float(outputs.detach() if hasattr(outputs, "detach") else outputs)
         if trainer.global_step == TRACKED_STEPS:
             tracker = stop_tracking()
             self.peak, self.peak_total = tracker.peak_breakdown, tracker.peak_bytes
