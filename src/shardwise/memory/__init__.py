@@ -13,6 +13,11 @@
 # RSS helpers give the whole-process peak on Linux; format_bytes/parse_bytes are
 # shared with the memory planner.
 #
+# This module is the tracker (the dispatch mode, what registered objects and ops say
+# about a storage's role) and the process-wide API; memory/ledger.py keeps the books
+# (bytes per role, the peak, the transient window) and memory/phases.py knows which
+# phase of a step is running and which collectives name their buffers.
+#
 # Why not torch.distributed._tools.mem_tracker.MemTracker: it deep-copies per-module
 # snapshots on every op and refuses a second forward of the root module inside one
 # context, so it cannot watch a training run, and it does not see DDP buckets. We
@@ -35,9 +40,7 @@
 # start/stop must nest properly with other dispatch modes, on one thread.
 from __future__ import annotations
 
-import collections
 import threading
-import types
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Mapping
@@ -45,15 +48,12 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.nn.modules import module as nn_module
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-    is_traceable_wrapper_subclass_type,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from shardwise.memory.ledger import CATEGORIES, StorageLedger, tensor_storages
+from shardwise.memory.phases import PhaseWatcher, op_info
 
 __all__ = [
     "CATEGORIES",
@@ -73,79 +73,13 @@ __all__ = [
     "track_memory",
 ]
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "other")
-
-# Collectives tell us what a buffer holds even when nobody registered it: FSDP's
-# all-gather buffers are parameters, reduce-scatter / gradient all-reduce buffers are
-# gradients. Keyed by schema name so no distributed module has to be imported.
-_PARAM_OPS = frozenset(
-    {
-        "fsdp::all_gather_copy_in",
-        "fsdp::split_with_sizes_copy",
-        "c10d::_allgather_base_",
-        "c10d::allgather_",
-        "c10d::allgather_into_tensor_coalesced_",
-        "_c10d_functional::all_gather_into_tensor",
-        "_c10d_functional::all_gather_into_tensor_coalesced",
-    }
-)
-_GRAD_OPS = frozenset(
-    {
-        "fsdp::chunk_cat",
-        "c10d::_reduce_scatter_base_",
-        "c10d::reduce_scatter_",
-        "c10d::reduce_scatter_tensor_coalesced_",
-        "_c10d_functional::reduce_scatter_tensor",
-        "_c10d_functional::reduce_scatter_tensor_coalesced",
-    }
-)
-# All-reduce also syncs metrics and norms, so it only means "gradients" in backward.
-_BACKWARD_GRAD_OPS = frozenset({"c10d::allreduce_", "_c10d_functional::all_reduce"})
-
 _ACTIVE: MemoryTracker | None = None  # the one tracker currently running in this process
 _LAST: MemoryTracker | None = None  # kept after stop so its peak stays readable until reset
 _WARNED_OFF = False
 
 
-def _op_info(func) -> tuple[str | None, bool]:
-    """(role implied by the op, whether an output aliases an input) for one overload."""
-    name = func._schema.name
-    role = None
-    if name in _PARAM_OPS:
-        role = "parameters"
-    elif name in _GRAD_OPS:
-        role = "gradients"
-    elif name in _BACKWARD_GRAD_OPS:
-        role = "bw-gradients"
-    # lift_fresh "aliases" a tensor torch.tensor() built without dispatch: it is a birth.
-    aliasing = name != "aten::lift_fresh" and any(r.alias_info is not None for r in func._schema.returns)
-    return role, aliasing
-
-
 def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
-
-
-def _storages(t: torch.Tensor) -> list:
-    # Wrapper subclasses (DTensor, FSDP's extensions) own no memory themselves; the
-    # bytes live in the inner tensors they flatten to.
-    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
-        out = []
-        for attr in t.__tensor_flatten__()[0]:
-            inner = getattr(t, attr)
-            if isinstance(inner, torch.Tensor):
-                out.extend(_storages(inner))
-        return out
-    try:
-        return [t.untyped_storage()]
-    except (RuntimeError, NotImplementedError, TypeError):
-        return []  # sparse / mkldnn / nested layouts: no single dense storage to count
-
-
-class _Entry(weakref.ref):
-    """A weak reference to one storage plus its accounting; the callback is the free."""
-
-    __slots__ = ("key", "nbytes", "cat", "born", "peak_mark", "peak_nbytes")
 
 
 class _Mode(TorchDispatchMode):
@@ -206,24 +140,15 @@ class MemoryTracker:
         # None = decide at start() from whether a FakeTensorMode is active then.
         self._count_fake_arg, self._count_meta, self._fake_mode = count_fake, False, None
         self._on_change, self._ignore_op = on_change, ignore_op
-        self._transient_from = -1  # birth counter at begin_transient_window(); -1: not measuring
-        self._largest_transient = 0
-        self._lock = threading.RLock()
-        self._entries: dict[int, _Entry] = {}  # StorageImpl address -> entry
-        self._pending: collections.deque = collections.deque()  # freed, not yet subtracted
-        self._set_counts(dict.fromkeys(CATEGORIES, 0), 0)
-        self._peak_snap, self._peak_total = dict.fromkeys(CATEGORIES, 0), 0
-        self._peak_id = 0  # bumps whenever a new peak moment is recorded
-        self._peak_limit = 0  # entries with born <= this were alive at the peak moment
-        self._seq = 0  # birth counter
+        self._lock = threading.RLock()  # guards the ledger; see storage_ledger.py
+        self._ledger = StorageLedger()
         self._modules: list[weakref.ref] = []
         self._optimizers: list[weakref.ref] = []
         self._grad_hooked = WeakIdKeyDictionary()  # param -> hook handle
-        self._handles: list = []
         self._op_cache: dict[Any, tuple[str | None, bool]] = {}
         self._mode: _Mode | None = None
         self._orig_resize = None
-        self._fwd_depth, self._in_opt, self._awaiting_backward, self._bw_task = 0, 0, False, -1
+        self._phases = PhaseWatcher()
         self._owner_stack: list[bool] = []
         self._adoptable = False
 
@@ -235,37 +160,37 @@ class MemoryTracker:
     @property
     def current_bytes(self) -> int:
         with self._lock:
-            self._drain()
-            return self._total
+            self._ledger.drain()
+            return self._ledger.total
 
     @property
     def current_breakdown(self) -> dict[str, int]:
         with self._lock:
             self._refresh()
-            return dict(self._cur)
+            return dict(self._ledger.cur)
 
     @property
     def peak_bytes(self) -> int:
         with self._lock:
-            self._drain()
-            return self._peak_total
+            self._ledger.drain()
+            return self._ledger.peak_total
 
     @property
     def peak_breakdown(self) -> dict[str, int]:
         """Bytes per category at the moment the total peaked (roles re-checked now)."""
         with self._lock:
             self._refresh()
-            return dict(self._peak_snap)
+            return dict(self._ledger.peak_snap)
 
     def reset_peak(self) -> None:
         with self._lock:
-            self._drain()
-            self._new_peak()
+            self._ledger.drain()
+            self._ledger.new_peak()
 
     def begin_transient_window(self) -> None:
         """Start measuring ``largest_transient_bytes`` from now (restarts it at 0)."""
         with self._lock:
-            self._transient_from, self._largest_transient = self._seq, 0
+            self._ledger.begin_transient_window()
 
     @property
     def largest_transient_bytes(self) -> int:
@@ -275,7 +200,7 @@ class MemoryTracker:
         keeps one storage per unsharded parameter and resizes it to full size
         and back to 0 around each use. 0 if the window was never started.
         """
-        return self._largest_transient
+        return self._ledger.largest_transient
 
     def relabel(self, category: str, from_categories: Iterable[str] = ("activations", "other")) -> int:
         """Count every live storage now in one of `from_categories` as `category`; return the bytes moved.
@@ -288,15 +213,9 @@ class MemoryTracker:
         """
         if category not in CATEGORIES:
             raise ValueError(f"Unknown category {category!r}; use one of {', '.join(CATEGORIES)}.")
-        sources = frozenset(from_categories)
-        moved = 0
         with self._lock:
-            self._drain()
-            for e in list(self._entries.values()):
-                if e.cat in sources and e.cat != category:
-                    moved += e.nbytes
-                    self._recat(e, category)
-        return moved
+            self._ledger.drain()
+            return self._ledger.relabel(category, frozenset(from_categories))
 
     def register(self, module: torch.nn.Module | None = None, optimizers: Any = ()) -> MemoryTracker:
         """Attach a model and optimizers so their tensors are counted and categorised."""
@@ -309,9 +228,9 @@ class MemoryTracker:
                 if not any(r() is opt for r in self._optimizers):
                     self._optimizers.append(weakref.ref(opt))
             if self.active:
-                self._drain()
+                self._ledger.drain()
                 self._scan_registered()
-                self._maybe_peak()
+                self._ledger.maybe_peak()
         return self
 
     def start(self) -> MemoryTracker:
@@ -325,7 +244,7 @@ class MemoryTracker:
             )
         self._fake_mode = active_fake_mode()
         self._count_meta = (self._fake_mode is not None) if self._count_fake_arg is None else self._count_fake_arg
-        self._fwd_depth, self._in_opt, self._awaiting_backward, self._bw_task = 0, 0, False, -1
+        self._phases.reset()
         self._install_hooks()
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -333,9 +252,9 @@ class MemoryTracker:
         with self._lock:
             # Current accounting restarts from what is reachable now; a previous run's
             # peak is kept (those bytes are already in it, hence retro=False).
-            self._set_counts(dict.fromkeys(CATEGORIES, 0), 0)
+            self._ledger.set_counts(dict.fromkeys(CATEGORIES, 0), 0)
             self._scan_registered(retro=False)
-            self._maybe_peak()
+            self._ledger.maybe_peak()
         return self
 
     def stop(self) -> MemoryTracker:
@@ -348,8 +267,7 @@ class MemoryTracker:
         mode.__exit__(None, None, None)
         self._remove_hooks()
         # Dropping the weakrefs disarms their callbacks: nothing costs anything once off.
-        self._entries = {}
-        self._pending.clear()
+        self._ledger.forget()
         self._adoptable = False
         if _ACTIVE is self:
             _ACTIVE = None
@@ -380,71 +298,6 @@ class MemoryTracker:
             f"MemoryTracker({state}, current={format_bytes(self.current_bytes)}, peak={format_bytes(self.peak_bytes)})"
         )
 
-    # ----------------------------------------------------------- accounting core
-    # All mutation happens under self._lock in the thread running ops; weakref
-    # callbacks (which may fire on any thread, even mid-update) only queue the entry.
-    def _set_counts(self, cur: dict, total: int) -> None:
-        self._cur, self._total = cur, total
-        self._cur_view = types.MappingProxyType(cur)  # what on_change callbacks see
-
-    def _on_free(self, entry: _Entry) -> None:
-        if self._transient_from >= 0 and entry.born > self._transient_from and entry.nbytes > self._largest_transient:
-            self._largest_transient = entry.nbytes
-        if self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
-        self._pending.append(entry)
-
-    def _drain(self) -> None:
-        while self._pending:
-            e = self._pending.popleft()
-            self._cur[e.cat] -= e.nbytes
-            self._total -= e.nbytes
-
-    def _maybe_peak(self) -> None:
-        if self._total > self._peak_total:
-            self._new_peak()
-
-    def _new_peak(self) -> None:
-        self._peak_total, self._peak_snap = self._total, dict(self._cur)
-        self._peak_id += 1
-        self._peak_limit = self._seq
-
-    def _add(self, st, cat: str, retro: bool) -> None:
-        # retro: the storage existed before tracking saw it (found via a registered
-        # object), so it was also part of every earlier moment, including the peak.
-        n = st.nbytes()
-        self._seq += 1
-        e = _Entry(st, self._on_free)
-        e.key, e.nbytes, e.cat, e.peak_mark, e.peak_nbytes = st._cdata, n, cat, -1, 0
-        e.born = -1 if retro else self._seq
-        self._entries[e.key] = e
-        self._cur[cat] += n
-        self._total += n
-        if retro:
-            self._peak_total += n
-            self._peak_snap[cat] += n
-
-    def _recat(self, e: _Entry, cat: str) -> None:
-        old = e.cat
-        if old == cat:
-            return
-        self._cur[old] -= e.nbytes
-        self._cur[cat] += e.nbytes
-        if e.born <= self._peak_limit:  # alive now and born before the peak: it was in the peak
-            n = e.peak_nbytes if e.peak_mark == self._peak_id else e.nbytes
-            self._peak_snap[old] -= n
-            self._peak_snap[cat] += n
-        e.cat = cat
-
-    def _resize(self, e: _Entry, n: int) -> None:
-        if self._transient_from >= 0 and e.nbytes > n and e.nbytes > self._largest_transient:
-            self._largest_transient = e.nbytes  # shrunk away: FSDP2 frees unsharded parameters this way
-        if e.born <= self._peak_limit and e.peak_mark != self._peak_id:
-            e.peak_mark, e.peak_nbytes = self._peak_id, e.nbytes  # remember its size at the peak
-        delta, e.nbytes = n - e.nbytes, n
-        self._cur[e.cat] += delta
-        self._total += delta
-
     def _see(self, t: torch.Tensor, cat: str) -> None:
         """An op produced t: count its storage if new, follow size changes if known."""
         self._claim(t, cat, retro=False, role=False)
@@ -454,56 +307,39 @@ class MemoryTracker:
         activations/other are re-labelled); always follow a size change."""
         if t is None:
             return
-        for st in _storages(t):
-            e = self._entries.get(st._cdata)
+        ledger = self._ledger
+        for st in tensor_storages(t):
+            e = ledger.entries.get(st._cdata)
             if e is None:
                 if self._count_meta or st.device.type != "meta":
-                    self._add(st, cat, retro)
+                    ledger.add(st, cat, retro)
                 continue
             if st.nbytes() != e.nbytes:
-                self._resize(e, st.nbytes())
+                ledger.resize(e, st.nbytes())
             if role and (not weak or e.cat in ("activations", "other")):
-                self._recat(e, cat)
-
-    def _phase_category(self) -> str:
-        if self._in_opt:
-            return "optimizer"
-        if self._fwd_depth or self._awaiting_backward:
-            return "activations"
-        task = torch._C._current_graph_task_id()
-        if task != -1:
-            if task != self._bw_task:
-                # First op of this backward: learn when it ends, so allocations
-                # after it (clipping, logging, data) are not called activations.
-                self._bw_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            return "activations"
-        return "other"
-
-    def _backward_done(self) -> None:
-        if not self._fwd_depth:
-            self._awaiting_backward = False
+                ledger.recat(e, cat)
 
     def _after_op(self, func, args, kwargs, out) -> None:
         if self._ignore_op is not None and self._ignore_op():
             return
         if self._fake_mode is not None and active_fake_mode() is not self._fake_mode:
             if self._on_change is not None:
-                self._on_change(self._cur_view)
+                self._on_change(self._ledger.cur_view)
             return  # a nested fake mode (DTensor sharding propagation): not real memory
         info = self._op_cache.get(func)
         if info is None:
-            info = self._op_cache[func] = _op_info(func)
+            info = self._op_cache[func] = op_info(func)
         role, aliasing = info
-        cat = self._phase_category()
+        cat = self._phases.category()
         if aliasing and cat != "optimizer":
             # An in-place/out=/view op returns memory that already existed; if we have
             # never seen it, it predates tracking and is not this phase's allocation.
             cat = "other"
+        ledger = self._ledger
         with self._lock:
-            if self._pending:
-                self._drain()
-            entries = self._entries
+            if ledger.pending:
+                ledger.drain()
+            entries = ledger.entries
             for t in (out,) if type(out) is torch.Tensor else tree_leaves(out) if out is not None else ():
                 if type(t) is not torch.Tensor:
                     if isinstance(t, torch.Tensor):
@@ -514,20 +350,21 @@ class MemoryTracker:
                 e = entries.get(st._cdata)
                 if e is None:
                     if self._count_meta or not t.is_meta:
-                        self._add(st, cat, retro=False)
+                        ledger.add(st, cat, retro=False)
                 elif st.nbytes() != e.nbytes:
-                    self._resize(e, st.nbytes())
+                    ledger.resize(e, st.nbytes())
             if role is not None:
                 self._apply_role(role, args, kwargs, out)
-            self._maybe_peak()
+            ledger.maybe_peak()
         if self._on_change is not None:
-            self._on_change(self._cur_view)
+            self._on_change(ledger.cur_view)
 
     def _apply_role(self, role: str, args, kwargs, out) -> None:
         in_backward = torch._C._current_graph_task_id() != -1
-        if self._in_opt or (role == "bw-gradients" and not in_backward):
+        phases = self._phases
+        if phases.in_opt or (role == "bw-gradients" and not in_backward):
             return
-        if role == "parameters" and not (self._fwd_depth or self._awaiting_backward or in_backward):
+        if role == "parameters" and not (phases.fwd_depth or phases.awaiting_backward or in_backward):
             return  # an all-gather outside forward/backward (e.g. gather_object) is not FSDP
         role = "gradients" if role == "bw-gradients" else role
         for leaf in tree_leaves((args, kwargs, out)):
@@ -537,17 +374,18 @@ class MemoryTracker:
     def _on_resize(self, st) -> None:
         # FSDP2 frees/re-allocates unsharded parameters with storage.resize_, which
         # never reaches the dispatcher.
+        ledger = self._ledger
         with self._lock:
-            self._drain()
-            e = self._entries.get(st._cdata)
+            ledger.drain()
+            e = ledger.entries.get(st._cdata)
             if e is None:
                 if st.nbytes() and (self._count_meta or st.device.type != "meta"):
-                    self._add(st, self._phase_category(), retro=False)
+                    ledger.add(st, self._phases.category(), retro=False)
             elif st.nbytes() != e.nbytes:
-                self._resize(e, st.nbytes())
-            self._maybe_peak()
+                ledger.resize(e, st.nbytes())
+            ledger.maybe_peak()
         if self._on_change is not None:
-            self._on_change(self._cur_view)
+            self._on_change(ledger.cur_view)
 
     # --------------------------------------------------------- roles from objects
     def _scan_registered(self, retro: bool = True) -> None:
@@ -574,7 +412,7 @@ class MemoryTracker:
                         self._claim(v, "optimizer", retro)
 
     def _refresh(self) -> None:
-        self._drain()
+        self._ledger.drain()
         if self.active:
             self._scan_registered()
 
@@ -597,40 +435,24 @@ class MemoryTracker:
 
     # ------------------------------------------------------------- global hooks
     def _install_hooks(self) -> None:
-        def fwd_pre(module, args):
-            self._fwd_depth += 1
-
-        def fwd_post(module, args, output):
-            self._fwd_depth = max(0, self._fwd_depth - 1)
-            if not self._fwd_depth and torch.is_grad_enabled():
-                self._awaiting_backward = True
-
         # Parameters and existing state only need finding once per optimizer (new
         # state is allocated inside step(), where it is labelled as it is born);
         # gradients are re-checked every step, cheaply, as they come and go.
         seen = WeakIdKeyDictionary()  # optimizer -> number of state entries last scanned
 
-        def opt_pre(opt, args, kwargs):
+        def before_step(opt):
             with self._lock:
-                self._drain()
+                self._ledger.drain()
                 self._scan_optimizer(opt, state=False, params=opt not in seen)
-            self._in_opt += 1
-            self._awaiting_backward = False
 
-        def opt_post(opt, args, kwargs):
-            self._in_opt = max(0, self._in_opt - 1)
+        def after_step(opt):
             if seen.get(opt) != len(opt.state):
                 with self._lock:
-                    self._drain()
+                    self._ledger.drain()
                     self._scan_optimizer(opt, state=True, params=False)
                 seen[opt] = len(opt.state)
 
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(fwd_pre),
-            nn_module.register_module_forward_hook(fwd_post, always_call=True),
-            register_optimizer_step_pre_hook(opt_pre),
-            register_optimizer_step_post_hook(opt_post),
-        ]
+        self._phases.install(before_step, after_step)
         orig = self._orig_resize = torch.UntypedStorage.resize_
 
         def resize_(storage, size):
@@ -641,9 +463,7 @@ class MemoryTracker:
         torch.UntypedStorage.resize_ = resize_
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._phases.remove()
         for h in list(self._grad_hooked.values()):
             h.remove()
         self._grad_hooked = WeakIdKeyDictionary()
