@@ -10,7 +10,9 @@ verdict names the first failing rank with its own traceback instead of
 torch's second-resolution guess; preemption (SIGTERM / SIGINT / SIGUSR1
 forwarded to every worker, which get SHARDWISE_PREEMPT_GRACE_S to save and
 exit 75, as the launcher then does); and workers that die with a SIGKILLed
-launcher.
+launcher. What the workers need to know from the launching process (that
+directory, the grace period, the seed, the planner's choice) reaches them as
+one LaunchContext (context.py), exported here.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardwise.distributed import context as launch_context
 from shardwise.distributed import faults
+from shardwise.distributed.context import LaunchContext
 from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
-from shardwise.distributed.progress import RUN_DIR_ENV
 
-LAUNCHED_ENV = "SHARDWISE_LAUNCHED"
 _PR_SET_PDEATHSIG = 1
 # torch's agent handles these itself (it stops the workers); the preemption signals are ours.
 _AGENT_SIGNALS = ("SIGHUP", "SIGQUIT")
@@ -89,15 +91,21 @@ def run(
     max_restarts: int = 0,
     log_dir: Optional[str] = None,
     who: str = "[shardwise]",
+    context: Optional[LaunchContext] = None,
 ) -> Result:
     """Run `entrypoint(*args)` -- a command, or a function importable by reference -- on this node's
-    `nproc` workers, torchrun's "static" rendezvous (fixed node ranks) unless told otherwise."""
+    `nproc` workers, torchrun's "static" rendezvous (fixed node ranks) unless told otherwise.
+
+    The workers get `context` (default: this process's, context.current()) with this launch's run
+    directory, grace period and launched_by_shardwise filled in."""
+    context = context if context is not None else launch_context.current()
+    grace = context.preempt_grace_s if context.preempt_grace_s is not None else preempt_grace_s()
     if isinstance(entrypoint, str):
         pids = _new_sessions()
         entrypoint, args = sys.executable, ["-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), entrypoint, *args]
     else:
         pids = _new_spawned()
-    with _run_dir() as run_dir, _Forwarder(pids, who) as forwarder:
+    with _run_dir(context.replace(preempt_grace_s=grace)) as run_dir, _Forwarder(pids, who, grace) as forwarder:
         # Without a log_dir the agent's own files (error files) go in the run directory, not a new /tmp folder.
         logs_specs = DefaultLogsSpecs(
             log_dir=log_dir or os.path.join(run_dir, "agent"),
@@ -129,20 +137,19 @@ def run(
 
 
 @contextlib.contextmanager
-def _run_dir() -> Iterator[str]:
-    """A fresh run directory for the workers' records, in the environment they inherit (restored after)."""
+def _run_dir(context: LaunchContext) -> Iterator[str]:
+    """A fresh run directory for the workers' records, named in the context they inherit (restored after)."""
     run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
-    keys = (RUN_DIR_ENV, LAUNCHED_ENV, "TORCHELASTIC_SIGNALS_TO_HANDLE")
-    before = {k: os.environ.get(k) for k in keys}
-    os.environ.update({RUN_DIR_ENV: run_dir, LAUNCHED_ENV: "1"})
+    # torch's agent sets this for its workers and leaves it in our environment.
+    signals_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     try:
-        yield run_dir
+        with launch_context.exported(context.replace(launched_by_shardwise=True, run_dir=run_dir)):
+            yield run_dir
     finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if signals_before is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_before
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -153,7 +160,7 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
         return Result(
             128 + forwarder.received,
             message=(
-                f"{who} worker(s) did not exit within the {preempt_grace_s():.0f} s grace period after "
+                f"{who} worker(s) did not exit within the {forwarder.grace_s:.0f} s grace period after "
                 f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
                 "longer)."
             ),
@@ -245,8 +252,8 @@ class _Forwarder:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self, pids: Callable[[], List[int]], who: str) -> None:
-        self.pids, self.who = pids, who
+    def __init__(self, pids: Callable[[], List[int]], who: str, grace_s: float) -> None:
+        self.pids, self.who, self.grace_s = pids, who, grace_s
         self.received: Optional[int] = None
         self.killed = False
         self._timer: Optional[threading.Timer] = None
@@ -277,14 +284,13 @@ class _Forwarder:
     def _forward(self, signum: int, _frame: Any) -> None:
         if self.received is None:
             self.received = signum
-            grace = preempt_grace_s()
             print(
                 f"{self.who} received {faults.signal_name(signum)}: forwarded to every worker; waiting up to "
-                f"{grace:.0f} s ({PREEMPT_GRACE_ENV}) for them to save and exit.",
+                f"{self.grace_s:.0f} s ({PREEMPT_GRACE_ENV}) for them to save and exit.",
                 file=sys.stderr,
                 flush=True,
             )
-            self._timer = threading.Timer(grace, self._kill)
+            self._timer = threading.Timer(self.grace_s, self._kill)
             self._timer.daemon = True
             self._timer.start()
         self._send(signum)

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
+
+from shardwise.distributed.context import current as launch_context
 
 ACCELERATORS = ("auto", "cpu", "cuda")
 
@@ -27,7 +30,8 @@ ACCELERATORS = ("auto", "cpu", "cuda")
 # "preempted, saved, resubmit me"); the launchers exit with it too.
 PREEMPTED_EXIT_CODE = 75
 # How long a launcher that forwarded a preemption signal waits for its workers
-# to save and leave before it kills them.
+# to save and leave before it kills them: the user's setting, read by the
+# launcher, which passes the value on in the launch context.
 PREEMPT_GRACE_ENV = "SHARDWISE_PREEMPT_GRACE_S"
 PREEMPT_GRACE_DEFAULT_S = 120.0
 
@@ -142,7 +146,7 @@ def detect_env() -> Optional[DistEnv]:
             local_world_size=local_world,
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int_env("MASTER_PORT") or 29500,
-            launcher="shardwise" if os.environ.get("SHARDWISE_LAUNCHED") else "torchrun",
+            launcher="shardwise" if launch_context().launched_by_shardwise else "torchrun",
         )
     # SLURM: only when srun started several tasks (a batch script's own shell
     # also has SLURM_* variables, with SLURM_NTASKS possibly unset).
@@ -162,6 +166,27 @@ def detect_env() -> Optional[DistEnv]:
             launcher="slurm",
         )
     return None
+
+
+def global_rank() -> int:
+    """This process's global rank: its process group's once joined, else its launcher's (torchrun, srun), else 0.
+
+    The one way to ask outside a strategy (a strategy that is set up says the same as
+    `strategy.global_rank`, and also for the planner's fake world). Never raises: it names
+    files and decides who prints, so an unreadable RANK counts as 0.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        env = detect_env()
+    except ValueError:
+        return 0
+    return env.global_rank if env is not None else 0
+
+
+def is_global_zero() -> bool:
+    """Whether this process is global rank 0 (or not distributed): the rank that prints and writes once."""
+    return global_rank() == 0
 
 
 def single_process_env() -> DistEnv:

@@ -8,7 +8,9 @@
   tests, the loop written by hand), returning each rank's return value.
 Both run under torch's elastic agent through agent.py, like `shardwise
 launch`: a failing rank stops the rest and is named with its own traceback,
-and preemption signals are forwarded with a grace period (exit 75).
+and preemption signals are forwarded with a grace period (exit 75). Both
+take `context=`, the LaunchContext the workers get (context.py; default:
+this process's own).
 Under torchrun / srun neither is used: env.detect_env reads their variables.
 """
 
@@ -22,6 +24,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, List, Optional
 
 from shardwise.distributed import agent, faults
+from shardwise.distributed.context import LaunchContext
 from shardwise.distributed.env import PREEMPTED_EXIT_CODE, find_free_port
 
 # A rank that only lost a peer ("connection closed") waits this long before it exits, so that
@@ -49,10 +52,11 @@ def _script_command() -> List[str]:
     return [sys.executable, *sys.argv]
 
 
-def launch_script(nproc: int) -> None:
-    """Become the launcher of `nproc` copies of this script; exits the process."""
+def launch_script(nproc: int, context: Optional[LaunchContext] = None) -> None:
+    """Become the launcher of `nproc` copies of this script, which get `context` (default: this
+    process's, context.current()); exits the process."""
     command = _script_command()
-    result = agent.run(command[0], command[1:], nproc, port=find_free_port())
+    result = agent.run(command[0], command[1:], nproc, port=find_free_port(), context=context)
     if result.message:
         sys.stderr.write(result.message + "\n")
     sys.exit(result.exitcode)
@@ -117,6 +121,7 @@ def launch(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: Optional[int] = None,
+    context: Optional[LaunchContext] = None,
 ) -> List[Any]:
     """Run `fn(*args)` on `devices` local processes; return each rank's return value.
 
@@ -125,7 +130,8 @@ def launch(
     closed"). SIGTERM / SIGINT / SIGUSR1 are forwarded to the workers, which
     get SHARDWISE_PREEMPT_GRACE_S to save; if they exit with 75 (preempted),
     so does this process (SystemExit(75)). `fn` must be importable (defined at
-    module level): the workers are started with the spawn method.
+    module level): the workers are started with the spawn method. The workers
+    get `context` (default: this process's, context.current()).
     """
     if num_nodes > 1 and master_port is None:
         raise ValueError("launch(num_nodes>1) needs master_port: every node must name the same one.")
@@ -137,6 +143,7 @@ def launch(
         node_rank=node_rank,
         addr=master_addr,
         port=master_port or find_free_port(),
+        context=context,
     )
     if result.exitcode == PREEMPTED_EXIT_CODE or (result.signalled and result.exitcode != 0):
         if result.message:

@@ -3,9 +3,9 @@
 A rank blocked in a collective cannot tell which peer it is waiting for; the
 backend only says "timed out". So every worker keeps one fixed-size record
 (rank, pid, global step, the hook it entered, when) in a memory-mapped file
-of the run directory its launcher created (env SHARDWISE_RUN_DIR; under a
-bare torchrun, a directory named after the job in the temp folder, visible
-to the ranks of this node). `mark(hook, step)` is a memory write into that
+of the run directory its launcher created (the launch context's run_dir;
+under a bare torchrun or srun, a directory named after the job in the temp
+folder, visible to the ranks of this node). `mark(hook, step)` is a memory write into that
 mapping, no system call, so the Trainer calls it at every hook boundary.
 When a collective times out, the launcher (or the timed-out rank itself)
 reads every record and names the rank that stopped making progress, the
@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-RUN_DIR_ENV = "SHARDWISE_RUN_DIR"
+from shardwise.distributed.context import current as launch_context
+from shardwise.distributed.env import detect_env, global_rank
 
 # step, time of the mark, time of the first mark, pid, hook (utf-8, NUL padded)
 _FORMAT = "<qddi44s"
@@ -52,19 +53,17 @@ class Progress:
 
 def run_dir(create: bool = False) -> Optional[str]:
     """This job's run directory: the launcher's, else one derived from torchrun's variables."""
-    path = os.environ.get(RUN_DIR_ENV)
+    path = launch_context().run_dir
     if not path:
-        if "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+        env = _worker_env()
+        if env is None:
             return None
         # The ranks of one node agree on it without talking: same launcher
         # (parent process: torchrun's agent, srun's step daemon) and job;
         # the parent's pid keeps a later job with the same port apart.
         key = "|".join(
-            [str(os.getppid())]
-            + [
-                os.environ.get(k, "")
-                for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
-            ]
+            [str(os.getppid()), env.master_addr, str(env.master_port)]
+            + [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")]
         )
         try:
             user = getpass.getuser()
@@ -78,6 +77,14 @@ def run_dir(create: bool = False) -> Optional[str]:
     return path
 
 
+def _worker_env():
+    """torchrun's or srun's description of this rank, None for a process no launcher started."""
+    try:
+        return detect_env()
+    except ValueError:  # an unreadable RANK: progress is a diagnostic, never a failure
+        return None
+
+
 def _record_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"progress.{rank}")
 
@@ -85,11 +92,11 @@ def _record_path(directory: str, rank: int) -> str:
 def _open() -> object:
     global _started, _pid
     _started, _pid = time.time(), os.getpid()
-    directory = run_dir(create=True) if "RANK" in os.environ else None
+    directory = run_dir(create=True) if _worker_env() is not None else None
     if directory is None:
         return bytearray(_SIZE)
     try:
-        path = _record_path(directory, int(os.environ["RANK"]))
+        path = _record_path(directory, global_rank())
         with open(path, "wb") as fh:
             fh.write(b"\0" * _SIZE)
         with open(path, "r+b") as fh:
