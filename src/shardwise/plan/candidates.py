@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from shardwise.plan.presets import PlanError, divisors
 from shardwise.strategies import DDPStrategy, FSDPStrategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
-from shardwise.strategies.names import AC_SUFFIX, name_for, resolve
+from shardwise.strategies.names import AC_SUFFIX, resolve
+from shardwise.strategies.parallel import ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
 
 FSDP_SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
@@ -63,17 +64,18 @@ class Candidate:
         if self.kind == "ddp":
             return "ddp" + (AC_SUFFIX if self.activation_checkpointing else "")
         if self.kind == "fsdp":
-            options = {"sharding_strategy": self.sharding, "cpu_offload": self.offload}
+            plan = ParallelPlan(
+                "fsdp", sharding=self.sharding, offload_params=self.offload, offload_optimizer=self.offload
+            )
         else:
-            options = {
-                "stage": self.stage,
-                "offload_optimizer": self.offload,
-                "offload_parameters": self.offload and self.stage == 3,
-            }
-        try:
-            return name_for(self.kind, options, self.activation_checkpointing)
-        except ValueError:  # a user's strategy object with no name (e.g. HYBRID_SHARD + offload)
-            return "custom"
+            plan = ParallelPlan(
+                "deepspeed",
+                zero_stage=self.stage,
+                offload_optimizer=self.offload,
+                offload_params=self.offload and self.stage == 3,
+            )
+        plan = replace(plan, ac="full" if self.activation_checkpointing else "none")
+        return plan.name or "custom"  # a user's strategy object with no name (e.g. HYBRID_SHARD + offload)
 
     @property
     def label(self) -> str:

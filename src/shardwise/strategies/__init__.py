@@ -1,7 +1,8 @@
 """Where a strategy name becomes a strategy object.
 
-`Trainer(strategy="fsdp")` and `Trainer(strategy=FSDPStrategy(...))` both end
-here; the names and what they stand for are the table in names.py. An unknown
+`Trainer(strategy="fsdp")`, `Trainer(strategy=ParallelPlan("fsdp", ...))` and
+`Trainer(strategy=FSDPStrategy(...))` all end here; a name stands for a
+ParallelPlan (the table in names.py), and a plan builds its strategy. An unknown
 name fails with the list of valid ones before any process is started.
 Importing the strategies does not import DeepSpeed (an extra): only building
 or running a DeepSpeedStrategy does.
@@ -17,7 +18,8 @@ from shardwise.strategies.base import Strategy, wrap
 from shardwise.strategies.ddp import DDPStrategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
 from shardwise.strategies.fsdp import FSDPStrategy
-from shardwise.strategies.names import STRATEGIES, resolve, valid_names
+from shardwise.strategies.names import STRATEGIES, lookup, valid_names
+from shardwise.strategies.parallel import ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
 
 # `shardwise convert` / `inspect` read DeepSpeed's checkpoint directories through this reader;
@@ -35,9 +37,12 @@ STRATEGY_NAMES = ("auto", *STRATEGIES)
 
 
 def build_strategy(
-    strategy: Union[str, Strategy], world_size: int = 1, blocks: Optional[Iterable[Any]] = None, **options: Any
+    strategy: Union[str, ParallelPlan, Strategy],
+    world_size: int = 1,
+    blocks: Optional[Iterable[Any]] = None,
+    **options: Any,
 ) -> Strategy:
-    """Turn a name (or an instance, returned as is) into a strategy.
+    """Turn a name or a ParallelPlan (or an instance, returned as is) into a strategy.
 
     `blocks`: the model's block classes, if known. FSDP then wraps each block as
     a unit (without them it shards the whole model as one, as Lightning's
@@ -46,32 +51,24 @@ def build_strategy(
     """
     if isinstance(strategy, Strategy):
         return strategy
+    if isinstance(strategy, ParallelPlan):
+        return strategy.build(blocks, **options)
     if not isinstance(strategy, str):
-        raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
+        raise TypeError(
+            f"strategy must be a name, a ParallelPlan or a Strategy instance, got {type(strategy).__name__}"
+        )
     if strategy.lower().strip() == "auto":
         chosen = SingleDeviceStrategy() if world_size <= 1 else DDPStrategy()
         chosen.is_auto = True  # Trainer(device_memory=...) may replace it with the memory planner's choice
         return chosen
     try:
-        named = resolve(strategy, allow_ac=True)
+        plan = lookup(strategy, allow_ac=True)
     except ValueError:
         raise ValueError(
             f"Unknown strategy {strategy!r}. Valid names: auto, {valid_names()}; or pass a strategy "
             "object such as FSDPStrategy(...)."
         ) from None
-    kwargs = {**named.options, **options}
-    units = set(blocks) if blocks else None
-    if named.activation_checkpointing:
-        if not units or named.kind not in ("fsdp", "deepspeed"):
-            raise ValueError(
-                f"strategy={strategy!r}: activation checkpointing needs your block class; pass "
-                "FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}) "
-                "(or DeepSpeedStrategy(..., activation_checkpointing_policy={Block}))."
-            )
-        kwargs["activation_checkpointing_policy"] = units
-    if named.kind == "fsdp" and units:
-        kwargs.setdefault("auto_wrap_policy", units)
-    return CLASSES[named.kind](**kwargs)
+    return plan.build(blocks, spelled=strategy, **options)
 
 
 __all__ = [
@@ -81,6 +78,7 @@ __all__ = [
     "FSDPStrategy",
     "DeepSpeedStrategy",
     "build_strategy",
+    "ParallelPlan",
     "STRATEGY_NAMES",
     "wrap",
 ]

@@ -1,33 +1,40 @@
 """Strategy names: the one table the Trainer, the fine-tuning recipe, the planner, the demo and the tests read.
 
-Each name is a strategy class ("single", "ddp", "fsdp", "deepspeed") with the
-constructor options it stands for. Any name with the suffix `_ac` also means
-activation checkpointing of the wrapped blocks; that needs the block class, so
-only the callers that know it (the planner, the demo) accept the suffix.
-Older spellings are aliases, so a command line that worked keeps working.
-This module imports nothing, so any layer can use the table.
+Each name stands for a ParallelPlan (parallel.py): the engine ("single",
+"ddp", "fsdp", "deepspeed") with its sharding or ZeRO stage and offload. Any
+name with the suffix `_ac` also means activation checkpointing of the wrapped
+blocks; that needs the block class, so only the callers that know it (the
+planner, the demo) accept the suffix. Older spellings are aliases, so a
+command line that worked keeps working. Imports no torch, so any layer can
+use the table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional, Tuple
 
-STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
-    "single": ("single", {}),
-    "ddp": ("ddp", {}),
-    "fsdp": ("fsdp", {}),
-    "fsdp_shard_grad_op": ("fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}),
-    "fsdp_no_shard": ("fsdp", {"sharding_strategy": "NO_SHARD"}),
-    "fsdp_hybrid_shard": ("fsdp", {"sharding_strategy": "HYBRID_SHARD"}),
-    "fsdp_cpu_offload": ("fsdp", {"cpu_offload": True}),
-    "deepspeed": ("deepspeed", {"stage": 2}),
-    "deepspeed_stage_1": ("deepspeed", {"stage": 1}),
-    "deepspeed_stage_2": ("deepspeed", {"stage": 2}),
-    "deepspeed_stage_2_offload": ("deepspeed", {"stage": 2, "offload_optimizer": True}),
-    "deepspeed_stage_3": ("deepspeed", {"stage": 3}),
-    "deepspeed_stage_3_offload": ("deepspeed", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+from shardwise.strategies.parallel import ParallelPlan
+
+PLANS: Dict[str, ParallelPlan] = {
+    "single": ParallelPlan("single"),
+    "ddp": ParallelPlan("ddp"),
+    "fsdp": ParallelPlan("fsdp"),
+    "fsdp_shard_grad_op": ParallelPlan("fsdp", sharding="SHARD_GRAD_OP"),
+    "fsdp_no_shard": ParallelPlan("fsdp", sharding="NO_SHARD"),
+    "fsdp_hybrid_shard": ParallelPlan("fsdp", sharding="HYBRID_SHARD"),
+    "fsdp_cpu_offload": ParallelPlan("fsdp", offload_params=True, offload_optimizer=True),
+    "deepspeed": ParallelPlan("deepspeed", zero_stage=2),
+    "deepspeed_stage_1": ParallelPlan("deepspeed", zero_stage=1),
+    "deepspeed_stage_2": ParallelPlan("deepspeed", zero_stage=2),
+    "deepspeed_stage_2_offload": ParallelPlan("deepspeed", zero_stage=2, offload_optimizer=True),
+    "deepspeed_stage_3": ParallelPlan("deepspeed", zero_stage=3),
+    "deepspeed_stage_3_offload": ParallelPlan("deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True),
 }
+SHORT_ALIASES = ("deepspeed",)  # names that are another name's short form: never given back by name_of
+
+# name -> (strategy class key, the constructor options the name stands for)
+STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {n: (p.engine, p.strategy_options()) for n, p in PLANS.items()}
 
 ALIASES = {
     "single_device": "single",
@@ -56,42 +63,45 @@ class Named:
     options: Dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     activation_checkpointing: bool = False
 
-    @property
-    def full_name(self) -> str:
-        return self.name + (AC_SUFFIX if self.activation_checkpointing else "")
-
 
 def valid_names(with_ac: bool = False) -> str:
-    names = ", ".join(STRATEGIES)
+    names = ", ".join(PLANS)
     return names + (f"; any of them + {AC_SUFFIX!r} for activation checkpointing" if with_ac else "")
 
 
-def resolve(name: str, allow_ac: bool = False) -> Named:
-    """`name` (any spelling: case, dashes, aliases, an `_ac` suffix if allowed) -> Named; ValueError otherwise."""
+def _key(name: str, allow_ac: bool) -> Tuple[str, bool]:
     key = str(name).lower().strip().replace("-", "_")
-    ac = allow_ac and key.endswith(AC_SUFFIX) and key not in STRATEGIES
+    ac = allow_ac and key.endswith(AC_SUFFIX) and key not in PLANS
     if ac:
         key = key[: -len(AC_SUFFIX)]
     key = ALIASES.get(key, key)
-    if key not in STRATEGIES:
+    if key not in PLANS:
         raise ValueError(f"Unknown strategy {name!r}. Valid names: {valid_names(allow_ac)}.")
+    return key, ac
+
+
+def lookup(name: str, allow_ac: bool = False) -> ParallelPlan:
+    """`name` (any spelling: case, dashes, aliases, an `_ac` suffix if allowed) -> its ParallelPlan."""
+    key, ac = _key(name, allow_ac)
+    return replace(PLANS[key], ac="full") if ac else PLANS[key]
+
+
+def resolve(name: str, allow_ac: bool = False) -> Named:
+    """`name` -> Named (the table's spelling, class key and options); ValueError otherwise."""
+    key, ac = _key(name, allow_ac)
     kind, options = STRATEGIES[key]
     return Named(key, kind, dict(options), ac)
 
 
-def name_for(kind: str, options: Dict[str, Any], activation_checkpointing: bool = False) -> str:
-    """The table's name for a configuration (the inverse of `resolve`); ValueError if it has none."""
-    defaults = {
-        "sharding_strategy": "FULL_SHARD",
-        "cpu_offload": False,
-        "offload_optimizer": False,
-        "offload_parameters": False,
-    }
-    wanted = {k: v for k, v in options.items() if v != defaults.get(k, object())}
-    for name, (k, opts) in STRATEGIES.items():
-        if k == kind and opts == wanted and name != "deepspeed":  # "deepspeed" is stage 2's short alias
-            return name + (AC_SUFFIX if activation_checkpointing else "")
-    raise ValueError(f"No strategy name for {kind} with {wanted}; pass a strategy object instead.")
+def name_of(plan: ParallelPlan) -> Optional[str]:
+    """The table's name for a plan's configuration (+ `_ac` for full checkpointing), or None if it has none."""
+    if plan.ac == "selective":
+        return None
+    wanted = replace(plan.configuration(), ac="none")
+    for name, entry in PLANS.items():
+        if entry == wanted and name not in SHORT_ALIASES:
+            return name + (AC_SUFFIX if plan.uses_ac else "")
+    return None
 
 
-__all__ = ["STRATEGIES", "ALIASES", "AC_SUFFIX", "Named", "resolve", "name_for", "valid_names"]
+__all__ = ["PLANS", "STRATEGIES", "ALIASES", "AC_SUFFIX", "Named", "lookup", "resolve", "name_of", "valid_names"]
