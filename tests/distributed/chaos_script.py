@@ -78,6 +78,7 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
     import shardwise
     from shardwise import Trainer, TrainModule
     from shardwise.callbacks import ModelCheckpoint
+    from shardwise.distributed.context import current as launch_context
 
     keyed = spec["dropout"] == "keyed"
 
@@ -203,7 +204,7 @@ def _driver(spec: Dict[str, Any], leg: int, root: str, fresh_seed: bool) -> None
                 "mid_window": where in ("micro", "validation") and not trainer.is_last_microbatch,
             },
         )
-        launched = bool(os.environ.get("SHARDWISE_LAUNCHED"))
+        launched = launch_context().launched_by_shardwise
         if kill["target"] == "launcher" and launched:
             os.kill(os.getppid(), sig)
             if sig == signal.SIGKILL:  # PR_SET_PDEATHSIG brings ours; do nothing until it arrives

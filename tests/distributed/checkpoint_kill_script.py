@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise
 from shardwise import Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
+from shardwise.distributed.context import current as launch_context
 
 SAVE_EVERY = 3
 
@@ -80,7 +81,7 @@ class Recorder:
 def kill_job() -> None:
     # Under the self-launcher the parent is the supervisor; its death takes
     # every worker with it (PR_SET_PDEATHSIG), like a node losing power.
-    target = os.getppid() if os.environ.get("SHARDWISE_LAUNCHED") else os.getpid()
+    target = os.getppid() if launch_context().launched_by_shardwise else os.getpid()
     os.kill(target, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 

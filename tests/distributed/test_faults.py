@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import shardwise
-from shardwise.distributed import faults, progress
+from shardwise.distributed import context, faults, progress
 from shardwise.distributed.launch import WorkerFailedError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,7 +42,7 @@ LANES = 2
 
 def _env(**extra: str) -> dict:
     # Nothing the pytest process set for its own runs (rank, run directory, collective checks) leaks in.
-    dropped = (progress.RUN_DIR_ENV, "RANK", "WORLD_SIZE", faults.CHECK_COLLECTIVES_ENV, "TORCH_DISTRIBUTED_DEBUG")
+    dropped = (context.CONTEXT_ENV, "RANK", "WORLD_SIZE", faults.CHECK_COLLECTIVES_ENV, "TORCH_DISTRIBUTED_DEBUG")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONPATH"] = os.pathsep.join([SRC, HERE, env.get("PYTHONPATH", "")])
     env.update(extra)
@@ -266,11 +266,12 @@ def test_root_cause_ignores_consequences_and_orders_by_sub_second_time():
 
 
 def test_progress_records_name_the_rank_that_fell_behind(tmp_path, monkeypatch):
-    monkeypatch.setenv(progress.RUN_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(progress, "_buffer", None)
-    for step in range(5):
-        progress.mark("training_step", step)
+    with context.using(context.LaunchContext(run_dir=str(tmp_path))):
+        for step in range(5):
+            progress.mark("training_step", step)
     mine = progress.read_all(str(tmp_path))[1]
     assert (mine.rank, mine.step, mine.hook, mine.pid) == (1, 4, "training_step", os.getpid())
     records = {1: mine, 0: progress.Progress(0, 5, "backward", mine.time + 3, mine.started, 1)}

@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import os
 import random
 import sys
 import warnings
@@ -43,7 +42,7 @@ from torch.distributed.fsdp.wrap import enable_wrap
 
 from shardwise.checkpoint.formats import load_model_and_optimizers, save_model_and_optimizers
 from shardwise.data import distribute_dataloader
-from shardwise.distributed import faults, ops
+from shardwise.distributed import context, faults, ops
 from shardwise.distributed.env import (
     DistEnv,
     backend_for,
@@ -60,8 +59,6 @@ from shardwise.strategies.materialize import has_meta_tensors, materialize_modul
 # Set while configure_model runs, so `shardwise.wrap(m)` reaches the strategy.
 _ACTIVE_WRAP: ContextVar[Optional[Callable[[nn.Module], nn.Module]]] = ContextVar("shardwise_wrap", default=None)
 
-SEED_ENV = "SHARDWISE_SEED"
-
 
 def wrap(module: nn.Module) -> nn.Module:
     """Shard `module` as its own FSDP unit when called inside `configure_model` under FSDP.
@@ -75,11 +72,9 @@ def wrap(module: nn.Module) -> nn.Module:
 
 def global_seed() -> int:
     """The seed every rank agrees on (seed_everything's, else rank 0's random draw)."""
-    if SEED_ENV in os.environ:
-        return int(os.environ[SEED_ENV])
-    seed = ops.broadcast_object(random.randint(0, 2**31 - 1))
-    os.environ[SEED_ENV] = str(seed)
-    return seed
+    if context.current().seed is not None:  # launched workers get the launching process's
+        return context.current().seed
+    return context.update(seed=ops.broadcast_object(random.randint(0, 2**31 - 1))).seed
 
 
 def _leave_process_group(failing: bool = False) -> None:
