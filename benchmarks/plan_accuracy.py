@@ -50,7 +50,7 @@ def mib(n: float) -> str:
 
 
 def accuracy(quick: bool) -> Tuple[List[str], float]:
-    from shardwise.plan.measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare
+    from plan_measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare
 
     lines = ["| model | procs | configuration | predicted MiB | measured MiB | error |", "|---|---|---|---:|---:|---:|"]
     worst = 0.0
@@ -70,7 +70,7 @@ def accuracy(quick: bool) -> Tuple[List[str], float]:
 
 
 def raw_deepspeed_limits() -> List[str]:
-    from shardwise.plan.measure import DEEPSPEED_RAW_DEFAULTS, accuracy_models, compare
+    from plan_measure import DEEPSPEED_RAW_DEFAULTS, accuracy_models, compare
 
     spec, seq = accuracy_models()["gpt"]
     lines = [
@@ -90,8 +90,9 @@ def raw_deepspeed_limits() -> List[str]:
 
 def section(quick: bool) -> str:
     acc, worst = accuracy(quick)
+    from plan_measure import planning_cost
+
     from shardwise.plan.candidates import default_candidates
-    from shardwise.plan.measure import planning_cost
 
     cost = planning_cost(PLAN_70B)
     n_candidates = len(default_candidates(16, 2))

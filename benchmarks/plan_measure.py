@@ -1,6 +1,9 @@
 """Measure what the planner predicts: peak tracked tensor memory per rank during real training steps.
 
-The accuracy test and benchmarks/plan_accuracy.py both call `measure()`: it
+Benchmark support, not part of the package (it drives the Trainer, which the
+planner sits below): benchmarks/plan_accuracy.py imports it as a sibling, the
+tests through pyproject's pytest `pythonpath` ("benchmarks"), and the worker
+processes inherit that sys.path. Both call `compare()`, whose `measure()`
 starts `devices` CPU processes with shardwise.launch, trains the planner's own
 `LMModule` (the TrainModule a user would write) with the Trainer under the
 candidate's strategy for a few optimizer steps, and reads shardwise.memory's

@@ -3,7 +3,7 @@
 Each case plans a model with `shardwise.plan` (fake tensors, nothing
 allocated) and trains the same TrainModule for real with the Trainer on CPU
 (1 or 2 processes via shardwise.launch), measuring peak tracked tensor memory
-with shardwise.memory's tracker; see shardwise/plan/measure.py. The quick
+with shardwise.memory's tracker; see benchmarks/plan_measure.py. The quick
 cases cover DDP, FSDP with and without activation checkpointing and ZeRO
 1/2/3 across both models and both world sizes; the full matrix (every
 configuration x model x world size, the table in BENCHMARKS.md) is marked
@@ -14,8 +14,7 @@ planner's 3- and 4-block traces.
 from __future__ import annotations
 
 import pytest
-
-from shardwise.plan.measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare
+from plan_measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare  # benchmarks/, on pytest's pythonpath
 
 TOLERANCE = 0.10
 QUICK = {

@@ -208,7 +208,7 @@ def test_planning_llama2_70b_is_fast_and_small():
     Asserted on CPU seconds (the planner traces in two processes, so wall time on an idle 2-core
     machine is about half of it), so a busy machine does not make the test flaky.
     """
-    from shardwise.plan.measure import planning_cost
+    from plan_measure import planning_cost  # benchmarks/, on pytest's pythonpath
 
     cost = planning_cost(
         [
