@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from shardwise.checkpoint.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
 from shardwise.checkpoint.integrity import ALGORITHM, VERIFY_ENV
-from shardwise.checkpoint.safety import _EXTRA_SAFE, SafeFileSystemReader
+from shardwise.checkpoint.safety import EXTRA_SAFE_GLOBALS, SafeFileSystemReader
 
 _GAP_CHUNK = 8 << 20
 
@@ -128,7 +128,7 @@ class VerifyingReader(SafeFileSystemReader):
             if info.transform_descriptors:  # compressed / extension-encoded: torch's own path
                 if not stream.seekable():
                     stream = io.BytesIO(stream.read(-1))
-                with torch.serialization.safe_globals(_EXTRA_SAFE):
+                with torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):
                     tensor = torch.load(stream, map_location="cpu", weights_only=True)
             else:
                 tensor = decode_tensor(buf)
@@ -209,7 +209,7 @@ def decode_tensor(buf: Any) -> torch.Tensor:
     memory = buf.view if mapped else buf
     archive = torch._C.PyTorchFileReader(buf if mapped else io.BytesIO(buf))
     if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
-        with torch.serialization.safe_globals(_EXTRA_SAFE):  # rare: let torch byte-swap
+        with torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):  # rare: let torch byte-swap
             return torch.load(io.BytesIO(bytes(memory)), map_location="cpu", weights_only=True)
 
     def persistent_load(saved_id: Any) -> Any:
@@ -227,7 +227,7 @@ def decode_tensor(buf: Any) -> torch.Tensor:
 
     unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
     unpickler.persistent_load = persistent_load
-    with torch.serialization.safe_globals(_EXTRA_SAFE):
+    with torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):
         tensor = unpickler.load()
     if not isinstance(tensor, torch.Tensor):
         raise CorruptCheckpointError(f"a tensor item decodes to {type(tensor).__name__}")

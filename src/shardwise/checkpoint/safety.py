@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from shardwise.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 # Types beyond torch's weights_only defaults that our own saves contain.
-_EXTRA_SAFE = [torch.torch_version.TorchVersion, frozenset]
+EXTRA_SAFE_GLOBALS = [torch.torch_version.TorchVersion, frozenset]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -82,7 +82,7 @@ def _unsafe_names(source: Any) -> list:
         return []
     try:
         if zipfile.is_zipfile(source):
-            with torch.serialization.safe_globals(_EXTRA_SAFE):
+            with torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):
                 return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
         with open(source, "rb") as fh:
             names = _pickle_globals(fh.read(1 << 20))
@@ -111,7 +111,7 @@ def safe_torch_load(
     """torch.load restricted to tensors and plain data; UnsafeCheckpointError / CorruptCheckpointError name the file."""
     label = name or str(path)
     try:
-        with torch.serialization.safe_globals(_EXTRA_SAFE + list(extra_safe or [])), warnings.catch_warnings():
+        with torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS + list(extra_safe or [])), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # refused anyway if unsafe
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
@@ -146,7 +146,7 @@ def _unsupported(text: str) -> str:
 def safe_loads_bytes(data: io.BytesIO, label: str) -> Any:
     """A DCP 'bytes' item (optimizer hyper-parameters and other non-tensor values)."""
     try:
-        with torch.serialization.safe_globals(_EXTRA_SAFE):
+        with torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):
             return torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Unsupported global" in str(exc):
