@@ -8,7 +8,6 @@ with a note for each one that changes meaning.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, List
 
@@ -26,20 +25,22 @@ def parser() -> ArgumentParser:
 
 def translate(argv: List[str]) -> List[str]:
     """The Hugging Face recipe's flags in our names; the notes go to stderr once (rank 0)."""
+    from shardwise.distributed.env import is_global_zero
     from shardwise.recipes.hf_args import translate_argv
 
     argv, notes = translate_argv(argv)
-    if os.environ.get("RANK", "0") == "0":
+    if is_global_zero():
         for note in notes:
             print(f"shardwise finetune: note: {note}", file=sys.stderr)
     return argv
 
 
 def run(cfg: Any) -> int:
+    from shardwise.distributed.env import is_global_zero
     from shardwise.recipes.finetune import FinetuneConfig, finetune
 
     result = finetune(FinetuneConfig(**{k: v for k, v in cfg.as_dict().items() if k != "config"}))
-    if result is not None and result.losses and os.environ.get("RANK", "0") == "0":
+    if result is not None and result.losses and is_global_zero():
         print(
             f"[finetune] done: {len(result.losses)} steps, final loss {result.losses[-1]['loss']:.4f}; "
             f"Hugging Face folder in {result.output_dir}"

@@ -176,7 +176,10 @@ def global_rank() -> int:
     files and decides who prints, so an unreadable RANK counts as 0.
     """
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+        try:
+            return dist.get_rank()
+        except RuntimeError:  # torn down under us: the launcher's word below
+            pass
     try:
         env = detect_env()
     except ValueError:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from shardwise.distributed import progress
-from shardwise.distributed.env import PREEMPTED_EXIT_CODE
+from shardwise.distributed.env import PREEMPTED_EXIT_CODE, global_rank
 
 STACK_SIGNAL = signal.SIGUSR2
 
@@ -69,27 +69,21 @@ def classify(message: str) -> str:
     return "primary"
 
 
-def _rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
     """Write this rank's failure (torch's error-file JSON plus our fields); return the record."""
     tb = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     now = time.time()
     summary = f"{type(exc).__name__}: {exc}"
     kind = classify(f"{summary}\n{tb}" if not isinstance(exc, (KeyboardInterrupt, SystemExit)) else summary)
+    rank = global_rank()
     records = progress.read_all()
-    where = records.get(_rank())
+    where = records.get(rank)
     stall, stacks = None, {}
     if kind == "timeout":
         # Name the rank this one waited for while it is still alive, and ask it
         # (same node: its pid is in its record) for its Python stack.
-        stall = progress.describe_stall([_rank()], records=records, timeout_s=_collective_timeout_s, now=now)
-        suspects = sorted((p for r, p in records.items() if r != _rank()), key=lambda p: (p.step, p.time))
+        stall = progress.describe_stall([rank], records=records, timeout_s=_collective_timeout_s, now=now)
+        suspects = sorted((p for r, p in records.items() if r != rank), key=lambda p: (p.step, p.time))
         if suspects and _alive(suspects[0].pid):
             stacks = dump_stacks({suspects[0].rank: suspects[0].pid}, progress.run_dir())
         if stall:  # also in torch's error file, so torchrun's "Root Cause" shows it
@@ -99,7 +93,7 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
     data = {
         "message": {"message": summary, "extraInfo": {"py_callstack": tb, "timestamp": str(int(now))}},
         "shardwise": {
-            "rank": _rank(),
+            "rank": rank,
             "time": now,
             "kind": kind,
             "summary": summary,
@@ -113,7 +107,7 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
     targets = []
     directory = progress.run_dir()
     if directory and os.path.isdir(directory):
-        targets.append(os.path.join(directory, f"error.{_rank()}.json"))
+        targets.append(os.path.join(directory, f"error.{rank}.json"))
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         targets.append(os.environ["TORCHELASTIC_ERROR_FILE"])
     for path in targets:
@@ -136,7 +130,7 @@ def print_worker_exception(exc: BaseException, text: Optional[str] = None) -> No
     if classify(f"{type(exc).__name__}: {exc}") == "secondary":
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         sys.stderr.write(
-            f"[shardwise] rank {_rank()} lost a peer ({first}); the launcher names the rank that failed first.\n"
+            f"[shardwise] rank {global_rank()} lost a peer ({first}); the launcher names the rank that failed first.\n"
         )
     else:
         sys.stderr.write(text)
@@ -156,7 +150,9 @@ def _excepthook(previous):
         else:
             previous(exc_type, exc, tb)
         if data is not None and data["shardwise"].get("stall"):
-            sys.stderr.write(f"[shardwise] rank {_rank()}: a collective timed out: {data['shardwise']['stall']}\n")
+            sys.stderr.write(
+                f"[shardwise] rank {global_rank()}: a collective timed out: {data['shardwise']['stall']}\n"
+            )
 
     return hook
 
@@ -205,7 +201,7 @@ def install_worker(collective_timeout_s: Optional[float] = None) -> None:
     directory = progress.run_dir()
     if directory and os.path.isdir(directory) and hasattr(faulthandler, "register"):
         try:
-            _stack_file = open(os.path.join(directory, f"stack.{_rank()}.txt"), "w")
+            _stack_file = open(os.path.join(directory, f"stack.{global_rank()}.txt"), "w")
             faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
         except (OSError, ValueError, RuntimeError):
             pass

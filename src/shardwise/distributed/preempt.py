@@ -20,7 +20,7 @@ import sys
 from typing import Iterable, Optional
 
 from shardwise.distributed import faults, progress
-from shardwise.distributed.env import PREEMPTED_EXIT_CODE
+from shardwise.distributed.env import PREEMPTED_EXIT_CODE, global_rank
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -52,7 +52,7 @@ class PreemptFlag:
         if self.signal is None:
             self.signal = signum
             sys.stderr.write(
-                f"[shardwise] rank {os.environ.get('RANK', '0')} received "
+                f"[shardwise] rank {global_rank()} received "
                 f"{signal.Signals(signum).name}: finishing this step, saving, then exiting "
                 f"with {PREEMPTED_EXIT_CODE}.\n"
             )
@@ -91,7 +91,7 @@ def exit_preempted(message: str = "") -> None:
     directory = progress.run_dir()
     if directory and os.path.isdir(directory):
         try:
-            with open(os.path.join(directory, f"preempted.{os.environ.get('RANK', '0')}"), "w") as fh:
+            with open(os.path.join(directory, f"preempted.{global_rank()}"), "w") as fh:
                 fh.write(message)
         except OSError:
             pass

@@ -16,7 +16,7 @@ import re
 from argparse import Namespace
 from typing import Any, Mapping
 
-import torch.distributed as dist
+from shardwise.distributed.env import is_global_zero
 
 __all__ = ["CSVLogger"]
 
@@ -26,9 +26,7 @@ HPARAMS_FILE = "hparams.yaml"
 
 def rank_zero() -> bool:
     """True on global rank 0 (or when not distributed): the only rank that writes logs."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+    return is_global_zero()
 
 
 def next_version(root: str) -> int:

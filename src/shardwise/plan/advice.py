@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from shardwise.data import rebuild
-from shardwise.distributed.env import detect_env
+from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, parse_candidate
 from shardwise.plan.core import plan
@@ -272,5 +272,5 @@ def _install(trainer: Any, cand: Candidate, blocks: Any, reason: str) -> None:
         strategy.connect(trainer.accelerator, old.precision.name, num_nodes=trainer.num_nodes, devices=trainer.devices)
         strategy.is_auto = True
         trainer.strategy = strategy
-    if reason and int(os.environ.get("RANK", "0")) == 0:
+    if reason and is_global_zero():
         print(f"shardwise: strategy='auto' chose {cand.config_label}: {reason}")
