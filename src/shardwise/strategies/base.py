@@ -55,6 +55,7 @@ from shardwise.distributed.env import (
 )
 from shardwise.precision import Precision, build_precision
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
+from shardwise.strategies.parallel import ParallelPlan
 
 # Set while configure_model runs, so `shardwise.wrap(m)` reaches the strategy.
 _ACTIVE_WRAP: ContextVar[Optional[Callable[[nn.Module], nn.Module]]] = ContextVar("shardwise_wrap", default=None)
@@ -121,6 +122,12 @@ class Strategy:
         # Materialisation mode: None = allocate and initialise (training); a FakeTensorMode =
         # fake tensors of the same shapes and shards under it (planning; setup_fake_environment).
         self.fake_mode: Any = None
+
+    @property
+    def parallel_plan(self) -> ParallelPlan:
+        """This strategy described as a ParallelPlan; `build_strategy(plan)` gives an equivalent strategy
+        for the named configurations (strategies/names.py). Subclasses add their engine's options."""
+        return ParallelPlan(engine=self.name, precision=getattr(self._precision_arg, "name", self._precision_arg))
 
     # ------------------------------------------------------------------ set-up
     def connect(

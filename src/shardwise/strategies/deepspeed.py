@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import warnings
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -133,6 +134,19 @@ class DeepSpeedStrategy(Strategy):
     @property
     def offload_parameters(self) -> bool:
         return bool(_offload_device(self.config["zero_optimization"], "offload_param"))
+
+    @property
+    def parallel_plan(self) -> Any:
+        """This strategy as a ParallelPlan: ZeRO stage, offload, checkpointing (base.Strategy)."""
+        policy = self.activation_checkpointing_policy
+        return replace(
+            super().parallel_plan,
+            zero_stage=self.stage,
+            ac="none" if policy is None else "full",
+            blocks=policy,
+            offload_params=self.offload_parameters,
+            offload_optimizer=self.offload_optimizer,
+        )
 
     def connect(
         self,

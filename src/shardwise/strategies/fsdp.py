@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import warnings
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
@@ -349,6 +350,24 @@ class FSDPStrategy(Strategy):
         )
         self.mesh: Optional[DeviceMesh] = None
         self._manual_units: List[nn.Module] = []
+
+    @property
+    def parallel_plan(self) -> Any:
+        """This strategy as a ParallelPlan: sharding, mesh degrees, checkpointing, offload (base.Strategy)."""
+        plan, mesh = super().parallel_plan, self.device_mesh_arg
+        shape = tuple(mesh.shape if isinstance(mesh, DeviceMesh) else mesh) if mesh is not None else (1, -1)
+        checkpointed = self.activation_checkpointing_policy is not None
+        return replace(
+            plan,
+            sharding=self.sharding_strategy,
+            dp_replicate=shape[0] if len(shape) == 2 else 1,
+            dp_shard=shape[-1],
+            ac=self.activation_checkpointing_mode if checkpointed else "none",
+            selective_ac_option=self.selective_ac_option if checkpointed else None,
+            blocks=self.auto_wrap_policy if self.auto_wrap_policy is not None else self.activation_checkpointing_policy,
+            offload_params=self.cpu_offload,
+            offload_optimizer=self.cpu_offload,
+        )
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:

@@ -46,10 +46,11 @@ class ParallelPlan:
     """One parallel configuration (torchtitan's ParallelDims plus each engine's options).
 
     engine: "single" | "ddp" | "fsdp" | "deepspeed".
-    dp_replicate, dp_shard: data-parallel degrees; -1 fills in from the world size. Left at
-        (1, -1), they become the layout the engine and sharding imply: DDP and FSDP NO_SHARD
-        replicate (-1, 1), FSDP FULL_SHARD / SHARD_GRAD_OP and ZeRO shard (1, -1), HYBRID_SHARD
-        replicates across nodes and shards inside one (-1, -1).
+    dp_replicate, dp_shard: data-parallel degrees; -1 fills in from the world size. The default
+        (1, -1) stands for the layout the engine and sharding imply (`dp_degrees`): DDP and FSDP
+        NO_SHARD replicate (-1, 1), FSDP FULL_SHARD / SHARD_GRAD_OP and ZeRO shard (1, -1),
+        HYBRID_SHARD replicates across nodes and shards inside one (-1, -1). Degrees equal to
+        that layout are stored as the default, so equal configurations compare equal.
     tp, sp: tensor and sequence (context) parallel degrees; only 1 today.
     sharding: FSDP's sharding ("" means FULL_SHARD for FSDP; other engines have none).
     zero_stage: DeepSpeed's ZeRO stage (None: the strategy's default, 2, or the user's config).
@@ -83,9 +84,9 @@ class ParallelPlan:
             raise ValueError(f"ParallelPlan(engine={self.engine!r}): use one of {', '.join(ENGINES)}.")
         sharding = str(self.sharding or ("FULL_SHARD" if engine == "fsdp" else "")).upper()
         set_(self, "sharding", sharding)
-        if (self.dp_replicate, self.dp_shard) == (1, FILL):
-            set_(self, "dp_replicate", default_degrees(engine, sharding)[0])
-            set_(self, "dp_shard", default_degrees(engine, sharding)[1])
+        if (self.dp_replicate, self.dp_shard) == default_degrees(engine, sharding):
+            set_(self, "dp_replicate", 1)
+            set_(self, "dp_shard", FILL)
         set_(self, "ac", str(self.ac).lower())
         if self.ac == "selective" and self.selective_ac_option is None:
             set_(self, "selective_ac_option", "op")
@@ -125,6 +126,13 @@ class ParallelPlan:
         return base
 
     @property
+    def dp_degrees(self) -> Tuple[int, int]:
+        """(dp_replicate, dp_shard), -1 still to be filled in: the explicit ones, else the implied layout."""
+        if (self.dp_replicate, self.dp_shard) == (1, FILL):
+            return default_degrees(self.engine, self.sharding)
+        return (self.dp_replicate, self.dp_shard)
+
+    @property
     def uses_ac(self) -> bool:
         return self.ac != "none"
 
@@ -151,7 +159,7 @@ class ParallelPlan:
         if world_size % inner:
             raise ValueError(f"tp x sp = {inner} does not divide the world size {world_size}.")
         dp = world_size // inner
-        replicate, shard = self.dp_replicate, self.dp_shard
+        replicate, shard = self.dp_degrees
         if replicate == FILL and shard == FILL:
             nodes = max(int(num_nodes or 1), 1)
             if dp % nodes:
@@ -182,7 +190,7 @@ class ParallelPlan:
                 out["sharding_strategy"] = self.sharding
             if self.offload:
                 out["cpu_offload"] = True
-            if (self.dp_replicate, self.dp_shard) != default_degrees("fsdp", self.sharding):
+            if (self.dp_replicate, self.dp_shard) != (1, FILL):
                 out["device_mesh"] = (self.dp_replicate, self.dp_shard)
         elif self.engine == "deepspeed":
             if self.zero_stage is not None:
@@ -276,14 +284,14 @@ def _validate(p: ParallelPlan) -> None:
     if p.engine == "deepspeed":
         if p.zero_stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"ParallelPlan(zero_stage={p.zero_stage!r}): ZeRO stages are 0, 1, 2 and 3.")
-        if p.dp_replicate != 1:
+        if p.dp_degrees[0] != 1:
             raise ValueError("ZeRO partitions over the whole world: dp_replicate must be 1 with DeepSpeed.")
     elif p.zero_stage is not None:
         raise ValueError(f"ParallelPlan(zero_stage={p.zero_stage!r}) is DeepSpeed's; engine={p.engine!r} has none.")
     if p.engine in ("single", "ddp"):
         if p.offload:
             raise ValueError(f"engine={p.engine!r} has no offload; use FSDP or DeepSpeed for it.")
-        if p.dp_shard != 1:
+        if p.dp_degrees[1] != 1:
             raise ValueError(f"engine={p.engine!r} replicates the model: dp_shard must be 1.")
     if p.ac not in AC_MODES:
         raise ValueError(f"ParallelPlan(ac={p.ac!r}): use one of {', '.join(AC_MODES)}.")

@@ -1,0 +1,107 @@
+"""ParallelPlan: every strategy name is a plan, a plan builds its strategy, a strategy describes itself as one."""
+
+import pytest
+from torch import nn
+
+from shardwise import DDPStrategy, FSDPStrategy, Trainer
+from shardwise.strategies import build_strategy
+from shardwise.strategies.deepspeed import DeepSpeedStrategy
+from shardwise.strategies.names import PLANS, STRATEGIES
+from shardwise.strategies.parallel import MeshDims, ParallelPlan
+from shardwise.strategies.single import SingleDeviceStrategy
+
+
+class Block(nn.Linear):
+    pass
+
+
+def _buildable(name: str) -> bool:
+    # DeepSpeed's optimizer offload needs its CPU Adam op built; the constructor checks for it.
+    return not PLANS[name].offload_optimizer or PLANS[name].engine != "deepspeed"
+
+
+@pytest.mark.parametrize("name", [n for n in PLANS if _buildable(n)])
+@pytest.mark.parametrize("ac", [False, True])
+def test_a_named_strategy_describes_itself_as_the_plan_it_was_built_from(name, ac):
+    if ac and PLANS[name].engine in ("single", "ddp"):
+        pytest.skip("DDP has no checkpointing option")
+    spelled = name + ("_ac" if ac else "")
+    plan = ParallelPlan.from_name(spelled)
+    strategy = build_strategy(spelled, blocks={Block})
+    described = strategy.parallel_plan
+    assert described.configuration() == plan.configuration()
+    assert described.blocks == ((Block,) if plan.engine == "fsdp" or ac else None)
+    assert described.name == (name if name != "deepspeed" else "deepspeed_stage_2") + ("_ac" if ac else "")
+    # ... and building the description gives the same configuration again.
+    again = build_strategy(described)
+    assert type(again) is type(strategy)
+    assert again.parallel_plan == described
+
+
+def test_the_table_the_recipe_reads_is_derived_from_the_plans():
+    assert STRATEGIES["fsdp_cpu_offload"] == ("fsdp", {"cpu_offload": True})
+    assert STRATEGIES["deepspeed_stage_3_offload"] == (
+        "deepspeed",
+        {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+    )
+    assert STRATEGIES["fsdp_no_shard"] == ("fsdp", {"sharding_strategy": "NO_SHARD"})
+
+
+def test_labels_are_what_the_planner_prints():
+    assert ParallelPlan.from_name("fsdp_ac").label == "FSDP FULL_SHARD + AC"
+    assert ParallelPlan.from_name("zero3_offload_ac").label == "ZeRO-3 + offload + AC"
+    assert ParallelPlan.from_name("dp").label == "DDP"
+    assert ParallelPlan.from_name("zero3_offload").name == "deepspeed_stage_3_offload"
+    assert ParallelPlan("fsdp", sharding="HYBRID_SHARD", offload_params=True, offload_optimizer=True).name is None
+
+
+def test_mesh_degrees_resolve_for_a_world_and_follow_the_hybrid_rule():
+    assert ParallelPlan("ddp").mesh(8) == MeshDims(8, 1)
+    assert ParallelPlan("fsdp").mesh(8) == MeshDims(1, 8)
+    assert ParallelPlan("fsdp", sharding="NO_SHARD").mesh(8) == MeshDims(8, 1)
+    assert ParallelPlan("fsdp", sharding="HYBRID_SHARD").mesh(16, num_nodes=2) == MeshDims(2, 8)
+    assert ParallelPlan("fsdp", dp_replicate=2).mesh(8) == MeshDims(2, 4)
+    assert ParallelPlan("deepspeed", zero_stage=3).mesh(4).world_size == 4
+    with pytest.raises(ValueError, match="not a multiple of num_nodes=3"):
+        ParallelPlan("fsdp", sharding="HYBRID_SHARD").mesh(8, num_nodes=3)
+    with pytest.raises(ValueError, match="does not divide"):
+        ParallelPlan("fsdp", dp_replicate=3).mesh(8)
+    # Explicit degrees are the FSDP device mesh; the implied layout stores as the default.
+    assert ParallelPlan("fsdp", dp_replicate=2, dp_shard=2).build().device_mesh_arg == (2, 2)
+    assert ParallelPlan("ddp", dp_replicate=-1, dp_shard=1) == ParallelPlan("ddp")
+
+
+def test_tensor_and_sequence_degrees_are_refused_until_supported():
+    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
+        ParallelPlan("fsdp", tp=2)
+    with pytest.raises(ValueError, match=r"sequence \(context\) parallelism is not supported yet"):
+        ParallelPlan("fsdp", sp=2)
+
+
+def test_contradictions_are_refused_by_name():
+    with pytest.raises(ValueError, match="offloads parameters, gradients and optimizer state together"):
+        ParallelPlan("fsdp", offload_params=True)
+    with pytest.raises(ValueError, match="is DeepSpeed's"):
+        ParallelPlan("fsdp", zero_stage=3)
+    with pytest.raises(ValueError, match="is FSDP's"):
+        ParallelPlan("ddp", sharding="FULL_SHARD")
+    with pytest.raises(ValueError, match="engine='ddp' has no offload"):
+        ParallelPlan("ddp", offload_optimizer=True)
+    with pytest.raises(ValueError, match="activation checkpointing needs your block class"):
+        ParallelPlan("fsdp", ac="full").build()
+
+
+def test_selective_checkpointing_and_precision_reach_the_strategy():
+    plan = ParallelPlan("fsdp", ac="selective", selective_ac_option=2, blocks=[Block], precision="bf16-mixed")
+    strategy = build_strategy(plan)
+    assert isinstance(strategy, FSDPStrategy)
+    assert (strategy.activation_checkpointing_mode, strategy.selective_ac_option) == ("selective", 2)
+    assert strategy.auto_wrap_policy == {Block} and strategy.activation_checkpointing_policy == {Block}
+    assert strategy.parallel_plan == plan
+
+
+def test_the_trainer_takes_a_plan():
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ParallelPlan("ddp"))
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert isinstance(build_strategy(ParallelPlan()), SingleDeviceStrategy)
+    assert isinstance(build_strategy(ParallelPlan("deepspeed", zero_stage=1)), DeepSpeedStrategy)
