@@ -11,7 +11,7 @@ tests/helpers/strict_device.py's fake CUDA tensor (CPU data that says cuda:0).
 import torch
 from torch import nn
 
-from shardwise.strategies.materialize import _reset_own, rng_devices
+from shardwise.strategies.materialize import reset_own, rng_devices
 
 from helpers.strict_device import FAKE_CUDA, FakeCudaTensor, fake_cuda_copies
 
@@ -38,7 +38,7 @@ def test_reset_parameters_runs_on_cpu_copies_of_gpu_parameters():
             layer._parameters[name] = FakeCudaTensor(torch.full_like(getattr(layer, name).detach(), float("nan")))
         Recorded.seen.clear()
         torch.manual_seed(7)
-        _reset_own(layer, layer.reset_parameters)
+        reset_own(layer, layer.reset_parameters)
         assert layer.weight.device == FAKE_CUDA  # still where the model lives
         weight, bias = layer.weight.to("cpu"), layer.bias.to("cpu")
     assert Recorded.seen == [torch.device("cpu")]  # before the fix: cuda:0, i.e. CUDA's generator
@@ -57,7 +57,7 @@ def test_buffers_assigned_by_the_init_are_copied_back():
     rope = Rope()
     with fake_cuda_copies():
         rope._buffers["inv_freq"] = FakeCudaTensor(torch.zeros(4))
-        _reset_own(rope, rope.reset_parameters)
+        reset_own(rope, rope.reset_parameters)
         assert rope.inv_freq.device == FAKE_CUDA
         values = rope.inv_freq.to("cpu")
     assert torch.equal(values, 1.0 / 10000 ** (torch.arange(4.0) / 4))

@@ -38,15 +38,15 @@ from shardwise.strategies.base import Strategy, global_seed
 from shardwise.strategies.deepspeed_checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from shardwise.strategies.deepspeed_config import (
     DeepSpeedConfigError,
-    _offload_device,
     build_config,
     cpu_adam_problem,
     load_config,
+    offload_enabled,
     size_limits,
 )
 from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
-from shardwise.strategies.materialize import _reset_fn, _reset_own, module_seed, rng_devices
+from shardwise.strategies.materialize import find_reset_fn, module_seed, reset_own, rng_devices
 
 
 class DeepSpeedStrategy(Strategy):
@@ -129,11 +129,11 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def offload_optimizer(self) -> bool:
-        return bool(_offload_device(self.config["zero_optimization"], "offload_optimizer"))
+        return bool(offload_enabled(self.config["zero_optimization"], "offload_optimizer"))
 
     @property
     def offload_parameters(self) -> bool:
-        return bool(_offload_device(self.config["zero_optimization"], "offload_param"))
+        return bool(offload_enabled(self.config["zero_optimization"], "offload_param"))
 
     @property
     def parallel_plan(self) -> Any:
@@ -363,7 +363,8 @@ class DeepSpeedStrategy(Strategy):
         )
 
     # ------------------------------------------------------------- steps
-    def _engine(self) -> Any:
+    def require_engine(self) -> Any:
+        """The DeepSpeed engine, or an error saying it is not built yet (steps and checkpoints need it)."""
         if self.engine is None:
             raise RuntimeError("The DeepSpeed engine is built by setup_optimizer(); call it before training.")
         return self.engine
@@ -384,7 +385,7 @@ class DeepSpeedStrategy(Strategy):
 
     def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
         # The Trainer already divided by the accumulation window; the engine must not again.
-        self._engine().backward(loss, scale_wrt_gas=False)
+        self.require_engine().backward(loss, scale_wrt_gas=False)
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
@@ -394,7 +395,7 @@ class DeepSpeedStrategy(Strategy):
         according to this flag, so it must be set before the backward. It is left
         set after the block because optimizer_step() follows the final one.
         """
-        self._engine().set_gradient_accumulation_boundary(not enabled)
+        self.require_engine().set_gradient_accumulation_boundary(not enabled)
         yield
 
     def clip_gradients(
@@ -421,7 +422,7 @@ class DeepSpeedStrategy(Strategy):
         return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        engine = self._engine()
+        engine = self.require_engine()
         if not engine.is_gradient_accumulation_boundary():
             raise RuntimeError(
                 "optimizer_step() after a non-final micro-batch: run the last micro-batch of each "
@@ -532,7 +533,7 @@ def init_zero3_module(root: nn.Module, seed: int) -> int:
         return 1
     count = 0
     for fqn, mod in reversed(list(root.named_modules())):
-        fn = _reset_fn(mod)
+        fn = find_reset_fn(mod)
         params = zero_params(mod, True) if fn is not None else []
         if not params:
             continue
@@ -540,7 +541,7 @@ def init_zero3_module(root: nn.Module, seed: int) -> int:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
             with torch.random.fork_rng(devices=rng_devices()):
                 torch.manual_seed(module_seed(seed, fqn))
-                _reset_own(mod, fn)  # on CPU copies when gathered on a GPU: the weights DDP/FSDP get
+                reset_own(mod, fn)  # on CPU copies when gathered on a GPU: the weights DDP/FSDP get
         count += 1
     return count
 

@@ -111,7 +111,7 @@ def read_params(path: str) -> Dict[str, Any]:
 # --------------------------------------------------------------- save / load
 def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> None:
     """Every rank writes its ZeRO shard through the engine; rank 0 adds trainer state and the parameter list."""
-    engine = strategy._engine()
+    engine = strategy.require_engine()
     if strategy.is_global_zero:
         os.makedirs(path, exist_ok=True)
     strategy.barrier("deepspeed-save-start")
@@ -188,7 +188,7 @@ def load_engine_checkpoint(
         )
     verify_checkpoint(strategy, path)
     info = read_params(path)
-    engine = strategy._engine()
+    engine = strategy.require_engine()
     tag = ENGINE_TAG
     if info["world_size"] != strategy.world_size:
         tag = _universal_for(strategy, path, info)

@@ -77,7 +77,8 @@ def reconcile(section: Dict[str, Any], key: str, ours: Any, path: str, ours_name
     return theirs
 
 
-def _offload_device(section: Dict[str, Any], key: str) -> Optional[bool]:
+def offload_enabled(section: Dict[str, Any], key: str) -> Optional[bool]:
+    """Whether zero_optimization[key] (offload_param / offload_optimizer) offloads; None when unset."""
     entry = section.get(key)
     if entry is None:
         return None
@@ -137,7 +138,7 @@ def build_config(
         ("offload_optimizer", "offload_optimizer", stage >= 1),
         ("offload_parameters", "offload_param", stage == 3),
     ):
-        theirs, ours = _offload_device(zero, key), args[arg]
+        theirs, ours = offload_enabled(zero, key), args[arg]
         if theirs is not None and ours is not None and theirs != ours:
             raise DeepSpeedConfigError(
                 f"The DeepSpeed config sets zero_optimization.{key}.device="

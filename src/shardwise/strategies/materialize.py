@@ -65,7 +65,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
 
 
-def _reset_fn(module: nn.Module) -> Optional[Callable[[], None]]:
+def find_reset_fn(module: nn.Module) -> Optional[Callable[[], None]]:
+    """The module's own initialisation (reset_parameters), or None when it has none."""
     fn = getattr(module, "reset_parameters", None)
     if callable(fn):
         return fn
@@ -105,7 +106,7 @@ def rng_devices(device: Optional[torch.device] = None) -> List[torch.device]:
     return []
 
 
-def _reset_own(module: nn.Module, fn: Callable[[], None]) -> None:
+def reset_own(module: nn.Module, fn: Callable[[], None]) -> None:
     """Run a module's init on full-size CPU copies of its own tensors, keep our part.
 
     DTensors (FSDP shards) and tensors on another device (a GPU) are swapped
@@ -170,12 +171,12 @@ def materialize_module(
     else:
         modules = list(module.named_modules())
         for fqn, mod in reversed(modules):  # children first, as eager construction
-            fn = _reset_fn(mod)
+            fn = find_reset_fn(mod)
             if fn is None:
                 continue
             with torch.random.fork_rng(devices=rng_devices(device)):
                 torch.manual_seed(module_seed(seed, fqn))
-                _reset_own(mod, fn)
+                reset_own(mod, fn)
     for name, t in targets:
         if name in real:
             _local(t).copy_(real[name])
