@@ -49,6 +49,7 @@ from shardwise.strategies.fsdp_compat import (
     state_dict_type_name,
 )
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
+from shardwise.strategies.materialize import has_meta_tensors
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
@@ -422,7 +423,10 @@ class FSDPStrategy(Strategy):
         return super().setup_optimizer(optimizer)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self._prepare(module)
+        # True-half runs: cast before sharding, as Strategy.setup_module does (a module built on meta
+        # under the init context already has the dtype).
+        if self.precision.is_half_true and not has_meta_tensors(module):
+            module = module.to(self.precision.param_dtype)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(
                 module,
