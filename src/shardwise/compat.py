@@ -36,6 +36,12 @@ def _fsdp(**kw):
         return FSDPStrategy(**kw)
 
 
+def _precision_of(strategy) -> str:
+    """The precision a strategy runs with, resolved as the Trainer does (on CPU)."""
+    strategy.connect(accelerator="cpu")
+    return strategy.precision.name
+
+
 def _argv(*args: str) -> List[str]:
     return translate_argv(list(args))[0]
 
@@ -160,7 +166,7 @@ ROWS: List[Row] = [
         '`precision="bf16-mixed"`',
         "other reduce/buffer dtypes are named, not honoured",
         lambda: (
-            _fsdp(mixed_precision=_torch("MixedPrecision")(param_dtype=__import__("torch").bfloat16))._precision_arg
+            _precision_of(_fsdp(mixed_precision=_torch("MixedPrecision")(param_dtype=__import__("torch").bfloat16)))
             == "bf16-mixed"
         ),
     ),
