@@ -1,5 +1,5 @@
-# Experiment loggers. The Trainer talks to a logger through four calls made on global
-# rank 0: log_hyperparams(dict), log_metrics(dict, step), save() and
+# Experiment loggers. The Trainer talks to a logger through three calls made on global
+# rank 0: log_hyperparams(dict), log_metrics(dict, step) and
 # finalize(status); anything with those methods (plus log_dir, name, version) works,
 # so wrapping another tracking service needs no base class. CSVLogger is the default
 # because it needs nothing installed; TensorBoardLogger needs the tensorboard extra
@@ -24,7 +24,5 @@ class Logger(Protocol):
     def log_hyperparams(self, params: Any) -> None: ...
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None: ...
-
-    def save(self) -> None: ...
 
     def finalize(self, status: str) -> None: ...
