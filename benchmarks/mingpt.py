@@ -40,7 +40,6 @@ from shardwise.memory import MemoryTracker
 from shardwise.models import GPT, GPTConfig
 
 MIB = 2**20
-WARMUP_STEPS = 2
 
 
 class MinGPT(TrainModule):
