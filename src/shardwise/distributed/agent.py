@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
 import shutil
@@ -39,6 +40,9 @@ from shardwise.distributed.context import LaunchContext
 from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
 
 _PR_SET_PDEATHSIG = 1
+# What torch logs while it starts and stops the workers goes to this file of the run directory.
+AGENT_LOG = "agent.log"
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 # torch's agent handles these itself (it stops the workers); the preemption signals are ours.
 _AGENT_SIGNALS = ("SIGHUP", "SIGQUIT")
 
@@ -105,52 +109,90 @@ def run(
         entrypoint, args = sys.executable, ["-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), entrypoint, *args]
     else:
         pids = _new_spawned()
-    with _run_dir(context.replace(preempt_grace_s=grace)) as run_dir, _Forwarder(pids, who, grace) as forwarder:
-        # Without a log_dir the agent's own files (error files) go in the run directory, not a new /tmp folder.
-        logs_specs = DefaultLogsSpecs(
-            log_dir=log_dir or os.path.join(run_dir, "agent"),
-            **(dict(redirects=Std.ALL, tee=Std.ALL) if log_dir else {}),
-        )
-        config = LaunchConfig(
-            min_nodes=nnodes,
-            max_nodes=nnodes,
-            nproc_per_node=nproc,
-            rdzv_backend=rdzv_backend,
-            rdzv_endpoint=f"{addr}:{port}",
-            rdzv_configs={"rank": node_rank} if rdzv_backend == "static" else {},
-            run_id=run_id,
-            max_restarts=max_restarts,
-            monitor_interval=0.1,
-            logs_specs=logs_specs,
-            start_method="spawn",
-            local_addr=addr if nnodes == 1 else None,
-            signals_to_handle=",".join(_AGENT_SIGNALS),
-        )
-        try:
-            values = elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as exc:
-            result = _verdict(exc, range(node_rank * nproc, (node_rank + 1) * nproc), run_dir, forwarder, who)
-        else:
-            result = Result(0, return_values=values)
-    result.signalled = forwarder.received is not None
+    run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
+    # Without a log_dir the agent's own files (error files) go in the run directory, not a new /tmp folder.
+    logs_specs = DefaultLogsSpecs(
+        log_dir=log_dir or os.path.join(run_dir, "agent"),
+        **(dict(redirects=Std.ALL, tee=Std.ALL) if log_dir else {}),
+    )
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=f"{addr}:{port}",
+        rdzv_configs={"rank": node_rank} if rdzv_backend == "static" else {},
+        run_id=run_id,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        logs_specs=logs_specs,
+        start_method="spawn",
+        local_addr=addr if nnodes == 1 else None,
+        signals_to_handle=",".join(_AGENT_SIGNALS),
+    )
+    ranks = range(node_rank * nproc, (node_rank + 1) * nproc)
+    agent_log = os.path.join(run_dir, AGENT_LOG)
+    kept = False
+    try:
+        with _workers_see(context.replace(preempt_grace_s=grace, run_dir=run_dir)), _torch_logs_to(agent_log):
+            with _Forwarder(pids, who, grace) as forwarder:
+                try:
+                    result = Result(0, return_values=elastic_launch(config, entrypoint)(*args))
+                except ChildFailedError as exc:
+                    result = _verdict(exc, ranks, run_dir, forwarder, who)
+        result.signalled = forwarder.received is not None
+        if result.exitcode != 0 and os.path.exists(agent_log):
+            kept = True  # the run directory with it: the verdict names the file
+            result.message = result.message.rstrip("\n") + f"\n{who} torch's elastic agent logged to {agent_log}"
+    except BaseException as exc:
+        if os.path.exists(agent_log) and hasattr(exc, "add_note"):
+            kept = True
+            exc.add_note(f"{who} torch's elastic agent logged to {agent_log}")
+        raise
+    finally:
+        if not kept:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
 
 @contextlib.contextmanager
-def _run_dir(context: LaunchContext) -> Iterator[str]:
-    """A fresh run directory for the workers' records, named in the context they inherit (restored after)."""
-    run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
+def _workers_see(context: LaunchContext) -> Iterator[None]:
+    """`context` exported for the workers started inside the block (restored after)."""
     # torch's agent sets this for its workers and leaves it in our environment.
     signals_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     try:
-        with launch_context.exported(context.replace(launched_by_shardwise=True, run_dir=run_dir)):
-            yield run_dir
+        with launch_context.exported(context.replace(launched_by_shardwise=True)):
+            yield
     finally:
         if signals_before is None:
             os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         else:
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_before
-        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _torch_logs_to(path: str) -> Iterator[None]:
+    """torch's agent and process-starting loggers write to `path` (created on their first record) inside the block.
+
+    torch logs each failure it handles as multi-line records on stderr ("E1124 ... failed (exitcode: 1)",
+    a ProcessExitedException traceback, "Sending process ... closing signal"), interleaved with the
+    workers' output, while the verdict already says the same in one line per failure. The records
+    stay, in the run directory, which the verdict then names.
+    """
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in _TORCH_LOGGERS]
+    before = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False  # not up to torch's stderr handler
+    try:
+        yield
+    finally:
+        for logger, propagate in zip(loggers, before):
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
 
 
 def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarder: "_Forwarder", who: str) -> Result:
