@@ -8,7 +8,8 @@ costs one collective per metric per epoch, not per step.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+import contextlib
+from typing import Any, Dict, Iterable, Iterator, List
 
 import torch
 
@@ -61,6 +62,15 @@ class MetricStore:
     @property
     def logged_metrics(self) -> Dict[str, float]:
         return settle(self._logged)
+
+    @contextlib.contextmanager
+    def separate_epoch(self) -> Iterator[None]:
+        """Accumulate epoch values apart from the current epoch's, which are back on exit (validation)."""
+        outer, self._epoch = self._epoch, {}
+        try:
+            yield
+        finally:
+            self._epoch = outer
 
     def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True) -> Dict[str, Any]:
         """Take one step's logs; return the step values (tensors: `settle` them to log them)."""

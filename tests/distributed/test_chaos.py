@@ -98,9 +98,9 @@ SCHEDULES = {
 
 def sigterm_supported() -> bool:
     """The Trainer turns SIGTERM into finish-step / save / exit 75 (shardwise.distributed.preempt in its loop)."""
-    import shardwise.trainer
+    import shardwise.trainer.loop
 
-    return chaos.preempted_exit_code() is not None and "preempt" in inspect.getsource(shardwise.trainer)
+    return chaos.preempted_exit_code() is not None and "preempt" in inspect.getsource(shardwise.trainer.loop)
 
 
 @pytest.mark.slow

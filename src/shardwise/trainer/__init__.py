@@ -1,6 +1,19 @@
 """The Trainer: `from shardwise.trainer import Trainer` (also `shardwise.Trainer`).
 
-loop.py is the Trainer and its loop, read top to bottom.
+- loop.py: the Trainer and its loop, to read top to bottom: fit() -> set-up
+  -> epochs -> micro-batches -> optimizer steps -> validation, checkpoints.
+- arguments.py: the arguments checked when the Trainer is built, and
+  Lightning 1.x spellings mapped onto today's.
+- setup.py: launching the workers, building the model on the strategy, the
+  optimizers, the default callbacks and loggers.
+- loaders.py: where the loaders come from and how many batches the loop takes.
+- validation.py: one validation pass, apart from training's metrics and RNG.
+- nonfinite.py: the NaN/inf check before every optimizer step.
+- preemption.py: a stop signal turned into one step at which every rank stops.
+- hooks.py: calling callbacks, the module's hooks and the LR schedulers.
+
+Nothing below this package imports it: the Trainer hands the lower layers
+(strategies, checkpoint, plan) what they need and applies what they return.
 """
 
 from shardwise.trainer.loop import Trainer

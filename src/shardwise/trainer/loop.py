@@ -7,227 +7,41 @@ parameters -> data loaders with distributed, resumable sampling -> restore a
 checkpoint -> loop. The loop accumulates micro-batches (communicating only on
 the last one), clips, steps, logs, validates and checkpoints. Everything that
 differs between one device, DDP, FSDP and DeepSpeed is a strategy method;
-nothing here knows which strategy runs.
+nothing here knows which strategy runs. (The package's __init__ says what
+the modules beside this one do.)
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import os
 import signal
-import sys
-import threading
-import types
-import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from shardwise import health
 from shardwise import step as shared_step  # looked up at call time, like the planner's trace
-from shardwise.callbacks import ModelCheckpoint, RichProgressBar
 from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
-from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
-from shardwise.distributed import ops, preempt
+from shardwise.checkpoint.rng import restore_rng_states
+from shardwise.distributed import preempt
 from shardwise.distributed.device import move_to_device
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
-from shardwise.distributed.launch import launch_script
 from shardwise.distributed.progress import mark as mark_progress
-from shardwise.loggers import CSVLogger
 from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule
 from shardwise.plan.advice import check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
-from shardwise.strategies.materialize import watch_meta_writes
-
-_MAX_EPOCHS_DEFAULT = 1000  # Lightning's default when neither max_epochs nor max_steps is set
-
-
-def _length(loader: Any) -> float:
-    """len(loader), or infinity for loaders without one (an IterableDataset without __len__)."""
-    try:
-        return float(len(loader))
-    except TypeError:
-        return float("inf")
+from shardwise.trainer import arguments, loaders, nonfinite, setup
+from shardwise.trainer.attributes import TrainerAttributes
+from shardwise.trainer.hooks import call_callbacks, call_module, step_schedulers, takes_batch_idx
+from shardwise.trainer.preemption import PreemptionWatch
+from shardwise.trainer.validation import run_validation, validation_due
 
 
-def _describe_empty(loader: Any) -> str:
-    dataset = getattr(loader, "dataset", None)
-    try:
-        size = f"its dataset has {len(dataset)} samples"
-    except TypeError:
-        size = "its dataset yields no samples"
-    batch = getattr(loader, "batch_size", None)
-    drop = " and drop_last=True drops a final partial batch" if getattr(loader, "drop_last", False) else ""
-    share = ""
-    sampler = getattr(loader, "sampler", None)
-    if getattr(sampler, "num_replicas", 1) > 1:
-        share = f" ({sampler.num_replicas} ranks share it)"
-    return f"{size}{share}, batch size {batch}{drop}."
+class Trainer(TrainerAttributes):
+    """Train a TrainModule on one device or many; the strategy says how (see shardwise.strategies)."""
 
-
-def _limit(limit: Union[int, float, None], available: float) -> float:
-    if limit is None:
-        return available
-    if isinstance(limit, float) and limit <= 1.0:
-        if math.isinf(available):
-            raise ValueError("A fractional limit_*_batches needs a DataLoader with a length.")
-        return int(available * limit)
-    return min(int(limit), available)
-
-
-# Lightning 1.x spelled the strategy as an accelerator ("ddp") or a plugin.
-_LEGACY_ACCELERATORS = {"ddp", "ddp_spawn", "ddp2", "dp", "fsdp", "deepspeed"}
-
-
-def _lightning_spellings(
-    accelerator: Any, devices: Any, strategy: Any, gpus: Optional[int], plugins: Any
-) -> Tuple[Any, Any, Any]:
-    """Map the older Lightning arguments the seeds' scripts use onto ours; say so once each."""
-    if accelerator == "gpu":
-        accelerator = "cuda"
-    if isinstance(accelerator, str) and accelerator in _LEGACY_ACCELERATORS:
-        name = "ddp" if accelerator in ("ddp_spawn", "ddp2", "dp") else accelerator
-        if strategy not in ("auto", None, name):
-            raise ValueError(
-                f"accelerator={accelerator!r} (Lightning 1.x for strategy={name!r}) contradicts "
-                f"strategy={strategy!r}; pass only strategy=."
-            )
-        warnings.warn(
-            f"Trainer(accelerator={accelerator!r}) is Lightning 1.x for strategy={name!r}; using that.", stacklevel=3
-        )
-        accelerator, strategy = "auto", name
-    if gpus is not None:
-        if devices not in ("auto", gpus):
-            raise ValueError(
-                f"Trainer(gpus={gpus}, devices={devices!r}): gpus= is the older name of devices= "
-                "with accelerator='cuda'; pass only devices=."
-            )
-        warnings.warn(
-            f"Trainer(gpus={gpus}) is the older spelling of Trainer(accelerator='cuda', devices={gpus}).", stacklevel=3
-        )
-        accelerator, devices = ("cuda" if accelerator == "auto" else accelerator), gpus
-    for plugin in plugins if isinstance(plugins, (list, tuple)) else [plugins] if plugins is not None else []:
-        if isinstance(plugin, (str, Strategy)):
-            if strategy not in ("auto", None) and strategy is not plugin:
-                raise ValueError(
-                    f"plugins={plugin!r} selects the strategy, and so does strategy={strategy!r}: pass only strategy=."
-                )
-            strategy = plugin  # DeepSpeedPlugin(...) is DeepSpeedStrategy(...); 'deepspeed_stage_3' a name
-        else:
-            raise TypeError(
-                f"plugins={plugin!r}: shardwise takes a strategy (name or object) there, as Lightning "
-                "1.x did for DeepSpeedPlugin; precision and cluster plugins are Trainer arguments "
-                "(precision=..., num_nodes=...)."
-            )
-    return accelerator, devices, strategy
-
-
-def _is_datamodule(obj: Any) -> bool:
-    """A LightningDataModule-style object: it makes loaders, it is not one."""
-    return obj is not None and callable(getattr(obj, "train_dataloader", None)) and not hasattr(obj, "__iter__")
-
-
-def _check_refit(module: TrainModule, trainer: "Trainer") -> set:
-    """A module trained by another Trainer: the ids of its trained parameters, or an error if it is sharded."""
-    previous = getattr(module, "_trainer", None)
-    if previous is None or previous is trainer:
-        return set()
-    params = list(module.parameters())
-    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or getattr(previous.strategy, "name", "") in (
-        "fsdp",
-        "deepspeed",
-    ):
-        raise RuntimeError(
-            f"This {type(module).__name__} was already set up and trained by another Trainer's "
-            f"{type(previous.strategy).__name__}: its parameters are sharded for that run's process group. "
-            "To train further, call fit() again on the same Trainer (it continues from the trained weights, "
-            "with a larger max_steps / max_epochs), or save a checkpoint and fit a fresh module with "
-            "ckpt_path=..."
-        )
-    return {id(p) for p in params if not p.is_meta}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_arguments(**args: Any) -> None:
-    """Refuse impossible loop settings when the Trainer is built, naming the argument and its range."""
-
-    def bad(name: str, allowed: str) -> None:
-        raise ValueError(f"Trainer({name}={args[name]!r}): {allowed}.")
-
-    if args["max_epochs"] is not None and (not _is_int(args["max_epochs"]) or args["max_epochs"] < -1):
-        bad("max_epochs", "use a non-negative integer, -1 for no limit, or None for the default")
-    if not _is_int(args["max_steps"]) or args["max_steps"] < -1:
-        bad("max_steps", "use a non-negative integer, or -1 for no limit")
-    if not _is_int(args["accumulate_grad_batches"]) or args["accumulate_grad_batches"] < 1:
-        bad("accumulate_grad_batches", "use a whole number of micro-batches, 1 or more")
-    clip = args["gradient_clip_val"]
-    if clip is not None and (
-        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0 or math.isinf(clip)
-    ):
-        bad("gradient_clip_val", "use a positive, finite number, or None for no clipping")
-    for name in ("limit_train_batches", "limit_val_batches"):
-        value = args[name]
-        if value is None:
-            continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or (isinstance(value, float) and not 0.0 <= value <= 1.0)
-            or (_is_int(value) and value < 0)
-        ):
-            bad(
-                name,
-                "use a fraction of the loader between 0.0 and 1.0, a number of batches (0 or more), or None for all",
-            )
-    interval = args["val_check_interval"]
-    if interval is not None and (
-        isinstance(interval, bool)
-        or not isinstance(interval, (int, float))
-        or (isinstance(interval, float) and not 0.0 < interval <= 1.0)
-        or (_is_int(interval) and interval < 1)
-    ):
-        bad(
-            "val_check_interval",
-            "use a fraction of the epoch in (0.0, 1.0], a number of batches (1 or more), "
-            "or None to validate at epoch ends",
-        )
-    if not _is_int(args["check_val_every_n_epoch"]) or args["check_val_every_n_epoch"] < 1:
-        bad("check_val_every_n_epoch", "use a whole number of epochs, 1 or more")
-    if not _is_int(args["log_every_n_steps"]) or args["log_every_n_steps"] < 1:
-        bad("log_every_n_steps", "use a whole number of steps, 1 or more")
-
-
-def _signal_numbers(names: Optional[Sequence[Union[str, int]]]) -> List[int]:
-    out = []
-    for name in names or ():
-        try:
-            out.append(int(name) if isinstance(name, int) else int(getattr(signal, str(name).upper())))
-        except (AttributeError, ValueError):
-            raise ValueError(
-                f"preemption_signals: {name!r} is not a signal; use names such as 'SIGTERM', "
-                "'SIGUSR1', or None to keep the default signal handling."
-            ) from None
-    return out
-
-
-def _takes_batch_idx(fn: Any) -> bool:
-    params = [
-        p
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
-
-
-class Trainer:
     def __init__(
         self,
         accelerator: str = "auto",
@@ -260,15 +74,13 @@ class Trainer:
     ) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
-        accelerator, devices, strategy = _lightning_spellings(accelerator, devices, strategy, gpus, plugins)
+        accelerator, devices, strategy = arguments.lightning_spellings(accelerator, devices, strategy, gpus, plugins)
         self.accelerator = resolve_accelerator(accelerator)
         env = detect_env()
         if env is not None and devices == "auto":
             devices = env.local_world_size
         self.devices = resolve_devices(devices, self.accelerator)
-        if not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"num_nodes={num_nodes!r}: use a positive integer.")
-        self.num_nodes = num_nodes
+        self.num_nodes = arguments.check_num_nodes(num_nodes)
         self.strategy = build_strategy(strategy, world_size=self.devices * num_nodes)
         self.strategy.connect(
             self.accelerator, precision, num_nodes=num_nodes, devices=self.devices, timeout_s=timeout_s
@@ -276,7 +88,7 @@ class Trainer:
         # Known device memory ("80GiB", or "auto" on CUDA) lets fit() consult the memory planner:
         # strategy="auto" becomes its choice, and a run predicted not to fit warns first.
         self.device_memory = device_memory
-        _check_arguments(
+        arguments.check_arguments(
             max_epochs=max_epochs,
             max_steps=max_steps,
             limit_train_batches=limit_train_batches,
@@ -285,11 +97,11 @@ class Trainer:
             check_val_every_n_epoch=check_val_every_n_epoch,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
             log_every_n_steps=log_every_n_steps,
         )
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
-        self.max_epochs = max_epochs if max_epochs is not None else (_MAX_EPOCHS_DEFAULT if max_steps == -1 else -1)
+        default_epochs = arguments.MAX_EPOCHS_DEFAULT if max_steps == -1 else -1
+        self.max_epochs = max_epochs if max_epochs is not None else default_epochs
         self.max_steps = max_steps
         self.limit_train_batches = limit_train_batches
         self.limit_val_batches = limit_val_batches
@@ -305,27 +117,16 @@ class Trainer:
         # A preemption signal (SLURM's --signal, a scheduler's SIGTERM) ends the run
         # cleanly: the step in progress finishes, the run saves and exits with
         # PREEMPTED_EXIT_CODE (75) so a job script knows to resubmit.
-        self.preemption_signals = _signal_numbers(preemption_signals)
-        self.preempted: Optional[str] = None  # the signal's name once the run stopped for it
-        self._preempt_flag: Any = None
-        self._preemption_agreed: Optional[bool] = None  # set by this step's health check
+        self.preemption_signals = arguments.signal_numbers(preemption_signals)
+        self._preemption = PreemptionWatch(self.preemption_signals)
         # A NaN/inf loss or gradient: 'error' stops at that step naming the rank and
         # tensor, 'skip' drops the step (as GradScaler does), 'warn' only reports it.
-        if non_finite not in ("error", "skip", "warn", "off"):
-            raise ValueError(
-                f"non_finite={non_finite!r}: use 'error' (stop, the default), 'skip' (drop the step), "
-                "'warn' (report and continue) or 'off'."
-            )
-        if non_finite == "skip" and self.strategy.name == "deepspeed":
-            raise ValueError(
-                "non_finite='skip' is not available with DeepSpeed: its engine takes every step. Use "
-                "'error' or 'warn', or fp16 precision, whose loss scaling skips overflowing steps."
-            )
-        self.non_finite = non_finite
+        self.non_finite = arguments.check_non_finite(non_finite, self.strategy)
         self.nonfinite_step: Optional[int] = None  # the first step with a non-finite value (never saved after it)
         self._window_losses: List[Tuple[int, torch.Tensor]] = []
-        self.callbacks = self._default_callbacks(list(callbacks or []), enable_progress_bar, enable_checkpointing)
-        self.loggers = self._build_loggers(logger)
+        callbacks = list(callbacks or [])
+        self.callbacks = setup.default_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self.loggers = setup.build_loggers(logger, self.default_root_dir)
         self.state = TrainState()
         self.metrics = MetricStore()
         self.should_stop = False
@@ -337,102 +138,15 @@ class Trainer:
         self.module: Optional[TrainModule] = None  # the TrainModule being trained; `model` is its wrapped form
         self.train_dataloader: Any = None
         self.val_dataloaders: Any = None
+        self._data_sources: Tuple[Any, Any, Any] = (None, None, None)  # fit()'s (train, val, datamodule)
+        self._resolved_data: Tuple[Any, Any] = (None, None)  # the loaders they gave, in the workers
         self._set_up = False
 
+    # ------------------------------------------------------------ reporting
     @property
-    def lightning_module(self) -> Optional[TrainModule]:
-        """Lightning's name for `module`, kept so Lightning code and callbacks run unchanged."""
-        return self.module
-
-    # ---------------------------------------------------------------- wiring
-    def _default_callbacks(self, callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
-        if progress and not any(hasattr(c, "is_progress_bar") for c in callbacks):
-            callbacks.append(RichProgressBar())
-        if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            callbacks.append(ModelCheckpoint())
-        return callbacks
-
-    def _build_loggers(self, logger: Any) -> List[Any]:
-        if logger is True:
-            return [CSVLogger(self.default_root_dir)]
-        if logger in (False, None):
-            return []
-        return list(logger) if isinstance(logger, (list, tuple)) else [logger]
-
-    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
-        """Duck-typed callbacks: call `hook` on every callback that defines it, then the module's."""
-        for callback in self.callbacks:
-            fn = getattr(callback, hook, None)
-            if callable(fn):
-                fn(self, self.module, *args, **kwargs)
-
-    def _call_module(self, hook: str, *args: Any) -> Any:
-        module = self.module
-        fn = getattr(module, hook, None)
-        if not callable(fn):
-            return None
-        object.__setattr__(module, "_current_hook", hook)
-        mark_progress(hook, self.state.global_step)  # what this rank does, if it ever hangs
-        return fn(*args)
-
-    # ------------------------------------------------------------ properties
-    @property
-    def global_step(self) -> int:
-        return self.state.global_step
-
-    @property
-    def fit_loop(self) -> Any:
-        """Lightning's `trainer.fit_loop.total_batch_idx` (batches over the whole run), which LR warm-up code reads."""
-        per_epoch = self.num_training_batches if math.isfinite(self.num_training_batches) else 0
-        return types.SimpleNamespace(total_batch_idx=int(self.state.epoch * per_epoch + self.state.batch_idx))
-
-    @property
-    def current_epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def batch_idx(self) -> int:
-        return self.state.batch_idx
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def global_rank(self) -> int:
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.strategy.local_rank
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def callback_metrics(self) -> Dict[str, float]:
-        return self.metrics.callback_metrics
-
-    @property
-    def progress_bar_metrics(self) -> Dict[str, float]:
-        return self.metrics.progress_bar_metrics
-
-    @property
-    def logged_metrics(self) -> Dict[str, float]:
-        return self.metrics.logged_metrics
-
-    @property
-    def logger(self) -> Any:
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def log_dir(self) -> Optional[str]:
-        return getattr(self.logger, "log_dir", None) or self.default_root_dir
-
-    @property
-    def optimizers(self) -> List[torch.optim.Optimizer]:
-        return self.strategy.optimizers
+    def preempted(self) -> Optional[str]:
+        """The signal's name once the run stopped for a preemption signal, else None."""
+        return self._preemption.preempted
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on global rank 0 only."""
@@ -446,38 +160,12 @@ class Trainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step if step is None else step)
 
-    # ----------------------------------------------------------------- launch
-    def _launch_if_needed(self) -> None:
-        """Become the supervisor of `devices` workers, or check the launcher's world."""
-        world = self.devices * self.num_nodes
-        env = detect_env()
-        if env is None:
-            if world == 1:
-                return
-            if self.num_nodes > 1:
-                raise RuntimeError(
-                    f"num_nodes={self.num_nodes} needs one launcher per node: run `shardwise launch --nnodes "
-                    f"{self.num_nodes} --node-rank <i> --nproc-per-node {self.devices} ...`, torchrun, or srun."
-                )
-            if "pytest" in sys.modules or "ipykernel" in sys.modules:
-                raise RuntimeError(
-                    "Trainer(devices>1) re-runs the program in each worker, which is not possible from a "
-                    "test runner or notebook. Wrap the training in a function and run it with "
-                    "`shardwise.launch(fn, devices=N)`."
-                )
-            launch_script(self.devices)  # never returns: the workers run the script
-        if env.world_size != world:
-            raise RuntimeError(
-                f"The launcher started {env.world_size} processes but Trainer(devices={self.devices}, "
-                f"num_nodes={self.num_nodes}) expects {world}. Make them agree (devices='auto' follows the launcher)."
-            )
-
     # -------------------------------------------------------------------- set-up
     def _setup(self, module: TrainModule, need_train_data: bool = True) -> None:
         if self._set_up and self.module is module:
             if need_train_data and self._resolved_data[0] is None:  # a fit after validate()
                 self._resolve_data(module, need_train_data=True)
-            self._call("setup", stage="fit")  # a second fit: callbacks take their resources again
+            call_callbacks(self, "setup", stage="fit")  # a second fit: callbacks take their resources again
             return
         if not isinstance(module, TrainModule):
             raise TypeError(f"fit() takes a shardwise.TrainModule, got {type(module).__name__}.")
@@ -485,123 +173,32 @@ class Trainer:
         strategy.setup_environment()
         if self.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        trained = _check_refit(module, self)
+        trained = setup.check_refit(module, self)
         self.module = module
         module._attach(self)
         self._resolve_data(module, need_train_data)
-        self._call("setup", stage="fit")
-        # 1. configure_model under the strategy's init context (meta device),
-        # 2. the strategy wraps, shards and materialises it.
-        with strategy.module_init_context(), watch_meta_writes() as writes:
-            try:
-                self._call_module("configure_model")
-            except RuntimeError as exc:
-                if "from_pretrained" in str(exc) and "meta" in str(exc):
-                    raise RuntimeError(
-                        "configure_model() calls from_pretrained, but configure_model builds on the meta device "
-                        "so that no rank holds the whole model before it is sharded. Build the architecture "
-                        "there (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))) and load "
-                        "the weights in TrainModule.init_weights(), or use `shardwise finetune`, which streams "
-                        "them from rank 0 into the shards."
-                    ) from exc
-                raise
-        writes.check()  # a custom init on the meta device would be silently replaced
-        if trained and not trained <= {id(p) for p in module.parameters()}:
-            raise RuntimeError(
-                f"configure_model() rebuilt the layers of a {type(module).__name__} that was already trained, "
-                "which would silently start again from fresh weights. configure_model runs at every fit: "
-                "guard it (`if self.model is None: self.model = ...`) to continue from the trained weights."
-            )
-        self.model = strategy.setup_module(module)
-        params = list(module.parameters())
-        if not any(p.requires_grad for p in params):
-            raise ValueError(
-                f"{type(module).__name__} has no trainable parameters after configure_model()"
-                + (
-                    " (every parameter has requires_grad=False)."
-                    if params
-                    else ": no layer was registered. Assign layers to attributes of the module (self.model = ...), "
-                    "in __init__ or configure_model; layers kept in plain lists or dicts are not registered "
-                    "(use nn.ModuleList / nn.ModuleDict)."
-                )
-            )
-        # 3. optimizers on the wrapped (possibly sharded) parameters.
-        optimizers, schedulers = self._parse_optimizers(self._call_module("configure_optimizers"))
+        call_callbacks(self, "setup", stage="fit")
+        self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
+        # Optimizers on the wrapped (possibly sharded) parameters.
+        optimizers, schedulers = setup.parse_optimizers(call_module(self, "configure_optimizers"))
         for opt in optimizers:
             strategy.setup_optimizer(opt)
         strategy.lr_schedulers = schedulers
         self._set_up = True
 
-    def _resolve_data(self, module: TrainModule, need_train_data: bool = True) -> None:
-        """In the workers, with the process group up: the loaders from the datamodule or the module's hooks.
-
-        validate() passes need_train_data=False: it must not build (or require) training data.
-        """
-        train, val, datamodule = getattr(self, "_data_sources", (None, None, None))
-        if datamodule is not None:
-            if self.strategy.local_rank == 0 and callable(getattr(datamodule, "prepare_data", None)):
-                datamodule.prepare_data()  # once per node, before any rank reads what it prepares
-            self.strategy.barrier("prepare_data")
-            if callable(getattr(datamodule, "setup", None)):
-                datamodule.setup("fit")
-            owner = datamodule
-        else:
-            owner = module
-        if train is None and need_train_data and callable(getattr(owner, "train_dataloader", None)):
-            train = owner.train_dataloader()
-        if val is None and callable(getattr(owner, "val_dataloader", None)):
-            val = owner.val_dataloader()
-        self._resolved_data = (train, val)
+    def _resolve_data(self, module: TrainModule, need_train_data: bool) -> None:
+        self._resolved_data = loaders.resolve_data(self._data_sources, module, self.strategy, need_train_data)
+        train = self._resolved_data[0]
         if train is not None and getattr(train, "batch_size", None) is not None:
-            # The loader is known only now; DeepSpeed's config takes its micro-batch size.
-            self.strategy.configure_training(
-                accumulate_grad_batches=self.accumulate_grad_batches,
-                gradient_clip_val=self.gradient_clip_val,
-                gradient_clip_algorithm=self.gradient_clip_algorithm,
-                micro_batch_size=train.batch_size,
-            )
+            self._configure_training(train.batch_size)  # the loader is known only now (DeepSpeed's config takes it)
 
-    def _setup_loggers(self) -> None:
-        """After any restore: a resumed run's loggers continue the saved run's version."""
-        strategy = self.strategy
-        for logger in self.loggers:
-            # Rank 0 picks the next free version_<n> (or the restored one); the
-            # others adopt it so log_dir names the same folder on every rank.
-            if hasattr(logger, "_version"):
-                logger._version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
-            if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
-                logger.log_hyperparams(dict(self.module.hparams))
-
-    def _parse_optimizers(self, config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dict[str, Any]]]:
-        def scheduler_entry(s: Any) -> Dict[str, Any]:
-            entry = dict(s) if isinstance(s, dict) else {"scheduler": s}
-            entry.setdefault("interval", "epoch")
-            entry.setdefault("frequency", 1)
-            if entry["interval"] not in ("step", "epoch"):
-                raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {entry['interval']!r}")
-            return entry
-
-        if config is None:
-            raise ValueError("configure_optimizers() returned None; return an optimizer.")
-        if isinstance(config, torch.optim.Optimizer):
-            return [config], []
-        if isinstance(config, dict):
-            scheds = config.get("lr_scheduler")
-            return [config["optimizer"]], ([scheduler_entry(scheds)] if scheds is not None else [])
-        if isinstance(config, (list, tuple)):
-            if len(config) == 2 and isinstance(config[0], (list, tuple)):
-                return list(config[0]), [scheduler_entry(s) for s in config[1]]
-            if all(isinstance(o, dict) for o in config):
-                opts, scheds = [], []
-                for c in config:
-                    o, s = self._parse_optimizers(c)
-                    opts += o
-                    scheds += s
-                return opts, scheds
-            return list(config), []
-        raise TypeError(
-            f"configure_optimizers() returned {type(config).__name__}; return an optimizer, "
-            "a dict {'optimizer', 'lr_scheduler'}, or ([optimizers], [schedulers])."
+    def _configure_training(self, micro_batch_size: Optional[int]) -> None:
+        """A strategy whose engine owns accumulation, clipping and the micro-batch size (DeepSpeed) takes them."""
+        self.strategy.configure_training(
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            gradient_clip_val=self.gradient_clip_val,
+            gradient_clip_algorithm=self.gradient_clip_algorithm,
+            micro_batch_size=micro_batch_size,
         )
 
     # ------------------------------------------------------------------- fit
@@ -615,34 +212,16 @@ class Trainer:
     ) -> None:
         """Train. Data as in Lightning: loaders here, a `datamodule` (also as the second positional
         argument), or the module's own train_dataloader() / val_dataloader() methods."""
-        if datamodule is None and _is_datamodule(train_dataloaders):
-            train_dataloaders, datamodule = None, train_dataloaders  # fit(model, dm)
-        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
-            raise ValueError(
-                "fit() takes either dataloaders or a datamodule, not both: pass the loaders through "
-                "the datamodule's train_dataloader() / val_dataloader()."
-            )
-        if datamodule is not None and not callable(getattr(datamodule, "train_dataloader", None)):
-            raise TypeError(f"datamodule={type(datamodule).__name__} has no train_dataloader() method.")
-        if train_dataloaders is None and datamodule is None and not callable(getattr(module, "train_dataloader", None)):
-            raise TypeError(
-                "fit() needs training data: fit(module, train_loader), fit(module, datamodule=dm), or a "
-                f"train_dataloader() method on {type(module).__name__}."
-            )
+        train_dataloaders, datamodule = arguments.check_fit_data(module, train_dataloaders, val_dataloaders, datamodule)
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
             check_before_fit(self, module, train_dataloaders)
         # Before any worker starts: a strategy whose engine owns accumulation,
         # clipping and the micro-batch size (DeepSpeed) checks them against its
         # own configuration now, so a contradiction fails in the user's process.
-        self.strategy.configure_training(
-            accumulate_grad_batches=self.accumulate_grad_batches,
-            gradient_clip_val=self.gradient_clip_val,
-            gradient_clip_algorithm=self.gradient_clip_algorithm,
-            micro_batch_size=getattr(self._data_sources[0], "batch_size", None),
-        )  # the planner may re-batch
-        self._launch_if_needed()
-        previous_handlers = self._install_preemption()
+        self._configure_training(getattr(self._data_sources[0], "batch_size", None))  # the planner may re-batch
+        setup.launch_if_needed(self.devices, self.num_nodes)
+        previous_handlers = self._preemption.install()
         try:
             self._setup(module)
             train_dataloaders, val_dataloaders = self._resolved_data
@@ -652,25 +231,21 @@ class Trainer:
             )
             if ckpt_path is not None:
                 self._restore(ckpt_path)
-            self._setup_loggers()
-            self._call("on_fit_start")
-            self._call("on_train_start")
-            self._call_module("on_train_start")
+            setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
+            call_callbacks(self, "on_fit_start")
+            call_callbacks(self, "on_train_start")
+            call_module(self, "on_train_start")
             self._fit_loop()
-            self._call_module("on_train_end")
-            self._call("on_train_end")
-            self._call("on_fit_end")
-            for logger in self.loggers:
-                if self.strategy.is_global_zero and hasattr(logger, "finalize"):
-                    logger.finalize("success")
+            call_module(self, "on_train_end")
+            call_callbacks(self, "on_train_end")
+            call_callbacks(self, "on_fit_end")
+            setup.finalize_loggers(self.loggers, self.strategy, "success")
         except BaseException as exc:
-            self._call("on_exception", exc)
-            for logger in self.loggers:
-                if self.strategy.is_global_zero and hasattr(logger, "finalize"):
-                    logger.finalize("failed")
+            call_callbacks(self, "on_exception", exc)
+            setup.finalize_loggers(self.loggers, self.strategy, "failed")
             raise
         finally:
-            self._call("teardown", stage="fit")
+            call_callbacks(self, "teardown", stage="fit")
             datamodule = self._data_sources[2]
             if datamodule is not None and callable(getattr(datamodule, "teardown", None)):
                 datamodule.teardown("fit")
@@ -681,29 +256,8 @@ class Trainer:
             where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
             preempt.exit_preempted(f"{self.preempted} at step {self.global_step}: {where}")
 
-    def _install_preemption(self) -> Dict[int, Any]:
-        """Turn the preemption signals into a flag the loop reads between optimizer steps."""
-        if not self.preemption_signals or threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {sig: signal.getsignal(sig) for sig in self.preemption_signals}
-        self._preempt_flag = preempt.install(self.preemption_signals)
-        self._preempt_flag.signal = None  # a flag left from an earlier fit in this process
-        self._preempt_flag.count = 0
-        return previous
-
     def _preemption_requested(self) -> bool:
-        """Whether any rank was signalled; all ranks agree, so they stop after the same step."""
-        flag = self._preempt_flag
-        if flag is None:
-            return False
-        requested, self._preemption_agreed = self._preemption_agreed, None
-        if requested is None:  # no health check this step (non_finite="off"): agree here
-            requested = flag.requested
-            if self.world_size > 1:
-                requested = bool(self.strategy.reduce(float(requested), "max").item())
-        if requested and self.preempted is None:
-            self.preempted = flag.signal_name or "a preemption signal (on another rank)"
-        return requested
+        return self._preemption.requested(self.strategy)
 
     def _restore(self, ckpt_path: str) -> None:
         load_training_checkpoint(self, ckpt_path)
@@ -715,26 +269,18 @@ class Trainer:
         `path` atomically, once every rank has written its part."""
         return save_training_checkpoint(self, path)
 
+    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        call_callbacks(self, hook, *args, **kwargs)
+
     def _done(self) -> bool:
         return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
 
+    # ------------------------------------------------------------------ loop
     def _fit_loop(self) -> None:
         state = self.state
         loader = self.train_dataloader
-        length = _length(loader)
-        if length == 0:
-            raise ValueError(
-                f"The train DataLoader is empty: {_describe_empty(loader)} Nothing can be trained; "
-                "check the dataset's path and filters, and the batch size against the dataset size."
-            )
-        self.num_training_batches = _limit(self.limit_train_batches, length)
-        if self.num_training_batches == 0:
-            raise ValueError(
-                f"limit_train_batches={self.limit_train_batches!r} leaves none of the train "
-                f"DataLoader's {int(length)} batches: raise it, or leave it None for all."
-            )
-        step_fn = self.module.training_step
-        pass_idx = _takes_batch_idx(step_fn)
+        self.num_training_batches = loaders.batches_to_train(loader, self.limit_train_batches)
+        pass_idx = takes_batch_idx(self.module.training_step)
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
             self.should_stop = True
         while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):
@@ -745,8 +291,8 @@ class Trainer:
                 # Mid-epoch resume: skip consumed batches by index, without loading them
                 # (0 at a fresh epoch: the position is TrainState's, never the sampler's).
                 sampler.set_start_index(state.batch_idx * (loader.batch_size or 1))
-            self._call("on_train_epoch_start")
-            self._call_module("on_train_epoch_start")
+            call_callbacks(self, "on_train_epoch_start")
+            call_module(self, "on_train_epoch_start")
             self.model.train()
             started_at = state.batch_idx
             for batch in self._epoch_iterator(loader):
@@ -754,27 +300,21 @@ class Trainer:
                     break
                 self._train_batch(batch, pass_idx)
             if started_at == 0 and state.batch_idx == 0 and not self._done():
-                # A loader without a length that yields nothing would loop over empty epochs forever.
-                raise ValueError(
-                    f"The train DataLoader yielded no batch in epoch {state.epoch}: "
-                    f"{_describe_empty(loader)} Check the dataset (an IterableDataset must yield "
-                    "samples on every rank, every epoch)."
-                )
+                raise loaders.empty_epoch_error(loader, state.epoch)
             if self._done() and state.batch_idx < self.num_training_batches:
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
             state.in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
-            self._call_module("on_train_epoch_end")
-            epoch_metrics = self.metrics.finish_epoch()
-            self.log_metrics(epoch_metrics)
-            self._step_schedulers("epoch")
+            call_module(self, "on_train_epoch_end")
+            self.log_metrics(self.metrics.finish_epoch())
+            step_schedulers(self.strategy.lr_schedulers, "epoch", self.current_epoch + 1, self.metrics)
             if (
                 self.val_dataloaders is not None
                 and self.val_check_interval is None
                 and (state.epoch + 1) % self.check_val_every_n_epoch == 0
             ):
-                self._run_validation()
-            self._call("on_train_epoch_end")
+                run_validation(self)
+            call_callbacks(self, "on_train_epoch_end")
             state.in_epoch_end = False
             state.epoch += 1
             state.batch_idx = 0
@@ -803,8 +343,8 @@ class Trainer:
         strategy, state, module = self.strategy, self.state, self.module
         batch_idx = state.batch_idx
         batch = move_to_device(batch, strategy.root_device)
-        self._call("on_train_batch_start", batch, batch_idx)
-        if self._call_module("on_train_batch_start", batch, batch_idx) == -1:
+        call_callbacks(self, "on_train_batch_start", batch, batch_idx)
+        if call_module(self, "on_train_batch_start", batch, batch_idx) == -1:
             self.should_stop = True  # Lightning's convention: -1 ends the epoch and the run
             return
         window = self.accumulate_grad_batches
@@ -837,10 +377,10 @@ class Trainer:
         step_logs = self.metrics.record(module._drain_logs())
         if self.is_last_microbatch and (state.global_step % self.log_every_n_steps == 0 or state.global_step == 1):
             self.log_metrics({**step_logs, "epoch": float(state.epoch)})
-        self._call_module("on_train_batch_end", output, batch, batch_idx)
-        self._call("on_train_batch_end", output, batch, batch_idx)
-        if self.val_dataloaders is not None and self._val_due(state.batch_idx):
-            self._run_validation()
+        call_module(self, "on_train_batch_end", output, batch, batch_idx)
+        call_callbacks(self, "on_train_batch_end", output, batch, batch_idx)
+        if self.val_dataloaders is not None and validation_due(self, state.batch_idx):
+            run_validation(self)
         if self.is_last_microbatch and self._preemption_requested():
             self.should_stop = True  # ModelCheckpoint saves this step in on_train_end
 
@@ -849,7 +389,7 @@ class Trainer:
         losses, self._window_losses = self._window_losses, []
 
         def before_step(i: int, optimizer: torch.optim.Optimizer) -> bool:
-            self._call("on_before_optimizer_step", optimizer)
+            call_callbacks(self, "on_before_optimizer_step", optimizer)
             if i == 0 and self.non_finite != "off" and not self._healthy(losses):
                 return self.non_finite != "skip"  # skip: every optimizer's gradients are dropped, no step
             return True
@@ -864,71 +404,21 @@ class Trainer:
             before_step=before_step,
         )
         self.state.global_step += 1
-        self._step_schedulers("step")
+        step_schedulers(self.strategy.lr_schedulers, "step", self.global_step, self.metrics)
 
     def _healthy(self, losses: List[Tuple[int, torch.Tensor]]) -> bool:
         """Whether this step's losses and gradients are finite on every rank; acts on non_finite if not."""
-        flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
-        # With fp16 loss scaling, inf gradients are the scaler's overflow signal (it skips the step
-        # and lowers the scale): only the loss is this check's business then.
-        scaled = getattr(self.strategy, "grad_scaler", None) is not None
-        grad_flag = None if scaled else health.nonfinite_norm_flag([p.grad for p in self.strategy._grads(self.model)])
-        if grad_flag is not None:
-            flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
         # One read-back for the step: the verdict, agreed across ranks in the same all-reduce that
         # agrees on a preemption signal (_preemption_requested uses it instead of its own).
-        local = torch.stack(flags).any().float() if flags else torch.zeros(())
-        signalled = self._preempt_flag is not None and self._preempt_flag.requested
-        both = torch.stack([local, torch.tensor(float(signalled), device=local.device)])
-        if self.world_size > 1:
-            both = self.strategy.reduce(both, "max")
-        bad, self._preemption_agreed = (v > 0 for v in both.tolist())
+        signalled = self._preemption.signalled
+        bad, self._preemption.agreed = nonfinite.agree(self.strategy, self.model, losses, signalled)
         if not bad:
             return True
         step = self.global_step + 1
-        found = health.first_nonfinite(self.model, [(i, float(t)) for i, t in losses])
-        reports = ops.all_gather_object(found)
-        named = [f"rank {r}: {what}" for r, what in enumerate(reports) if what]
-        what = "; ".join(named) or "a non-finite value on another rank"
         if self.nonfinite_step is None:
             self.nonfinite_step = step
-        if self.non_finite == "error":
-            raise health.NonFiniteError(
-                f"Non-finite values at optimizer step {step} (epoch {self.current_epoch}): {what}. The step was not "
-                "taken and nothing after the last checkpoint was saved. Lower the learning rate, clip gradients "
-                "(gradient_clip_val), check the data of that batch, or use bf16 instead of fp16; "
-                "Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
-            )
-        action = "skipped" if self.non_finite == "skip" else "taken anyway (non_finite='warn')"
-        warnings.warn(f"Non-finite values at optimizer step {step}: {what}. The step was {action}.", stacklevel=2)
+        nonfinite.report(self.model, losses, self.non_finite, step, self.current_epoch)
         return False
-
-    def _step_schedulers(self, interval: str) -> None:
-        counter = self.global_step if interval == "step" else self.current_epoch + 1
-        for entry in self.strategy.lr_schedulers:
-            if entry["interval"] == interval and counter % entry["frequency"] == 0:
-                monitor = entry.get("monitor")
-                if monitor is not None:
-                    if monitor not in self.callback_metrics:
-                        raise KeyError(
-                            f"lr_scheduler monitors {monitor!r}, which was never logged. "
-                            f"Logged: {sorted(self.callback_metrics)}"
-                        )
-                    entry["scheduler"].step(self.callback_metrics[monitor])
-                else:
-                    entry["scheduler"].step()
-
-    def _val_due(self, batches_done: int) -> bool:
-        interval = self.val_check_interval
-        if interval is None:
-            return False
-        if not isinstance(interval, int) and not self.is_last_microbatch:
-            return False  # a float interval validates only between optimizer steps, never mid-window
-        if isinstance(interval, float) and interval <= 1.0:
-            every = max(1, int(self.num_training_batches * interval))
-        else:
-            every = int(interval)  # every N training batches, as in Lightning
-        return batches_done % every == 0
 
     # -------------------------------------------------------------- validation
     def validate(
@@ -938,7 +428,7 @@ class Trainer:
         ckpt_path: Optional[str] = None,
     ) -> List[Dict[str, float]]:
         """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
-        self._launch_if_needed()
+        setup.launch_if_needed(self.devices, self.num_nodes)
         module = module or self.module
         if module is None:
             raise ValueError("validate() needs a module (or a previous fit()).")
@@ -951,53 +441,5 @@ class Trainer:
             raise ValueError("validate() needs dataloaders (none were given here or to fit()).")
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        self._setup_loggers()
-        return [self._run_validation()]
-
-    @torch.no_grad()
-    def _run_validation(self) -> Dict[str, float]:
-        module, strategy = self.module, self.strategy
-        if not callable(getattr(module, "validation_step", None)):
-            return {}
-        loader = self.val_dataloaders
-        length = _length(loader)
-        self.num_val_batches = _limit(self.limit_val_batches, length)
-        if self.num_val_batches == 0:
-            return {}
-        self.validating = True
-        # Validation draws from the generators too (its DataLoader's seed, user
-        # code); run it on a copy so that training's random stream, and so a
-        # resumed run, does not depend on when or how often validation runs.
-        self.state.rng_outside_validation = capture_rng_states()
-        was_training = self.model.training
-        self.model.eval()
-        # Validation epochs keep their own accumulators, apart from training's.
-        train_epoch, self.metrics._epoch = self.metrics._epoch, {}
-        self._call("on_validation_start")
-        self._call_module("on_validation_epoch_start")
-        pass_idx = _takes_batch_idx(module.validation_step)
-        try:
-            for batch_idx, batch in enumerate(loader):
-                if batch_idx >= self.num_val_batches:
-                    break
-                batch = move_to_device(batch, strategy.root_device)
-                object.__setattr__(module, "_current_hook", "validation_step")
-                mark_progress("validation_step", self.state.global_step)
-                with strategy.autocast():
-                    args = (batch, batch_idx) if pass_idx else (batch,)
-                    output = strategy.call(self.model, "validation_step", *args)
-                self.metrics.record(module._drain_logs())
-                self._call("on_validation_batch_end", output, batch, batch_idx)
-            self._call_module("on_validation_epoch_end")
-            self.metrics.record(module._drain_logs())
-            results = self.metrics.finish_epoch(suffix=False)
-            self.log_metrics(results)
-            self._call("on_validation_epoch_end")
-            self._call("on_validation_end")
-        finally:
-            self.metrics._epoch = train_epoch
-            restore_rng_states(self.state.rng_outside_validation)
-            self.state.rng_outside_validation = None
-            self.validating = False
-            self.model.train(was_training)
-        return results
+        setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
+        return [run_validation(self)]

@@ -1,0 +1,85 @@
+"""The Trainer's read-only attributes: views of its state, strategy, metrics and loggers.
+
+Lightning code and callbacks read these names (`trainer.global_step`,
+`trainer.is_global_zero`, `trainer.callback_metrics`, `trainer.lightning_module`,
+`trainer.fit_loop.total_batch_idx`, ...); each one only looks up what the
+Trainer holds, so the loop (loop.py) never updates them: it updates its
+TrainState, its strategy and its MetricStore, and these follow.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from shardwise.module import TrainModule
+
+
+class TrainerAttributes:
+    """Read-only views; the Trainer sets `state`, `strategy`, `metrics`, `loggers`, `module` and the rest."""
+
+    @property
+    def lightning_module(self) -> Optional[TrainModule]:
+        """Lightning's name for `module`, kept so Lightning code and callbacks run unchanged."""
+        return self.module
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def fit_loop(self) -> Any:
+        """Lightning's `trainer.fit_loop.total_batch_idx` (batches over the whole run), which LR warm-up code reads."""
+        per_epoch = self.num_training_batches if math.isfinite(self.num_training_batches) else 0
+        return types.SimpleNamespace(total_batch_idx=int(self.state.epoch * per_epoch + self.state.batch_idx))
+
+    @property
+    def current_epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def batch_idx(self) -> int:
+        return self.state.batch_idx
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def callback_metrics(self) -> Dict[str, float]:
+        return self.metrics.callback_metrics
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        return self.metrics.progress_bar_metrics
+
+    @property
+    def logged_metrics(self) -> Dict[str, float]:
+        return self.metrics.logged_metrics
+
+    @property
+    def logger(self) -> Any:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        return getattr(self.logger, "log_dir", None) or self.default_root_dir
+
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        return self.strategy.optimizers

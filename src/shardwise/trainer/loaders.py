@@ -1,0 +1,99 @@
+"""The run's data as the loop sees it: where the loaders come from, and how many batches it takes.
+
+Loaders come, as in Lightning, from fit()'s arguments, a datamodule, or the
+module's own train_dataloader() / val_dataloader(); they are resolved in the
+workers, with the process group up, so that a datamodule's prepare_data runs
+once per node behind a barrier before any rank reads what it prepared. The
+loop takes `limit_*_batches` of a loader (a count or a fraction of it), and an
+empty loader is an error that says why it is empty.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Tuple, Union
+
+
+def resolve_data(
+    sources: Tuple[Any, Any, Any], module: Any, strategy: Any, need_train_data: bool = True
+) -> Tuple[Any, Any]:
+    """(train, val) loaders from fit()'s (train, val, datamodule), the datamodule's or the module's hooks.
+
+    validate() passes need_train_data=False: it must not build (or require) training data.
+    """
+    train, val, datamodule = sources
+    if datamodule is not None:
+        if strategy.local_rank == 0 and callable(getattr(datamodule, "prepare_data", None)):
+            datamodule.prepare_data()  # once per node, before any rank reads what it prepares
+        strategy.barrier("prepare_data")
+        if callable(getattr(datamodule, "setup", None)):
+            datamodule.setup("fit")
+        owner = datamodule
+    else:
+        owner = module
+    if train is None and need_train_data and callable(getattr(owner, "train_dataloader", None)):
+        train = owner.train_dataloader()
+    if val is None and callable(getattr(owner, "val_dataloader", None)):
+        val = owner.val_dataloader()
+    return train, val
+
+
+def length(loader: Any) -> float:
+    """len(loader), or infinity for loaders without one (an IterableDataset without __len__)."""
+    try:
+        return float(len(loader))
+    except TypeError:
+        return float("inf")
+
+
+def limit(value: Union[int, float, None], available: float) -> float:
+    """The batches the loop takes: all, a fraction (float <= 1.0) or a count of `available`."""
+    if value is None:
+        return available
+    if isinstance(value, float) and value <= 1.0:
+        if math.isinf(available):
+            raise ValueError("A fractional limit_*_batches needs a DataLoader with a length.")
+        return int(available * value)
+    return min(int(value), available)
+
+
+def describe_empty(loader: Any) -> str:
+    """Why a loader yields nothing: its dataset's size, the ranks sharing it, the batch size, drop_last."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        size = f"its dataset has {len(dataset)} samples"
+    except TypeError:
+        size = "its dataset yields no samples"
+    batch = getattr(loader, "batch_size", None)
+    drop = " and drop_last=True drops a final partial batch" if getattr(loader, "drop_last", False) else ""
+    share = ""
+    sampler = getattr(loader, "sampler", None)
+    if getattr(sampler, "num_replicas", 1) > 1:
+        share = f" ({sampler.num_replicas} ranks share it)"
+    return f"{size}{share}, batch size {batch}{drop}."
+
+
+def batches_to_train(loader: Any, limit_train_batches: Union[int, float, None]) -> float:
+    """The training batches per epoch, refusing an empty loader or a limit that leaves none."""
+    available = length(loader)
+    if available == 0:
+        raise ValueError(
+            f"The train DataLoader is empty: {describe_empty(loader)} Nothing can be trained; "
+            "check the dataset's path and filters, and the batch size against the dataset size."
+        )
+    count = limit(limit_train_batches, available)
+    if count == 0:
+        raise ValueError(
+            f"limit_train_batches={limit_train_batches!r} leaves none of the train "
+            f"DataLoader's {int(available)} batches: raise it, or leave it None for all."
+        )
+    return count
+
+
+def empty_epoch_error(loader: Any, epoch: int) -> ValueError:
+    """The error for a loader without a length that yielded nothing (it would loop over empty epochs forever)."""
+    return ValueError(
+        f"The train DataLoader yielded no batch in epoch {epoch}: "
+        f"{describe_empty(loader)} Check the dataset (an IterableDataset must yield "
+        "samples on every rank, every epoch)."
+    )

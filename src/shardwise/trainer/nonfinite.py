@@ -1,0 +1,55 @@
+"""The check before every optimizer step: are this step's losses and gradients finite on every rank?
+
+One small all-reduce per step carries two verdicts: "some rank saw a NaN/inf"
+and "some rank was sent a preemption signal", so that every rank skips, stops
+or saves at the same step without a second collective. What happens to a
+non-finite step is Trainer(non_finite=...): 'error' stops there, naming the
+rank, the step and the tensor; 'skip' drops the step (as GradScaler does);
+'warn' reports it and takes the step anyway. With fp16 loss scaling an inf
+gradient is the scaler's overflow signal, so only the loss is checked then.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, List, Tuple
+
+import torch
+from torch import nn
+
+from shardwise import health
+from shardwise.distributed import ops
+
+
+def agree(
+    strategy: Any, model: nn.Module, losses: List[Tuple[int, torch.Tensor]], signalled: bool
+) -> Tuple[bool, bool]:
+    """(any rank non-finite, any rank signalled), agreed across ranks in one read-back."""
+    flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
+    scaled = getattr(strategy, "grad_scaler", None) is not None
+    grad_flag = None if scaled else health.nonfinite_norm_flag([p.grad for p in strategy._grads(model)])
+    if grad_flag is not None:
+        flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
+    local = torch.stack(flags).any().float() if flags else torch.zeros(())
+    both = torch.stack([local, torch.tensor(float(signalled), device=local.device)])
+    if strategy.world_size > 1:
+        both = strategy.reduce(both, "max")
+    bad, preempt = (v > 0 for v in both.tolist())
+    return bad, preempt
+
+
+def report(model: nn.Module, losses: List[Tuple[int, torch.Tensor]], mode: str, step: int, epoch: int) -> None:
+    """Name what was non-finite on which rank (collective), then raise (mode 'error') or warn."""
+    found = health.first_nonfinite(model, [(i, float(t)) for i, t in losses])
+    reports = ops.all_gather_object(found)
+    named = [f"rank {r}: {what}" for r, what in enumerate(reports) if what]
+    what = "; ".join(named) or "a non-finite value on another rank"
+    if mode == "error":
+        raise health.NonFiniteError(
+            f"Non-finite values at optimizer step {step} (epoch {epoch}): {what}. The step was not "
+            "taken and nothing after the last checkpoint was saved. Lower the learning rate, clip gradients "
+            "(gradient_clip_val), check the data of that batch, or use bf16 instead of fp16; "
+            "Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
+        )
+    action = "skipped" if mode == "skip" else "taken anyway (non_finite='warn')"
+    warnings.warn(f"Non-finite values at optimizer step {step}: {what}. The step was {action}.", stacklevel=3)
