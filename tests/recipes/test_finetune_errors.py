@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from shardwise.cli import main as shardwise_main
+from shardwise.recipes.causal_lm import lr_lambda
 from shardwise.recipes.data import DatasetFieldError
-from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, lr_lambda, validate_config
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, validate_config
 from shardwise.recipes.hf_model import ModelFolderError
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl

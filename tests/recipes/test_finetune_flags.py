@@ -37,9 +37,14 @@ def test_the_recipes_command_line_maps_to_our_options(assets, tmp_path):
     cfg_file.write_text(ACCELERATE_FSDP_YAML.format(machines=1, processes=2))
     argv = ["--fsdp_config", str(cfg_file)] + train_args(assets["model"], assets["data"], str(tmp_path / "out"))
     cfg, notes = _config(argv)
-    assert (cfg.model_path, cfg.dataset, cfg.dataset_text_field) == (assets["model"], assets["data"], "content")
+    assert (cfg.model_path, cfg.data.dataset, cfg.data.dataset_text_field) == (
+        assets["model"],
+        assets["data"],
+        "content",
+    )
     assert (cfg.precision, cfg.timeout_s, cfg.optim, cfg.seed) == ("bf16-mixed", 5400.0, "paged_adamw_32bit", 100)
-    assert cfg.gradient_checkpointing and cfg.packing and not cfg.add_special_tokens and not cfg.append_concat_token
+    assert cfg.gradient_checkpointing and cfg.data.packing and not cfg.data.add_special_tokens
+    assert not cfg.data.append_concat_token
     assert (cfg.eval_steps, cfg.save_steps, cfg.logging_steps, cfg.max_steps) == (1, 2, 1, 2)
     assert (cfg.strategy, cfg.sharding_strategy, cfg.state_dict_type, cfg.cpu_offload) == (
         "fsdp",

@@ -1,16 +1,21 @@
 """`shardwise finetune`: the fine-tuning recipe (recipes/finetune.py) from a YAML config and flags.
 
-The options are the fields of `FinetuneConfig`. The flags of the Hugging Face
-recipe (`--per_device_train_batch_size`, `--fsdp_config`, an Accelerate
+The options are the fields of `FinetuneConfig`; its nested data options
+(`DataOptions`) are `--data.<name>` or, as before they were nested, plain
+`--<name>` (`--max_seq_len`), and either spelling works in a YAML config
+too. The flags of the Hugging Face recipe (`--per_device_train_batch_size`, `--fsdp_config`, an Accelerate
 config, ...) are also accepted and translated to ours (recipes/hf_args.py),
 with a note for each one that changes meaning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import typing
 from typing import Any, List
 
+import docstring_parser
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 
@@ -19,8 +24,21 @@ def parser() -> ArgumentParser:
 
     p = ArgumentParser(description="Fine-tune a local Hugging Face causal LM (full fine-tuning, 1 to N nodes).")
     p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
-    p.add_class_arguments(FinetuneConfig, fail_untyped=False)
+    p.add_class_arguments(FinetuneConfig, fail_untyped=False, skip={"data"})
+    add_data_options(p)
     return p
+
+
+def add_data_options(p: ArgumentParser) -> None:
+    """DataOptions as `--data.<name>`, each with its flat name as an alias (jsonargparse maps a flat
+    key in a YAML config through the alias as well), so configs written before the nesting still parse."""
+    from shardwise.recipes.data import DataOptions
+
+    docs = {d.arg_name: d.description for d in docstring_parser.parse(DataOptions.__doc__ or "").params}
+    hints = typing.get_type_hints(DataOptions)
+    group = p.add_argument_group("Data options (FinetuneConfig.data: --data.<name>, or --<name> as before)")
+    for f in dataclasses.fields(DataOptions):
+        group.add_argument(f"--data.{f.name}", f"--{f.name}", type=hints[f.name], default=f.default, help=docs[f.name])
 
 
 def translate(argv: List[str]) -> List[str]:

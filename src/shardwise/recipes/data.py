@@ -9,6 +9,9 @@ other: each document's first label is -100, and under `packing="attention"`
 turn into a block-diagonal mask; `packing="loss"` masks only the boundary
 labels. Global rank 0 writes the token arrays to a cache folder keyed by
 everything that changes them; the other ranks memory-map the same files.
+`DataOptions` are the recipe's data options as the user gives them;
+`FinetuneData` is the DataModule that hands them to the Trainer, which runs
+its `prepare_data` (the tokenisation) before any rank reads the cache.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env
+from shardwise.module import DataModule
 
 CACHE_VERSION = 1
 CHAT_FORMATS = ("auto", "tags", "tokenizer", "none")
@@ -38,6 +42,59 @@ _AUTO_FIELDS = ("messages", "conversations", "text", "content")
 
 class DatasetFieldError(ValueError):
     """The requested text field is not in the dataset (the message lists the fields that are)."""
+
+
+@dataclass
+class DataOptions:
+    """The fine-tuning recipe's data options (`FinetuneConfig.data`; on the command line
+    `--data.max_seq_len` or, as before they were nested, `--max_seq_len`).
+
+    Args:
+        dataset: .jsonl / .json / .parquet file, or a folder written by datasets' save_to_disk
+        dataset_text_field: record field with text or chat messages
+            (default: first of messages, conversations, text, content)
+        chat_template_format: auto (the tokenizer's template, else tags) | tags
+            (<|system|>/<|prompter|>/<|assistant|>) | tokenizer | none (text used as is)
+        max_seq_len: tokens per example / packed block
+        packing: concatenate documents into max_seq_len blocks
+        packing_mode: attention (no attention across documents) | loss (only boundary labels masked)
+        add_special_tokens: let the tokenizer add its BOS/EOS
+        append_concat_token: end every document with EOS
+        eval_split_ratio: held-out fraction when the dataset has no test / validation split
+        cache_dir: tokenised-data cache (default <output_dir>/tokenized)
+        per_device_train_batch_size: examples per process per micro-batch
+        per_device_eval_batch_size: examples per process per eval batch
+        dataloader_num_workers: DataLoader worker processes
+    """
+
+    dataset: str = ""
+    dataset_text_field: Optional[str] = None
+    chat_template_format: str = "auto"
+    max_seq_len: int = 2048
+    packing: bool = True
+    packing_mode: str = "attention"
+    add_special_tokens: bool = False
+    append_concat_token: bool = True
+    eval_split_ratio: float = 0.05
+    cache_dir: Optional[str] = None
+    per_device_train_batch_size: int = 1
+    per_device_eval_batch_size: int = 1
+    dataloader_num_workers: int = 0
+
+    def spec(self, text_field: str, seed: int) -> "DataSpec":
+        """What decides the token arrays: these options with the text field resolved and the split's seed."""
+        return DataSpec(
+            path=os.path.abspath(self.dataset),
+            text_field=text_field,
+            chat_template_format=self.chat_template_format,
+            max_seq_len=self.max_seq_len,
+            packing=self.packing,
+            packing_mode=self.packing_mode,
+            add_special_tokens=self.add_special_tokens,
+            append_eos=self.append_concat_token,
+            eval_split_ratio=self.eval_split_ratio,
+            seed=seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -361,17 +418,25 @@ class PreparedData:
     folder: str
 
 
-def prepare_data(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData:
-    """Build the cache on global rank 0 (then on any node that cannot see it), load it everywhere."""
+def build_on_rank0(spec: DataSpec, tokenizer: Any, cache_dir: str) -> str:
+    """Global rank 0 builds the cache entry unless it exists; every rank gets the entry's folder."""
     env = detect_env()
-    rank, local_rank = (env.global_rank, env.local_rank) if env is not None else (0, 0)
     folder = os.path.join(cache_dir, cache_key(spec, tokenizer))
-    if rank == 0 and not os.path.exists(folder):
+    if (env.global_rank if env is not None else 0) == 0 and not os.path.exists(folder):
         os.makedirs(cache_dir, exist_ok=True)
         build_cache(spec, tokenizer, folder)
-    ops.barrier("tokenised-cache")
-    if not os.path.exists(folder) and local_rank == 0:  # this node does not share rank 0's disk
-        os.makedirs(cache_dir, exist_ok=True)
+    return folder
+
+
+def load_prepared(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData:
+    """After rank 0's build (and a barrier): build it again on a node that cannot see it, then load it.
+
+    Collective: every rank calls it.
+    """
+    env = detect_env()
+    folder = os.path.join(cache_dir, cache_key(spec, tokenizer))
+    if not os.path.exists(folder) and (env.local_rank if env is not None else 0) == 0:
+        os.makedirs(cache_dir, exist_ok=True)  # this node does not share rank 0's disk
         build_cache(spec, tokenizer, folder)
     ops.barrier("tokenised-cache-per-node")
     with open(os.path.join(folder, "summary.json")) as fh:
@@ -388,3 +453,49 @@ def prepare_data(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         collate = PadCollate(pad)
     return PreparedData(train, evaluation, collate, summary, folder)
+
+
+def prepare_data(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData:
+    """Build the cache on global rank 0 (then on any node that cannot see it), load it everywhere."""
+    build_on_rank0(spec, tokenizer, cache_dir)
+    ops.barrier("tokenised-cache")
+    return load_prepared(spec, tokenizer, cache_dir)
+
+
+class FinetuneData(DataModule):
+    """The recipe's data for the Trainer, which calls prepare_data on each node's local rank 0 behind a
+    barrier, then setup on every rank, then the loaders.
+
+    prepare_data tokenises on global rank 0 only, so a cache folder every node
+    shares is built once; setup builds it again where a node cannot see it
+    (load_prepared) and memory-maps it. The eval loader exists only with
+    `evaluate` (the recipe's eval_steps).
+    """
+
+    def __init__(self, options: DataOptions, spec: DataSpec, tokenizer: Any, cache_dir: str, evaluate: bool) -> None:
+        self.options, self.spec, self.tokenizer, self.cache_dir = options, spec, tokenizer, cache_dir
+        self.evaluate = evaluate
+        self.prepared: Optional[PreparedData] = None
+
+    def prepare_data(self) -> None:
+        build_on_rank0(self.spec, self.tokenizer, self.cache_dir)
+
+    def setup(self, stage: str) -> None:
+        self.prepared = load_prepared(self.spec, self.tokenizer, self.cache_dir)
+
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            collate_fn=self.prepared.collate,
+            num_workers=self.options.dataloader_num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.prepared.train, self.options.per_device_train_batch_size, shuffle=True)
+
+    def val_dataloader(self) -> Optional[DataLoader]:
+        if not self.evaluate or self.prepared.eval is None:
+            return None
+        return self._loader(self.prepared.eval, self.options.per_device_eval_batch_size, shuffle=False)

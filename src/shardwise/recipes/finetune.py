@@ -3,87 +3,92 @@
 The recipe of the Llama-2-70B FSDP write-up, as one config: a
 `FinetuneConfig` dataclass is both the Python API (`finetune(config)`) and
 the CLI schema (`shardwise finetune --config run.yaml --learning_rate 1e-5`,
-parsed by jsonargparse from the dataclass). Everything that can be checked
-without a GPU or a second process -- the model folder, the dataset field,
-the sequence length against the model's positions, flash attention / paged
-AdamW without CUDA -- is checked first, in the process the user started,
-before any worker or weight exists. The run itself is an ordinary
-TrainModule under the Trainer: the model is built on the meta device,
-sharded by the FSDP strategy with the model's own `_no_split_modules` as
-the wrap (and activation-checkpointing) units, and its `init_weights` hook
-streams the pretrained weights from rank 0 into the shards
-(hf_model.py). The DeepSpeed strategies work the same way: ZeRO-1/2
-materialise like DDP; at ZeRO-3 the model is built under zero.Init and the
-loader writes each rank's partitions directly (the module declares
-`init_weights_partitioned`, so the strategy does not gather the whole model
-for the hook). `strategy_options` are further arguments of the strategy's
-class, checked against its signature up front. Intermediate checkpoints are
-the strategy's own (`save_steps`); the final model is exported as a
-consolidated Hugging Face folder in `output_dir`, one tensor at a time.
+parsed by jsonargparse from the dataclass); its data options are one nested
+`DataOptions` (data.py). Everything that can be checked without a GPU or a
+second process -- the model folder, the dataset field, the sequence length
+against the model's positions, flash attention / paged AdamW without CUDA --
+is checked first, in the process the user started, before any worker or
+weight exists. The run itself is the Trainer's ordinary road: a TrainModule
+(causal_lm.py) and a DataModule (data.FinetuneData, which tokenises in
+`prepare_data`). The model is built on the meta device, sharded by the FSDP
+strategy with the model's own `_no_split_modules` as the wrap (and
+activation-checkpointing) units, and its `init_weights` hook streams the
+pretrained weights from rank 0 into the shards (hf_model.py). The DeepSpeed
+strategies work the same way: ZeRO-1/2 materialise like DDP; at ZeRO-3 the
+model is built under zero.Init and the loader writes each rank's partitions
+directly (the module declares `init_weights_partitioned`, so the strategy
+does not gather the whole model for the hook). `strategy_options` are
+further arguments of the strategy's class, checked against its signature up
+front. Intermediate checkpoints are the strategy's own (`save_steps`); the
+final model is exported as a consolidated Hugging Face folder in
+`output_dir`, one tensor at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-from torch.utils.data import DataLoader
 
-from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch
 from shardwise.dtypes import DTYPES, cast_dtype
 from shardwise.memory import parse_bytes
-from shardwise.module import TrainModule
 from shardwise.precision import build_precision
-from shardwise.recipes import hf_model
+from shardwise.recipes.causal_lm import build_module
 from shardwise.recipes.data import (
     CHAT_FORMATS,
     PACKING_MODES,
-    DataSpec,
+    DataOptions,
+    FinetuneData,
     dataset_columns,
-    prepare_data,
     resolve_text_field,
 )
 from shardwise.recipes.hf_model import export_hf_folder, inspect_model_folder, model_block_names
 from shardwise.seed import seed_everything
 from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
-from shardwise.strategies.base import Strategy
 from shardwise.strategies.names import STRATEGIES, resolve
 from shardwise.trainer import Trainer
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
+DATA_OPTIONS = tuple(f.name for f in dataclasses.fields(DataOptions))
+
+
+class _TakesFlatDataOptions(type):
+    """`FinetuneConfig(max_seq_len=64)` means `FinetuneConfig(data=DataOptions(max_seq_len=64))`.
+
+    The data options were FinetuneConfig's own fields before they were nested;
+    scripts, dicts and `dataclasses.replace` that pass them flat keep working,
+    and the dataclass keeps its generated __init__, which jsonargparse reads
+    as the CLI schema. A flat option overrides the same one in `data`.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        flat = {name: kwargs.pop(name) for name in DATA_OPTIONS if name in kwargs}
+        data = kwargs.get("data")
+        if isinstance(data, dict):  # parsed from a command line or YAML
+            data = DataOptions(**data)
+        if flat or data is not None:
+            kwargs["data"] = dataclasses.replace(data or DataOptions(), **flat)
+        return super().__call__(*args, **kwargs)
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(metaclass=_TakesFlatDataOptions):
     """Options of `shardwise finetune` (named as in the Hugging Face Llama FSDP recipe where it has one).
 
     Args:
         model_path: local Hugging Face folder: config.json, *.safetensors, tokenizer files
-        dataset: .jsonl / .json / .parquet file, or a folder written by datasets' save_to_disk
         tokenizer_path: tokenizer folder (default: model_path)
-        dataset_text_field: record field with text or chat messages
-            (default: first of messages, conversations, text, content)
-        chat_template_format: auto (the tokenizer's template, else tags) | tags
-            (<|system|>/<|prompter|>/<|assistant|>) | tokenizer | none (text used as is)
-        max_seq_len: tokens per example / packed block
-        packing: concatenate documents into max_seq_len blocks
-        packing_mode: attention (no attention across documents) | loss (only boundary labels masked)
-        add_special_tokens: let the tokenizer add its BOS/EOS
-        append_concat_token: end every document with EOS
-        eval_split_ratio: held-out fraction when the dataset has no test / validation split
-        cache_dir: tokenised-data cache (default <output_dir>/tokenized)
+        data: the dataset and how it becomes token blocks and batches (DataOptions)
         max_steps: optimizer steps (-1: num_train_epochs)
         num_train_epochs: epochs when max_steps is -1
         logging_steps: print / log the loss every n optimizer steps
@@ -99,8 +104,6 @@ class FinetuneConfig:
         adam_beta2: AdamW beta2
         adam_epsilon: AdamW epsilon
         max_grad_norm: clip gradients to this global norm (null: no clipping)
-        per_device_train_batch_size: examples per process per micro-batch
-        per_device_eval_batch_size: examples per process per eval batch
         gradient_accumulation_steps: micro-batches per optimizer step
         gradient_checkpointing: non-reentrant activation checkpointing on the decoder layers
         attn_implementation: sdpa | eager | flash_attention_2 (CUDA + flash-attn)
@@ -123,24 +126,14 @@ class FinetuneConfig:
         auto_wrap_policy: FSDP unit class names (default: the model's _no_split_modules)
         cpu_offload: offload parameters, gradients and optimizer state to host memory (CUDA)
         state_dict_type: sharded | full intermediate checkpoints
-        dataloader_num_workers: DataLoader worker processes
         enable_progress_bar: show the progress bar
         timeout_s: collective timeout in seconds
     """
 
     # What to train on
     model_path: str = ""
-    dataset: str = ""
     tokenizer_path: Optional[str] = None
-    dataset_text_field: Optional[str] = None
-    chat_template_format: str = "auto"
-    max_seq_len: int = 2048
-    packing: bool = True
-    packing_mode: str = "attention"
-    add_special_tokens: bool = False
-    append_concat_token: bool = True
-    eval_split_ratio: float = 0.05
-    cache_dir: Optional[str] = None
+    data: DataOptions = field(default_factory=DataOptions)
     # How long, how often
     max_steps: int = -1
     num_train_epochs: int = 1
@@ -158,8 +151,6 @@ class FinetuneConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: Optional[float] = 1.0
-    per_device_train_batch_size: int = 1
-    per_device_eval_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
@@ -179,7 +170,6 @@ class FinetuneConfig:
     auto_wrap_policy: Optional[List[str]] = None
     cpu_offload: bool = False
     state_dict_type: str = "sharded"
-    dataloader_num_workers: int = 0
     enable_progress_bar: bool = False
     timeout_s: float = 1800.0
 
@@ -202,9 +192,10 @@ def _has_cuda(cfg: FinetuneConfig) -> bool:
 def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     """Every check that needs no worker; raises ValueError (or a subclass) with the fix."""
 
+    data = cfg.data
     if not cfg.model_path:
         raise ValueError("model_path is required: a local Hugging Face model folder.")
-    if not cfg.dataset:
+    if not data.dataset:
         raise ValueError("dataset is required: a .jsonl / .parquet file or a datasets save_to_disk folder.")
     folder = inspect_model_folder(cfg.model_path)
     tok_dir = cfg.tokenizer_path or cfg.model_path
@@ -213,33 +204,33 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
             f"{cfg.model_path!r} has no tokenizer files (tokenizer.json / tokenizer.model); "
             "save the tokenizer there or set tokenizer_path."
         )
-    if cfg.max_seq_len < 2:
-        raise ValueError(f"max_seq_len={cfg.max_seq_len}: use at least 2.")
-    if folder.max_positions is not None and cfg.max_seq_len > folder.max_positions:
+    if data.max_seq_len < 2:
+        raise ValueError(f"max_seq_len={data.max_seq_len}: use at least 2.")
+    if folder.max_positions is not None and data.max_seq_len > folder.max_positions:
         raise ValueError(
-            f"max_seq_len={cfg.max_seq_len} exceeds the model's maximum of {folder.max_positions} "
+            f"max_seq_len={data.max_seq_len} exceeds the model's maximum of {folder.max_positions} "
             f"positions (max_position_embeddings in {cfg.model_path}/config.json). Lower max_seq_len."
         )
-    columns = dataset_columns(cfg.dataset)
-    text_field = resolve_text_field(columns, cfg.dataset_text_field, cfg.dataset)
-    if cfg.chat_template_format not in CHAT_FORMATS:
-        raise ValueError(f"chat_template_format={cfg.chat_template_format!r}: use one of {CHAT_FORMATS}.")
-    if cfg.packing_mode not in PACKING_MODES:
-        raise ValueError(f"packing_mode={cfg.packing_mode!r}: use one of {PACKING_MODES}.")
+    columns = dataset_columns(data.dataset)
+    text_field = resolve_text_field(columns, data.dataset_text_field, data.dataset)
+    if data.chat_template_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_template_format={data.chat_template_format!r}: use one of {CHAT_FORMATS}.")
+    if data.packing_mode not in PACKING_MODES:
+        raise ValueError(f"packing_mode={data.packing_mode!r}: use one of {PACKING_MODES}.")
     if cfg.lr_scheduler_type not in LR_SCHEDULERS:
         raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type!r}: use one of {LR_SCHEDULERS}.")
     if not 0.0 <= cfg.warmup_ratio < 1.0:
         raise ValueError(f"warmup_ratio={cfg.warmup_ratio}: use a fraction in [0, 1).")
     if cfg.max_steps == 0 or cfg.max_steps < -1:
         raise ValueError(f"max_steps={cfg.max_steps}: use a positive number, or -1 for num_train_epochs.")
-    for name in (
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-        "logging_steps",
+    for name, value in (
+        ("per_device_train_batch_size", data.per_device_train_batch_size),
+        ("per_device_eval_batch_size", data.per_device_eval_batch_size),
+        ("gradient_accumulation_steps", cfg.gradient_accumulation_steps),
+        ("logging_steps", cfg.logging_steps),
     ):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name}={getattr(cfg, name)}: use 1 or more.")
+        if value < 1:
+            raise ValueError(f"{name}={value}: use 1 or more.")
     if cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation={cfg.attn_implementation!r}: use one of {ATTN_IMPLEMENTATIONS}.")
     if cfg.attn_implementation == "flash_attention_2":
@@ -293,171 +284,6 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
     _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
     return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
-
-
-# --------------------------------------------------------------- schedule
-def lr_lambda(total_steps: int, warmup_steps: int, kind: str):
-    """Multiplier of the peak learning rate at optimizer step `s` (linear warm-up, then `kind`)."""
-
-    def fn(step: int) -> float:
-        if step < warmup_steps:
-            return step / max(1, warmup_steps)
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if kind == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return fn
-
-
-# --------------------------------------------------------------- the module
-def build_module(cfg: FinetuneConfig, folder: Any, total_steps: int) -> Any:
-    """The recipe's TrainModule (the class is defined on first use, so the CLI imports no torch)."""
-    return _module_class()(cfg, folder, total_steps)
-
-
-@functools.lru_cache(maxsize=None)
-def _module_class():
-    class CausalLMModule(TrainModule):
-        """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
-
-        # Under ZeRO-3 the loader writes the partitions itself (hf_model._place);
-        # the strategy must not gather the whole model for it.
-        init_weights_partitioned = True
-
-        def __init__(self, cfg: FinetuneConfig, folder: Any, total_steps: int) -> None:
-            super().__init__()
-            self.cfg, self.folder, self.total_steps = cfg, folder, total_steps
-            self.model = None
-            self.history: List[Dict[str, float]] = []
-            self.eval_history: List[Dict[str, float]] = []
-            self.load_report: Any = None
-            self._window: List[torch.Tensor] = []
-            # (step, lr, this rank's window mean on the device) until the next log line:
-            # reading a loss back to the host every step would stall the device queue.
-            self._unsynced: List[Any] = []
-            self._eval_sum = torch.zeros(2)
-            self._lr = cfg.learning_rate
-            self._t0 = time.time()
-
-        def configure_model(self) -> None:
-            if self.model is None:
-                self.model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
-
-        def init_weights(self) -> None:
-            # Called by the strategy after the shards are allocated (materialize.py):
-            # rank 0 reads, every rank receives its slices; then the computed buffers.
-            self.load_report = hf_model.load_rank0_and_distribute(
-                self.model, self.folder.path, self.folder.weight_files
-            )
-            hf_model.recompute_buffers(self.model)
-
-        def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-            # No KV cache in training; without one, position ids that restart
-            # per document become a block-diagonal mask (data.py).
-            return self.model(**batch, use_cache=False).loss
-
-        def on_train_start(self) -> None:
-            self._t0 = time.time()
-
-        def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            loss = self._loss(batch)
-            self.log("train_loss", loss, prog_bar=True)
-            return loss
-
-        def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-            loss = self._loss(batch)
-            self._eval_sum = self._eval_sum.to(loss.device)
-            self._eval_sum += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
-            self.log("val_loss", loss, sync_dist=True)
-
-        def on_validation_epoch_start(self) -> None:
-            self._eval_sum = torch.zeros(2)
-
-        def on_validation_epoch_end(self) -> None:
-            total = ops.reduce(self._eval_sum.clone(), "sum")
-            if total[1] > 0:
-                entry = {"step": self.trainer.global_step, "eval_loss": float(total[0] / total[1])}
-                self.eval_history.append(entry)
-                if self.trainer.is_global_zero:
-                    print(f"[finetune] step {entry['step']}: eval_loss {entry['eval_loss']:.4f}", flush=True)
-
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            if not self._window:
-                self._lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-
-        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self._window.append(loss.detach().float())
-            if not self.trainer.is_last_microbatch:
-                return
-            step = self.trainer.global_step
-            self._unsynced.append((step, self._lr, torch.stack(self._window).mean()))
-            self._window = []
-            if step % self.cfg.logging_steps == 0 or step == 1:
-                self._sync_history()
-                entry = self.history[-1]
-                if self.trainer.is_global_zero:
-                    rate = step / max(1e-9, time.time() - self._t0)
-                    print(
-                        f"[finetune] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} ({rate:.2f} steps/s)",
-                        flush=True,
-                    )
-
-        def on_train_end(self) -> None:
-            self._sync_history()
-
-        def _sync_history(self) -> None:
-            """Move the losses since the last log line into history: one all-reduce, one host read.
-
-            Each is the mean over the accumulation window and over all ranks: the loss of the
-            whole global batch, comparable across world sizes and layouts. Every rank calls this
-            at the same steps (log steps and the end of training), so the collectives match.
-            """
-            if not self._unsynced:
-                return
-            means = ops.reduce(torch.stack([m for _, _, m in self._unsynced]), "mean").tolist()
-            self.history.extend(
-                {"step": step, "loss": loss, "lr": lr} for (step, lr, _), loss in zip(self._unsynced, means)
-            )
-            self._unsynced = []
-
-        def configure_optimizers(self) -> Any:
-            cfg = self.cfg
-            decay, no_decay = [], []
-            for p in self.parameters():
-                if p.requires_grad:
-                    # Biases and norm weights (1-D) are not decayed, as in the Hugging Face Trainer.
-                    # A ZeRO-3 partition is flat: judge by the parameter's full shape.
-                    (decay if len(hf_model.full_shape(p)) >= 2 else no_decay).append(p)
-            # No empty group: DeepSpeed drops those, and the LR scheduler would then
-            # have more learning rates than the engine's optimizer has groups.
-            groups = [
-                g
-                for g in (
-                    {"params": decay, "weight_decay": cfg.weight_decay},
-                    {"params": no_decay, "weight_decay": 0.0},
-                )
-                if g["params"]
-            ]
-            kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-            on_cuda = self.device.type == "cuda"
-            if cfg.optim == "paged_adamw_32bit":
-                import bitsandbytes as bnb
-
-                optimizer = bnb.optim.PagedAdamW32bit(groups, **kwargs)
-            else:
-                fused = on_cuda and cfg.optim in ("adamw", "adamw_torch_fused")
-                optimizer = torch.optim.AdamW(groups, fused=fused or None, **kwargs)
-            warmup = math.ceil(self.total_steps * cfg.warmup_ratio)
-            schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lr_lambda(self.total_steps, warmup, cfg.lr_scheduler_type)
-            )
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    return CausalLMModule
 
 
 # ------------------------------------------------------------------ running
@@ -618,7 +444,7 @@ def _callbacks(cfg: FinetuneConfig) -> List[Any]:
 
 def _steps_per_epoch(n_examples: int, world: int, cfg: FinetuneConfig) -> int:
     per_rank = math.ceil(n_examples / world)  # DistributedSampler pads to equal shares
-    batches = math.ceil(per_rank / cfg.per_device_train_batch_size)
+    batches = math.ceil(per_rank / cfg.data.per_device_train_batch_size)
     return max(1, math.ceil(batches / cfg.gradient_accumulation_steps))
 
 
@@ -647,47 +473,26 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         enable_progress_bar=cfg.enable_progress_bar,
         default_root_dir=cfg.output_dir,
     )
-    # Join the process group now (the base contract's part only; the strategy
-    # builds its mesh later in fit) so the tokenised-data cache can be built by
-    # rank 0 while the other ranks wait at a barrier.
-    Strategy.setup_environment(trainer.strategy)
+    # The Trainer joins the process group (strategy.setup_environment), runs
+    # the data module's prepare_data (the tokenisation: rank 0 writes the
+    # cache) behind a barrier, then its setup on every rank.
     tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
-    spec = DataSpec(
-        path=os.path.abspath(cfg.dataset),
-        text_field=checked["text_field"],
-        chat_template_format=cfg.chat_template_format,
-        max_seq_len=cfg.max_seq_len,
-        packing=cfg.packing,
-        packing_mode=cfg.packing_mode,
-        add_special_tokens=cfg.add_special_tokens,
-        append_eos=cfg.append_concat_token,
-        eval_split_ratio=cfg.eval_split_ratio,
-        seed=cfg.seed,
-    )
-    data = prepare_data(spec, tokenizer, cfg.cache_dir or os.path.join(cfg.output_dir, "tokenized"))
-    train_loader = DataLoader(
-        data.train,
-        batch_size=cfg.per_device_train_batch_size,
-        shuffle=True,
-        collate_fn=data.collate,
-        num_workers=cfg.dataloader_num_workers,
-    )
-    eval_loader = (
-        DataLoader(
-            data.eval,
-            batch_size=cfg.per_device_eval_batch_size,
-            shuffle=False,
-            collate_fn=data.collate,
-            num_workers=cfg.dataloader_num_workers,
-        )
-        if data.eval is not None and cfg.eval_steps
-        else None
+    data = FinetuneData(
+        cfg.data,
+        cfg.data.spec(checked["text_field"], cfg.seed),
+        tokenizer,
+        cache_dir=cfg.data.cache_dir or os.path.join(cfg.output_dir, "tokenized"),
+        evaluate=bool(cfg.eval_steps),
     )
     world = trainer.devices * trainer.num_nodes
-    total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_train_epochs * _steps_per_epoch(len(data.train), world, cfg)
-    module = build_module(cfg, folder, total)
-    ckpt = cfg.resume_from_checkpoint
-    trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
+
+    def total_steps() -> int:  # the schedule's length: known once the data is set up
+        if cfg.max_steps > 0:
+            return cfg.max_steps
+        return cfg.num_train_epochs * _steps_per_epoch(len(data.prepared.train), world, cfg)
+
+    module = build_module(cfg, folder, total_steps)
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from_checkpoint)
     # The consolidated Hugging Face folder, gathered one tensor at a time.
     export_dtype = cast_dtype(cfg.export_dtype)
     export_hf_folder(
@@ -704,7 +509,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         losses=module.history,
         eval_losses=module.eval_history,
         load=dataclasses.asdict(module.load_report) if module.load_report else {},
-        data=data.summary,
+        data=data.prepared.summary,
         extra=after_fit(module) if after_fit is not None else None,
     )
     if trainer.is_global_zero:
@@ -750,7 +555,7 @@ def coerce_config(config: Union[FinetuneConfig, Dict[str, Any], str]) -> Finetun
 
         with open(config) as fh:
             config = yaml.safe_load(fh) or {}
-    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)} | set(DATA_OPTIONS)  # flat data options too
     unknown = sorted(set(config) - names)
     if unknown:
         raise ValueError(f"unknown finetune option(s) {unknown}; valid: {sorted(names)}")

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from shardwise.recipes.finetune import FinetuneConfig
+from shardwise.recipes.finetune import DATA_OPTIONS, FinetuneConfig
 from shardwise.strategies.fsdp_compat import NOTHING_TO_DO, sharding_strategy_name, state_dict_type_name
 
 # Same meaning, another name (HF TrainingArguments / the seed script -> FinetuneConfig).
@@ -102,7 +102,7 @@ def _has_cuda() -> bool:
 
 def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(argv in our names, notes): HF / Accelerate spellings mapped; each unhonoured one named once."""
-    ours = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    ours = {f.name for f in dataclasses.fields(FinetuneConfig)} | set(DATA_OPTIONS)  # the data options' flat names
     values: List[Tuple[str, Any]] = []  # (our field, value), later ones win
     notes: List[str] = []
     pairs = _pairs(argv)

@@ -1,0 +1,181 @@
+"""The fine-tuning recipe's TrainModule: a pretrained Hugging Face causal LM under the Trainer.
+
+The model is built on the meta device in `configure_model` (the strategy
+shards it and allocates only the local shards), then `init_weights` streams
+the pretrained weights from global rank 0 into those shards (hf_model.py).
+The loss is the model's own; the module keeps the global mean loss of every
+optimizer step (`history`) and of every evaluation (`eval_history`), read
+back to the host only at log lines. Optimizer and schedule are the Hugging
+Face Trainer's: AdamW without decay on biases and norms, linear warm-up,
+then cosine / linear / constant.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Dict, List, Union
+
+import torch
+
+from shardwise.distributed import ops
+from shardwise.module import TrainModule
+from shardwise.recipes import hf_model
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, kind: str):
+    """Multiplier of the peak learning rate at optimizer step `s` (linear warm-up, then `kind`)."""
+
+    def fn(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+class CausalLMModule(TrainModule):
+    """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
+
+    # Under ZeRO-3 the loader writes the partitions itself (hf_model._place);
+    # the strategy must not gather the whole model for it.
+    init_weights_partitioned = True
+
+    def __init__(self, cfg: Any, folder: Any, total_steps: Union[int, Callable[[], int]]) -> None:
+        """`cfg`: the FinetuneConfig; `folder`: an hf_model.ModelFolder; `total_steps`: the schedule's
+        length, or a function that says it once the data is set up (configure_optimizers calls it)."""
+        super().__init__()
+        self.cfg, self.folder, self.total_steps = cfg, folder, total_steps
+        self.model = None
+        self.history: List[Dict[str, float]] = []
+        self.eval_history: List[Dict[str, float]] = []
+        self.load_report: Any = None
+        self._window: List[torch.Tensor] = []
+        # (step, lr, this rank's window mean on the device) until the next log line:
+        # reading a loss back to the host every step would stall the device queue.
+        self._unsynced: List[Any] = []
+        self._eval_sum = torch.zeros(2)
+        self._lr = cfg.learning_rate
+        self._t0 = time.time()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
+
+    def init_weights(self) -> None:
+        # Called by the strategy after the shards are allocated (materialize.py):
+        # rank 0 reads, every rank receives its slices; then the computed buffers.
+        self.load_report = hf_model.load_rank0_and_distribute(self.model, self.folder.path, self.folder.weight_files)
+        hf_model.recompute_buffers(self.model)
+
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        # No KV cache in training; without one, position ids that restart
+        # per document become a block-diagonal mask (data.py).
+        return self.model(**batch, use_cache=False).loss
+
+    def on_train_start(self) -> None:
+        self._t0 = time.time()
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self._eval_sum = self._eval_sum.to(loss.device)
+        self._eval_sum += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
+        self.log("val_loss", loss, sync_dist=True)
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_sum = torch.zeros(2)
+
+    def on_validation_epoch_end(self) -> None:
+        total = ops.reduce(self._eval_sum.clone(), "sum")
+        if total[1] > 0:
+            entry = {"step": self.trainer.global_step, "eval_loss": float(total[0] / total[1])}
+            self.eval_history.append(entry)
+            if self.trainer.is_global_zero:
+                print(f"[finetune] step {entry['step']}: eval_loss {entry['eval_loss']:.4f}", flush=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not self._window:
+            self._lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self._window.append(loss.detach().float())
+        if not self.trainer.is_last_microbatch:
+            return
+        step = self.trainer.global_step
+        self._unsynced.append((step, self._lr, torch.stack(self._window).mean()))
+        self._window = []
+        if step % self.cfg.logging_steps == 0 or step == 1:
+            self._sync_history()
+            entry = self.history[-1]
+            if self.trainer.is_global_zero:
+                rate = step / max(1e-9, time.time() - self._t0)
+                print(
+                    f"[finetune] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} ({rate:.2f} steps/s)",
+                    flush=True,
+                )
+
+    def on_train_end(self) -> None:
+        self._sync_history()
+
+    def _sync_history(self) -> None:
+        """Move the losses since the last log line into history: one all-reduce, one host read.
+
+        Each is the mean over the accumulation window and over all ranks: the loss of the
+        whole global batch, comparable across world sizes and layouts. Every rank calls this
+        at the same steps (log steps and the end of training), so the collectives match.
+        """
+        if not self._unsynced:
+            return
+        means = ops.reduce(torch.stack([m for _, _, m in self._unsynced]), "mean").tolist()
+        self.history.extend(
+            {"step": step, "loss": loss, "lr": lr} for (step, lr, _), loss in zip(self._unsynced, means)
+        )
+        self._unsynced = []
+
+    def configure_optimizers(self) -> Any:
+        cfg = self.cfg
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                # Biases and norm weights (1-D) are not decayed, as in the Hugging Face Trainer.
+                # A ZeRO-3 partition is flat: judge by the parameter's full shape.
+                (decay if len(hf_model.full_shape(p)) >= 2 else no_decay).append(p)
+        # No empty group: DeepSpeed drops those, and the LR scheduler would then
+        # have more learning rates than the engine's optimizer has groups.
+        groups = [
+            g
+            for g in (
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            )
+            if g["params"]
+        ]
+        kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+        on_cuda = self.device.type == "cuda"
+        if cfg.optim == "paged_adamw_32bit":
+            import bitsandbytes as bnb
+
+            optimizer = bnb.optim.PagedAdamW32bit(groups, **kwargs)
+        else:
+            fused = on_cuda and cfg.optim in ("adamw", "adamw_torch_fused")
+            optimizer = torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+        total = self.total_steps() if callable(self.total_steps) else self.total_steps
+        warmup = math.ceil(total * cfg.warmup_ratio)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, warmup, cfg.lr_scheduler_type))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def build_module(cfg: Any, folder: Any, total_steps: Union[int, Callable[[], int]]) -> CausalLMModule:
+    """The recipe's TrainModule for `cfg` (a FinetuneConfig) and the model `folder`."""
+    return CausalLMModule(cfg, folder, total_steps)
