@@ -140,7 +140,7 @@ class MemoryTracker:
         # None = decide at start() from whether a FakeTensorMode is active then.
         self._count_fake_arg, self._count_meta, self._fake_mode = count_fake, False, None
         self._on_change, self._ignore_op = on_change, ignore_op
-        self._lock = threading.RLock()  # guards the ledger; see storage_ledger.py
+        self._lock = threading.RLock()  # guards the ledger (memory/ledger.py)
         self._ledger = StorageLedger()
         self._modules: list[weakref.ref] = []
         self._optimizers: list[weakref.ref] = []
