@@ -215,8 +215,11 @@ def _raise_on_rank0_after_peer_sees_closed_connection() -> None:
             raise ValueError("config error: lr must be positive (rank 0)")
         finally:  # clean-up that closes the connection long before the exception reaches the top
             dist.destroy_process_group()
-            time.sleep(3.0)
-    dist.all_reduce(torch.ones(2))  # rank 1: "Connection closed by peer", 3 s before rank 0 exits
+            # ... and lasts until rank 1 has recorded its failure, however slow the machine.
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(progress.run_dir(), "error.1.json")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    dist.all_reduce(torch.ones(2))  # rank 1: "Connection closed by peer", recorded before rank 0 exits
 
 
 def test_first_failure_wins_over_a_peers_closed_connection_in_launch_fn():

@@ -1,6 +1,7 @@
 """Bad input fails early with a message that names the problem and the fix."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -198,6 +199,8 @@ def test_crash_in_one_rank_stops_all(tmp_path):
     assert "RuntimeError: boom from rank 1" in proc.stderr  # the original traceback is shown
     assert "rank 1 exited with code" in proc.stderr
     assert "UNREACHABLE" not in proc.stdout
-    # Rank 0 was stopped by its peer's death (its collective failed at once), not by a collective timeout.
-    assert "rank 0 lost a peer" in proc.stderr, proc.stderr[-3000:]
+    # Rank 0 was stopped by its peer's death, not by a collective timeout: the launcher accounts for it as
+    # a consequence (it lost its peer) or as stopped, whichever came first on this machine. Rank 0's own
+    # "lost a peer" line is not asserted: the launcher may stop it before it prints.
+    assert re.search(r"after it: rank 0: |stopped the other 1 rank\(s\) \(0\)", proc.stderr), proc.stderr[-3000:]
     assert "timed out" not in proc.stderr.lower() and "timeout" not in proc.stderr.lower(), proc.stderr[-3000:]
