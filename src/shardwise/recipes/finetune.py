@@ -52,8 +52,10 @@ from shardwise.recipes.data import (
 )
 from shardwise.recipes.hf_model import export_hf_folder, inspect_model_folder, model_block_names
 from shardwise.seed import seed_everything
-from shardwise.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from shardwise.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, build_strategy
+from shardwise.strategies.fsdp_compat import sharding_strategy_name
 from shardwise.strategies.names import STRATEGIES, resolve
+from shardwise.strategies.parallel import ParallelPlan
 from shardwise.trainer import Trainer
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")
@@ -334,30 +336,41 @@ def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixe
 
 
 def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
-    """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front)."""
+    """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front).
+
+    The name is a ParallelPlan (strategies/names.py); the recipe's own options
+    fill in what the name leaves open -- sharding_strategy and cpu_offload for
+    FSDP, gradient_checkpointing (full, on the model's blocks) -- and the plan
+    builds the strategy, with strategy_options as further constructor arguments.
+    """
 
     if cfg.strategy.lower().strip() == "auto":
-        name, kind, implied = "auto", "auto", {}
+        plan, key = None, "auto"
     else:
         try:
-            named = resolve(cfg.strategy)
+            key = resolve(cfg.strategy).name  # the table's spelling: "deepspeed" alone leaves the stage open
+            plan = ParallelPlan.from_name(cfg.strategy, allow_ac=False)
         except ValueError:
             raise ValueError(
                 f"strategy={cfg.strategy!r} is not a fine-tuning strategy. Valid: {', '.join(recipe_strategies())}."
             ) from None
-        name, kind, implied = named.name, named.kind, named.options
-    blocks = model_block_names(folder.config)
+    blocks = list(cfg.auto_wrap_policy or model_block_names(folder.config))
     owned = {"precision": "precision", "timeout_s": "timeout_s"}
-    checkpointing = {}
     if cfg.gradient_checkpointing:
-        owned["activation_checkpointing_policy"] = "gradient_checkpointing"
-        checkpointing["activation_checkpointing_policy"] = list(cfg.auto_wrap_policy or blocks)
-        if not checkpointing["activation_checkpointing_policy"]:
+        if not blocks:
             raise ValueError(
                 f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
                 "decoder layer to checkpoint; set auto_wrap_policy to the block class name(s)."
             )
-    if kind == "fsdp":
+        if plan is None or plan.engine not in ("fsdp", "deepspeed"):
+            raise ValueError(
+                "gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
+                "use strategy='fsdp' or a deepspeed one."
+            )
+        owned["activation_checkpointing_policy"] = "gradient_checkpointing"
+        plan = dataclasses.replace(plan, ac="full")
+    implied = plan.strategy_options() if plan is not None else {}  # what the name fixes, e.g. its ZeRO stage
+    if plan is not None and plan.engine == "fsdp":
         # A name like fsdp_hybrid_shard fixes what the recipe's own field would otherwise say.
         sharding = implied.get("sharding_strategy", cfg.sharding_strategy)
         offload = implied.get("cpu_offload", cfg.cpu_offload)
@@ -368,26 +381,23 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
                     f"which means {field_name}={value!r}. Use strategy='fsdp' with {field_name}, "
                     "or drop it."
                 )
-        wrap = cfg.auto_wrap_policy or blocks
-        if not wrap:
+        if not blocks:
             raise ValueError(
                 f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
                 "transformer block to shard by; set auto_wrap_policy to the block class name(s)."
             )
         owned.update({k: k for k in ("auto_wrap_policy", "sharding_strategy", "cpu_offload", "state_dict_type")})
         options = _strategy_options(cfg, FSDPStrategy, owned, {})
-        return FSDPStrategy(
-            auto_wrap_policy=list(wrap),
-            sharding_strategy=sharding,
-            cpu_offload=offload,
-            state_dict_type=cfg.state_dict_type,
-            timeout_s=cfg.timeout_s,
-            **checkpointing,
-            **options,
+        # Any spelling FSDPStrategy takes (torch's enum, Accelerate's numbers); _HYBRID_SHARD_ZERO2 (5)
+        # also means reshard_after_forward=False unless strategy_options say otherwise.
+        sharding, reshard = sharding_strategy_name(sharding)
+        if reshard is not None:
+            options.setdefault("reshard_after_forward", reshard)
+        plan = dataclasses.replace(plan, sharding=sharding, offload_params=offload, offload_optimizer=offload)
+        return build_strategy(
+            plan, blocks=blocks, state_dict_type=cfg.state_dict_type, timeout_s=cfg.timeout_s, **options
         )
-    if kind == "deepspeed":
-        from shardwise.strategies.deepspeed import DeepSpeedStrategy
-
+    if plan is not None and plan.engine == "deepspeed":
         fsdp_only = [
             f
             for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
@@ -399,28 +409,22 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
                 "them. Remove them (DeepSpeed's ZeRO stage comes from the strategy name)."
             )
         owned["cpu_offload"] = "cpu_offload"
-        # 'deepspeed' alone leaves the stage to strategy_options / the DeepSpeed config (default 2).
-        fixed = {} if name == "deepspeed" else implied
-        options = _strategy_options(cfg, DeepSpeedStrategy, owned, fixed)
-        return DeepSpeedStrategy(
-            **{**fixed, **options},
-            cpu_offload=True if cfg.cpu_offload else None,
-            timeout_s=cfg.timeout_s,
-            **checkpointing,
+        if key == "deepspeed":  # the stage comes from strategy_options or the DeepSpeed config (default 2)
+            plan, implied = dataclasses.replace(plan, zero_stage=None), {}
+        options = _strategy_options(cfg, DeepSpeedStrategy, owned, implied)
+        # DeepSpeed's own cpu_offload: the optimizer, and the parameters too when the stage (which
+        # may come from the user's DeepSpeed config, unknown here) is 3.
+        return build_strategy(
+            plan, blocks=blocks, cpu_offload=True if cfg.cpu_offload else None, timeout_s=cfg.timeout_s, **options
         )
-    if cfg.gradient_checkpointing:
-        raise ValueError(
-            "gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
-            "use strategy='fsdp' or a deepspeed one."
-        )
-    if kind == "ddp":
-        return DDPStrategy(timeout_s=cfg.timeout_s, **_strategy_options(cfg, DDPStrategy, owned, {}))
+    if plan is not None and plan.engine == "ddp":
+        return build_strategy(plan, timeout_s=cfg.timeout_s, **_strategy_options(cfg, DDPStrategy, owned, {}))
     if cfg.strategy_options:
         raise ValueError(
             f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
             "choose fsdp, ddp or a deepspeed strategy to pass them."
         )
-    return "auto" if name == "auto" else SingleDeviceStrategy()
+    return "auto" if plan is None else build_strategy(plan)
 
 
 def _callbacks(cfg: FinetuneConfig) -> List[Any]:
