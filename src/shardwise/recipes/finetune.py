@@ -52,7 +52,7 @@ from shardwise.recipes.data import (
 )
 from shardwise.recipes.hf_model import export_hf_folder, inspect_model_folder, model_block_names
 from shardwise.seed import seed_everything
-from shardwise.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, build_strategy
+from shardwise.strategies import CLASSES, build_strategy
 from shardwise.strategies.fsdp_compat import sharding_strategy_name
 from shardwise.strategies.names import STRATEGIES, resolve
 from shardwise.strategies.parallel import ParallelPlan
@@ -369,8 +369,16 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
             )
         owned["activation_checkpointing_policy"] = "gradient_checkpointing"
         plan = dataclasses.replace(plan, ac="full")
-    implied = plan.strategy_options() if plan is not None else {}  # what the name fixes, e.g. its ZeRO stage
-    if plan is not None and plan.engine == "fsdp":
+    if plan is None or plan.engine == "single":
+        if cfg.strategy_options:
+            raise ValueError(
+                f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
+                "choose fsdp, ddp or a deepspeed strategy to pass them."
+            )
+        return "auto" if plan is None else build_strategy(plan)
+    implied = plan.strategy_options()  # what the name fixes, e.g. its sharding or ZeRO stage
+    extra: Dict[str, Any] = {"timeout_s": cfg.timeout_s}
+    if plan.engine == "fsdp":
         # A name like fsdp_hybrid_shard fixes what the recipe's own field would otherwise say.
         sharding = implied.get("sharding_strategy", cfg.sharding_strategy)
         offload = implied.get("cpu_offload", cfg.cpu_offload)
@@ -387,17 +395,14 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
                 "transformer block to shard by; set auto_wrap_policy to the block class name(s)."
             )
         owned.update({k: k for k in ("auto_wrap_policy", "sharding_strategy", "cpu_offload", "state_dict_type")})
-        options = _strategy_options(cfg, FSDPStrategy, owned, {})
-        # Any spelling FSDPStrategy takes (torch's enum, Accelerate's numbers); _HYBRID_SHARD_ZERO2 (5)
-        # also means reshard_after_forward=False unless strategy_options say otherwise.
+        # Any spelling FSDPStrategy takes (torch's enum, Accelerate's numbers); 5, HYBRID_SHARD
+        # without resharding, also means reshard_after_forward=False unless strategy_options say it.
         sharding, reshard = sharding_strategy_name(sharding)
         if reshard is not None:
-            options.setdefault("reshard_after_forward", reshard)
+            extra["reshard_after_forward"] = reshard
         plan = dataclasses.replace(plan, sharding=sharding, offload_params=offload, offload_optimizer=offload)
-        return build_strategy(
-            plan, blocks=blocks, state_dict_type=cfg.state_dict_type, timeout_s=cfg.timeout_s, **options
-        )
-    if plan is not None and plan.engine == "deepspeed":
+        extra["state_dict_type"] = cfg.state_dict_type
+    elif plan.engine == "deepspeed":
         fsdp_only = [
             f
             for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
@@ -411,20 +416,11 @@ def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
         owned["cpu_offload"] = "cpu_offload"
         if key == "deepspeed":  # the stage comes from strategy_options or the DeepSpeed config (default 2)
             plan, implied = dataclasses.replace(plan, zero_stage=None), {}
-        options = _strategy_options(cfg, DeepSpeedStrategy, owned, implied)
         # DeepSpeed's own cpu_offload: the optimizer, and the parameters too when the stage (which
         # may come from the user's DeepSpeed config, unknown here) is 3.
-        return build_strategy(
-            plan, blocks=blocks, cpu_offload=True if cfg.cpu_offload else None, timeout_s=cfg.timeout_s, **options
-        )
-    if plan is not None and plan.engine == "ddp":
-        return build_strategy(plan, timeout_s=cfg.timeout_s, **_strategy_options(cfg, DDPStrategy, owned, {}))
-    if cfg.strategy_options:
-        raise ValueError(
-            f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
-            "choose fsdp, ddp or a deepspeed strategy to pass them."
-        )
-    return "auto" if plan is None else build_strategy(plan)
+        extra["cpu_offload"] = True if cfg.cpu_offload else None
+    options = _strategy_options(cfg, CLASSES[plan.engine], owned, implied)
+    return build_strategy(plan, blocks=blocks, **{**extra, **options})
 
 
 def _callbacks(cfg: FinetuneConfig) -> List[Any]:
