@@ -2,7 +2,8 @@
 
 Loading is where a long run meets its past: a wrong path, a file cut short by
 a full disk, flipped bytes, a file that asks to run code, a model that
-changed shape since the save, a checkpoint from another shardwise release;
+changed shape since the save, a checkpoint from another shardwise release or
+another run, a manifest edited after the save;
 saving is where it meets a full or read-only disk. Each case has its own exception type (so tests and
 callers can catch it precisely) and a message that names the file, the keys
 or the versions involved instead of surfacing a pickle or zip traceback.
@@ -29,6 +30,22 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A checkpoint file asks to run code (a pickled global outside the allow-list); nothing was executed."""
+
+
+class UnverifiableCheckpointError(CorruptCheckpointError):
+    """A checkpoint carries no checksum to verify it by (written before one-file checkpoints had one, or by
+    plain torch.save); the message names SHARDWISE_VERIFY_CHECKSUMS=0, which loads it unverified."""
+
+
+class ManifestMismatchError(CorruptCheckpointError):
+    """A manifest's fields (global_step, run_id, ...) disagree with the state its checkpoint holds: edited."""
+
+
+class ForeignCheckpointError(CheckpointError):
+    """Looking for a run's checkpoint found another run's (placed in, or copied over one in, its directory).
+
+    Passing that checkpoint explicitly as ckpt_path loads it; only discovery (`last`) refuses to guess.
+    """
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from shardwise.checkpoint import onefile
 from shardwise.checkpoint.dcp_io import VerifyingReader
 from shardwise.checkpoint.errors import (
     CheckpointError,
@@ -40,14 +41,14 @@ from shardwise.checkpoint.errors import (
     CorruptCheckpointError,
 )
 from shardwise.checkpoint.integrity import (
+    check_agreement,
     find_os_error,
     hash_files,
+    note_unverified,
     record_checksums,
     recorded_checksums,
-    tensor_digest,
     verify_directory,
     verify_enabled,
-    verify_tensor_digest,
     write_checksum_part,
     write_error,
 )
@@ -227,11 +228,12 @@ def _save_full(
             "state_dict": model_state,
             "optimizer_states": optim_states,
         }
-        # The file cannot hold its own hash: record one over every tensor's bytes instead (integrity.py).
-        manifest = {**state["shardwise"], "checksums": tensor_digest(body)}
+        # The manifest is pickled with the state (torch.load users see it) and, sealed, in the trailer
+        # that also holds the digest of every byte (onefile.py).
+        manifest = state["shardwise"]
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            save_torch_durably({**body, "shardwise": manifest}, path)
+            save_torch_durably({**body, "shardwise": manifest}, path, manifest=manifest)
         except (OSError, CheckpointError) as exc:
             return _failed(write_error(exc, path))
     return None
@@ -370,25 +372,30 @@ def check_format_readable(path: str, checkpoint_format: str, strategy_format: st
     )
 
 
+def verify_one_file(path: str) -> Dict[str, Any]:
+    """A one-file checkpoint's manifest, after its digest is checked (collective: every rank hashes a
+    share of the file and all raise together). Nothing has been unpickled when it returns."""
+    manifest = read_manifest(path)  # from the trailer; a file without one is refused here
+    if not verify_enabled():
+        note_unverified(path)
+        return manifest
+    trailer = onefile.read_trailer(path)
+    if trailer is None:  # cannot happen after read_manifest; never load unverified by accident
+        raise ChecksumMismatchError(f"{path} has no checksum trailer.")
+    onefile.verify(path, trailer, ops.rank(), ops.world_size(), gather=ops.all_gather_object)
+    return manifest
+
+
 def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:
+    # Verified first, in shares across the ranks: the pages read to hash it are those
+    # the mapped load below uses, so the file is read from disk once.
+    manifest = verify_one_file(path)
     # mmap: the file's pages are shared between ranks through the page cache
     # instead of each rank holding a private copy.
     payload = load_torch(path, mmap=True)
     if not isinstance(payload, dict) or "state_dict" not in payload:
         raise CorruptCheckpointError(f"{path} has no 'state_dict' entry: not a full shardwise checkpoint.")
-    # One digest covers the file's tensors; rank 0 checks it (reading the
-    # mapped pages once) and every rank raises together.
-    problem = None
-    if ops.rank() == 0:
-        try:
-            verify_tensor_digest(
-                path, payload.get("shardwise", {}), {k: v for k, v in payload.items() if k != "shardwise"}
-            )
-        except CheckpointError as exc:
-            problem = str(exc)
-    problem = ops.all_gather_object(problem)[0]
-    if problem:
-        raise ChecksumMismatchError(problem)
+    check_agreement(path, manifest, payload)
     _check_model(path, shapes_of(payload["state_dict"]), model)
     optim_states = payload.get("optimizer_states", [])
     _check_optimizer_count(path, len(optim_states), len(optimizers))

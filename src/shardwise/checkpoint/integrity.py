@@ -1,15 +1,20 @@
-"""Checksums for every checkpoint file, and filesystem errors that say what happened and where.
+"""Checksums for every checkpoint file and for the manifests, and filesystem errors that say what and where.
 
-Bytes flipped inside a tensor load silently as wrong weights (1e30, NaN) and
-a full disk surfaces from torch's zip writer as "unexpected pos 704 vs 598".
-This file closes both gaps:
-- sha256 of every file a directory checkpoint holds is recorded in its
-  manifest (`checksums`: relative path -> {sha256, bytes}); each rank hashes
+Bytes flipped inside a tensor load silently as wrong weights (1e30, NaN), a
+flipped or edited `global_step` resumes at the wrong position (skipped data),
+and a full disk surfaces from torch's zip writer as "unexpected pos 704 vs
+598". This file closes those gaps for every format:
+- a directory checkpoint's manifest records the sha256 of every file it
+  holds (`checksums`: relative path -> {sha256, bytes}); each rank hashes
   the files it wrote, rank 0 merges them into the manifest before the
-  commit. A one-file checkpoint cannot hold its own file's hash, so its
-  manifest records one sha256 over every tensor's bytes (the bulk of the
-  file; the surrounding structure is validated by the safe unpickler). Load
-  verifies them, spread over the ranks, unless SHARDWISE_VERIFY_CHECKSUMS=0.
+  commit. A one-file checkpoint carries one digest of all its bytes, the
+  manifest included, in its own trailer (onefile.py).
+- every manifest carries its own seal (`manifest_sha256`, over its canonical
+  JSON), and `check_agreement` compares its fields with the trainer state the
+  checksummed files hold, so an edited step is refused however it was edited.
+- loading verifies all of it before anything is unpickled, spread over the
+  ranks, unless SHARDWISE_VERIFY_CHECKSUMS=0, which `note_unverified` says once
+  per checkpoint and process.
 - a write that fails in the filesystem (ENOSPC, EROFS, EACCES, EDQUOT)
   becomes CheckpointWriteError naming the errno, the path and the fix;
   `check_writable(directory)` finds a read-only or full directory before the
@@ -23,24 +28,56 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Dict, Iterable, List, Optional
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
-import torch
+import torch.distributed as dist
 
-from shardwise.checkpoint.errors import CheckpointWriteError, ChecksumMismatchError, CorruptCheckpointError
+from shardwise.checkpoint.errors import (
+    CheckpointWriteError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    ManifestMismatchError,
+)
 
 # The manifest's file name. It lives here, not in layout.py (which re-exports it), because
 # layout.py writes checkpoints through this module, and this module rewrites the manifest.
 MANIFEST_NAME = "shardwise.json"
 ALGORITHM = "sha256"
+SEAL_KEY = "manifest_sha256"
 VERIFY_ENV = "SHARDWISE_VERIFY_CHECKSUMS"
 PART_PREFIX = ".checksums-rank"
-_CHUNK = 8 << 20
+# Fields of a manifest that describe the checksums, not the checkpoint: not compared with the trainer state.
+_INTEGRITY_KEYS = ("checksums", SEAL_KEY)
+_noted: set = set()
 
 
 def verify_enabled() -> bool:
     """Checksums are verified on load unless SHARDWISE_VERIFY_CHECKSUMS=0 (for a trusted, fast disk)."""
     return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def note_unverified(path: str) -> None:
+    """Say (once per checkpoint and process, on rank 0) that SHARDWISE_VERIFY_CHECKSUMS=0 skipped its checks."""
+    key = os.path.realpath(path)
+    if key in _noted or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _noted.add(key)
+    warnings.warn(
+        f"{VERIFY_ENV}=0: the checksums of {path} are not verified; damaged or edited files load as they are.",
+        stacklevel=3,
+    )
+
+
+def parallel_map(fn: Callable[[Any], Any], items: List[Any], share: int = 1) -> List[Any]:
+    """fn over items on up to one thread per core, or per `share` cores where that many processes
+    hash at once (hashlib releases the GIL while it hashes)."""
+    workers = min(len(items), max(1, (os.cpu_count() or 1) // max(1, share)))
+    if workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
 
 
 # ------------------------------------------------------------------ hashing
@@ -51,51 +88,72 @@ def file_digest(path: str) -> Dict[str, Any]:
 
 
 def hash_files(directory: str, relpaths: Iterable[str]) -> Dict[str, Dict[str, Any]]:
-    return {rel: file_digest(os.path.join(directory, rel)) for rel in relpaths}
-
-
-def _tensors(tree: Any) -> Iterable[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for key in sorted(tree, key=str):
-            yield from _tensors(tree[key])
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
-
-
-def iter_tensors(tree: Any) -> Iterable[torch.Tensor]:
-    """Every tensor in a nested dict / list, in the order the one-file digest covers them (sorted keys)."""
-    return _tensors(tree)
-
-
-def update_digest(h: Any, t: torch.Tensor) -> int:
-    """Feed one tensor's logical bytes (row-major, whatever its strides) to `h`; returns the byte count."""
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    data = flat.contiguous().view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-    h.update(memoryview(data.numpy()))
-    return data.numel()
-
-
-def tensor_digest(tree: Any, tensors: Optional[Iterable[torch.Tensor]] = None) -> Dict[str, Any]:
-    """sha256 over every tensor's bytes in `tree` (sorted keys), for one-file checkpoints.
-
-    `tensors` may supply the same tensors one at a time (read lazily from a file) instead.
-    """
-    h = hashlib.new(ALGORITHM)
-    count = total = 0
-    for t in _tensors(tree) if tensors is None else tensors:
-        total += update_digest(h, t)
-        count += 1
-    return {"tensors_" + ALGORITHM: h.hexdigest(), "tensors": count, "tensor_bytes": total}
+    relpaths = list(relpaths)
+    sums = parallel_map(lambda rel: file_digest(os.path.join(directory, rel)), relpaths)
+    return dict(zip(relpaths, sums))
 
 
 # ---------------------------------------------------------------- manifests
 def _manifest_path(directory: str) -> str:
     return os.path.join(directory, MANIFEST_NAME)
+
+
+def _canonical(manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest as JSON gives it back (tuples as lists, keys as strings), without its seal."""
+    return json.loads(json.dumps({k: v for k, v in manifest.items() if k != SEAL_KEY}, default=str))
+
+
+def _seal_of(plain: Dict[str, Any]) -> str:
+    text = json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.new(ALGORITHM, text.encode()).hexdigest()
+
+
+def seal(manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """`manifest` as plain JSON data with its own sha256 (`manifest_sha256`, over its canonical JSON)."""
+    plain = _canonical(manifest)
+    return {**plain, SEAL_KEY: _seal_of(plain)}
+
+
+def check_seal(manifest: Dict[str, Any], where: str) -> None:
+    """ChecksumMismatchError if the manifest's fields were changed after it was sealed.
+
+    A manifest without a seal (written before manifests had one) passes: its fields are
+    still compared with the checksummed trainer state (`check_agreement`) on load.
+    """
+    recorded = manifest.get(SEAL_KEY)
+    if recorded is None or not verify_enabled():
+        return
+    actual = _seal_of(_canonical(manifest))
+    if actual != recorded:
+        raise ChecksumMismatchError(
+            f"{where} was changed after it was written: the {ALGORITHM} of its fields is {actual} but it "
+            f"recorded {recorded}. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
+        )
+
+
+def check_agreement(where: str, manifest: Dict[str, Any], state: Dict[str, Any]) -> None:
+    """ManifestMismatchError unless the manifest's fields equal those the (verified) trainer state holds.
+
+    The trainer state keeps its own copy of the manifest (`state["shardwise"]`) and the
+    position (`state["train_state"]`); a manifest whose step, epoch, run or format differs from
+    them was edited, and resuming by it would start at the wrong place.
+    """
+    if not verify_enabled():
+        return
+    saved = _canonical(state.get("shardwise") or {})
+    position = _canonical(state.get("train_state") or {})
+    differ = [
+        (key, manifest.get(key), value)
+        for source in (saved, position)
+        for key, value in source.items()
+        if key not in _INTEGRITY_KEYS and (source is saved or key in manifest) and manifest.get(key) != value
+    ]
+    if differ:
+        listed = ", ".join(f"{k}={m!r} in the manifest but {v!r} in the checkpoint's state" for k, m, v in differ[:4])
+        raise ManifestMismatchError(
+            f"{where}: the manifest disagrees with the state the checkpoint holds ({listed}): it was edited "
+            f"after the save. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
+        )
 
 
 def write_json_durably(path: str, obj: Any) -> None:
@@ -111,13 +169,18 @@ def write_json_durably(path: str, obj: Any) -> None:
         raise write_error(exc, path) from exc
 
 
+def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
+    """The directory's manifest, sealed (`seal`), written atomically."""
+    write_json_durably(_manifest_path(directory), seal(manifest))
+
+
 def record_checksums(directory: str, sums: Dict[str, Dict[str, Any]]) -> None:
-    """Merge `sums` into the directory's manifest (rank 0, before the commit)."""
+    """Merge `sums` into the directory's manifest and re-seal it (rank 0, before the commit)."""
     path = _manifest_path(directory)
     with open(path) as fh:
         manifest = json.load(fh)
     manifest.setdefault("checksums", {}).update(sums)
-    write_json_durably(path, manifest)
+    write_manifest(directory, manifest)
 
 
 def write_checksum_part(directory: str, rank: int, sums: Dict[str, Dict[str, Any]]) -> None:
@@ -156,21 +219,28 @@ def recorded_checksums(directory: str, manifest: Dict[str, Any]) -> Dict[str, Di
     return sums
 
 
-def verify_files(directory: str, sums: Dict[str, Dict[str, Any]], relpaths: Iterable[str]) -> Optional[str]:
-    """None when every listed file matches its recorded sum, else the first problem, naming the file."""
-    for rel in relpaths:
-        expected = sums[rel]
-        path = os.path.join(directory, rel)
-        if not os.path.exists(path):
-            return f"{path} is missing: the checkpoint is incomplete."
-        actual = file_digest(path)
-        if actual[ALGORITHM] != expected.get(ALGORITHM):
-            return (
-                f"{path} is corrupt: its {ALGORITHM} is {actual[ALGORITHM]} ({actual['bytes']} bytes) but the "
-                f"manifest recorded {expected.get(ALGORITHM)} ({expected.get('bytes')} bytes) when it was "
-                f"written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
-            )
+def check_file(directory: str, rel: str, expected: Dict[str, Any]) -> Optional[str]:
+    """None when `rel` matches its recorded sum, else what is wrong with it, naming the file."""
+    path = os.path.join(directory, rel)
+    if not os.path.exists(path):
+        return f"{path} is missing: the checkpoint is incomplete."
+    actual = file_digest(path)
+    if actual[ALGORITHM] != expected.get(ALGORITHM):
+        return (
+            f"{path} is corrupt: its {ALGORITHM} is {actual[ALGORITHM]} ({actual['bytes']} bytes) but the "
+            f"manifest recorded {expected.get(ALGORITHM)} ({expected.get('bytes')} bytes) when it was "
+            f"written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
+        )
     return None
+
+
+def verify_files(
+    directory: str, sums: Dict[str, Dict[str, Any]], relpaths: Iterable[str], share: int = 1
+) -> Optional[str]:
+    """None when every listed file matches its recorded sum, else the first problem, naming the file."""
+    relpaths = list(relpaths)
+    problems = parallel_map(lambda rel: check_file(directory, rel, sums[rel]), relpaths, share)
+    return next((p for p in problems if p), None)
 
 
 def verify_directory(
@@ -187,27 +257,14 @@ def verify_directory(
     that every rank raises together instead of some waiting in the next collective.
     """
     if not verify_enabled():
+        note_unverified(directory)
         return
     sums = recorded_checksums(directory, manifest)
     names = sorted(sums if only is None else set(only) & set(sums))
-    problem = verify_files(directory, sums, names[rank::world_size]) if names else None
+    problem = verify_files(directory, sums, names[rank::world_size], world_size) if names else None
     problems = [p for p in (gather(problem) if gather is not None else [problem]) if p]
     if problems:
         raise ChecksumMismatchError(problems[0])
-
-
-def verify_tensor_digest(
-    path: str, manifest: Dict[str, Any], tree: Any, tensors: Optional[Iterable[torch.Tensor]] = None
-) -> None:
-    expected = (manifest.get("checksums") or {}).get("tensors_" + ALGORITHM)
-    if expected is None or not verify_enabled():
-        return
-    actual = tensor_digest(tree, tensors)["tensors_" + ALGORITHM]
-    if actual != expected:
-        raise ChecksumMismatchError(
-            f"{path} is corrupt: the {ALGORITHM} of its tensor data is {actual} but {expected} was recorded when "
-            f"it was written. Resume from an earlier checkpoint (or set {VERIFY_ENV}=0 to load it anyway)."
-        )
 
 
 # ------------------------------------------------------------ write errors

@@ -13,6 +13,14 @@ checkpoint it points to is committed, and old checkpoints are deleted only
 after that. A process killed at any moment therefore leaves every
 previously committed checkpoint, and `last.ckpt`, intact; what it leaves
 behind is a hidden temporary entry that the next run removes.
+
+Every checkpoint's manifest names the run that wrote it (`run_id`, kept
+across the run's resumes). Looking for the checkpoint to resume (`last`)
+never picks another run's: checkpoints of other runs in the directory are
+named and left alone, and where the filesystem keeps extended attributes the
+directory remembers which run committed the checkpoint `last.ckpt` points to
+(`user.shardwise.last`), so another run's checkpoint copied over it under the
+same name is refused (ForeignCheckpointError) instead of resumed.
 """
 
 from __future__ import annotations
@@ -31,9 +39,27 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from shardwise._version import __version__
-from shardwise.checkpoint.errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError
-from shardwise.checkpoint.integrity import MANIFEST_NAME, RecordingWriter, file_digest, write_error, write_json_durably
-from shardwise.checkpoint.safety import plain_state, safe_torch_load
+from shardwise.checkpoint import onefile
+from shardwise.checkpoint.errors import (
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    UnverifiableCheckpointError,
+)
+from shardwise.checkpoint.integrity import (
+    MANIFEST_NAME,
+    VERIFY_ENV,
+    RecordingWriter,
+    check_agreement,
+    check_seal,
+    file_digest,
+    note_unverified,
+    verify_enabled,
+    write_error,
+    write_manifest,
+)
+from shardwise.checkpoint.safety import plain_state, safe_torch_load, unsafe_error, unsafe_globals
 
 #: Version of the on-disk layout. Bump it when a change makes old checkpoints
 #: unreadable, and teach load() to read the old one or say how to convert it.
@@ -43,6 +69,7 @@ SUFFIX = ".ckpt"
 LAST_NAME = "last" + SUFFIX
 _TEMP_MARK = ".tmp-"
 _TRASH_MARK = ".deleting-"
+_LAST_RECORD = "user.shardwise.last"  # extended attribute of a checkpoint directory (see the docstring)
 
 
 def new_token() -> str:
@@ -104,18 +131,22 @@ def fsync_dir(path: str) -> None:
         pass
 
 
-def save_torch_durably(obj: Any, path: str) -> None:
+def save_torch_durably(obj: Any, path: str, manifest: Optional[Dict[str, Any]] = None) -> None:
     """torch.save + flush + fsync, so a later rename never exposes a half-written file.
 
+    With `manifest`, the file is a one-file checkpoint: the manifest and the digest of every
+    byte are appended as its trailer (onefile.py), hashed as torch writes them.
     A failed write (full disk, read-only filesystem) removes the partial file
     and raises CheckpointWriteError with the real errno: torch's zip writer
     would otherwise report only "unexpected pos N vs M".
     """
-    writer = None
+    writer: Any = None
     try:
         with open(path, "wb") as fh:
-            writer = RecordingWriter(fh)
+            writer = RecordingWriter(fh) if manifest is None else onefile.TrailerWriter(fh)
             torch.save(obj, writer)
+            if manifest is not None:
+                writer.finish(manifest)
             fh.flush()
             os.fsync(fh.fileno())
     except (OSError, RuntimeError) as exc:
@@ -143,12 +174,14 @@ def write_trainer_state(directory: str, state: Dict[str, Any]) -> None:
     # Plain data only (an object in hparams becomes its repr): loading never unpickles code.
     save_torch_durably(plain_state(state, "trainer state"), state_path)
     # The data files' sums are added by the strategy once every rank has written them.
-    manifest = {**state["shardwise"], "checksums": {TRAINER_STATE_NAME: file_digest(state_path)}}
-    write_json_durably(os.path.join(directory, MANIFEST_NAME), manifest)
+    write_manifest(directory, {**state["shardwise"], "checksums": {TRAINER_STATE_NAME: file_digest(state_path)}})
 
 
 def read_trainer_state(directory: str) -> Dict[str, Any]:
-    return load_torch(os.path.join(directory, TRAINER_STATE_NAME))
+    """A directory checkpoint's trainer state (verify its checksum first), checked against the manifest."""
+    state = load_torch(os.path.join(directory, TRAINER_STATE_NAME))
+    check_agreement(os.path.join(directory, MANIFEST_NAME), read_manifest(directory), state)
+    return state
 
 
 def load_torch(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
@@ -160,7 +193,12 @@ def load_torch(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
 
 
 def read_manifest(path: str) -> Dict[str, Any]:
-    """The manifest of the checkpoint at `path` (a file or a directory), without reading tensors."""
+    """The manifest of the checkpoint at `path` (a file or a directory), its seal checked; reads no tensor.
+
+    A one-file checkpoint's manifest comes from its trailer, unpickling nothing. A file without a
+    trailer cannot be verified before unpickling: it is refused with the reason (code it would
+    run, damage, another layout version, or UnverifiableCheckpointError naming the opt-out).
+    """
     if os.path.isdir(path):
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.exists(manifest_path):
@@ -172,15 +210,60 @@ def read_manifest(path: str) -> Dict[str, Any]:
             raise CorruptCheckpointError(f"{path} is not a shardwise checkpoint: it has no {MANIFEST_NAME}.{hint}")
         try:
             with open(manifest_path) as fh:
-                return json.load(fh)
+                manifest = json.load(fh)
         except (ValueError, OSError) as exc:
             raise CorruptCheckpointError(f"{manifest_path} is truncated or corrupt: {exc}") from exc
-    # One file: load it on the meta device, which reads only the pickled
-    # structure, never the tensor bytes (and through the safe unpickler).
+        if not isinstance(manifest, dict):
+            raise CorruptCheckpointError(f"{manifest_path} is corrupt: not a JSON object.")
+        check_seal(manifest, manifest_path)
+        return manifest
+    if not os.path.exists(path):
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete.")
+    comment = onefile.archive_comment(path)
+    if comment:
+        manifest = onefile.parse_trailer(path, comment).manifest
+        check_seal(manifest, f"The manifest in {path}'s trailer")
+        return manifest
+    return _manifest_without_trailer(path, comment is not None)
+
+
+def _manifest_without_trailer(path: str, is_zip: bool) -> Dict[str, Any]:
+    """The reason a file without a trailer is refused (read from its structure, nothing unpickled),
+    or with SHARDWISE_VERIFY_CHECKSUMS=0 its manifest, unpickled without tensors."""
+    names = unsafe_globals(path)
+    if names:
+        raise unsafe_error(path, "", names)
+    if not is_zip:
+        raise CorruptCheckpointError(
+            f"{path} is truncated or corrupt: it does not end like a torch (zip) file "
+            f"({os.path.getsize(path)} bytes). Resume from an earlier checkpoint."
+        )
+    version = onefile.peek_format_version(path)
+    if version is not None:
+        check_version({"format_version": version, "shardwise_version": "?"}, path)
+    if verify_enabled():
+        raise UnverifiableCheckpointError(
+            f"{path} carries no checksum trailer, so nothing can verify it before it is unpickled: it was "
+            "written by a shardwise from before one-file checkpoints carried one, or by plain torch.save. If "
+            f"you trust it, load it once with {VERIFY_ENV}=0 (unverified; the checkpoints that run saves are "
+            "verified)."
+        )
+    note_unverified(path)
+    # Load it on the meta device, which reads only the pickled structure, never the tensor
+    # bytes (and through the safe unpickler).
     payload = load_torch(path, map_location="meta")
     if not isinstance(payload, dict) or "shardwise" not in payload:
         raise CorruptCheckpointError(f"{path} is a torch file but not a shardwise checkpoint (no 'shardwise' entry).")
     return payload["shardwise"]
+
+
+def checkpoint_identity(path: str) -> Optional[str]:
+    """The run id in the manifest of the checkpoint at `path`; None when it has none or is unreadable."""
+    try:
+        run_id = read_manifest(path).get("run_id")
+    except Exception:  # noqa: BLE001 - unreadable: whoever loads it says why
+        return None
+    return str(run_id) if run_id else None
 
 
 # -------------------------------------------------------------- committing
@@ -250,7 +333,46 @@ def point_last(directory: str, target: str, name: str = LAST_NAME) -> str:
     os.symlink(os.path.relpath(os.path.abspath(target), os.path.abspath(directory)), tmp)
     os.replace(tmp, link)  # rename() replaces the link itself, never what it points to
     fsync_dir(directory)
+    _record_last(directory, target)
     return link
+
+
+def _record_last(directory: str, target: str) -> None:
+    """Remember (an extended attribute of the directory) which run committed `target`, where supported.
+
+    A crash between moving the link and this leaves the previous record, naming another
+    checkpoint: compared only when the names match, it never refuses a sound checkpoint.
+    """
+    run_id = checkpoint_identity(target)
+    if not run_id or not hasattr(os, "setxattr"):
+        return
+    try:
+        os.setxattr(directory, _LAST_RECORD, json.dumps({"name": os.path.basename(target), "run_id": run_id}).encode())
+    except OSError:  # no extended attributes on this filesystem (or no permission): nothing remembered
+        pass
+
+
+def recorded_last(directory: str) -> Optional[Dict[str, Any]]:
+    """{name, run_id} of the checkpoint a run last pointed `last.ckpt` at in `directory`, if recorded."""
+    try:
+        record = json.loads(os.getxattr(directory, _LAST_RECORD))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def replaced_reason(path: str, run_id: Optional[str]) -> Optional[str]:
+    """Why the checkpoint at `path` is not the one its directory's run committed under that name, if so."""
+    record = recorded_last(os.path.dirname(os.path.abspath(path)))
+    if not record or record.get("name") != os.path.basename(path) or not record.get("run_id"):
+        return None
+    if run_id == record["run_id"]:
+        return None
+    return (
+        f"{path} holds a checkpoint of run {run_id or '(none recorded)'}, but run {record['run_id']} committed "
+        "the checkpoint of that name here and pointed last.ckpt at it: another run's checkpoint was copied over "
+        "it (or that run started here without resuming and was interrupted in its first save)"
+    )
 
 
 # ------------------------------------------------------------------ finding
@@ -297,7 +419,9 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     A run killed after committing a checkpoint but before moving `last` to it
     leaves that checkpoint newer than `last`: it is the resume point when its
     manifest names the same run (run_id) as `last`'s target. Another run's
-    checkpoints in the directory are never picked this way.
+    checkpoints in the directory are never picked: they are named in a warning,
+    and without a `last.ckpt` to say which run is this directory's, checkpoints
+    of several runs are a ForeignCheckpointError that asks for an explicit path.
     """
     link = os.path.join(directory, LAST_NAME)
     if os.path.exists(link):  # exists() follows the link: a dangling one is skipped
@@ -310,6 +434,15 @@ def latest_checkpoint(directory: str) -> Optional[str]:
             "latest:\n  " + "\n  ".join(skipped) + "\nDelete or move them if they are not yours.",
             stacklevel=2,
         )
+    runs: Dict[Any, CheckpointEntry] = {}
+    for entry in entries:  # oldest first: the last one kept per run is its newest
+        runs[entry.manifest.get("run_id")] = entry
+    if len(runs) > 1:
+        newest = "\n  ".join(f"{e.path} (run {run}, step {e.step})" for run, e in runs.items())
+        raise ForeignCheckpointError(
+            f"{directory} holds checkpoints of {len(runs)} different runs and no last.ckpt says which is this "
+            f"run's; the newest of each:\n  {newest}\nPass the one to resume as ckpt_path."
+        )
     return entries[-1].path if entries else None
 
 
@@ -319,9 +452,24 @@ def _newest_of_the_same_run(directory: str, target: str) -> str:
     except Exception:  # loading it will say what is wrong
         return target
     run_id, step = manifest.get("run_id"), int(manifest.get("global_step", -1))
+    replaced = replaced_reason(target, run_id)
+    if replaced:
+        raise ForeignCheckpointError(
+            f"last.ckpt in {directory} points to a checkpoint from another run: {replaced}. Pass it as ckpt_path "
+            "to resume from it anyway, or an earlier checkpoint of this run."
+        )
     if not run_id:
         return target
-    newer = [e for e in list_checkpoints(directory) if e.manifest.get("run_id") == run_id and e.step > step]
+    entries = list_checkpoints(directory)
+    others = [e for e in entries if e.manifest.get("run_id") != run_id]
+    if others:
+        listed = ", ".join(f"{os.path.basename(e.path)} (run {e.manifest.get('run_id')})" for e in others[-5:])
+        warnings.warn(
+            f"{directory} also holds {len(others)} checkpoint(s) of other runs than last.ckpt's (run {run_id}): "
+            f"{listed}. They are not resumed; delete or move them if they are not meant to be there.",
+            stacklevel=3,
+        )
+    newer = [e for e in entries if e.manifest.get("run_id") == run_id and e.step > step]
     if not newer:
         return target
     warnings.warn(
@@ -330,6 +478,23 @@ def _newest_of_the_same_run(directory: str, target: str) -> str:
         stacklevel=3,
     )
     return newer[-1].path
+
+
+def foreign_reason(path: str) -> Optional[str]:
+    """Why the checkpoint at `path` belongs to another run than its directory's (`last.ckpt`'s), if it does."""
+    path = os.path.realpath(path)
+    directory = os.path.dirname(path)
+    run_id = checkpoint_identity(path)
+    replaced = replaced_reason(path, run_id)
+    if replaced:
+        return replaced
+    link = os.path.join(directory, LAST_NAME)
+    if not os.path.exists(link) or os.path.realpath(link) == path:
+        return None
+    theirs = checkpoint_identity(os.path.realpath(link))
+    if theirs and theirs != run_id:
+        return f"it is run {run_id or '(none recorded)'}'s, and {directory}'s last.ckpt is run {theirs}'s"
+    return None
 
 
 def candidate_names(directory: str) -> List[str]:
@@ -377,4 +542,11 @@ def resolve(ckpt_path: str, search_dirs: List[str]) -> Optional[str]:
             f"Checkpoint {path} does not exist. Pass an existing checkpoint path, or ckpt_path='last' to resume the "
             f"newest one. Checkpoints found:\n{describe_available(dirs, wanted=path)}"
         )
+    if os.path.islink(path) and os.path.basename(path) == LAST_NAME:  # a run directory's `last`, by its name
+        replaced = replaced_reason(os.path.realpath(path), checkpoint_identity(path))
+        if replaced:
+            raise ForeignCheckpointError(
+                f"{path} points to a checkpoint from another run: {replaced}. Pass the file it points to "
+                "(not last.ckpt) to resume from it anyway."
+            )
     return os.path.realpath(path)

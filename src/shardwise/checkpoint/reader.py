@@ -11,9 +11,11 @@ whole checkpoint:
   read by asking DCP for that one key, which reads just the byte ranges of
   its shards, from whichever rank files hold them.
 Peak memory is therefore about the largest tensor (plus one dtype-cast copy),
-not the model. Before the first tensor is returned the checksums recorded at
-save time are verified (integrity.py); nothing is ever unpickled outside
-the allow-lists of safety.py. Other directory formats (DeepSpeed) plug in with
+not the model. The checksums recorded at save time are verified before
+anything is unpickled: a full file's digest (onefile.py) and a directory's
+small files when the reader opens, a directory's data files before the first
+tensor is returned (integrity.py); SHARDWISE_VERIFY_CHECKSUMS=0 skips both.
+Nothing is ever unpickled outside the allow-lists of safety.py. Other directory formats (DeepSpeed) plug in with
 `register_reader(name, factory)`.
 """
 
@@ -27,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardwise.checkpoint import layout
+from shardwise.checkpoint import layout, onefile
 from shardwise.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -35,7 +37,13 @@ from shardwise.checkpoint.errors import (
     CorruptCheckpointError,
 )
 from shardwise.checkpoint.formats import read_dcp_metadata
-from shardwise.checkpoint.integrity import iter_tensors, verify_directory, verify_enabled, verify_tensor_digest
+from shardwise.checkpoint.integrity import (
+    check_agreement,
+    note_unverified,
+    recorded_checksums,
+    verify_directory,
+    verify_enabled,
+)
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
 
 
@@ -108,13 +116,19 @@ class FullFileReader(CheckpointReader):
     """One torch file; tensors come from positioned reads of their storage records."""
 
     def __init__(self, path: str) -> None:
+        manifest = layout.read_manifest(path)  # from the trailer; a file without one is refused here
+        trailer = onefile.read_trailer(path) if verify_enabled() else None
+        if trailer is not None:  # every byte, before the structure is unpickled (threads share the file)
+            onefile.verify(path, trailer)
+        else:
+            note_unverified(path)
         self._meta = layout.load_torch(path, map_location="meta")
         if not isinstance(self._meta, dict) or "shardwise" not in self._meta or "state_dict" not in self._meta:
             raise CorruptCheckpointError(f"{path} is a torch file but not a full shardwise checkpoint.")
-        super().__init__(path, self._meta["shardwise"])
+        check_agreement(path, manifest, self._meta)
+        super().__init__(path, manifest)
         self._state = self._meta["state_dict"]
         self._mapped: Optional[Dict[str, torch.Tensor]] = None
-        self._verified = False
 
     def tensors(self) -> List[TensorInfo]:
         return [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in self._state.items() if isinstance(v, torch.Tensor)]
@@ -126,14 +140,6 @@ class FullFileReader(CheckpointReader):
         return {k: v for k, v in self._meta.items() if k not in ("state_dict", "optimizer_states")}
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        if not self._verified:  # the recorded digest covers every tensor: check it once, a tensor at a time
-            if verify_enabled():
-                body = {k: v for k, v in self._meta.items() if k != "shardwise"}
-                with open(self.path, "rb") as fh:
-                    verify_tensor_digest(
-                        self.path, self.manifest, None, (self._read_one(fh, "", t) for t in iter_tensors(body))
-                    )
-            self._verified = True
         out = {}
         with open(self.path, "rb") as fh:
             for name in names:
@@ -147,11 +153,6 @@ class FullFileReader(CheckpointReader):
         if offset is None:  # a torch that does not record storage offsets: fall back to mmap
             if self._mapped is None:
                 self._mapped = layout.load_torch(self.path, mmap=True)
-            if not name:
-                raise CorruptCheckpointError(
-                    f"{self.path}: this torch records no storage offsets; set "
-                    "SHARDWISE_VERIFY_CHECKSUMS=0 to read it without verification."
-                )
             return self._mapped["state_dict"][name].clone()
         if nbytes == 0:
             return torch.empty(meta.shape, dtype=meta.dtype)
@@ -173,6 +174,10 @@ class ShardedDirReader(CheckpointReader):
 
     def __init__(self, path: str, manifest: Dict[str, Any]) -> None:
         super().__init__(path, manifest)
+        # The small files (.metadata, trainer_state.pt) before they are unpickled; the data
+        # files before the first tensor is read.
+        small = [rel for rel in recorded_checksums(path, manifest) if not rel.endswith(".distcp")]
+        verify_directory(path, manifest, only=small)
         self.metadata = read_dcp_metadata(path)
         self._verified = False
 
@@ -195,7 +200,8 @@ class ShardedDirReader(CheckpointReader):
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         metadata = self.metadata  # read once (safely), not once per tensor
         if not self._verified:  # once, before the first tensor is handed out (SHARDWISE_VERIFY_CHECKSUMS=0 skips)
-            verify_directory(self.path, self.manifest)
+            data = [rel for rel in recorded_checksums(self.path, self.manifest) if rel.endswith(".distcp")]
+            verify_directory(self.path, self.manifest, only=data)
             self._verified = True
         info = {t.name: t for t in self.tensors()}
         target = {self._MODEL + n: torch.empty(info[n].shape, dtype=info[n].dtype) for n in names}

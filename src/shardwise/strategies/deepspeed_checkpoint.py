@@ -20,7 +20,8 @@ scanned (pickletools, nothing executed) and refused with
 UnsafeCheckpointError if it names a global beyond torch's allow-list and
 the three DeepSpeed types its own files hold (`DS_SAFE_GLOBALS`). Every file
 is also checksummed in the manifest after the save (each rank hashes a share)
-and verified before loading or converting.
+and verified before loading or converting, and the manifest's fields are
+compared with trainer_state.pt before the engine loads (integrity.py).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ def load_engine_checkpoint(
             "configure_model, and start a new run (the optimizer state does not carry over)."
         )
     verify_checkpoint(strategy, path)
+    # Before the engine loads anything: the trainer state, compared with the manifest (an edited step fails).
+    state = read_trainer_state(path)
     info = read_params(path)
     engine = strategy.require_engine()
     tag = ENGINE_TAG
@@ -205,7 +208,7 @@ def load_engine_checkpoint(
         engine._config.load_universal_checkpoint = False
     if loaded is None:
         raise CorruptCheckpointError(f"DeepSpeed found no loadable engine state in {os.path.join(path, tag)}.")
-    return read_trainer_state(path)
+    return state
 
 
 def _universal_for(strategy: Any, path: str, info: Dict[str, Any]) -> str:
