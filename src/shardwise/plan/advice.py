@@ -29,12 +29,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from shardwise.data import rebuild
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.memory import format_bytes, parse_bytes
-from shardwise.plan.candidates import Candidate, parse_candidate
+from shardwise.plan.candidates import Candidate, from_strategy, parse_candidate
 from shardwise.plan.core import plan
 from shardwise.plan.presets import PlanError
-from shardwise.strategies.ddp import DDPStrategy
-from shardwise.strategies.fsdp import FSDPStrategy
-from shardwise.strategies.single import SingleDeviceStrategy
 
 CHOICE_ENV = "SHARDWISE_PLAN_CHOICE"
 
@@ -88,25 +85,11 @@ def resolve_device_memory(value: Any, accelerator: str, world_size: int = 1) -> 
 
 
 def candidate_for(strategy: Any) -> Optional[Candidate]:
-    """The planner's candidate for a strategy object (None for strategies it does not model)."""
-
-    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
-        return Candidate("ddp")
-    if isinstance(strategy, FSDPStrategy):
-        return Candidate(
-            "fsdp",
-            sharding=strategy.sharding_strategy,
-            offload=strategy.cpu_offload,
-            activation_checkpointing=strategy.activation_checkpointing_policy is not None,
-        )
-    if type(strategy).__name__ == "DeepSpeedStrategy":
-        return Candidate(
-            "deepspeed",
-            stage=strategy.stage,
-            offload=strategy.offload_optimizer,
-            activation_checkpointing=strategy.activation_checkpointing_policy is not None,
-        )
-    return None
+    """The planner's candidate for a strategy object: its ParallelPlan (None for strategies it does not model)."""
+    try:
+        return Candidate(from_strategy(strategy).plan)
+    except (PlanError, ValueError):
+        return None
 
 
 def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:

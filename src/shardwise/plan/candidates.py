@@ -1,10 +1,11 @@
-"""The configurations the planner compares, and how each becomes a real strategy object.
+"""The configurations the planner compares: a ParallelPlan plus a batch split, and how each becomes a strategy.
 
 A `Candidate` is what a user would try, from the least to the most sharded: DDP;
 FSDP NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, each with and
 without activation checkpointing; FULL_SHARD with CPU offload; DeepSpeed
 ZeRO-1/2/3 and ZeRO-3 offload; each at a micro-batch size with gradient
-accumulation that keeps the global batch. `build_strategy` is the only place a
+accumulation that keeps the global batch. What the configuration *is* is its
+`plan` (strategies/parallel.py); `build_strategy` is the only place a
 candidate turns into a strategy, and both the planner's fake-tensor trace and
 the accuracy benchmark's real runs call it, so what is predicted and what is
 measured are the same configuration by construction.
@@ -13,27 +14,27 @@ measured are the same configuration by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from shardwise.plan.presets import PlanError, divisors
 from shardwise.strategies import DDPStrategy, FSDPStrategy
+from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
-from shardwise.strategies.names import AC_SUFFIX, resolve
-from shardwise.strategies.parallel import ParallelPlan
+from shardwise.strategies.parallel import SHARDINGS, ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
 
-FSDP_SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+FSDP_SHARDINGS = SHARDINGS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Candidate:
-    """One configuration. kind: "ddp" | "fsdp" | "deepspeed"."""
+    """One configuration (`plan`, without the model's blocks or a precision) at one batch split.
 
-    kind: str
-    sharding: str = ""  # FSDP sharding strategy
-    stage: int = 0  # DeepSpeed ZeRO stage
-    activation_checkpointing: bool = False
-    offload: bool = False
+    `Candidate("fsdp", sharding="FULL_SHARD", activation_checkpointing=True)` is short for
+    `Candidate(ParallelPlan("fsdp", sharding="FULL_SHARD", ac="full"))`.
+    """
+
+    plan: ParallelPlan
     micro_batch: int = 1
     accumulation: int = 1
     # plan(strategy=obj): the user's own strategy object, traced as it is (its wrap policy, mesh,
@@ -41,41 +42,73 @@ class Candidate:
     custom: str = ""
     strategy: Any = field(default=None, compare=False, hash=False, repr=False)
 
+    def __init__(
+        self,
+        plan: Union[ParallelPlan, str] = "ddp",
+        *,
+        sharding: str = "",
+        stage: int = 0,
+        activation_checkpointing: bool = False,
+        offload: bool = False,
+        micro_batch: int = 1,
+        accumulation: int = 1,
+        custom: str = "",
+        strategy: Any = None,
+    ) -> None:
+        if not isinstance(plan, ParallelPlan):  # the short spelling: engine name + the planner's knobs
+            plan = ParallelPlan(
+                plan,
+                sharding=sharding,
+                zero_stage=stage or None,
+                ac="full" if activation_checkpointing else "none",
+                offload_optimizer=offload,
+                offload_params=offload and (stage == 3 or plan == "fsdp"),
+            )
+        for name, value in (
+            ("plan", plan.configuration()),
+            ("micro_batch", micro_batch),
+            ("accumulation", accumulation),
+            ("custom", custom),
+            ("strategy", strategy),
+        ):
+            object.__setattr__(self, name, value)
+
+    # The planner's view of the plan: the JSON fields reports have always had.
+    @property
+    def kind(self) -> str:
+        return self.plan.engine
+
+    @property
+    def sharding(self) -> str:
+        return self.plan.sharding
+
+    @property
+    def stage(self) -> int:
+        return self.plan.zero_stage or 0
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.plan.uses_ac
+
+    @property
+    def offload(self) -> bool:
+        # What the planner models as offload: the optimizer's state stepping on the host (FSDP
+        # moves its parameters with it; ZeRO-3 offload its parameters too).
+        return self.plan.offload_optimizer
+
     @property
     def config_label(self) -> str:
         """The configuration without the batch split: what the user selects in the Trainer."""
-        if self.custom:
-            return self.custom
-        if self.kind == "ddp":
-            base = "DDP"
-        elif self.kind == "fsdp":
-            base = f"FSDP {self.sharding}"
-        else:
-            base = f"ZeRO-{self.stage}"
-        if self.offload:
-            base += " + offload"
-        if self.activation_checkpointing:
-            base += " + AC"
-        return base
+        return self.custom or self.plan.label
 
     @property
     def name(self) -> str:
-        """The strategy table's name (strategies/names.py), `_ac` for checkpointing: what --only reads back."""
-        if self.kind == "ddp":
-            return "ddp" + (AC_SUFFIX if self.activation_checkpointing else "")
-        if self.kind == "fsdp":
-            plan = ParallelPlan(
-                "fsdp", sharding=self.sharding, offload_params=self.offload, offload_optimizer=self.offload
-            )
-        else:
-            plan = ParallelPlan(
-                "deepspeed",
-                zero_stage=self.stage,
-                offload_optimizer=self.offload,
-                offload_params=self.offload and self.stage == 3,
-            )
-        plan = replace(plan, ac="full" if self.activation_checkpointing else "none")
-        return plan.name or "custom"  # a user's strategy object with no name (e.g. HYBRID_SHARD + offload)
+        """The nearest name in the strategy table (+ `_ac`): what --only reads back; "custom" if none.
+
+        Nearest: a user's explicit mesh or selective checkpointing is read as the name it refines.
+        """
+        coarse = replace(self.plan, dp_replicate=1, dp_shard=-1, selective_ac_option=None)
+        return replace(coarse, ac="full" if coarse.uses_ac else "none").name or "custom"
 
     @property
     def label(self) -> str:
@@ -88,50 +121,35 @@ class Candidate:
     def with_batch(self, micro_batch: int, accumulation: int) -> "Candidate":
         return replace(self, micro_batch=micro_batch, accumulation=accumulation)
 
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(
+            kind=self.kind,
+            sharding=self.sharding,
+            stage=self.stage,
+            activation_checkpointing=self.activation_checkpointing,
+            offload=self.offload,
+            micro_batch=self.micro_batch,
+            accumulation=self.accumulation,
+            custom=self.custom,
+            name=self.name,
+            label=self.label,
+            config=self.config_label,
+        )
+
     def trainer_strategy_code(self, block: str = "Block") -> str:
         """The Trainer argument a user writes for this candidate (shown in reports and warnings)."""
         if self.strategy is not None:
             return f"<your {type(self.strategy).__name__} object>"
-        ac = f", activation_checkpointing_policy={{{block}}}" if self.activation_checkpointing else ""
-        if self.kind == "ddp":
-            return '"ddp"' if not ac else f"DDPStrategy()  # + checkpoint {block} yourself"
-        if self.kind == "fsdp":
-            extra = "" if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
-            off = ", cpu_offload=True" if self.offload else ""
-            return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{ac}{off})"
-        off = ", offload_optimizer=True, offload_parameters=True" if self.offload else ""
-        return f"DeepSpeedStrategy(stage={self.stage}{off}{ac})"
+        return self.plan.code(block)
 
     def build_strategy(
         self, block_classes: Sequence[Any], precision: Any = None, deepspeed_config: Optional[Dict[str, Any]] = None
     ) -> Any:
         """The strategy object the Trainer would run for this candidate."""
-        blocks = set(block_classes) if block_classes else None
-        ac = blocks if self.activation_checkpointing else None
-        if self.activation_checkpointing and not blocks:
+        if self.plan.uses_ac and not block_classes:
             raise PlanError("activation checkpointing needs the model's block class; none was found")
-        if self.kind == "ddp":
-            from shardwise.strategies import DDPStrategy
-
-            return DDPStrategy(precision=precision)
-        if self.kind == "fsdp":
-            from shardwise.strategies import FSDPStrategy
-
-            return FSDPStrategy(
-                auto_wrap_policy=blocks,
-                activation_checkpointing_policy=ac,
-                sharding_strategy=self.sharding,
-                cpu_offload=self.offload,
-                precision=precision,
-            )
-
-        return DeepSpeedStrategy(
-            stage=self.stage,
-            offload_optimizer=self.offload or None,
-            offload_parameters=(self.offload and self.stage == 3) or None,
-            activation_checkpointing_policy=ac,
-            precision=precision,
-            config=deepspeed_config,
+        return self.plan.build(
+            block_classes or None, precision=precision, engine_options={"deepspeed": {"config": deepspeed_config}}
         )
 
 
@@ -162,22 +180,15 @@ def parse_candidate(name: str) -> Candidate:
     (fsdp_full_shard_ac, zero3_offload) are aliases in the same table.
     """
     try:
-        named = resolve(name, allow_ac=True)
+        plan = ParallelPlan.from_name(name)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    ac, options = named.activation_checkpointing, named.options
-    if named.kind in ("single", "ddp"):
-        return Candidate("ddp", activation_checkpointing=ac)
-    if named.kind == "fsdp":
-        return Candidate(
-            "fsdp",
-            sharding=options.get("sharding_strategy", "FULL_SHARD"),
-            offload=bool(options.get("cpu_offload")),
-            activation_checkpointing=ac,
-        )
-    return Candidate(
-        "deepspeed", stage=options["stage"], offload=bool(options.get("offload_optimizer")), activation_checkpointing=ac
-    )
+    return Candidate(_as_planned(plan))
+
+
+def _as_planned(plan: ParallelPlan) -> ParallelPlan:
+    # One device is planned as DDP's row (one rank of it: the same memory).
+    return replace(plan, engine="ddp") if plan.engine == "single" else plan
 
 
 def batch_splits(batch_size: int) -> List[tuple]:
@@ -191,43 +202,22 @@ def from_strategy(strategy: Any) -> Candidate:
     FSDP and DDP are traced with a fresh copy of the object itself (its wrap
     policy -- none means the whole model is one unit, gathered at once --,
     its checkpointing policy, mesh, gradient-bucket layout and accumulation
-    mode); DeepSpeed with its stage, offload and resolved configuration.
+    mode); DeepSpeed with its stage, offload and resolved configuration. A name
+    or a ParallelPlan is built first (without the model's blocks, as the
+    Trainer would).
     """
-
-    if isinstance(strategy, str):
+    if isinstance(strategy, (str, ParallelPlan)):
         from shardwise.strategies import build_strategy
 
         try:
             strategy = build_strategy(strategy, world_size=2)
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
-    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
-        bucket_view = getattr(strategy, "ddp_kwargs", {}).get("gradient_as_bucket_view", True)
-        label = "DDP" + ("" if bucket_view else " (gradient_as_bucket_view=False)")
-        return Candidate("ddp", custom=label + " (your strategy)", strategy=strategy)
-    if isinstance(strategy, FSDPStrategy):
-        wrap = "" if strategy.auto_wrap_policy is not None else ", no auto_wrap_policy: one unit"
-        sync = (
-            ""
-            if strategy.accumulation_sync == "reduce_scatter"
-            else f", accumulation_sync={strategy.accumulation_sync}"
+    if not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy, FSDPStrategy, DeepSpeedStrategy)):
+        raise PlanError(
+            f"The planner does not model {type(strategy).__name__}; plan one of DDPStrategy, FSDPStrategy, "
+            "DeepSpeedStrategy (or a name: ddp, fsdp, deepspeed_stage_3, ...)."
         )
-        base = Candidate(
-            "fsdp",
-            sharding=strategy.sharding_strategy,
-            offload=bool(strategy.cpu_offload),
-            activation_checkpointing=strategy.activation_checkpointing_policy is not None,
-        )
-        return replace(base, custom=f"{base.config_label}{wrap}{sync} (your strategy)", strategy=strategy)
-    if type(strategy).__name__ == "DeepSpeedStrategy":
-        base = Candidate(
-            "deepspeed",
-            stage=strategy.stage,
-            offload=bool(strategy.offload_optimizer),
-            activation_checkpointing=getattr(strategy, "activation_checkpointing_policy", None) is not None,
-        )
-        return replace(base, custom=f"{base.config_label} (your strategy)", strategy=strategy)
-    raise PlanError(
-        f"The planner does not model {type(strategy).__name__}; plan one of DDPStrategy, FSDPStrategy, "
-        "DeepSpeedStrategy (or a name: ddp, fsdp, deepspeed_stage_3, ...)."
-    )
+    plan = _as_planned(strategy.parallel_plan.configuration())
+    notes = accounting_for(plan).planner_notes(strategy)
+    return Candidate(plan, custom=f"{plan.label}{notes} (your strategy)", strategy=strategy)

@@ -28,8 +28,9 @@ analytic per-block estimate and the plan says so.
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from shardwise.memory import format_bytes, parse_bytes
@@ -41,6 +42,7 @@ from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
+from shardwise.strategies.accounting import accounting_for
 
 RESERVED_FACTOR = 1.25  # the old flat factor; only used when asked for (reserved_factor=1.25)
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
@@ -66,12 +68,8 @@ class Estimate:
         return self.candidate.label
 
     def to_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
-        cand = {k: v for k, v in d["candidate"].items() if k != "strategy"}
-        d["candidate"] = dict(
-            cand, name=self.candidate.name, label=self.candidate.label, config=self.candidate.config_label
-        )
-        return d
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "candidate"}
+        return {"candidate": self.candidate.to_dict(), **d}
 
 
 @dataclass
@@ -102,13 +100,9 @@ class Plan:
     def fits_uses(self) -> str:
         return self.allocator or f"reserved = allocated x {self.reserved_factor:g}"
 
-    def best_for(self, config: Candidate) -> Optional[Estimate]:
-        rows = [e for e in self.estimates if e.candidate.config_key == config.config_key]
-        fitting = [e for e in rows if e.fits]
-        return (fitting or rows or [None])[0]
-
     def to_dict(self) -> Dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k not in ("estimates", "recommended", "block_classes")}
+        skip = ("estimates", "recommended", "block_classes")
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
         d["block_classes"] = [getattr(b, "__name__", str(b)) for b in self.block_classes]
         d["fits_uses"] = self.fits_uses
         d["estimates"] = [e.to_dict() for e in self.estimates]
@@ -187,7 +181,7 @@ def plan(
         if candidates is not None:
             raise PlanError("plan(strategy=...) plans that one strategy; leave candidates unset.")
         cands = [from_strategy(strategy)]
-        if cands[0].kind == "deepspeed" and deepspeed_config is None:
+        if deepspeed_config is None:  # a DeepSpeedStrategy's resolved config (other strategies have none)
             deepspeed_config = getattr(cands[0].strategy, "config", None)
         _check_layout(cands, world, num_nodes)
     else:
@@ -218,7 +212,9 @@ def plan(
         workers=workers,
     )
     estimates = planner.run()
-    if any(c.kind == "deepspeed" for c in cands) and (opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"):
+    if any(accounting_for(c.plan).analytic_states for c in cands) and (
+        opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"
+    ):
         planner.notes.append(
             f"ZeRO rows use DeepSpeed's own Adam accounting (fp32 moments, its step temporaries), "
             f"not {opt.name}: DeepSpeed builds its optimizer from its config."
@@ -325,13 +321,13 @@ def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int
 
 def _check_layout(out: List[Candidate], world: int, num_nodes: int) -> None:
     for c in out:
-        if c.kind == "fsdp" and c.sharding == "HYBRID_SHARD" and (num_nodes < 2 or world % num_nodes):
+        if c.plan.splits_at_nodes and (num_nodes < 2 or world % num_nodes):
             raise PlanError(
                 f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
                 f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on "
                 "one node."
             )
-        if c.activation_checkpointing and c.kind == "ddp":
+        if c.plan.uses_ac and not accounting_for(c.plan).has_ac_option:
             raise PlanError(
                 "DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
                 "(the same replication) or ZeRO with AC."
@@ -397,36 +393,28 @@ class _Planner:
 
     # ---------------------------------------------------------- what is traced
     def _traced(self, cand: Candidate) -> Tuple[Candidate, str]:
-        """(configuration, precision) whose trace answers for `cand`.
+        """(configuration, precision) whose trace answers for `cand` (its accounting's traced_plan).
 
         ZeRO stages ride on a plain data-parallel trace in DeepSpeed's own
-        precision: with bf16 enabled DeepSpeed casts the module to bf16 and runs
-        without autocast (so no bf16 weight copies are saved, unlike DDP +
-        autocast). FSDP CPU offload rides on FULL_SHARD's trace.
+        precision; FSDP CPU offload on its on-device part (FULL_SHARD's trace).
         """
-        if cand.kind == "deepspeed":
-            half = self.precision not in ("32-true", "64-true")
-            return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing).config_key, (
-                "bf16-true" if half else self.precision
-            )
-        if cand.offload and cand.strategy is not None:  # the user's own FSDP object, on-device part
-            return replace(cand.config_key, offload=False, custom=cand.custom + " (on device)"), self.precision
-        if cand.offload:
-            return Candidate(
-                "fsdp", sharding="FULL_SHARD", activation_checkpointing=cand.activation_checkpointing
-            ).config_key, self.precision
-        return cand.config_key, self.precision
+        acct = accounting_for(cand.plan)
+        plan, precision = acct.traced_plan(cand.plan), acct.trace_precision(self.precision)
+        if plan == cand.plan:
+            return cand.config_key, precision
+        if cand.strategy is not None and plan.engine == cand.plan.engine:  # the user's object, on-device part
+            return replace(cand.config_key, plan=plan, custom=cand.custom + " (on device)"), precision
+        return Candidate(plan).config_key, precision
 
     def _views(self, traced: Candidate, precision: str, depth: Optional[int]) -> Tuple[Tuple[str, Any], ...]:
         # One process: DDPStrategy does not wrap, so there are no buckets to outlive zero_grad.
         views = [("identity", _identity_view(traced, self.world))]
         grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
-        for c in self.cands:
-            if c.kind == "deepspeed" and self._traced(c) == (traced, precision):
-                terms = analytic.zero_terms(
-                    c.stage, c.offload, self.stats[depth], self.world, self.precision, self.zero
-                )
-                views.append((_zero_key(c), analytic.zero_view(c.stage, terms, grad_bytes, self.zero)))
+        for c in self.cands:  # configurations whose model states are accounted, on this trace's activations
+            acct = accounting_for(c.plan)
+            if acct.analytic_states and self._traced(c) == (traced, precision):
+                terms = acct.terms(c.plan, self.stats[depth], self.world, self.precision, self.zero)
+                views.append((_view_key(c), analytic.zero_view(c.stage, terms, grad_bytes, self.zero)))
         return tuple(views)
 
     def _jobs(
@@ -479,7 +467,7 @@ class _Planner:
             return [e for cand in self.cands for e in self._fallback_for(cand, splits)]
 
     def _estimate(self, cand: Candidate, tr: Trace, r: float) -> Estimate:
-        if cand.kind == "deepspeed":
+        if accounting_for(cand.plan).analytic_states:
             allocated, phase, breakdown, host, method = self._zero(cand, tr, r)
         elif cand.offload:
             allocated, phase, breakdown, host, method = self._fsdp_offload(tr, r)
@@ -567,18 +555,18 @@ class _Planner:
         return value, phase, breakdown, host, "FULL_SHARD trace, sharded states on host (modelled)"
 
     def _zero(self, cand: Candidate, tr: Trace, r: float):
-        terms = analytic.zero_terms(cand.stage, cand.offload, self.full_stats, self.world, self.precision, self.zero)
+        acct = accounting_for(cand.plan)
+        terms = acct.terms(cand.plan, self.full_stats, self.world, self.precision, self.zero)
         best = (0.0, "", (0.0,) * 5)
         for (phase, view, scale), (value, parts) in tr.envelope.items():
-            if view == _zero_key(cand) and scale == r and phase != "opt" and value > best[0]:
+            if view == _view_key(cand) and scale == r and phase != "opt" and value > best[0]:
                 best = (value, phase, parts)
         value, phase, (p, g, o, b, a) = best
-        if cand.stage == 3:
-            value += terms.bucket + terms.gathered
+        value += acct.unviewed_bytes(cand.plan, terms)
         traced_grad_bytes = 2.0 if self._traced(cand)[1] in ("bf16-true", "16-true") else 4.0
-        grads = terms.grad_partition + (g * 4.0 / traced_grad_bytes if cand.stage == 1 else 0.0)
+        grads = acct.held_gradients(cand.plan, terms, g, traced_grad_bytes)
         breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer, acts=r * a)
-        step = analytic.zero_step_bytes(cand.stage, terms) + tr.buffers
+        step = acct.step_bytes(cand.plan, terms) + tr.buffers
         if step > value:
             value, phase = step, "opt"
             breakdown = _split(
@@ -599,9 +587,8 @@ class _Planner:
                 self.spec, cand, self.full_stats, self.world, self.num_nodes, self.precision, m, self.seq_len, self.zero
             )
             host = 0.0
-            if cand.offload:  # per rank on the host: fp32 params, grads, Adam (+ bf16 partition for ZeRO)
-                n = self.full_stats.total / self.world
-                host = 16 * n if cand.kind == "fsdp" else 18 * n
+            if cand.offload:  # per rank on the host
+                host = accounting_for(cand.plan).fallback_host_bytes(self.full_stats.total / self.world)
             breakdown = {k2: breakdown.get(k2, 0.0) for k2 in CATEGORIES}
             rows.append(self._finish(cand.with_batch(m, k), value, "", breakdown, host, "analytic per-block fallback"))
         return rows
@@ -609,14 +596,14 @@ class _Planner:
 
 def _identity_view(traced: Candidate, world: int) -> Any:
     """DDP's gradient buckets: views of them (ours) or beside the .grad tensors (torch's / Lightning's default)."""
-    if traced.kind != "ddp" or world <= 1:
+    if not accounting_for(traced.plan).grad_buckets(world):
         return IDENTITY
     kwargs = getattr(traced.strategy, "ddp_kwargs", None) or {}
     return DDP_VIEW if kwargs.get("gradient_as_bucket_view", True) else DDP_SEPARATE_BUCKETS_VIEW
 
 
-def _zero_key(cand: Candidate) -> str:
-    return f"zero{cand.stage}{'_offload' if cand.offload else ''}"
+def _view_key(cand: Candidate) -> str:
+    return f"{cand.plan.label} view"
 
 
 def _peak(tr: Trace, view: str, r: float) -> Tuple[float, str, Tuple[float, ...]]:

@@ -4,21 +4,10 @@ Step time = compute + the communication that compute cannot hide + offload
 traffic. Compute is training FLOPs (3x the forward; activation checkpointing
 adds one more forward, 4/3) at a model FLOPs utilisation that drops for small
 micro-batches (kernels on few tokens run below peak). Communication is the
-bytes each rank sends per optimizer step with ring collectives (all-reduce
-2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n), per strategy:
-
-  DDP, FSDP NO_SHARD  all-reduce gradients once per step (no_sync between micro-batches)
-  FSDP FULL_SHARD     all-gather parameters in forward and again in backward, per micro-batch;
-                      reduce-scatter gradients every micro-batch (FSDPStrategy's default
-                      accumulation_sync="reduce_scatter"), once per step with "none"
-  FSDP SHARD_GRAD_OP  one all-gather per micro-batch (kept for backward); reduce-scatter as FULL_SHARD
-  FSDP HYBRID_SHARD   FULL_SHARD inside a node, all-reduce of the shards across nodes
-  ZeRO-1              reduce-scatter gradients at the boundary, all-gather parameters after the step
-  ZeRO-2              as ZeRO-1, but gradients are reduced every micro-batch
-  ZeRO-3              all-gather in forward and backward, reduce-scatter, per micro-batch
-
-over the named interconnect (inside a node) or network (across nodes; a ring
-that spans nodes runs at the slower of the two). A fraction OVERLAP of the
+bytes each rank sends per optimizer step with ring collectives, per engine
+(the table in strategies/accounting.py, beside the strategies), over the
+named interconnect (inside a node) or network (across nodes; a ring that
+spans nodes runs at the slower of the two). A fraction OVERLAP of the
 compute time hides communication (prefetching / bucketed all-reduce). CPU
 offload adds host<->device copies over PCIe and the optimizer step on the
 host. Every constant is a named, documented assumption; `--interconnect`,
@@ -32,6 +21,7 @@ from typing import Dict
 
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import PlanError
+from shardwise.strategies.accounting import accounting_for
 
 # Dense bf16 peak FLOP/s (fp32 runs use the TF32 / fp32 figure), device memory for reference.
 GPUS: Dict[str, Dict[str, float]] = {
@@ -110,40 +100,20 @@ def step_cost(
     compute = flops_per_token * batch_size * seq_len * recompute / (peak * mfu)
 
     k, w, n = cand.accumulation, max(1, world), float(params)
-    wb = 2.0 if half else 4.0  # bytes a gathered parameter travels in
-    rb = 2.0 if precision in ("bf16-true", "16-true") else 4.0  # gradient reduction dtype
-    ring = (w - 1) / w
+    acct = accounting_for(cand.plan)
     intra, inter = INTERCONNECTS[hw.interconnect], NETWORKS[hw.network]
     flat_bw = intra if num_nodes <= 1 else min(intra, inter)
     comm_bytes, comm = 0.0, 0.0
     if w > 1:
-        if cand.kind == "ddp" or (cand.kind == "fsdp" and cand.sharding == "NO_SHARD"):
-            comm_bytes = 2 * ring * n * rb
-        elif cand.kind == "fsdp" and cand.sharding == "HYBRID_SHARD":
-            per_node = max(1, w // max(1, num_nodes))
-            inner = (per_node - 1) / per_node
-            scatters = k if accumulation_sync == "reduce_scatter" else 1
-            intra_bytes = k * 2 * inner * n * wb + scatters * inner * n * rb
-            nodes = max(1, num_nodes)
-            inter_bytes = 2 * (nodes - 1) / nodes * n / per_node * rb
-            comm_bytes = intra_bytes + inter_bytes
-            comm = intra_bytes / intra + inter_bytes / inter
-        elif cand.kind == "fsdp":
-            gathers = 1 if cand.sharding == "SHARD_GRAD_OP" else 2
-            scatters = k if accumulation_sync == "reduce_scatter" else 1
-            comm_bytes = k * gathers * ring * n * wb + scatters * ring * n * rb
-        elif cand.stage == 3:
-            comm_bytes = k * 3 * ring * n * wb
-        else:
-            reductions = k if cand.stage == 2 else 1
-            comm_bytes = reductions * ring * n * wb + ring * n * wb
-        if comm == 0.0:
-            comm = comm_bytes / flat_bw
+        ring_bytes, intra_bytes, inter_bytes = acct.comm_bytes(
+            cand.plan, n, w, num_nodes, k, precision, accumulation_sync
+        )
+        comm_bytes = ring_bytes + intra_bytes + inter_bytes
+        comm = ring_bytes / flat_bw + intra_bytes / intra + inter_bytes / inter
     offload = 0.0
     if cand.offload:
         shard = n / w
-        h2d = (k * 2 * shard * 4) if cand.kind == "fsdp" else (k * 2 * shard * wb)
-        offload = (h2d + shard * 4) / HOST_LINK
+        offload = acct.host_traffic(cand.plan, shard, k, precision) / HOST_LINK
         per_node_gpus = max(1, w // max(1, num_nodes))
         offload += shard / (CPU_ADAM_PARAMS_PER_S / per_node_gpus)
     exposed = max(0.0, comm - OVERLAP * compute)

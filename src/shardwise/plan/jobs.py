@@ -36,6 +36,7 @@ from shardwise.memory import active_tracker
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec
 from shardwise.plan.trace import Trace, TraceFailed, View, fake_world, trace
+from shardwise.strategies.accounting import accounting_for
 
 
 @dataclass(frozen=True)
@@ -158,14 +159,18 @@ def _can_fork() -> bool:
 def _longest_first(jobs: Sequence[TraceJob]) -> list:
     return sorted(
         jobs,
-        key=lambda j: (j.traced.activation_checkpointing, j.traced.kind == "fsdp", j.depth or 0, j.accumulation),
+        key=lambda j: (j.traced.activation_checkpointing, _sharded(j), j.depth or 0, j.accumulation),
         reverse=True,
     )
 
 
+def _sharded(job: TraceJob) -> bool:
+    return accounting_for(job.traced.plan).shards_on_meta
+
+
 def _cost(job: TraceJob) -> float:
     # Rough relative CPU cost of one trace: dispatched ops grow with depth; FSDP adds DTensor dispatch.
-    return float(job.depth or 1) * (1.5 if job.traced.kind == "fsdp" else 1.0)
+    return float(job.depth or 1) * accounting_for(job.traced.plan).trace_cost
 
 
 def _shares(jobs: Sequence[TraceJob], workers: int) -> list:
@@ -181,7 +186,7 @@ def _shares(jobs: Sequence[TraceJob], workers: int) -> list:
     """
     groups: Dict[Any, list] = {}
     for job in _longest_first(jobs):
-        key = ("fsdp", job.depth) if job.traced.kind == "fsdp" else ("alone", id(job))
+        key = ("sharded", job.depth) if _sharded(job) else ("alone", id(job))
         groups.setdefault(key, []).append(job)
     fair = sum(_cost(j) for j in jobs) / max(1, workers)
     pieces, todo = [], list(groups.values())

@@ -12,7 +12,7 @@ followed by one optimizer step through the Trainer's own step functions
 (shardwise/step.py: `forward_backward` per micro-batch, `optimizer_update`).
 Memory is counted by shardwise.memory's tracker (the one the accuracy test
 measures real runs with), in count-fake mode, through its public hooks. DDP
-is traced unwrapped; see `_strategy_kind` for why and how its buckets are
+is traced unwrapped; see `_traced` for why and how its buckets are
 accounted.
 
 Corrections that make fake-mode numbers mean what real ones do:
@@ -56,6 +56,7 @@ from shardwise.plan.candidates import Candidate
 from shardwise.plan.kernels import target_attention
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, meta_copy, spec_batch
+from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.ddp import DDPStrategy
 
 
@@ -246,27 +247,33 @@ def _fresh_module(spec: ModelSpec, depth: Optional[int], optimizer: Any) -> Any:
     return meta_copy(spec.module)
 
 
-def _strategy_kind(cand: Candidate) -> Candidate:
-    """The configuration actually traced: ZeRO stages are traced as DDP, CPU offload as its on-device part.
+def _traced(cand: Candidate) -> Tuple[Candidate, Any]:
+    """The configuration actually traced, and its accounting (strategies/accounting.py).
 
-    DDP itself is traced unwrapped (as on one device): DistributedDataParallel's
+    ZeRO stages are traced as DDP, CPU offload as its on-device part. DDP
+    itself is traced unwrapped (as on one device): DistributedDataParallel's
     C++ reducer reads parameter data at construction, which fake tensors do not
     have. Its memory is the module's plus one effect, modelled by DDP_VIEW: with
     gradient_as_bucket_view (our default) the gradients live in buckets that
     stay allocated after zero_grad, so from the second step on they are always there.
     """
-    if cand.kind == "deepspeed":
-        return Candidate("ddp", activation_checkpointing=cand.activation_checkpointing)
-    return dataclasses.replace(cand, offload=False)
+    plan = accounting_for(cand.plan).traced_plan(cand.plan)
+    # The user's own object is traced when it is the engine that runs (not for ZeRO's DDP stand-in).
+    traced = dataclasses.replace(cand, plan=plan) if plan.engine == cand.plan.engine else Candidate(plan)
+    return traced, accounting_for(plan)
 
 
-def _build_traced_strategy(cand: Candidate, traced: Candidate, spec: ModelSpec) -> Any:
+def _build_traced_strategy(traced: Candidate, by_hand: bool, spec: ModelSpec) -> Any:
     """The strategy object to run: the user's own (a fresh copy, offload off), or the candidate's."""
-    if cand.strategy is not None and cand.kind != "deepspeed":
-        strategy = copy.deepcopy(cand.strategy)
+    if traced.strategy is not None:
+        strategy = copy.deepcopy(traced.strategy)
         if getattr(strategy, "cpu_offload", False):
             strategy.cpu_offload = False  # offload is CUDA-only: its on-device part is traced
         return strategy
+    if by_hand:  # the engine has no checkpointing option: trace() checkpoints the blocks itself
+        if not spec.block_classes:
+            raise PlanError("activation checkpointing needs the model's block class; none was found")
+        traced = dataclasses.replace(traced, plan=dataclasses.replace(traced.plan, ac="none"))
     return traced.build_strategy(spec.block_classes, None)
 
 
@@ -296,23 +303,24 @@ def trace(
 
     if not isinstance(optimizer, OptimizerChoice):
         optimizer = resolve_optimizer(optimizer, foreach=foreach, target=target)
-    traced = _strategy_kind(cand)
-    strategy = _build_traced_strategy(cand, traced, spec)
+    traced, acct = _traced(cand)
+    by_hand = traced.plan.uses_ac and not acct.has_ac_option
+    strategy = _build_traced_strategy(traced, by_hand, spec)
     strategy.connect("cpu", _trace_precision(precision), num_nodes=num_nodes, devices=world_size // num_nodes)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # The one step of set-up that would allocate -- materialisation -- gives fake tensors instead.
-    env = _rank0_env(world_size, num_nodes) if traced.kind == "fsdp" else _rank0_env(1, 1)
+    env = _rank0_env(*acct.trace_world(world_size, num_nodes))
     strategy.setup_fake_environment(env, fake)
     module = _fresh_module(spec, depth, optimizer)
     with strategy.module_init_context():
         module.configure_model()
-    if traced.kind == "ddp" and traced.activation_checkpointing:
+    if by_hand:
         # DeepSpeed checkpoints the same blocks with its own wrapper (same saved tensors).
         from shardwise.strategies.fsdp import apply_activation_checkpointing
 
         apply_activation_checkpointing(module, set(spec.block_classes))
     result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
-    buckets = traced.kind == "ddp" and world_size > 1
+    buckets = acct.grad_buckets(world_size)
     recorder = _PhaseRecorder(
         views or {"identity": DDP_VIEW if buckets else IDENTITY}, scales, optimizer_scale=optimizer.state_scale
     )

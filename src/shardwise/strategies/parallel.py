@@ -119,11 +119,25 @@ class ParallelPlan:
             base = f"FSDP {self.sharding}"
         else:
             base = "DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
-        if self.offload:
+        if self.offload_optimizer:  # (FSDP offloads both; ZeRO's parameter offload rides on it)
             base += " + offload"
         if self.uses_ac:
             base += " + AC"
         return base
+
+    def code(self, block: str = "Block") -> str:
+        """The Trainer argument a user writes for this plan (reports and warnings show it)."""
+        ac = f", activation_checkpointing_policy={{{block}}}" if self.uses_ac else ""
+        if self.engine in ("single", "ddp"):
+            return f'"{self.engine}"' if not ac else f"DDPStrategy()  # + checkpoint {block} yourself"
+        if self.engine == "fsdp":
+            extra = "" if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
+            off = ", cpu_offload=True" if self.offload else ""
+            return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{ac}{off})"
+        off = (", offload_optimizer=True" if self.offload_optimizer else "") + (
+            ", offload_parameters=True" if self.offload_params else ""
+        )
+        return f"DeepSpeedStrategy(stage={self.zero_stage}{off}{ac})"
 
     @property
     def dp_degrees(self) -> Tuple[int, int]:
@@ -139,6 +153,11 @@ class ParallelPlan:
     @property
     def offload(self) -> bool:
         return self.offload_params or self.offload_optimizer
+
+    @property
+    def splits_at_nodes(self) -> bool:
+        """Whether the data-parallel degrees follow the node boundary (HYBRID_SHARD's layout)."""
+        return self.dp_degrees == (FILL, FILL)
 
     def configuration(self) -> "ParallelPlan":
         """This plan without what belongs to a run rather than to the configuration (blocks, precision)."""
@@ -201,12 +220,19 @@ class ParallelPlan:
                 out["offload_parameters"] = True
         return out
 
-    def build(self, blocks: Any = None, spelled: Optional[str] = None, **options: Any) -> Any:
+    def build(
+        self,
+        blocks: Any = None,
+        spelled: Optional[str] = None,
+        engine_options: Optional[Dict[str, Dict[str, Any]]] = None,
+        **options: Any,
+    ) -> Any:
         """The strategy object for this plan.
 
         blocks: the model's block classes when the plan has none (FSDP wraps each as a unit, `ac`
         checkpoints them). spelled: the name the user wrote, for error messages. options: further
-        constructor arguments (e.g. bucket_cap_mb=25); they win over the plan's.
+        constructor arguments (e.g. bucket_cap_mb=25); they win over the plan's. engine_options:
+        more of them for whichever engine the plan names, e.g. {"deepspeed": {"config": {...}}}.
         """
         from shardwise.strategies import CLASSES
 
@@ -218,6 +244,7 @@ class ParallelPlan:
             kwargs["precision"] = self.precision
         if self.engine == "fsdp" and units:
             kwargs["auto_wrap_policy"] = units
+        kwargs.update((engine_options or {}).get(self.engine, {}))
         kwargs.update(options)
         if self.uses_ac:
             if not units or self.engine not in ("fsdp", "deepspeed"):
