@@ -141,7 +141,7 @@ def run(
                 except ChildFailedError as exc:
                     result = _verdict(exc, ranks, run_dir, forwarder, who)
         result.signalled = forwarder.received is not None
-        if result.exitcode != 0 and os.path.exists(agent_log):
+        if result.exitcode not in (0, PREEMPTED_EXIT_CODE) and os.path.exists(agent_log):
             kept = True  # the run directory with it: the verdict names the file
             result.message = result.message.rstrip("\n") + f"\n{who} torch's elastic agent logged to {agent_log}"
     except BaseException as exc:
