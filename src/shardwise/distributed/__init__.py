@@ -1,6 +1,7 @@
-"""Process bookkeeping: environment detection, local launching, safe collectives."""
+"""Process bookkeeping: environment detection, the launch context, local launching, safe collectives."""
 
-from shardwise.distributed.env import DistEnv, detect_env
+from shardwise.distributed.context import LaunchContext
+from shardwise.distributed.env import DistEnv, detect_env, global_rank, is_global_zero
 from shardwise.distributed.launch import launch
 
-__all__ = ["DistEnv", "detect_env", "launch"]
+__all__ = ["DistEnv", "LaunchContext", "detect_env", "global_rank", "is_global_zero", "launch"]
