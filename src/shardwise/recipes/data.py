@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardwise.distributed import ops
-from shardwise.distributed.env import detect_env
+from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.module import DataModule
 
 CACHE_VERSION = 1
@@ -420,9 +420,8 @@ class PreparedData:
 
 def build_on_rank0(spec: DataSpec, tokenizer: Any, cache_dir: str) -> str:
     """Global rank 0 builds the cache entry unless it exists; every rank gets the entry's folder."""
-    env = detect_env()
     folder = os.path.join(cache_dir, cache_key(spec, tokenizer))
-    if (env.global_rank if env is not None else 0) == 0 and not os.path.exists(folder):
+    if is_global_zero() and not os.path.exists(folder):
         os.makedirs(cache_dir, exist_ok=True)
         build_cache(spec, tokenizer, folder)
     return folder
