@@ -44,11 +44,11 @@ from shardwise.checkpoint.integrity import (
     check_agreement,
     find_os_error,
     hash_files,
-    note_unverified,
     record_checksums,
     recorded_checksums,
     verify_directory,
     verify_enabled,
+    wanted,
     write_checksum_part,
     write_error,
 )
@@ -372,30 +372,31 @@ def check_format_readable(path: str, checkpoint_format: str, strategy_format: st
     )
 
 
-def verify_one_file(path: str) -> Dict[str, Any]:
-    """A one-file checkpoint's manifest, after its digest is checked (collective: every rank hashes a
-    share of the file and all raise together). Nothing has been unpickled when it returns."""
-    manifest = read_manifest(path)  # from the trailer; a file without one is refused here
-    if not verify_enabled():
-        note_unverified(path)
-        return manifest
-    trailer = onefile.read_trailer(path)
-    if trailer is None:  # cannot happen after read_manifest; never load unverified by accident
-        raise ChecksumMismatchError(f"{path} has no checksum trailer.")
-    onefile.verify(path, trailer, ops.rank(), ops.world_size(), gather=ops.all_gather_object)
-    return manifest
+def verify_one_file(path: str, verify: Optional[bool] = None) -> Tuple[Dict[str, Any], bool]:
+    """A one-file checkpoint's manifest and whether its digest was checked (collective: every rank
+    hashes a share of the file, all raise together). Nothing has been unpickled when it returns.
+    `verify`: integrity.wanted (None: unless SHARDWISE_VERIFY_CHECKSUMS=0)."""
+    verify = wanted(verify, path)
+    manifest = read_manifest(path, verify)  # from the trailer; a file without one is refused here
+    if verify:
+        trailer = onefile.read_trailer(path)
+        if trailer is None:  # cannot happen after read_manifest; never load unverified by accident
+            raise ChecksumMismatchError(f"{path} has no checksum trailer.")
+        onefile.verify(path, trailer, ops.rank(), ops.world_size(), gather=ops.all_gather_object)
+    return manifest, verify
 
 
 def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str) -> Dict[str, Any]:
     # Verified first, in shares across the ranks: the pages read to hash it are those
     # the mapped load below uses, so the file is read from disk once.
-    manifest = verify_one_file(path)
+    manifest, verified = verify_one_file(path)
     # mmap: the file's pages are shared between ranks through the page cache
     # instead of each rank holding a private copy.
     payload = load_torch(path, mmap=True)
     if not isinstance(payload, dict) or "state_dict" not in payload:
         raise CorruptCheckpointError(f"{path} has no 'state_dict' entry: not a full shardwise checkpoint.")
-    check_agreement(path, manifest, payload)
+    if verified:
+        check_agreement(path, manifest, payload)
     _check_model(path, shapes_of(payload["state_dict"]), model)
     optim_states = payload.get("optimizer_states", [])
     _check_optimizer_count(path, len(optim_states), len(optimizers))

@@ -70,6 +70,17 @@ def note_unverified(path: str) -> None:
     )
 
 
+def wanted(verify: Optional[bool], path: str) -> bool:
+    """Whether to verify: `verify` when given (inspect's --no-verify), else unless the opt-out is set,
+    which is then said (`note_unverified`)."""
+    if verify is not None:
+        return verify
+    if verify_enabled():
+        return True
+    note_unverified(path)
+    return False
+
+
 def parallel_map(fn: Callable[[Any], Any], items: List[Any], share: int = 1) -> List[Any]:
     """fn over items on up to one thread per core, or per `share` cores where that many processes
     hash at once (hashlib releases the GIL while it hashes)."""
@@ -121,7 +132,7 @@ def check_seal(manifest: Dict[str, Any], where: str) -> None:
     still compared with the checksummed trainer state (`check_agreement`) on load.
     """
     recorded = manifest.get(SEAL_KEY)
-    if recorded is None or not verify_enabled():
+    if recorded is None:
         return
     actual = _seal_of(_canonical(manifest))
     if actual != recorded:
@@ -138,8 +149,6 @@ def check_agreement(where: str, manifest: Dict[str, Any], state: Dict[str, Any])
     position (`state["train_state"]`); a manifest whose step, epoch, run or format differs from
     them was edited, and resuming by it would start at the wrong place.
     """
-    if not verify_enabled():
-        return
     saved = _canonical(state.get("shardwise") or {})
     position = _canonical(state.get("train_state") or {})
     differ = [
@@ -250,14 +259,15 @@ def verify_directory(
     world_size: int = 1,
     gather: Any = None,
     only: Optional[Iterable[str]] = None,
+    verify: Optional[bool] = None,
 ) -> None:
     """Check every recorded file (or those in `only`), this rank taking every world_size-th.
 
     `gather(obj) -> list` must be a collective over the loading ranks (or None in one process), so
-    that every rank raises together instead of some waiting in the next collective.
+    that every rank raises together instead of some waiting in the next collective. `verify`:
+    see `wanted` (None: unless SHARDWISE_VERIFY_CHECKSUMS=0).
     """
-    if not verify_enabled():
-        note_unverified(directory)
+    if not wanted(verify, directory):
         return
     sums = recorded_checksums(directory, manifest)
     names = sorted(sums if only is None else set(only) & set(sums))

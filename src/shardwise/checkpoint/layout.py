@@ -54,7 +54,6 @@ from shardwise.checkpoint.integrity import (
     check_agreement,
     check_seal,
     file_digest,
-    note_unverified,
     verify_enabled,
     write_error,
     write_manifest,
@@ -177,10 +176,12 @@ def write_trainer_state(directory: str, state: Dict[str, Any]) -> None:
     write_manifest(directory, {**state["shardwise"], "checksums": {TRAINER_STATE_NAME: file_digest(state_path)}})
 
 
-def read_trainer_state(directory: str) -> Dict[str, Any]:
-    """A directory checkpoint's trainer state (verify its checksum first), checked against the manifest."""
+def read_trainer_state(directory: str, verify: Optional[bool] = None) -> Dict[str, Any]:
+    """A directory checkpoint's trainer state (verify its checksum first), checked against the manifest
+    unless `verify` is False (None: unless SHARDWISE_VERIFY_CHECKSUMS=0)."""
     state = load_torch(os.path.join(directory, TRAINER_STATE_NAME))
-    check_agreement(os.path.join(directory, MANIFEST_NAME), read_manifest(directory), state)
+    if verify_enabled() if verify is None else verify:
+        check_agreement(os.path.join(directory, MANIFEST_NAME), read_manifest(directory, verify), state)
     return state
 
 
@@ -192,13 +193,16 @@ def load_torch(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
     return safe_torch_load(path, map_location=map_location, mmap=mmap)
 
 
-def read_manifest(path: str) -> Dict[str, Any]:
+def read_manifest(path: str, verify: Optional[bool] = None) -> Dict[str, Any]:
     """The manifest of the checkpoint at `path` (a file or a directory), its seal checked; reads no tensor.
 
     A one-file checkpoint's manifest comes from its trailer, unpickling nothing. A file without a
     trailer cannot be verified before unpickling: it is refused with the reason (code it would
     run, damage, another layout version, or UnverifiableCheckpointError naming the opt-out).
+    `verify=False` (or, when None, SHARDWISE_VERIFY_CHECKSUMS=0) skips the seal and reads such a
+    file's manifest from its pickled structure instead.
     """
+    verify = verify_enabled() if verify is None else verify
     if os.path.isdir(path):
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.exists(manifest_path):
@@ -215,19 +219,21 @@ def read_manifest(path: str) -> Dict[str, Any]:
             raise CorruptCheckpointError(f"{manifest_path} is truncated or corrupt: {exc}") from exc
         if not isinstance(manifest, dict):
             raise CorruptCheckpointError(f"{manifest_path} is corrupt: not a JSON object.")
-        check_seal(manifest, manifest_path)
+        if verify:
+            check_seal(manifest, manifest_path)
         return manifest
     if not os.path.exists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete.")
     comment = onefile.archive_comment(path)
     if comment:
         manifest = onefile.parse_trailer(path, comment).manifest
-        check_seal(manifest, f"The manifest in {path}'s trailer")
+        if verify:
+            check_seal(manifest, f"The manifest in {path}'s trailer")
         return manifest
-    return _manifest_without_trailer(path, comment is not None)
+    return _manifest_without_trailer(path, comment is not None, verify)
 
 
-def _manifest_without_trailer(path: str, is_zip: bool) -> Dict[str, Any]:
+def _manifest_without_trailer(path: str, is_zip: bool, verify: bool) -> Dict[str, Any]:
     """The reason a file without a trailer is refused (read from its structure, nothing unpickled),
     or with SHARDWISE_VERIFY_CHECKSUMS=0 its manifest, unpickled without tensors."""
     names = unsafe_globals(path)
@@ -241,14 +247,13 @@ def _manifest_without_trailer(path: str, is_zip: bool) -> Dict[str, Any]:
     version = onefile.peek_format_version(path)
     if version is not None:
         check_version({"format_version": version, "shardwise_version": "?"}, path)
-    if verify_enabled():
+    if verify:
         raise UnverifiableCheckpointError(
             f"{path} carries no checksum trailer, so nothing can verify it before it is unpickled: it was "
             "written by a shardwise from before one-file checkpoints carried one, or by plain torch.save. If "
             f"you trust it, load it once with {VERIFY_ENV}=0 (unverified; the checkpoints that run saves are "
             "verified)."
         )
-    note_unverified(path)
     # Load it on the meta device, which reads only the pickled structure, never the tensor
     # bytes (and through the safe unpickler).
     payload = load_torch(path, map_location="meta")

@@ -29,21 +29,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardwise.checkpoint import layout, onefile
+from shardwise.checkpoint import layout
 from shardwise.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from shardwise.checkpoint.formats import read_dcp_metadata
-from shardwise.checkpoint.integrity import (
-    check_agreement,
-    note_unverified,
-    recorded_checksums,
-    verify_directory,
-    verify_enabled,
-)
+from shardwise.checkpoint.formats import read_dcp_metadata, verify_one_file
+from shardwise.checkpoint.integrity import check_agreement, recorded_checksums, verify_directory, wanted
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
 
 
@@ -115,17 +109,14 @@ def _infos(tree: Any, prefix: str = "") -> List[TensorInfo]:
 class FullFileReader(CheckpointReader):
     """One torch file; tensors come from positioned reads of their storage records."""
 
-    def __init__(self, path: str) -> None:
-        manifest = layout.read_manifest(path)  # from the trailer; a file without one is refused here
-        trailer = onefile.read_trailer(path) if verify_enabled() else None
-        if trailer is not None:  # every byte, before the structure is unpickled (threads share the file)
-            onefile.verify(path, trailer)
-        else:
-            note_unverified(path)
+    def __init__(self, path: str, verify: Optional[bool] = None) -> None:
+        # Every byte before the structure is unpickled (threads share the file); `verify`: integrity.wanted.
+        manifest, verified = verify_one_file(path, verify)
         self._meta = layout.load_torch(path, map_location="meta")
         if not isinstance(self._meta, dict) or "shardwise" not in self._meta or "state_dict" not in self._meta:
             raise CorruptCheckpointError(f"{path} is a torch file but not a full shardwise checkpoint.")
-        check_agreement(path, manifest, self._meta)
+        if verified:
+            check_agreement(path, manifest, self._meta)
         super().__init__(path, manifest)
         self._state = self._meta["state_dict"]
         self._mapped: Optional[Dict[str, torch.Tensor]] = None
@@ -172,14 +163,15 @@ class ShardedDirReader(CheckpointReader):
     _MODEL = "model."
     _OPTIM = "optimizers."
 
-    def __init__(self, path: str, manifest: Dict[str, Any]) -> None:
+    def __init__(self, path: str, manifest: Dict[str, Any], verify: Optional[bool] = None) -> None:
         super().__init__(path, manifest)
         # The small files (.metadata, trainer_state.pt) before they are unpickled; the data
-        # files before the first tensor is read.
+        # files before the first tensor is read. `verify`: integrity.wanted.
+        self._verify = wanted(verify, path)
         small = [rel for rel in recorded_checksums(path, manifest) if not rel.endswith(".distcp")]
-        verify_directory(path, manifest, only=small)
+        verify_directory(path, manifest, only=small, verify=self._verify)
         self.metadata = read_dcp_metadata(path)
-        self._verified = False
+        self._verified = not self._verify
 
     def _tensor_md(self, prefix: str) -> List[TensorInfo]:
         out = []
@@ -195,13 +187,13 @@ class ShardedDirReader(CheckpointReader):
         return [TensorInfo("optimizer." + t.name, t.shape, t.dtype) for t in self._tensor_md(self._OPTIM)]
 
     def trainer_state(self) -> Dict[str, Any]:
-        return layout.read_trainer_state(self.path)
+        return layout.read_trainer_state(self.path, self._verify)
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         metadata = self.metadata  # read once (safely), not once per tensor
         if not self._verified:  # once, before the first tensor is handed out (SHARDWISE_VERIFY_CHECKSUMS=0 skips)
             data = [rel for rel in recorded_checksums(self.path, self.manifest) if rel.endswith(".distcp")]
-            verify_directory(self.path, self.manifest, only=data)
+            verify_directory(self.path, self.manifest, only=data, verify=True)
             self._verified = True
         info = {t.name: t for t in self.tensors()}
         target = {self._MODEL + n: torch.empty(info[n].shape, dtype=info[n].dtype) for n in names}
@@ -224,15 +216,15 @@ class ShardedDirReader(CheckpointReader):
 
 
 # Directory formats other than "sharded" register here from their strategy's module (DeepSpeed's
-# from strategies/__init__.py), so nothing in
-# checkpoint/ imports a strategy.
-_READERS: Dict[str, Callable[[str, Dict[str, Any]], CheckpointReader]] = {
+# from strategies/__init__.py), so nothing in checkpoint/ imports a strategy. A factory is called
+# as factory(path, manifest, verify) (`verify`: integrity.wanted).
+_READERS: Dict[str, Callable[..., CheckpointReader]] = {
     "sharded": ShardedDirReader,
 }
 
 
-def register_reader(checkpoint_format: str, factory: Callable[[str, Dict[str, Any]], CheckpointReader]) -> None:
-    """Teach convert / inspect a directory format: factory(path, manifest) -> CheckpointReader."""
+def register_reader(checkpoint_format: str, factory: Callable[..., CheckpointReader]) -> None:
+    """Teach convert / inspect a directory format: factory(path, manifest, verify) -> CheckpointReader."""
     _READERS[checkpoint_format] = factory
 
 
@@ -252,20 +244,24 @@ def resolve_cli_path(path: str) -> str:
     return os.path.realpath(full)
 
 
-def open_checkpoint(path: str, check_version: bool = True) -> CheckpointReader:
-    """A reader for the checkpoint at `path` (or the newest one in a checkpoint directory)."""
+def open_checkpoint(path: str, check_version: bool = True, verify: Optional[bool] = None) -> CheckpointReader:
+    """A reader for the checkpoint at `path` (or the newest one in a checkpoint directory).
+
+    `verify`: integrity.wanted (None: unless SHARDWISE_VERIFY_CHECKSUMS=0; `inspect` passes False
+    after its own report has verified every file).
+    """
     path = resolve_cli_path(path)
     if os.path.isfile(path):
-        reader: CheckpointReader = FullFileReader(path)
+        reader: CheckpointReader = FullFileReader(path, verify)
     else:
-        manifest = layout.read_manifest(path)
+        manifest = layout.read_manifest(path, verify)
         factory = _READERS.get(manifest.get("checkpoint_format", ""))
         if factory is None:
             raise CheckpointFormatError(
                 f"{path} is in format {manifest.get('checkpoint_format')!r}, which no reader is registered for "
                 f"(known: full, {', '.join(sorted(_READERS))}). Its strategy module registers one when imported."
             )
-        reader = factory(path, manifest)
+        reader = factory(path, manifest, verify)
     if check_version:
         layout.check_version(reader.manifest, path)
     return reader

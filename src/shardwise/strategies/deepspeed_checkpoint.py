@@ -45,11 +45,13 @@ from shardwise.checkpoint.integrity import (
     hash_files,
     record_checksums,
     verify_directory,
+    wanted,
     write_error,
     write_json_durably,
 )
 from shardwise.checkpoint.layout import (
     MANIFEST_NAME,
+    TRAINER_STATE_NAME,
     read_manifest,
     read_trainer_state,
     remove_checkpoint,
@@ -301,10 +303,11 @@ def _stage0_state(path: str) -> Dict[str, torch.Tensor]:
 class DeepSpeedReader(CheckpointReader):
     """Lets `shardwise convert` / `inspect` read DeepSpeed checkpoints (consolidating once, on first read)."""
 
-    def __init__(self, path: str, manifest: Dict[str, Any]) -> None:
+    def __init__(self, path: str, manifest: Dict[str, Any], verify: Optional[bool] = None) -> None:
         super().__init__(path, manifest)
         self.info = read_params(path)
         self._state: Optional[Dict[str, torch.Tensor]] = None
+        self._verify = wanted(verify, path)  # every file before the first read (integrity.wanted)
 
     def tensors(self) -> List[TensorInfo]:
         # Master weights are fp32, whatever precision the model trained in.
@@ -318,10 +321,11 @@ class DeepSpeedReader(CheckpointReader):
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         if self._state is None:
-            verify_directory(self.path, read_manifest(self.path))
+            verify_directory(self.path, read_manifest(self.path, self._verify), verify=self._verify)
             check_engine_files(self.path)
             self._state = consolidate(self.path)
         return {n: self._state[n] for n in names}
 
     def trainer_state(self) -> Dict[str, Any]:
-        return read_trainer_state(self.path)
+        verify_directory(self.path, self.manifest, only=[TRAINER_STATE_NAME], verify=self._verify)
+        return read_trainer_state(self.path, self._verify)
