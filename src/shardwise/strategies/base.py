@@ -106,6 +106,13 @@ class Strategy:
     #: create a private process group of one when no launcher started this process
     #: (FSDP2's device mesh and DeepSpeed's comm layer cannot run without one)
     needs_process_group = False
+    # Capabilities the Trainer asks about instead of checking which strategy runs:
+    #: parameters, gradients or optimizer state are partitioned across ranks (FSDP, every ZeRO
+    #: stage), so a module set up by this strategy cannot move to another run's strategy
+    is_sharded = False
+    #: a step with non-finite values can be dropped (Trainer(non_finite="skip")); False where an
+    #: engine takes every step itself
+    can_skip_step = True
 
     def __init__(self, precision: Union[str, Precision, None] = None, timeout_s: float = 1800.0) -> None:
         self._precision_arg = precision
@@ -367,6 +374,10 @@ class Strategy:
 
     def _grads(self, model: nn.Module) -> List[torch.Tensor]:
         return [p for p in model.parameters() if p.grad is not None]
+
+    def gradients(self, model: nn.Module) -> List[torch.Tensor]:
+        """This rank's gradient tensors (its shards, where sharded), e.g. to check them for NaN/inf."""
+        return [p.grad for p in self._grads(model)]
 
     def clip_gradients(
         self,

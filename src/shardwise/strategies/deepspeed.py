@@ -59,6 +59,8 @@ class DeepSpeedStrategy(Strategy):
 
     name = "deepspeed"
     needs_process_group = True  # DeepSpeed's collectives assume a group, even for one process
+    is_sharded = True  # optimizer state from stage 1, gradients from 2, parameters at 3
+    can_skip_step = False  # the engine takes every step
 
     def __init__(
         self,

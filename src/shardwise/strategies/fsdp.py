@@ -246,6 +246,7 @@ class FSDPStrategy(Strategy):
     """
 
     name = "fsdp"
+    is_sharded = True
     # One process still shards over a world of one (planning, tests, one GPU); its group uses
     # the device's backend, since gloo cannot reduce-scatter the CUDA tensors of a CUDA mesh.
     needs_process_group = True

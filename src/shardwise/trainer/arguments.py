@@ -150,10 +150,11 @@ def check_non_finite(non_finite: str, strategy: Strategy) -> str:
             f"non_finite={non_finite!r}: use 'error' (stop, the default), 'skip' (drop the step), "
             "'warn' (report and continue) or 'off'."
         )
-    if non_finite == "skip" and strategy.name == "deepspeed":
+    if non_finite == "skip" and not strategy.can_skip_step:
         raise ValueError(
-            "non_finite='skip' is not available with DeepSpeed: its engine takes every step. Use "
-            "'error' or 'warn', or fp16 precision, whose loss scaling skips overflowing steps."
+            f"non_finite='skip' is not available with {type(strategy).__name__.replace('Strategy', '')}: its "
+            "engine takes every step. Use 'error' or 'warn', or fp16 precision, whose loss scaling skips "
+            "overflowing steps."
         )
     return non_finite
 

@@ -27,7 +27,7 @@ def agree(
     """(any rank non-finite, any rank signalled), agreed across ranks in one read-back."""
     flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
     scaled = getattr(strategy, "grad_scaler", None) is not None
-    grad_flag = None if scaled else health.nonfinite_norm_flag([p.grad for p in strategy._grads(model)])
+    grad_flag = None if scaled else health.nonfinite_norm_flag(strategy.gradients(model))
     if grad_flag is not None:
         flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
     local = torch.stack(flags).any().float() if flags else torch.zeros(())

@@ -62,10 +62,7 @@ def check_refit(module: Any, trainer: Any) -> set:
     if previous is None or previous is trainer:
         return set()
     params = list(module.parameters())
-    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params) or getattr(previous.strategy, "name", "") in (
-        "fsdp",
-        "deepspeed",
-    ):
+    if previous.strategy.is_sharded or any(isinstance(p, DTensor) for p in params):
         raise RuntimeError(
             f"This {type(module).__name__} was already set up and trained by another Trainer's "
             f"{type(previous.strategy).__name__}: its parameters are sharded for that run's process group. "
