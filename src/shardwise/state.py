@@ -8,7 +8,8 @@ checkpoint layer needs to put a resumed run at the same point: whether the
 epoch's own work is done (a save from epoch-end hooks resumes at the next
 epoch), training's RNG states while validation runs on a copy of them, and a
 restored RNG state the loop re-applies when it creates its data iterator.
-Nothing else in the Trainer is read or written by checkpoint/training.py.
+The Trainer hands it to checkpoint/training.py among the explicit stateful
+parts of a run (TrainingStates); the checkpoint layer reads nothing else.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from shardwise.checkpoint import layout
 from shardwise.checkpoint.errors import CheckpointWriteError
 from shardwise.checkpoint.integrity import check_writable
 from shardwise.checkpoint.lock import CheckpointDirectoryBusyError, DirectoryLock
-from shardwise.checkpoint.training import save_training_checkpoint
 
 _FIELD = re.compile(r"\{([^{}:!]+)([^{}]*)\}")
 
@@ -260,7 +259,7 @@ class ModelCheckpoint:
         obsolete = self._update_bookkeeping(path, decision["score"], decision["in_top"])
         # The bookkeeping above is already part of the saved callback state, so
         # a run resumed from this checkpoint knows the checkpoint itself.
-        self._pending = save_training_checkpoint(trainer, path, wait=False)
+        self._pending = trainer.save_checkpoint(path, wait=False)
         is_zero = trainer.is_global_zero
 
         def after_commit() -> None:

@@ -5,11 +5,14 @@ states the contract); this file gathers everything else a resumed run needs
 to continue exactly where the saved one was -- progress counters, the data
 position, every rank's RNG states, LR schedulers, the grad scaler, callback
 and logger state, the module's own extras and hyperparameters -- and runs
-the atomic commit (layout.py). Where the RNG states come from and where they
-go back is the subtle part, explained at `_resume_position` and in
-Trainer._epoch_iterator: a checkpoint is taken right after an optimizer step,
-and the resumed run puts the generators back at the matching point of its
-own loop, so both runs draw the same numbers from there on.
+the atomic commit (layout.py). The caller hands over these stateful parts
+explicitly, as one `TrainingStates` (torchtitan passes its `states=` the same
+way): nothing here reads the Trainer or calls into it. Where the RNG states
+come from and where they go back is the subtle part, explained at
+`_resume_position` and in Trainer._epoch_iterator: a checkpoint is taken
+right after an optimizer step, and the resumed run puts the generators back
+at the matching point of its own loop, so both runs draw the same numbers
+from there on.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import io
 import os
 import warnings
 from concurrent.futures import Future
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -30,6 +34,29 @@ from shardwise.checkpoint.rng import capture_rng_states
 from shardwise.checkpoint.safety import safe_torch_load
 from shardwise.data import find_sampler
 from shardwise.distributed import ops
+from shardwise.state import TrainState
+
+
+@dataclass
+class TrainingStates:
+    """The stateful parts of a run that a checkpoint saves and restores, handed over by the Trainer.
+
+    The model and optimizers are saved by the strategy in its own format; these
+    are the rest. Restoring writes into them (the train state, the sampler, the
+    LR schedulers and grad scaler, callbacks, loggers, the metrics dict), never
+    into their owner.
+    """
+
+    strategy: Any  # model, optimizers, LR schedulers, grad scaler; ranks and collectives; the format
+    train_state: TrainState  # progress counters, run id, where in the loop the save happens, RNG bookkeeping
+    loader: Any  # the training DataLoader: its sampler's position and its batch size
+    callbacks: List[Any]  # saved with state_dict() / restored with load_state_dict(), keyed by state_key
+    loggers: List[Any]  # the same
+    callback_metrics: Dict[str, Any]  # saved, and updated in place on restore
+    module: Any  # the TrainModule: its hparams and on_save_checkpoint / on_load_checkpoint hooks
+    # Runs the callbacks' ("on_save_checkpoint" | "on_load_checkpoint", checkpoint) hooks, with the
+    # arguments Lightning's callbacks expect (the Trainer binds itself as their first one).
+    callback_hook: Callable[[str, Dict[str, Any]], None]
 
 
 class PendingCheckpoint:
@@ -76,7 +103,7 @@ class PendingCheckpoint:
 
 
 # --------------------------------------------------------------------- save
-def _resume_position(trainer: Any) -> Dict[str, Any]:
+def _resume_position(train_state: TrainState) -> Dict[str, Any]:
     """The loop position a resumed run must start from (TrainState.resume_position).
 
     Inside on_train_epoch_end the epoch's work is done (its validation, its
@@ -84,7 +111,7 @@ def _resume_position(trainer: Any) -> Dict[str, Any]:
     say `epoch`: a run resumed from there starts at the next epoch, or it
     would repeat that work. Anywhere else the counters are the position.
     """
-    return trainer.state.resume_position()
+    return train_state.resume_position()
 
 
 def _keyed(objects: List[Any], method: str) -> Dict[str, Any]:
@@ -113,13 +140,13 @@ def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
     ]
 
 
-def collect_state(trainer: Any) -> Dict[str, Any]:
+def collect_state(states: TrainingStates) -> Dict[str, Any]:
     """Everything but the model and optimizers, identical on every rank (collective: gathers RNG states)."""
-    strategy, module = trainer.strategy, trainer.module
-    position = _resume_position(trainer)
+    strategy, module, train_state = states.strategy, states.module, states.train_state
+    position = _resume_position(train_state)
     # During validation the generators run on a copy; save training's own.
-    rng = trainer.state.rng_outside_validation or capture_rng_states()
-    loader = trainer.train_dataloader
+    rng = train_state.rng_outside_validation or capture_rng_states()
+    loader = states.loader
     sampler = find_sampler(loader)
     state: Dict[str, Any] = {
         "shardwise": {
@@ -127,38 +154,38 @@ def collect_state(trainer: Any) -> Dict[str, Any]:
                 strategy.checkpoint_format, getattr(strategy, "name", "?"), strategy.world_size, position
             ),
             "optimizers": [type(opt).__name__ for opt in strategy.optimizers],
-            "run_id": trainer.state.run_id,
+            "run_id": train_state.run_id,
         },
-        "train_state": {**position, "run_id": trainer.state.run_id},
+        "train_state": {**position, "run_id": train_state.run_id},
         "data": {"batch_size": getattr(loader, "batch_size", None), "world_size": strategy.world_size},
         "sampler": sampler.state_dict() if sampler is not None else None,
         "rng_states": _gather_rng(rng),
         "lr_schedulers": [entry["scheduler"].state_dict() for entry in strategy.lr_schedulers],
         "grad_scaler": strategy.grad_scaler.state_dict() if strategy.grad_scaler is not None else None,
-        "callbacks": _keyed(trainer.callbacks, "state_dict"),
-        "loggers": _keyed(trainer.loggers, "state_dict"),
-        "callback_metrics": dict(trainer.metrics.callback_metrics),
+        "callbacks": _keyed(states.callbacks, "state_dict"),
+        "loggers": _keyed(states.loggers, "state_dict"),
+        "callback_metrics": dict(states.callback_metrics),
         "hyper_parameters": dict(getattr(module, "hparams", {}) or {}),
     }
     if module is not None:
         module.on_save_checkpoint(state)
-    trainer._call("on_save_checkpoint", state)
+    states.callback_hook("on_save_checkpoint", state)
     return state
 
 
-def save_training_checkpoint(trainer: Any, path: str, wait: bool = True) -> Any:
-    """Write a resumable checkpoint of `trainer` at `path`; call on every rank.
+def save_training_checkpoint(states: TrainingStates, path: str, wait: bool = True) -> Any:
+    """Write a resumable checkpoint of the run `states` describe at `path`; call on every rank.
 
     Returns the committed path, or with wait=False the PendingCheckpoint, whose
     commit() the caller must then run on every rank: ModelCheckpoint commits a
     synchronous save at once and an async one at its next save or at the end
     of training, and runs its own follow-up (move `last`, prune) after that.
     """
-    strategy = trainer.strategy
+    strategy = states.strategy
     if strategy.module is None:
         raise CheckpointError("save_checkpoint() needs a set-up model: call it during or after fit().")
     final, token = strategy.broadcast((os.path.abspath(os.fspath(path)), layout.new_token()))
-    state = collect_state(trainer)
+    state = collect_state(states)
     tmp = layout.temp_path(final, token)
     if strategy.is_global_zero:
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -169,17 +196,15 @@ def save_training_checkpoint(trainer: Any, path: str, wait: bool = True) -> Any:
 
 
 # --------------------------------------------------------------------- load
-def search_dirs(trainer: Any) -> List[str]:
-    dirs = [cb.resolve_dirpath(trainer) for cb in trainer.callbacks if hasattr(cb, "resolve_dirpath")]
-    return dirs + [os.path.join(trainer.default_root_dir, "checkpoints")]
+def load_training_checkpoint(states: TrainingStates, path: str, search_dirs: List[str]) -> Optional[str]:
+    """Restore a set-up run's `states` from a checkpoint; returns the path used, None if 'last' found none.
 
-
-def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
-    """Restore `trainer` (set up already) from a checkpoint; returns the path used, None if 'last' found none."""
-    resolved = layout.resolve(path, search_dirs(trainer))
+    search_dirs: where path="last" looks (the checkpoint callbacks' directories, then the default one).
+    """
+    resolved = layout.resolve(path, search_dirs)
     if resolved is None:
         warnings.warn(
-            f"ckpt_path='last' found no checkpoint in {search_dirs(trainer)}; training starts from scratch.",
+            f"ckpt_path='last' found no checkpoint in {search_dirs}; training starts from scratch.",
             stacklevel=3,
         )
         return None
@@ -187,28 +212,29 @@ def load_training_checkpoint(trainer: Any, path: str) -> Optional[str]:
     layout.check_version(manifest, resolved)
     # Before the optimizer names: a DeepSpeed checkpoint under another strategy gets the
     # message with the `shardwise convert` command, not an optimizer mismatch.
-    check_format_readable(resolved, manifest["checkpoint_format"], trainer.strategy.checkpoint_format)
-    running = [type(opt).__name__ for opt in trainer.strategy.optimizers]
+    strategy = states.strategy
+    check_format_readable(resolved, manifest["checkpoint_format"], strategy.checkpoint_format)
+    running = [type(opt).__name__ for opt in strategy.optimizers]
     if manifest.get("optimizers", running) != running:
         raise CheckpointMismatchError(
             f"{resolved} holds the state of optimizer(s) {manifest['optimizers']}, but configure_optimizers() "
             f"returned {running}. Resume with the same optimizer(s), or load only the weights."
         )
-    state = trainer.strategy.load_checkpoint(resolved, manifest["checkpoint_format"])
-    restore_state(trainer, state)
-    trainer.strategy.barrier("checkpoint-loaded")
+    state = strategy.load_checkpoint(resolved, manifest["checkpoint_format"])
+    restore_state(states, state)
+    strategy.barrier("checkpoint-loaded")
     return resolved
 
 
-def _restore_position(trainer: Any, state: Dict[str, Any]) -> None:
+def _restore_position(states: TrainingStates, state: Dict[str, Any]) -> None:
     """Progress counters and the data position, re-expressed for this world size and batch size."""
     position = dict(state["train_state"])
-    loader = trainer.train_dataloader
+    loader = states.loader
     sampler = find_sampler(loader)
     saved = state.get("data", {})
     batch_size = getattr(loader, "batch_size", None)
     old = (saved.get("batch_size"), saved.get("world_size"))
-    new = (batch_size, trainer.world_size)
+    new = (batch_size, states.strategy.world_size)
     if position["batch_idx"] and None not in old + new and old != new:
         # Ranks take interleaved slices of one permutation, so the samples
         # consumed so far are its first batch_idx * batch_size * world_size
@@ -228,14 +254,15 @@ def _restore_position(trainer: Any, state: Dict[str, Any]) -> None:
             "first batch.",
             stacklevel=4,
         )
-    trainer.state.load_state_dict(position)
+    states.train_state.load_state_dict(position)
     if sampler is not None and state.get("sampler"):
         sampler.load_state_dict(state["sampler"])
 
 
-def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
-    strategy, module = trainer.strategy, trainer.module
-    _restore_position(trainer, state)
+def restore_state(states: TrainingStates, state: Dict[str, Any]) -> None:
+    """Put what collect_state saved back into `states` (after the strategy restored model and optimizers)."""
+    strategy, module = states.strategy, states.module
+    _restore_position(states, state)
     rng_states = state.get("rng_states") or []
     if len(rng_states) != strategy.world_size:
         warnings.warn(
@@ -246,7 +273,7 @@ def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
         )
     if strategy.global_rank < len(rng_states):
         # Applied by the loop at the point the saved run was at (Trainer._epoch_iterator).
-        trainer.state.pending_rng = rng_states[strategy.global_rank]
+        states.train_state.pending_rng = rng_states[strategy.global_rank]
     saved_scheds = state.get("lr_schedulers", [])
     if len(saved_scheds) != len(strategy.lr_schedulers):
         raise CheckpointMismatchError(
@@ -257,13 +284,13 @@ def restore_state(trainer: Any, state: Dict[str, Any]) -> None:
         entry["scheduler"].load_state_dict(sched_state)
     if strategy.grad_scaler is not None and state.get("grad_scaler"):
         strategy.grad_scaler.load_state_dict(state["grad_scaler"])
-    for objects, key in ((trainer.callbacks, "callbacks"), (trainer.loggers, "loggers")):
+    for objects, key in ((states.callbacks, "callbacks"), (states.loggers, "loggers")):
         saved = state.get(key, {})
         current = _keyed(objects, "state_dict")  # same keys, in the same order
         for obj, name in zip([o for o in objects if callable(getattr(o, "state_dict", None))], current):
             if name in saved and callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(saved[name])
-    trainer.metrics.callback_metrics.update(state.get("callback_metrics", {}))
+    states.callback_metrics.update(state.get("callback_metrics", {}))
     if module is not None:
         module.on_load_checkpoint(state)
-    trainer._call("on_load_checkpoint", state)
+    states.callback_hook("on_load_checkpoint", state)

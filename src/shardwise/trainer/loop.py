@@ -13,6 +13,7 @@ the modules beside this one do.)
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -23,6 +24,7 @@ from torch import nn
 from shardwise import step as shared_step  # looked up at call time, like the planner's trace
 from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
 from shardwise.checkpoint.rng import restore_rng_states
+from shardwise.checkpoint.training import TrainingStates
 from shardwise.distributed import preempt
 from shardwise.distributed.device import move_to_device
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
@@ -259,18 +261,30 @@ class Trainer(TrainerAttributes):
     def _preemption_requested(self) -> bool:
         return self._preemption.requested(self.strategy)
 
-    def _restore(self, ckpt_path: str) -> None:
-        load_training_checkpoint(self, ckpt_path)
+    def _states(self) -> TrainingStates:
+        """What a checkpoint saves and restores besides the model and optimizers, handed over explicitly."""
+        return TrainingStates(
+            strategy=self.strategy,
+            train_state=self.state,
+            loader=self.train_dataloader,
+            callbacks=self.callbacks,
+            loggers=self.loggers,
+            callback_metrics=self.metrics.callback_metrics,
+            module=self.module,
+            callback_hook=functools.partial(call_callbacks, self),
+        )
 
-    def save_checkpoint(self, path: str) -> str:
+    def _restore(self, ckpt_path: str) -> None:
+        load_training_checkpoint(self._states(), ckpt_path, setup.checkpoint_search_dirs(self))
+
+    def save_checkpoint(self, path: str, wait: bool = True) -> Any:
         """Save everything needed to resume, in the strategy's format; returns the path.
 
         Call it on every rank (it is collective). The checkpoint appears at
-        `path` atomically, once every rank has written its part."""
-        return save_training_checkpoint(self, path)
-
-    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
-        call_callbacks(self, hook, *args, **kwargs)
+        `path` atomically, once every rank has written its part. With
+        wait=False it returns the PendingCheckpoint instead, whose commit()
+        every rank must run later (ModelCheckpoint does, for async saves)."""
+        return save_training_checkpoint(self._states(), path, wait=wait)
 
     def _done(self) -> bool:
         return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -182,3 +183,9 @@ def finalize_loggers(loggers: List[Any], strategy: Any, status: str) -> None:
     for logger in loggers:
         if strategy.is_global_zero and hasattr(logger, "finalize"):
             logger.finalize(status)
+
+
+def checkpoint_search_dirs(trainer: Any) -> List[str]:
+    """Where fit(ckpt_path="last") looks: the checkpoint callbacks' directories, then the default one."""
+    dirs = [cb.resolve_dirpath(trainer) for cb in trainer.callbacks if hasattr(cb, "resolve_dirpath")]
+    return dirs + [os.path.join(trainer.default_root_dir, "checkpoints")]
