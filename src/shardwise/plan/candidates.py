@@ -14,7 +14,7 @@ measured are the same configuration by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from shardwise.plan.presets import PlanError, divisors
 from shardwise.strategies import DDPStrategy, FSDPStrategy
@@ -221,3 +221,41 @@ def from_strategy(strategy: Any) -> Candidate:
     plan = _as_planned(strategy.parallel_plan.configuration())
     notes = accounting_for(plan).planner_notes(strategy)
     return Candidate(plan, custom=f"{plan.label}{notes} (your strategy)", strategy=strategy)
+
+
+def requested_candidates(
+    requested: Optional[Iterable[Union[str, ParallelPlan, Candidate, Any]]], world: int, num_nodes: int
+) -> List[Candidate]:
+    """plan(candidates=...): names, ParallelPlans, Candidates or strategy objects (None: every default one)."""
+    if requested is None:
+        return default_candidates(world, num_nodes)
+    out = [
+        c
+        if isinstance(c, Candidate)
+        else parse_candidate(c)
+        if isinstance(c, str)
+        else Candidate(_as_planned(c))
+        if isinstance(c, ParallelPlan)
+        else from_strategy(c)
+        for c in requested
+    ]
+    check_layout(out, world, num_nodes)
+    return out
+
+
+def check_layout(out: List[Candidate], world: int, num_nodes: int) -> None:
+    """Refuse configurations this world cannot run, before anything is traced."""
+    for c in out:
+        if c.plan.splits_at_nodes and (num_nodes < 2 or world % num_nodes):
+            raise PlanError(
+                f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
+                f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on "
+                "one node."
+            )
+        if c.plan.uses_ac and not accounting_for(c.plan).has_ac_option:
+            raise PlanError(
+                "DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
+                "(the same replication) or ZeRO with AC."
+            )
+    if not out:
+        raise PlanError("No configurations to plan.")

@@ -33,14 +33,15 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from shardwise.memory import format_bytes, parse_bytes
+from shardwise.memory import parse_bytes
 from shardwise.plan import analytic
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
-from shardwise.plan.candidates import Candidate, batch_splits, default_candidates, from_strategy, parse_candidate
+from shardwise.plan.candidates import Candidate, batch_splits, check_layout, from_strategy, requested_candidates
 from shardwise.plan.cost import Hardware, step_cost
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
+from shardwise.plan.recommend import format_seconds, recommend
 from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
 from shardwise.strategies.accounting import accounting_for
 
@@ -183,9 +184,9 @@ def plan(
         cands = [from_strategy(strategy)]
         if deepspeed_config is None:  # a DeepSpeedStrategy's resolved config (other strategies have none)
             deepspeed_config = getattr(cands[0].strategy, "config", None)
-        _check_layout(cands, world, num_nodes)
+        check_layout(cands, world, num_nodes)
     else:
-        cands = _candidates(candidates, world, num_nodes)
+        cands = requested_candidates(candidates, world, num_nodes)
         if candidates is None and accelerator == "cpu":
             # Offload moves state from device to host memory; on a CPU both are the same memory
             # (FSDPStrategy says so and does nothing): it saves nothing, so it is never a choice.
@@ -219,7 +220,7 @@ def plan(
             f"ZeRO rows use DeepSpeed's own Adam accounting (fp32 moments, its step temporaries), "
             f"not {opt.name}: DeepSpeed builds its optimizer from its config."
         )
-    best, reason = _recommend(estimates, dev_mem)
+    best, reason = recommend(estimates, dev_mem)
     opt_text = (
         opt.describe()
         if spec.kind != "module" or foreach is not None or fused is not None
@@ -306,34 +307,6 @@ def _validate(
         )
     factor = None if reserved_factor is None else float(reserved_factor)
     return devices * num_nodes, seq_len, dev_mem, cpu_mem, factor
-
-
-def _candidates(requested: Optional[Iterable[Union[str, Candidate]]], world: int, num_nodes: int) -> List[Candidate]:
-    if requested is None:
-        return default_candidates(world, num_nodes)
-    out = [
-        c if isinstance(c, Candidate) else parse_candidate(c) if isinstance(c, str) else from_strategy(c)
-        for c in requested
-    ]
-    _check_layout(out, world, num_nodes)
-    return out
-
-
-def _check_layout(out: List[Candidate], world: int, num_nodes: int) -> None:
-    for c in out:
-        if c.plan.splits_at_nodes and (num_nodes < 2 or world % num_nodes):
-            raise PlanError(
-                f"HYBRID_SHARD replicates across nodes and shards within one, but num_nodes={num_nodes} "
-                f"(world size {world}) cannot be split that way. Use num_nodes>=2, or FULL_SHARD on "
-                "one node."
-            )
-        if c.plan.uses_ac and not accounting_for(c.plan).has_ac_option:
-            raise PlanError(
-                "DDP has no activation-checkpointing option in shardwise; use FSDP NO_SHARD + AC "
-                "(the same replication) or ZeRO with AC."
-            )
-    if not out:
-        raise PlanError("No configurations to plan.")
 
 
 # ------------------------------------------------------------------ the planner
@@ -523,7 +496,7 @@ class _Planner:
         )
 
     def _traced_estimate(self, cand: Candidate, tr: Trace, r: float):
-        value, phase, parts = _peak(tr, "identity", r)
+        value, phase, parts = tr.peak("identity", r)
         p, g, o, b, a = parts
         breakdown = _split(
             value, params=min(p, tr.params) + b, grads=min(g, tr.grads), opt=min(o, tr.optimizer), acts=r * a
@@ -606,14 +579,6 @@ def _view_key(cand: Candidate) -> str:
     return f"{cand.plan.label} view"
 
 
-def _peak(tr: Trace, view: str, r: float) -> Tuple[float, str, Tuple[float, ...]]:
-    best = (0.0, "", (0.0,) * 5)
-    for (phase, name, scale), (value, parts) in tr.envelope.items():
-        if name == view and scale == r and value > best[0]:
-            best = (value, phase, parts)
-    return best
-
-
 def _split(total: float, *, params: float, grads: float, opt: float, acts: float) -> Dict[str, float]:
     """Breakdown whose parts add up to `total`: what is not a model state or an activation is temporary."""
     parts = dict(parameters=params, gradients=grads, optimizer=opt, activations=acts)
@@ -621,42 +586,4 @@ def _split(total: float, *, params: float, grads: float, opt: float, acts: float
     return parts
 
 
-# ------------------------------------------------------------------ recommendation
-def format_seconds(t: float) -> str:
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
-
-
-def _recommend(estimates: List[Estimate], device_memory: Optional[int]) -> Tuple[Optional[Estimate], str]:
-    if not estimates:
-        return None, "no configurations were evaluated"
-    fastest = min(estimates, key=lambda e: e.step_seconds)
-    if device_memory is None:
-        return fastest, (
-            f"{fastest.label} has the shortest estimated step ({format_seconds(fastest.step_seconds)}); "
-            "give a device memory to check what fits."
-        )
-    fitting = [e for e in estimates if e.fits]
-    if not fitting:
-        smallest = min(estimates, key=lambda e: e.reserved)
-        return None, (
-            f"Nothing fits in {format_bytes(device_memory)}: the smallest is {smallest.label} at "
-            f"{format_bytes(smallest.reserved)} reserved. Add devices, use CPU offload, or shorten "
-            "sequences."
-        )
-    best = min(fitting, key=lambda e: e.step_seconds)
-    why = (
-        f"{best.label}: fastest that fits ({format_bytes(best.reserved)} reserved of "
-        f"{format_bytes(device_memory)}, est. {format_seconds(best.step_seconds)} per step)"
-    )
-    ratio = best.step_seconds / max(fastest.step_seconds, 1e-12)
-    if fastest is not best and not fastest.fits and ratio >= 1.01:
-        speed = f"{ratio:.1f}x as fast" if ratio >= 1.5 else f"{ratio - 1:.0%} faster"
-        why += f"; {fastest.label} would be {speed} but needs {format_bytes(fastest.reserved)}"
-    return best, why + "."
-
-
-__all__ = ["plan", "Plan", "Estimate", "RESERVED_FACTOR"]
+__all__ = ["plan", "Plan", "Estimate", "RESERVED_FACTOR", "format_seconds"]

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from shardwise.memory import format_bytes
-from shardwise.plan.core import CATEGORIES, Estimate, Plan, format_seconds
+from shardwise.plan.core import CATEGORIES, Estimate, Plan
+from shardwise.plan.recommend import format_seconds
 
 _SHORT = {
     "parameters": "params",
@@ -170,9 +171,3 @@ def plot(p: Plan, path: str, show_all: bool = False) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def summary_line(e: Optional[Estimate]) -> str:
-    if e is None:
-        return "no configuration"
-    return f"{e.label}: {format_bytes(e.allocated)} allocated, {format_bytes(e.reserved)} reserved per device"

@@ -57,7 +57,6 @@ from shardwise.plan.kernels import target_attention
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, meta_copy, spec_batch
 from shardwise.strategies.accounting import accounting_for
-from shardwise.strategies.ddp import DDPStrategy
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,14 @@ class Trace:
     buffers: int = 0
     units: List[str] = field(default_factory=list)
     largest_transient: int = 0  # the largest single block allocated and released within the step
+
+    def peak(self, view: str, r: float) -> Tuple[float, str, Tuple[float, ...]]:
+        """(bytes, phase, parts) at the highest moment of `view` at activation scale `r`."""
+        best = (0.0, "", (0.0,) * 5)
+        for (phase, name, scale), (value, parts) in self.envelope.items():
+            if name == view and scale == r and value > best[0]:
+                best = (value, phase, parts)
+        return best
 
 
 class _PhaseRecorder:
@@ -327,7 +334,7 @@ def trace(
     tracker = recorder.tracker()
     try:
         # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
-        with fake if isinstance(strategy, DDPStrategy) else contextlib.nullcontext():
+        with contextlib.nullcontext() if acct.shards_on_meta else fake:
             model = strategy.setup_module(module)
         with fake, target_attention(target):
             opt_config = module.configure_optimizers()
