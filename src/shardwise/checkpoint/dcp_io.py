@@ -6,7 +6,10 @@ reads each file's items in offset order with one read per item, feeds the
 same bytes (and the gaps between items) to the file's sha256, and decodes
 through the weights_only loader. A file read to its end is compared with the
 manifest (ChecksumMismatchError names it); `verified` lists those files, so
-the caller hashes the ones no rank read in full.
+the caller hashes the ones no rank read in full. Nothing is decoded or
+copied into the model while reading: the items stay mapped until the caller,
+once every file is verified, calls `apply(planner)`; so a damaged checkpoint
+is refused with the model and optimizer untouched.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ class VerifyingReader(SafeFileSystemReader):
         super().__init__(path, metadata)
         self.checksums = checksums or {}
         self.verified: Set[str] = set()
+        self.pending: List[Any] = []  # (request, storage info, mapped item, file) until apply()
+
+    def apply(self, planner: Any) -> None:
+        """Decode every item read and copy it into its target (call once all files are verified)."""
+        pending, self.pending = self.pending, []
+        for req, info, buf, path in pending:
+            self._decode(req, info, buf, planner, path)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         per_file: Dict[str, List[Any]] = {}
@@ -75,16 +85,7 @@ class VerifyingReader(SafeFileSystemReader):
                     hasher.update(buf.view)
                     pos = info.offset + info.length
                 # (info.offset < pos: the same item requested twice, already hashed)
-                try:
-                    self._decode(req, info, buf, planner, path)
-                except CheckpointError:
-                    if hasher is None:
-                        raise
-                    # Undecodable bytes: if the file differs from its recorded sum, say that instead.
-                    self._hash_range(fh, hasher, pos, None, path)
-                    self._compare(path, hasher, expected, pos)
-                    raise
-                del buf  # unmaps the item: resident memory stays one item, not the file
+                self.pending.append((req, info, buf, path))  # decoded by apply(), once verified
             if hasher is not None:
                 pos = self._hash_range(fh, hasher, pos, None, path)
         if hasher is not None:

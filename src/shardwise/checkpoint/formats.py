@@ -482,6 +482,7 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
     reader = VerifyingReader(path, metadata, {rel: sums[rel] for rel in data_files})
+    planner = SafeLoadPlanner()
     # no_dist on every rank: each rank plans its own reads from the metadata
     # (its DTensor shards say which slices it needs), skipping DCP's three
     # planning / result collectives; the one gather below shares the verdicts.
@@ -489,7 +490,7 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": per rank, yes
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(payload, storage_reader=reader, planner=planner, no_dist=True)
     except BaseException as exc:  # noqa: B036 - CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -516,6 +517,18 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         verify_directory(
             path, manifest, ops.rank(), ops.world_size(), gather=ops.all_gather_object, only=data_files - covered
         )
+    # Every file verified: only now is anything decoded and copied into the model and optimizers.
+    problem: Optional[BaseException] = None
+    try:
+        reader.apply(planner)
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised by name
+        problem = exc if isinstance(exc, CheckpointError) else CorruptCheckpointError(f"Decoding {path} failed: {exc}")
+    verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
+    failed = [v for v in ops.all_gather_object(verdict) if v]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise CorruptCheckpointError(f"Loading {path} failed on another rank: {failed[0]}")
     set_model_state_dict(model, payload[_MODEL])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, payload[_OPTIMIZERS][str(i)])
