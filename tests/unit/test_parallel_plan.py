@@ -105,3 +105,15 @@ def test_the_trainer_takes_a_plan():
     assert isinstance(trainer.strategy, DDPStrategy)
     assert isinstance(build_strategy(ParallelPlan()), SingleDeviceStrategy)
     assert isinstance(build_strategy(ParallelPlan("deepspeed", zero_stage=1)), DeepSpeedStrategy)
+
+
+def test_the_planner_takes_a_plan_as_a_candidate_and_reports_its_name():
+    from shardwise.models import GPTConfig
+    from shardwise.plan import plan
+    from shardwise.plan.presets import gpt_spec
+
+    spec = gpt_spec("tiny", GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    p = plan(spec, candidates=[ParallelPlan("fsdp", ac="full"), "fsdp_ac"], devices=2, seq_len=16, workers=1)
+    by_plan, by_name = p.estimates
+    assert by_plan.candidate == by_name.candidate and by_plan.candidate.name == "fsdp_ac"
+    assert by_plan.allocated == by_name.allocated and by_plan.candidate.config_label == "FSDP FULL_SHARD + AC"

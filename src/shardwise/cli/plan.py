@@ -78,7 +78,7 @@ def plan_command(
         paged_resident: fraction of a paged optimizer's state resident on the device (default 0).
         expandable_segments: the CUDA allocator setting (default: PYTORCH_CUDA_ALLOC_CONF, else off).
         strategy: plan exactly this strategy: a name (fsdp, ddp, fsdp_shard_grad_op, deepspeed_stage_3,
-            ...) or python:module.attr (a Strategy object, or a function returning one).
+            ...) or python:module.attr (a Strategy object or a ParallelPlan, or a function returning one).
     """
     from shardwise.plan.core import plan
     from shardwise.plan.presets import PlanError
@@ -130,7 +130,8 @@ def plan_command(
 
 
 def _strategy(value: str) -> object:
-    """--strategy: a registry name, or python:module.attr naming a Strategy (or a function returning one)."""
+    """--strategy: a name (a ParallelPlan of strategies/names.py), or python:module.attr naming a Strategy or
+    a ParallelPlan (or a function returning one)."""
     from shardwise.plan.presets import PlanError
 
     if not value.startswith("python:"):
@@ -142,9 +143,9 @@ def _strategy(value: str) -> object:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
         raise PlanError(f"--strategy {value}: cannot import it ({exc}).") from exc
-    from shardwise.strategies.base import Strategy
+    from shardwise.strategies import ParallelPlan, Strategy
 
-    return obj if isinstance(obj, Strategy) else obj()
+    return obj if isinstance(obj, (Strategy, ParallelPlan)) else obj()
 
 
 def parser() -> ArgumentParser:

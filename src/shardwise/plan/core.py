@@ -44,6 +44,7 @@ from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.recommend import format_seconds, recommend
 from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
 from shardwise.strategies.accounting import accounting_for
+from shardwise.strategies.parallel import ParallelPlan
 
 RESERVED_FACTOR = 1.25  # the old flat factor; only used when asked for (reserved_factor=1.25)
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
@@ -122,7 +123,7 @@ def plan(
     device_memory: Union[None, str, int] = None,
     precision: str = "bf16-mixed",
     cpu_memory: Union[None, str, int] = None,
-    candidates: Optional[Iterable[Union[str, Candidate]]] = None,
+    candidates: Optional[Iterable[Union[str, ParallelPlan, Candidate, Any]]] = None,
     accelerator: str = "cuda",
     gpu: str = "a100",
     interconnect: str = "nvlink",
@@ -148,8 +149,8 @@ def plan(
         devices, num_nodes: devices per node and nodes.
         device_memory: e.g. "80GiB"; without it nothing is judged to fit or not.
         cpu_memory: host memory per node, checked against offload and loading needs.
-        candidates: names like "ddp", "fsdp_ac", "deepspeed_stage_3_offload", or Strategy objects
-            (default: all, seed order).
+        candidates: names like "ddp", "fsdp_ac", "deepspeed_stage_3_offload", ParallelPlans, or
+            Strategy objects (default: all, seed order).
         accelerator: "cuda" (GPU target: its attention kernels, optimizer defaults, caching allocator) or "cpu".
         reserved_factor: a flat reserved / allocated ratio instead of the allocator model.
         optimizer: adamw, adam, sgd, adamw_fused, adamw_foreach, adamw_forloop, paged_adamw_32bit,
@@ -158,7 +159,7 @@ def plan(
         foreach, fused: the optimizer implementation (default: PyTorch's on the target: foreach on CUDA).
         paged_resident: fraction of a paged optimizer's state counted as resident on the device (default 0).
         expandable_segments: the allocator setting (default: PYTORCH_CUDA_ALLOC_CONF, else off as in PyTorch).
-        strategy: a Strategy object (or name) to plan exactly, instead of the candidate list.
+        strategy: a Strategy object (or a name, or a ParallelPlan) to plan exactly, instead of the candidate list.
         all_micro_batches: evaluate every micro-batch split, not only when the full batch does not fit.
         workers: processes tracing in parallel (default: 2 on a machine with 2+ cores, for 4+ traces).
     """
