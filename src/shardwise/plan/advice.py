@@ -5,35 +5,49 @@ Both need the device memory, which the Trainer only knows when told
 total), so nothing here runs -- and fit() is not slowed down -- unless the
 user asked for it. It runs in the process that called fit(), before any
 worker starts (the planner needs its own fake process group); workers the
-launcher starts read the choice from SHARDWISE_PLAN_CHOICE instead of
-planning again. The does-it-fit warning for a strategy the user chose is
-planned and said once, by global rank 0 of the workers. The model is planned from the user's TrainModule (copied
-onto the meta device) and the first batch of the training DataLoader; the
-Trainer's strategy is mapped back to the planner's candidate for it.
-For strategy="auto" the chosen micro-batch split is applied too: the
-training DataLoader is rebuilt at the chosen batch size and
-accumulate_grad_batches set (or the run is refused with the exact
-DataLoader(batch_size=...) to use), in the launching process and, through
-SHARDWISE_PLAN_CHOICE, in every worker.
+launcher starts read the choice from their launch context
+(LaunchContext.plan_choice) instead of planning again. The does-it-fit
+warning for a strategy the user chose is planned and said once, by global
+rank 0 of the workers. The model is planned from the user's TrainModule
+(copied onto the meta device) and the first batch of the training
+DataLoader; the Trainer's strategy is mapped back to the planner's candidate
+for it. For strategy="auto" the chosen micro-batch split is part of the
+choice: the training DataLoader rebuilt at the chosen batch size and the
+accumulation (or the run is refused with the exact DataLoader(batch_size=...)
+to use), in the launching process and in every worker.
+
+Nothing here changes the Trainer: `check_before_fit` returns a FitDecision
+(the strategy, loader and accumulation to use, what to say, what to pass to
+the workers) and Trainer.fit applies it.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from shardwise.data import rebuild
-from shardwise.distributed.env import detect_env, is_global_zero
+from shardwise.distributed import context
+from shardwise.distributed.env import detect_env
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, from_strategy, parse_candidate
 from shardwise.plan.core import plan
 from shardwise.plan.presets import PlanError
 
-CHOICE_ENV = "SHARDWISE_PLAN_CHOICE"
+
+@dataclass
+class FitDecision:
+    """What the planner decided before a fit, for Trainer.fit to apply; the planner itself changes nothing."""
+
+    strategy: Any = None  # the strategy to train with instead of the automatic one (None: keep the Trainer's)
+    train_dataloader: Any = None  # the training DataLoader re-batched to the chosen micro-batch (None: keep it)
+    accumulate_grad_batches: Optional[int] = None  # the chosen accumulation (None: keep the Trainer's)
+    message: str = ""  # what to tell the user, once, on global rank 0 ("" for nothing)
+    plan_choice: Optional[Dict[str, Any]] = None  # the choice the workers apply (LaunchContext.plan_choice)
 
 
 # Device memory the caching allocator never sees, which "auto" leaves free: the CUDA context
@@ -92,32 +106,35 @@ def candidate_for(strategy: Any) -> Optional[Candidate]:
         return None
 
 
-def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
-    """Called by Trainer.fit before anything starts: choose (strategy="auto"), warn, or do nothing."""
+def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optional[FitDecision]:
+    """Called by Trainer.fit before anything starts: choose (strategy="auto"), warn, or do nothing.
+
+    Reads the Trainer's settings; returns the decision for fit() to apply (None: nothing to change).
+    """
     world = trainer.devices * trainer.num_nodes
     device_memory = resolve_device_memory(getattr(trainer, "device_memory", None), trainer.accelerator, world)
     if device_memory is None:
-        return
+        return None
     auto = bool(getattr(trainer.strategy, "is_auto", False))
-    if auto and os.environ.get(CHOICE_ENV) and detect_env() is not None:
+    choice = context.current().plan_choice
+    if auto and choice and detect_env() is not None:
         # A worker the launcher started: the launching process has planned (same model, same answer).
-        name, blocks, split = (os.environ[CHOICE_ENV].split(":") + ["", ""])[:3]
-        cand = parse_candidate(name)
-        if split:
-            m, _, k = split.partition("x")
-            cand = cand.with_batch(int(m), int(k))
-            _apply_split(trainer, train_dataloaders, cand)
-        _install(trainer, cand, blocks=tuple(b for b in blocks.split(",") if b), reason="")
-        return
+        cand = parse_candidate(choice["candidate"])
+        decision = FitDecision()
+        if choice.get("micro_batch"):
+            cand = cand.with_batch(int(choice["micro_batch"]), int(choice["accumulation"]))
+            _batch_split(decision, trainer, train_dataloaders, cand)
+        decision.strategy = _strategy_for(trainer, cand, blocks=tuple(choice.get("blocks") or ()))
+        return decision
     env = detect_env()
     launching = env is None and trainer.devices * trainer.num_nodes > 1
     if not auto and (launching or (env is not None and not env.is_global_zero)):
-        return  # the fit warning is planned and said once, by global rank 0 of the workers
+        return None  # the fit warning is planned and said once, by global rank 0 of the workers
     if not (hasattr(train_dataloaders, "dataset") and hasattr(train_dataloaders, "batch_size")):
-        return  # only a DataLoader can give a first batch without consuming the user's data
+        return None  # only a DataLoader can give a first batch without consuming the user's data
     batch = next(iter(train_dataloaders), None)
     if batch is None:
-        return
+        return None
     micro = train_dataloaders.batch_size or 1
     window = trainer.accumulate_grad_batches
     current = candidate_for(trainer.strategy)
@@ -127,27 +144,34 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
             best = result.recommended
             if best is None:
                 warnings.warn(f"strategy='auto' kept {type(trainer.strategy).__name__}: {result.reason}", stacklevel=3)
-                return
-            names = ",".join(getattr(b, "__name__", str(b)) for b in result.block_classes)
-            split = _apply_split(trainer, train_dataloaders, best.candidate)
-            # FSDP policies accept class names; the workers re-batch the same way.
+                return None
             c = best.candidate
-            os.environ[CHOICE_ENV] = f"{c.name}:{names}:{c.micro_batch}x{c.accumulation}"
+            decision = FitDecision()
+            split = _batch_split(decision, trainer, train_dataloaders, c)
+            # FSDP policies accept class names; the workers re-batch the same way.
+            names = [getattr(b, "__name__", str(b)) for b in result.block_classes]
+            decision.plan_choice = {
+                "candidate": c.name,
+                "blocks": names,
+                "micro_batch": c.micro_batch,
+                "accumulation": c.accumulation,
+            }
             reason = result.reason.rstrip(".") + split + "." if split else result.reason
             if trainer.device_memory == "auto":
                 reason += f" ({_auto_note(world)})"
-            _install(trainer, best.candidate, blocks=result.block_classes, reason=reason)
-            return
+            decision.strategy = _strategy_for(trainer, c, blocks=result.block_classes)
+            decision.message = f"shardwise: strategy='auto' chose {c.config_label}: {reason}"
+            return decision
         if current is None:
-            return
+            return None
         # Exactly the user's strategy object (its wrap policy, AC policy, buckets), not its nearest preset.
         result = _plan(trainer, module, batch, micro * window, device_memory, candidates=[trainer.strategy])
     except PlanError as exc:
         warnings.warn(f"The memory planner could not plan this run: {exc}", stacklevel=3)
-        return
+        return None
     mine = next((e for e in result.estimates if e.candidate.micro_batch == micro), None)
     if mine is None or mine.fits:
-        return  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
+        return None  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
     change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
     warnings.warn(
         f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
@@ -156,6 +180,7 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> None:
         f"{' (' + _auto_note(world) + ')' if trainer.device_memory == 'auto' else ''}. {change}",
         stacklevel=3,
     )
+    return None
 
 
 def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:
@@ -199,8 +224,8 @@ def _smallest_change(
     return f"Smallest change that fits: strategy={best.trainer_strategy_code(blocks)}{split}."
 
 
-def _apply_split(trainer: Any, loader: Any, cand: Candidate) -> str:
-    """Make the run use the chosen micro-batch split: re-batch the user's DataLoader, or refuse.
+def _batch_split(decision: FitDecision, trainer: Any, loader: Any, cand: Candidate) -> str:
+    """Decide the run's micro-batch split: the user's DataLoader re-batched, or a refusal.
 
     The planner answers for `micro_batch` sequences per forward with
     `accumulation` micro-batches per optimizer step; the user's loader gives
@@ -209,7 +234,8 @@ def _apply_split(trainer: Any, loader: Any, cand: Candidate) -> str:
     per-device batch per optimizer step stays the same) and the Trainer
     accumulates `accumulation` micro-batches. A loader that cannot be rebuilt
     (a custom batch_sampler, no batch_size) is refused with the exact
-    DataLoader(batch_size=...) to use. Returns the sentence that says so.
+    DataLoader(batch_size=...) to use. The new loader and accumulation go into
+    `decision`; returns the sentence that says so.
     """
     current = getattr(loader, "batch_size", None)
     window = trainer.accumulate_grad_batches
@@ -222,10 +248,8 @@ def _apply_split(trainer: Any, loader: Any, cand: Candidate) -> str:
             f"DataLoader (batch_size={current}) cannot be re-batched automatically. Pass "
             f"DataLoader(..., batch_size={cand.micro_batch}) and Trainer(accumulate_grad_batches={cand.accumulation})."
         )
-    sources = getattr(trainer, "_data_sources", None)
-    if isinstance(sources, tuple) and sources and sources[0] is loader:
-        trainer._data_sources = (new, *sources[1:])  # what the loop reads (Trainer.fit sets it before calling us)
-    trainer.accumulate_grad_batches = cand.accumulation
+    decision.train_dataloader = new
+    decision.accumulate_grad_batches = cand.accumulation
     return (
         f"; re-batched the training DataLoader from batch_size={current} x accumulate_grad_batches={window} "
         f"to batch_size={cand.micro_batch} x {cand.accumulation}"
@@ -247,13 +271,12 @@ def rebatch(loader: Any, batch_size: int) -> Any:
         return None
 
 
-def _install(trainer: Any, cand: Candidate, blocks: Any, reason: str) -> None:
-    """Replace the Trainer's automatic strategy with the planner's choice and say why."""
-    if cand.kind != "ddp":
-        old = trainer.strategy
-        strategy = cand.build_strategy(blocks or (), precision=None)
-        strategy.connect(trainer.accelerator, old.precision.name, num_nodes=trainer.num_nodes, devices=trainer.devices)
-        strategy.is_auto = True
-        trainer.strategy = strategy
-    if reason and is_global_zero():
-        print(f"shardwise: strategy='auto' chose {cand.config_label}: {reason}")
+def _strategy_for(trainer: Any, cand: Candidate, blocks: Any) -> Any:
+    """The strategy for the planner's choice, connected as the Trainer's was; None where the automatic one is it."""
+    if cand.kind == "ddp":
+        return None
+    old = trainer.strategy
+    strategy = cand.build_strategy(blocks or (), precision=None)
+    strategy.connect(trainer.accelerator, old.precision.name, num_nodes=trainer.num_nodes, devices=trainer.devices)
+    strategy.is_auto = True
+    return strategy

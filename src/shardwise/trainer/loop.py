@@ -27,11 +27,11 @@ from shardwise.checkpoint.rng import restore_rng_states
 from shardwise.checkpoint.training import TrainingStates
 from shardwise.distributed import preempt
 from shardwise.distributed.device import move_to_device
-from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
+from shardwise.distributed.env import detect_env, is_global_zero, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule
-from shardwise.plan.advice import check_before_fit
+from shardwise.plan.advice import FitDecision, check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
 from shardwise.trainer import arguments, loaders, nonfinite, setup
@@ -216,13 +216,14 @@ class Trainer(TrainerAttributes):
         argument), or the module's own train_dataloader() / val_dataloader() methods."""
         train_dataloaders, datamodule = arguments.check_fit_data(module, train_dataloaders, val_dataloaders, datamodule)
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
+        plan_choice = None
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
-            check_before_fit(self, module, train_dataloaders)
+            plan_choice = self._apply_plan(check_before_fit(self, module, train_dataloaders))
         # Before any worker starts: a strategy whose engine owns accumulation,
         # clipping and the micro-batch size (DeepSpeed) checks them against its
         # own configuration now, so a contradiction fails in the user's process.
         self._configure_training(getattr(self._data_sources[0], "batch_size", None))  # the planner may re-batch
-        setup.launch_if_needed(self.devices, self.num_nodes)
+        setup.launch_if_needed(self.devices, self.num_nodes, plan_choice)
         previous_handlers = self._preemption.install()
         try:
             self._setup(module)
@@ -257,6 +258,21 @@ class Trainer(TrainerAttributes):
             saved = [getattr(cb, "last_model_path", "") for cb in self.callbacks if hasattr(cb, "last_model_path")]
             where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
             preempt.exit_preempted(f"{self.preempted} at step {self.global_step}: {where}")
+
+    def _apply_plan(self, decision: Optional[FitDecision]) -> Optional[Dict[str, Any]]:
+        """Take the memory planner's decision: its strategy, re-batched loader and accumulation.
+        Returns the choice the workers apply instead of planning again (None: no choice)."""
+        if decision is None:
+            return None
+        if decision.strategy is not None:
+            self.strategy = decision.strategy
+        if decision.train_dataloader is not None:
+            self._data_sources = (decision.train_dataloader, *self._data_sources[1:])
+        if decision.accumulate_grad_batches is not None:
+            self.accumulate_grad_batches = decision.accumulate_grad_batches
+        if decision.message and is_global_zero():
+            print(decision.message)
+        return decision.plan_choice
 
     def _preemption_requested(self) -> bool:
         return self._preemption.requested(self.strategy)

@@ -18,21 +18,26 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.callbacks import ModelCheckpoint, RichProgressBar
+from shardwise.distributed import context
 from shardwise.distributed.env import detect_env
 from shardwise.distributed.launch import launch_script
 from shardwise.loggers import CSVLogger
 from shardwise.strategies.materialize import watch_meta_writes
 
 
-def launch_if_needed(devices: int, num_nodes: int) -> None:
-    """Become the supervisor of `devices` workers, or check the launcher's world."""
+def launch_if_needed(devices: int, num_nodes: int, plan_choice: Optional[Dict[str, Any]] = None) -> None:
+    """Become the supervisor of `devices` workers, or check the launcher's world.
+
+    plan_choice: the memory planner's choice for strategy='auto', passed to the workers in
+    their launch context so that they apply it instead of planning again.
+    """
     world = devices * num_nodes
     env = detect_env()
     if env is None:
@@ -49,7 +54,8 @@ def launch_if_needed(devices: int, num_nodes: int) -> None:
                 "test runner or notebook. Wrap the training in a function and run it with "
                 "`shardwise.launch(fn, devices=N)`."
             )
-        launch_script(devices)  # never returns: the workers run the script
+        launch = context.current().replace(plan_choice=plan_choice) if plan_choice is not None else None
+        launch_script(devices, context=launch)  # never returns: the workers run the script
     if env.world_size != world:
         raise RuntimeError(
             f"The launcher started {env.world_size} processes but Trainer(devices={devices}, "
