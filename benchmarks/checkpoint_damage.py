@@ -126,7 +126,7 @@ def train(root: str, fmt: str, seed: int, ckpt_path: Optional[str] = None, spy: 
         _release_group()
 
 
-_OWN_GROUP = [not dist.is_initialized()]  # in a launched worker the group is the launcher's
+_OWN_GROUP = [True]  # False in a launched worker (_worker), whose group outlives each Trainer
 
 
 def _release_group() -> None:
@@ -430,8 +430,9 @@ def _count(items: Any) -> Dict[str, int]:
     return out
 
 
-def _worker(root: str, formats: List[str], seed: int, rounds: int, sample: int = 0) -> List[Dict[str, Any]]:
+def campaign_in_worker(root: str, formats: List[str], seed: int, rounds: int, sample: int = 0) -> List[Dict[str, Any]]:
     """In a launched worker (DeepSpeed): the campaign, as plain dicts; `sample` kinds per file (0: all)."""
+    _OWN_GROUP[0] = False  # the launcher's group (or the first strategy's) serves every Trainer here
     kinds = (lambda rng: rng.sample(KINDS, sample)) if sample else KINDS
     return [o.__dict__ for o in campaign(root, formats, seed, rounds, kinds)]
 
@@ -447,8 +448,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shardwise-damage-") as root:
         outcomes = campaign(root, [f for f in formats if f != "deepspeed"], args.seed, args.rounds)
         if "deepspeed" in formats:  # the engine in a worker process, as the Trainer would launch it
-            for entry in shardwise.launch(_worker, root, ["deepspeed"], args.seed, args.rounds, devices=1)[0]:
-                outcomes.append(Outcome(**entry))
+            entries = shardwise.launch(campaign_in_worker, root, ["deepspeed"], args.seed, args.rounds, devices=1)
+            outcomes += [Outcome(**entry) for entry in entries[0]]
     print(render(outcomes))
     bad = [o for o in outcomes if not o.ok]
     for o in bad:

@@ -33,8 +33,19 @@ import zipfile
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoint_damage import FAST_FORMATS, SEED_UNDER_TEST, TARGET, Spy, build, cases, train  # benchmarks/
+from checkpoint_damage import (  # benchmarks/, on pytest's pythonpath
+    FAST_FORMATS,
+    SEED_UNDER_TEST,
+    TARGET,
+    Outcome,
+    Spy,
+    build,
+    campaign_in_worker,
+    cases,
+    train,
+)
 
+import shardwise
 from shardwise.checkpoint import layout, onefile
 from shardwise.checkpoint.errors import (
     ChecksumMismatchError,
@@ -86,6 +97,19 @@ def test_every_damage_to_every_file_is_refused_by_name_with_nothing_loaded(tmp_p
     files = {o.rel for o in outcomes}
     sharded = {".metadata", "__0_0.distcp", MANIFEST_NAME, "trainer_state.pt"}
     assert files == (sharded if fmt == "fsdp_sharded" else {"(the file)"})
+    bad = [f"{o.rel} {o.kind} ({o.what}): {'; '.join(o.problems)}" for o in outcomes if not o.ok]
+    assert not bad, f"seed {SEED}:\n" + "\n".join(bad)
+
+
+@pytest.mark.slow  # a launched worker and DeepSpeed engines: ~6-10 s on 2 cores
+@pytest.mark.deepspeed
+def test_every_damage_to_every_deepspeed_file_is_refused_by_name_with_nothing_loaded(tmp_path):
+    pytest.importorskip("deepspeed")
+    entries = shardwise.launch(campaign_in_worker, str(tmp_path), ["deepspeed"], SEED, 1, devices=1)[0]
+    outcomes = [Outcome(**entry) for entry in entries]
+    files = {o.rel for o in outcomes}
+    assert {"trainer_state.pt", "deepspeed.json", MANIFEST_NAME, "latest"} <= files
+    assert len([f for f in files if f.startswith("engine/")]) >= 2, files
     bad = [f"{o.rel} {o.kind} ({o.what}): {'; '.join(o.problems)}" for o in outcomes if not o.ok]
     assert not bad, f"seed {SEED}:\n" + "\n".join(bad)
 

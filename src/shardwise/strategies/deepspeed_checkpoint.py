@@ -107,8 +107,11 @@ def read_params(path: str) -> Dict[str, Any]:
             f"{path} has no {PARAMS_NAME}: it is not a complete shardwise DeepSpeed "
             "checkpoint (or it was written by another tool)."
         )
-    with open(file) as fh:
-        return json.load(fh)
+    try:
+        with open(file) as fh:
+            return json.load(fh)
+    except ValueError as exc:  # damaged: said by name (its checksum, where verified, says more)
+        raise CorruptCheckpointError(f"{file} is truncated or corrupt: {exc}") from None
 
 
 # --------------------------------------------------------------- save / load
