@@ -117,3 +117,21 @@ def test_the_planner_takes_a_plan_as_a_candidate_and_reports_its_name():
     by_plan, by_name = p.estimates
     assert by_plan.candidate == by_name.candidate and by_plan.candidate.name == "fsdp_ac"
     assert by_plan.allocated == by_name.allocated and by_plan.candidate.config_label == "FSDP FULL_SHARD + AC"
+
+
+def test_fsdp_builds_its_device_mesh_from_the_plan_degrees():
+    from shardwise.plan.trace import fake_world
+    from shardwise.strategies.fsdp import build_device_mesh
+
+    with fake_world(8):
+        shape = lambda *a: (tuple(build_device_mesh(*a).shape), build_device_mesh(*a).mesh_dim_names)  # noqa: E731
+        assert shape("FULL_SHARD", 8, 1, "cpu") == ((8,), ("shard",))
+        assert shape("SHARD_GRAD_OP", 8, 2, "cpu") == ((8,), ("shard",))
+        assert shape("NO_SHARD", 8, 1, "cpu") == ((8, 1), ("replicate", "shard"))
+        assert shape("HYBRID_SHARD", 8, 2, "cpu") == ((2, 4), ("replicate", "shard"))
+        assert shape("HYBRID_SHARD", 8, 1, "cpu") == ((1, 8), ("replicate", "shard"))
+        assert shape("FULL_SHARD", 8, 1, "cpu", (2, 4)) == ((2, 4), ("replicate", "shard"))
+        with pytest.raises(ValueError, match=r"device_mesh=\(3, 2\) has 6 ranks but the world size is 8"):
+            build_device_mesh("FULL_SHARD", 8, 1, "cpu", (3, 2))
+        with pytest.raises(ValueError, match="world size 8 is not a multiple of num_nodes=3"):
+            build_device_mesh("HYBRID_SHARD", 8, 3, "cpu")

@@ -50,6 +50,7 @@ from shardwise.strategies.fsdp_compat import (
 )
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 from shardwise.strategies.materialize import has_meta_tensors
+from shardwise.strategies.parallel import FILL, ParallelPlan
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
@@ -192,34 +193,25 @@ def build_device_mesh(
     device_type: str,
     device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None,
 ) -> DeviceMesh:
-    """1-D mesh for sharding within the world, 2-D (replicate, shard) for hybrid / replicate-only."""
+    """The mesh of the ParallelPlan's data-parallel degrees (parallel.py decides them and refuses what
+    cannot be laid out): 1-D for sharding within the world, 2-D (replicate, shard) for hybrid /
+    replicate-only / an explicit device_mesh=(replicate, shard).
+
+    HYBRID_SHARD replicates across nodes and shards within one. On one node that is a 1 x N mesh:
+    FSDP2 shards over the N ranks and the all-reduce over a replicate dimension of size 1 has
+    nothing to combine, so the run trains like FULL_SHARD (and the same script scales out by
+    num_nodes alone).
+    """
     if isinstance(device_mesh, DeviceMesh):
         return device_mesh
+    degrees = {}
     if device_mesh is not None:
-        replicate, shard = device_mesh
-        if replicate * shard != world_size:
-            raise ValueError(
-                f"device_mesh={tuple(device_mesh)} has {replicate * shard} ranks but the world "
-                f"size is {world_size}; replicate x shard must equal it."
-            )
-        return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-    if sharding_strategy == "HYBRID_SHARD":
-        # Replicate across nodes, shard within one. On one node that is a 1 x N mesh: FSDP2
-        # shards over the N ranks and the all-reduce over a replicate dimension of size 1
-        # has nothing to combine, so the run trains like FULL_SHARD (and the same script
-        # scales out by num_nodes alone).
-        num_nodes = max(int(num_nodes or 1), 1)
-        if world_size % num_nodes:
-            raise ValueError(
-                f"HYBRID_SHARD replicates across nodes and shards within one, but the world size {world_size} "
-                f"is not a multiple of num_nodes={num_nodes}. Give device_mesh=(replicate, shard) explicitly."
-            )
-        return init_device_mesh(
-            device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard")
-        )
-    if sharding_strategy == "NO_SHARD":
-        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        degrees["dp_replicate"], degrees["dp_shard"] = device_mesh
+    plan = ParallelPlan("fsdp", sharding=sharding_strategy, **degrees)
+    dims = plan.mesh(world_size, num_nodes)
+    if plan.dp_degrees == (1, FILL):  # sharding only: one dimension
+        return init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("replicate", "shard"))
 
 
 class FSDPStrategy(Strategy):
