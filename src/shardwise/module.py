@@ -4,7 +4,10 @@ The hooks are the ones Lightning users know (configure_model,
 configure_optimizers, training_step, validation_step, on_* hooks, self.log).
 The module holds no trainer internals: `self.trainer` is a reference set
 while a Trainer runs it, and `self.log` only appends to a buffer that the
-Trainer drains after each step (reducing across ranks when asked).
+Trainer drains after each step (reducing across ranks when asked). What the
+Trainer does to a module goes through the functions at the end of this file
+(`attach`, `attached_trainer`, `enter_hook`, `drain_logs`), not through
+members a user's subclass could collide with.
 
 Optional hook `init_weights(self)`: when defined, it replaces the default
 initialisation after the model is materialised from the meta device (see
@@ -77,9 +80,6 @@ class TrainModule(nn.Module):
             )
         return self._trainer
 
-    def _attach(self, trainer: Any) -> None:
-        object.__setattr__(self, "_trainer", trainer)
-
     @property
     def global_step(self) -> int:
         return self.trainer.global_step
@@ -138,11 +138,6 @@ class TrainModule(nn.Module):
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
 
-    def _drain_logs(self) -> List[LoggedValue]:
-        logs = list(self._log_buffer)
-        self._log_buffer.clear()
-        return logs
-
 
 class DataModule:
     """Data in one place, as Lightning's LightningDataModule: `trainer.fit(module, datamodule=dm)`.
@@ -160,3 +155,26 @@ class DataModule:
         raise NotImplementedError(f"{type(self).__name__} must implement train_dataloader()")
 
     def teardown(self, stage: str) -> None: ...
+
+
+# What the Trainer (and the planner's trace) does to a module, as functions rather than members.
+def attach(module: TrainModule, trainer: Any) -> None:
+    """Make `trainer` the module's `self.trainer` (set when a Trainer sets the module up)."""
+    object.__setattr__(module, "_trainer", trainer)
+
+
+def attached_trainer(module: TrainModule) -> Any:
+    """The Trainer the module is attached to, or None."""
+    return getattr(module, "_trainer", None)
+
+
+def enter_hook(module: TrainModule, hook: str) -> None:
+    """Record which hook runs now: `self.log` takes its per-step / per-epoch defaults from it."""
+    object.__setattr__(module, "_current_hook", hook)
+
+
+def drain_logs(module: TrainModule) -> List[LoggedValue]:
+    """What `self.log` recorded since the last call, in order; the buffer is empty after."""
+    logs = list(module._log_buffer)
+    module._log_buffer.clear()
+    return logs

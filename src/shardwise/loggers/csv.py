@@ -108,7 +108,7 @@ class VersionedLogDir:
 
     _save_dir: str
     _name: str
-    _version: int | str | None
+    _chosen_version: int | str | None
 
     @property
     def name(self) -> str:
@@ -125,10 +125,14 @@ class VersionedLogDir:
     @property
     def version(self) -> int | str:
         # Resolved lazily so constructing a logger touches nothing. In multi-process
-        # runs the Trainer should pass rank 0's version to the other ranks.
-        if self._version is None:
-            self._version = next_version(self.root_dir)
-        return self._version
+        # runs the Trainer sets rank 0's version on the other ranks (the setter below).
+        if self._chosen_version is None:
+            self._chosen_version = next_version(self.root_dir)
+        return self._chosen_version
+
+    @version.setter
+    def version(self, value: int | str) -> None:
+        self._chosen_version = value
 
     @property
     def log_dir(self) -> str:
@@ -138,24 +142,25 @@ class VersionedLogDir:
     # A checkpoint records the version and the last step logged before it; the
     # run resumed from it writes into the same version and drops what the
     # interrupted run logged after the checkpoint, which is about to be replayed.
-    _last_step: int = -1
+    # A logger built on this class calls note_step(step) from its log_metrics.
+    last_step: int = -1
 
     def state_dict(self) -> dict[str, Any]:
         self.save()  # what the checkpoint covers is on disk before it is committed
-        return {"version": self.version, "last_step": self._last_step}
+        return {"version": self.version, "last_step": self.last_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._version = state.get("version", self._version)
-        self._last_step = int(state.get("last_step", -1))
+        self._chosen_version = state.get("version", self._chosen_version)
+        self.last_step = int(state.get("last_step", -1))
         if rank_zero():
-            self._forget_after(self._last_step)
+            self._forget_after(self.last_step)
 
     def _forget_after(self, step: int) -> None:
         """Drop records of steps after `step` (the interrupted run's, replayed from here)."""
 
-    def _note_step(self, step: int | None) -> None:
+    def note_step(self, step: int | None) -> None:
         if step is not None:
-            self._last_step = max(self._last_step, int(step))
+            self.last_step = max(self.last_step, int(step))
 
 
 class CSVLogger(VersionedLogDir):
@@ -175,7 +180,7 @@ class CSVLogger(VersionedLogDir):
     ):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
-        self._version = version
+        self._chosen_version = version
         self._flush_every = max(1, flush_every_n_steps)
         self._columns: list[str] = []  # the header currently on disk
         self._pending: list[dict[str, Any]] = []
@@ -197,7 +202,7 @@ class CSVLogger(VersionedLogDir):
         row = {k: to_scalar(v) for k, v in flatten_dict(metrics).items()}
         if step is not None:
             row["step"] = int(step)
-        self._note_step(step)
+        self.note_step(step)
         self._pending.append(row)
         if len(self._pending) >= self._flush_every:
             self.save()

@@ -40,7 +40,7 @@ class TensorBoardLogger(VersionedLogDir):
     ):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
-        self._version = version
+        self._chosen_version = version
         self._writer_kwargs = writer_kwargs
         self._writer = None
         self._hparams: dict[str, Any] = {}
@@ -53,8 +53,8 @@ class TensorBoardLogger(VersionedLogDir):
         if self._writer is None and rank_zero():
             os.makedirs(self.log_dir, exist_ok=True)
             kwargs = dict(self._writer_kwargs)
-            if self._last_step >= 0:  # resumed: hide the interrupted run's events after the checkpoint
-                kwargs.setdefault("purge_step", self._last_step + 1)
+            if self.last_step >= 0:  # resumed: hide the interrupted run's events after the checkpoint
+                kwargs.setdefault("purge_step", self.last_step + 1)
             self._writer = _summary_writer_class()(log_dir=self.log_dir, **kwargs)
         return self._writer
 
@@ -72,7 +72,7 @@ class TensorBoardLogger(VersionedLogDir):
         writer = self.experiment
         if writer is None:
             return
-        self._note_step(step)
+        self.note_step(step)
         for key, value in flatten_dict(metrics).items():
             value = to_scalar(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -385,7 +385,7 @@ def _train_step(
         step.forward_backward(
             strategy, model, (batch,), window=window, last=last, before_backward=recorder.label(f"bwd1.{i}")
         )
-        module._drain_logs()
+        step.drain_logs(module)
         if not last:
             # FSDP2 keeps a no-sync micro-batch's unsharded gradients on its own unsharded
             # parameters, which no hook labels; born in the backward they would count as

@@ -13,6 +13,7 @@ import inspect
 from typing import Any, Dict, List
 
 from shardwise.distributed.progress import mark as mark_progress
+from shardwise.module import enter_hook
 
 
 def call_callbacks(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> None:
@@ -29,7 +30,7 @@ def call_module(trainer: Any, hook: str, *args: Any) -> Any:
     fn = getattr(module, hook, None)
     if not callable(fn):
         return None
-    object.__setattr__(module, "_current_hook", hook)
+    enter_hook(module, hook)
     mark_progress(hook, trainer.state.global_step)  # what this rank does, if it ever hangs
     return fn(*args)
 

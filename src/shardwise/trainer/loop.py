@@ -30,7 +30,7 @@ from shardwise.distributed.device import move_to_device
 from shardwise.distributed.env import detect_env, is_global_zero, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
-from shardwise.module import TrainModule
+from shardwise.module import TrainModule, attach, drain_logs, enter_hook
 from shardwise.plan.advice import FitDecision, check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
@@ -177,7 +177,7 @@ class Trainer(TrainerAttributes):
             torch.use_deterministic_algorithms(True, warn_only=True)
         trained = setup.check_refit(module, self)
         self.module = module
-        module._attach(self)
+        attach(module, self)
         self._resolve_data(module, need_train_data)
         call_callbacks(self, "setup", stage="fit")
         self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
@@ -381,7 +381,7 @@ class Trainer(TrainerAttributes):
         last_in_epoch = batch_idx + 1 >= self.num_training_batches
         self.is_last_microbatch = (batch_idx + 1) % window == 0 or last_in_epoch
         args = (batch, batch_idx) if pass_idx else (batch,)
-        object.__setattr__(module, "_current_hook", "training_step")
+        enter_hook(module, "training_step")
         mark_progress("training_step", state.global_step)
 
         def before_backward(loss: torch.Tensor) -> None:
@@ -404,7 +404,7 @@ class Trainer(TrainerAttributes):
         if self.is_last_microbatch:
             mark_progress("optimizer_step", state.global_step)
             self._optimizer_step()
-        step_logs = self.metrics.record(module._drain_logs())
+        step_logs = self.metrics.record(drain_logs(module))
         if self.is_last_microbatch and (state.global_step % self.log_every_n_steps == 0 or state.global_step == 1):
             self.log_metrics({**step_logs, "epoch": float(state.epoch)})
         call_module(self, "on_train_batch_end", output, batch, batch_idx)

@@ -29,6 +29,7 @@ from shardwise.distributed import context
 from shardwise.distributed.env import detect_env
 from shardwise.distributed.launch import launch_script
 from shardwise.loggers import CSVLogger
+from shardwise.module import attached_trainer
 from shardwise.strategies.materialize import watch_meta_writes
 
 
@@ -65,7 +66,7 @@ def launch_if_needed(devices: int, num_nodes: int, plan_choice: Optional[Dict[st
 
 def check_refit(module: Any, trainer: Any) -> set:
     """A module trained by another Trainer: the ids of its trained parameters, or an error if it is sharded."""
-    previous = getattr(module, "_trainer", None)
+    previous = attached_trainer(module)
     if previous is None or previous is trainer:
         return set()
     params = list(module.parameters())
@@ -177,9 +178,11 @@ def setup_loggers(loggers: List[Any], strategy: Any, hparams: Dict[str, Any]) ->
     """After any restore: a resumed run's loggers continue the saved run's version."""
     for logger in loggers:
         # Rank 0 picks the next free version_<n> (or the restored one); the
-        # others adopt it so log_dir names the same folder on every rank.
-        if hasattr(logger, "_version"):
-            logger._version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
+        # others adopt it so log_dir names the same folder on every rank
+        # (loggers whose version can be set: VersionedLogDir's do).
+        version = getattr(type(logger), "version", None)
+        if isinstance(version, property) and version.fset is not None:
+            logger.version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
         if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
             logger.log_hyperparams(dict(hparams))
 

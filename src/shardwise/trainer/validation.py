@@ -17,6 +17,7 @@ import torch
 from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
 from shardwise.distributed.device import move_to_device
 from shardwise.distributed.progress import mark as mark_progress
+from shardwise.module import drain_logs, enter_hook
 from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx
 from shardwise.trainer.loaders import length, limit
 
@@ -44,15 +45,15 @@ def run_validation(trainer: Any) -> Dict[str, float]:
                 if batch_idx >= trainer.num_val_batches:
                     break
                 batch = move_to_device(batch, strategy.root_device)
-                object.__setattr__(module, "_current_hook", "validation_step")
+                enter_hook(module, "validation_step")
                 mark_progress("validation_step", state.global_step)
                 with strategy.autocast():
                     args = (batch, batch_idx) if pass_idx else (batch,)
                     output = strategy.call(trainer.model, "validation_step", *args)
-                trainer.metrics.record(module._drain_logs())
+                trainer.metrics.record(drain_logs(module))
                 call_callbacks(trainer, "on_validation_batch_end", output, batch, batch_idx)
             call_module(trainer, "on_validation_epoch_end")
-            trainer.metrics.record(module._drain_logs())
+            trainer.metrics.record(drain_logs(module))
             results = trainer.metrics.finish_epoch(suffix=False)
             trainer.log_metrics(results)
             call_callbacks(trainer, "on_validation_epoch_end")
