@@ -2,7 +2,7 @@
 # `getattr(cb, hook)(trainer, module, ...)` for every callback that defines the hook,
 # so these classes share no base class and a user callback is any object with some
 # of the hook methods (setup, on_train_start, on_train_batch_end, ...; see
-# trainer.py for the full list and order).
+# trainer/loop.py for the full list and order).
 from shardwise.callbacks.checkpoint import ModelCheckpoint
 from shardwise.callbacks.device_stats import DeviceStatsMonitor
 from shardwise.callbacks.lr_monitor import LearningRateMonitor
