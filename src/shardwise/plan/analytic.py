@@ -9,7 +9,7 @@ with the size limits DeepSpeed's engine will actually get (`zero_settings`:
 its defaults, capped for the model's size by shardwise's DeepSpeedStrategy,
 then the user's config). Activations come from the DDP trace of the same
 model (same activation checkpointing), through the `ZeroView` trace.py
-evaluates at every recorded moment.
+evaluates at every recorded moment (`ZeROAccounting.view`).
 
 The fallback, for models that cannot run under fake tensors (some Hugging
 Face models branch on tensor values), is a per-block estimate: saved
@@ -28,8 +28,7 @@ from torch import nn
 
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec
-from shardwise.plan.trace import View
-from shardwise.strategies.accounting import ZERO_DEFAULTS, ZeroTerms, accounting_for
+from shardwise.strategies.accounting import ZERO_DEFAULTS, accounting_for
 
 
 def zero_settings(deepspeed_config: Optional[Dict[str, Any]], stats: Optional["ParamStats"] = None) -> Dict[str, int]:
@@ -90,60 +89,6 @@ def spec_param_stats(spec: ModelSpec, depth: Optional[int], threshold: int) -> P
         return param_stats(spec.__dict__.get("probe", spec.module), threshold)
     with torch.device("meta"):
         return param_stats(spec.build(depth), threshold)
-
-
-# ------------------------------------------------------------------ ZeRO
-@dataclass(frozen=True)
-class ZeroView(View):
-    """A ZeRO stage's bytes at one moment of a plain data-parallel trace (forward / backward).
-
-    Activations (and the activation-sized temporaries of backward) come from
-    the trace; model states are replaced by ZeRO's. Gradient buffers appear as
-    DeepSpeed allocates them: the reduction bucket with the first gradient of
-    a backward, ZeRO-2's gradient partition at the first bucket flush (after
-    `reduce_bucket_size` elements of gradients), ZeRO-1's fp32 accumulators as
-    the gradients are produced. Both are freed at the end of the backward
-    (ZeRO-3's partition and bucket stay, and are part of `const`).
-    """
-
-    stage: int = 1
-    grad_elem_bytes: float = 4.0  # bytes per gradient element in the trace
-    bucket_bytes: float = 0.0
-    partition_bytes: float = 0.0
-    first_flush: float = 0.0  # elements produced before the first bucket flush
-
-    def __call__(self, p: float, g: float, o: float, b: float, a: float, r: float) -> float:
-        produced = g / self.grad_elem_bytes
-        value = self.const + b + r * a
-        if produced > 0:
-            value += self.bucket_bytes
-            if self.stage == 1:
-                value += 4.0 * produced
-            elif self.stage == 2 and produced >= self.first_flush:
-                value += self.partition_bytes
-        return value
-
-
-def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float, settings: Dict[str, int]) -> ZeroView:
-    """The view of a data-parallel trace that gives this ZeRO stage's forward/backward bytes.
-
-    ZeRO-3's gathered parameters are capped, so not linear in depth: the
-    planner adds them (and ZeRO-3's bucket) at the full depth, not through
-    the extrapolated trace.
-    """
-    const = terms.weights + terms.master + terms.optimizer + (terms.grad_partition if stage == 3 else 0.0)
-    return ZeroView(
-        cp=0.0,
-        cg=0.0,
-        co=0.0,
-        ca=1.0,
-        const=const,
-        stage=stage,
-        grad_elem_bytes=trace_grad_bytes,
-        bucket_bytes=terms.bucket if stage < 3 else 0.0,
-        partition_bytes=terms.grad_partition if stage == 2 else 0.0,
-        first_flush=float(settings["reduce_bucket_size"]),
-    )
 
 
 def deepspeed_estimator(

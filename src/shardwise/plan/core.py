@@ -388,7 +388,7 @@ class _Planner:
             acct = accounting_for(c.plan)
             if acct.analytic_states and self._traced(c) == (traced, precision):
                 terms = acct.terms(c.plan, self.stats[depth], self.world, self.precision, self.zero)
-                views.append((_view_key(c), analytic.zero_view(c.stage, terms, grad_bytes, self.zero)))
+                views.append((_view_key(c), acct.view(c.plan, terms, grad_bytes, self.zero)))
         return tuple(views)
 
     def _jobs(

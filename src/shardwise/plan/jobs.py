@@ -35,8 +35,8 @@ import torch.distributed as dist
 from shardwise.memory import active_tracker
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec
-from shardwise.plan.trace import Trace, TraceFailed, View, fake_world, trace
-from shardwise.strategies.accounting import accounting_for
+from shardwise.plan.trace import Trace, TraceFailed, fake_world, trace
+from shardwise.strategies.accounting import View, accounting_for
 
 
 @dataclass(frozen=True)

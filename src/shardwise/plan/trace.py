@@ -32,7 +32,7 @@ Corrections that make fake-mode numbers mean what real ones do:
   of a few "views" of the category totals, evaluated at several activation
   scales. Scale r = m/b predicts micro-batch m from a trace at b (activations
   are proportional to the batch, model states are not); views let one
-  data-parallel trace also answer for ZeRO stages (analytic.ZeroView).
+  data-parallel trace also answer for ZeRO stages (strategies/accounting.py).
 - The second step is derived, not traced: it is the first plus what the
   first left behind (optimizer state; DDP's gradient buckets).
 """
@@ -56,33 +56,7 @@ from shardwise.plan.candidates import Candidate
 from shardwise.plan.kernels import target_attention
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, meta_copy, spec_batch
-from shardwise.strategies.accounting import accounting_for
-
-
-@dataclass(frozen=True)
-class View:
-    """bytes = cp*params + cg*grads + co*optimizer + buffers + r*ca*activations + const, at one moment.
-
-    `buckets`: from the second step on the gradients never drop below their
-    full size (DDP's gradient buckets outlive zero_grad; .grad are views into
-    them). Subclasses (analytic.ZeroView) may compute anything from the same
-    five category totals; cg / co / buckets tell `synthesize_second_step` how
-    step 1's leftovers enter the view.
-    """
-
-    cp: float = 1.0
-    cg: float = 1.0
-    co: float = 1.0
-    ca: float = 1.0
-    const: float = 0.0
-    buckets: bool = False
-
-    def __call__(self, p: float, g: float, o: float, b: float, a: float, r: float) -> float:
-        return self.cp * p + self.cg * g + self.co * o + b + self.const + self.ca * r * a
-
-    def without_grads(self) -> "View":
-        return View(self.cp, 0.0, self.co, self.ca, self.const, False)
-
+from shardwise.strategies.accounting import View, accounting_for
 
 _PROPAGATING = threading.local()
 IDENTITY = View()

@@ -69,6 +69,31 @@ def _reduce_bytes(precision: str) -> float:
     return 2.0 if precision in ("bf16-true", "16-true") else 4.0  # gradient reduction dtype
 
 
+@dataclass(frozen=True)
+class View:
+    """bytes = cp*params + cg*grads + co*optimizer + buffers + r*ca*activations + const, at one moment.
+
+    `buckets`: from the second step on the gradients never drop below their
+    full size (DDP's gradient buckets outlive zero_grad; .grad are views into
+    them). Subclasses (ZeroView) may compute anything from the same
+    five category totals; cg / co / buckets tell `synthesize_second_step` how
+    step 1's leftovers enter the view.
+    """
+
+    cp: float = 1.0
+    cg: float = 1.0
+    co: float = 1.0
+    ca: float = 1.0
+    const: float = 0.0
+    buckets: bool = False
+
+    def __call__(self, p: float, g: float, o: float, b: float, a: float, r: float) -> float:
+        return self.cp * p + self.cg * g + self.co * o + b + self.const + self.ca * r * a
+
+    def without_grads(self) -> "View":
+        return View(self.cp, 0.0, self.co, self.ca, self.const, False)
+
+
 class Accounting:
     """DDP (and one device): every rank holds the whole model; gradients are all-reduced once per step."""
 
@@ -301,6 +326,59 @@ def zero_step_bytes(stage: int, terms: ZeroTerms) -> float:
     return terms.weights + terms.master + terms.optimizer + terms.step_grads + terms.step_temps + bucket
 
 
+@dataclass(frozen=True)
+class ZeroView(View):
+    """A ZeRO stage's bytes at one moment of a plain data-parallel trace (forward / backward).
+
+    Activations (and the activation-sized temporaries of backward) come from
+    the trace; model states are replaced by ZeRO's. Gradient buffers appear as
+    DeepSpeed allocates them: the reduction bucket with the first gradient of
+    a backward, ZeRO-2's gradient partition at the first bucket flush (after
+    `reduce_bucket_size` elements of gradients), ZeRO-1's fp32 accumulators as
+    the gradients are produced. Both are freed at the end of the backward
+    (ZeRO-3's partition and bucket stay, and are part of `const`).
+    """
+
+    stage: int = 1
+    grad_elem_bytes: float = 4.0  # bytes per gradient element in the trace
+    bucket_bytes: float = 0.0
+    partition_bytes: float = 0.0
+    first_flush: float = 0.0  # elements produced before the first bucket flush
+
+    def __call__(self, p: float, g: float, o: float, b: float, a: float, r: float) -> float:
+        produced = g / self.grad_elem_bytes
+        value = self.const + b + r * a
+        if produced > 0:
+            value += self.bucket_bytes
+            if self.stage == 1:
+                value += 4.0 * produced
+            elif self.stage == 2 and produced >= self.first_flush:
+                value += self.partition_bytes
+        return value
+
+
+def zero_view(stage: int, terms: ZeroTerms, trace_grad_bytes: float, settings: Dict[str, int]) -> ZeroView:
+    """The view of a data-parallel trace that gives this ZeRO stage's forward/backward bytes.
+
+    ZeRO-3's gathered parameters are capped, so not linear in depth: the
+    planner adds them (and ZeRO-3's bucket) at the full depth, not through
+    the extrapolated trace.
+    """
+    const = terms.weights + terms.master + terms.optimizer + (terms.grad_partition if stage == 3 else 0.0)
+    return ZeroView(
+        cp=0.0,
+        cg=0.0,
+        co=0.0,
+        ca=1.0,
+        const=const,
+        stage=stage,
+        grad_elem_bytes=trace_grad_bytes,
+        bucket_bytes=terms.bucket if stage < 3 else 0.0,
+        partition_bytes=terms.grad_partition if stage == 2 else 0.0,
+        first_flush=float(settings["reduce_bucket_size"]),
+    )
+
+
 class ZeROAccounting(Accounting):
     """DeepSpeed ZeRO: model states from DeepSpeed's partitioning, activations from a plain DDP trace."""
 
@@ -326,6 +404,10 @@ class ZeROAccounting(Accounting):
 
     def step_bytes(self, plan: ParallelPlan, terms: ZeroTerms) -> float:
         return zero_step_bytes(plan.zero_stage or 0, terms)
+
+    def view(self, plan: ParallelPlan, terms: ZeroTerms, trace_grad_bytes: float, settings: Dict[str, int]) -> View:
+        """How a plain data-parallel trace reads as this stage's forward/backward bytes."""
+        return zero_view(plan.zero_stage or 0, terms, trace_grad_bytes, settings)
 
     def unviewed_bytes(self, plan: ParallelPlan, terms: ZeroTerms) -> float:
         """Forward/backward bytes a trace's view leaves out: ZeRO-3's gathered parameters are capped, so
@@ -403,6 +485,8 @@ __all__ = [
     "FSDPAccounting",
     "ZeROAccounting",
     "ZeroTerms",
+    "View",
+    "ZeroView",
     "accounting_for",
     "zero_terms",
     "zero_step_bytes",
