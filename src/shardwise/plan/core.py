@@ -6,14 +6,16 @@ The steps, in order:
 2. trace every FSDP / DDP configuration on fake tensors with the real
    strategy code (trace.py). Models with repeated blocks are traced at 2 and
    3 blocks and extrapolated linearly to their depth -- a 70B model costs
-   the same to plan as a 3-block one. ZeRO stages ride on the DDP trace with
-   the same activation checkpointing (analytic.py's views), FSDP CPU offload
-   on the FULL_SHARD trace;
+   the same to plan as a 3-block one. What each engine needs traced and how
+   its model states are counted is its accounting (strategies/accounting.py,
+   looked up from the candidate's ParallelPlan): ZeRO stages ride on the DDP
+   trace with the same activation checkpointing, FSDP CPU offload on the
+   FULL_SHARD trace;
 3. only when the whole per-device batch does not fit, trace once more with
    two micro-batches (gradient accumulation holds gradients between them)
    and read every smaller micro-batch size off that trace's scaled envelopes;
 4. attach a step-time estimate (cost.py) and pick the fastest configuration
-   whose *reserved* memory fits: the allocated peak plus what the caching
+   whose *reserved* memory fits (recommend.py): the allocated peak plus what the caching
    allocator keeps on top, from allocator.py's model (the largest transient
    block the trace saw, expandable segments or not), or a flat
    `reserved_factor` if one is given. On accelerator="cpu" reserved =
