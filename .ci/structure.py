@@ -15,8 +15,8 @@ from collections import defaultdict
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "shardwise"
 MAX_LINES, MAX_PRIVATE = 600, 5
-# Packages above the Trainer (they may import it): the CLI, the recipes, the demo and the package root.
-ABOVE_TRAINER = ("cli", "recipes", "demos.py", "__init__.py", "trainer")
+# Packages above the Trainer (they may import it): the CLI, the recipes, `shardwise check`, the demo, the package root.
+ABOVE_TRAINER = ("cli", "recipes", "scaling", "demos.py", "__init__.py", "trainer")
 
 
 def files():
