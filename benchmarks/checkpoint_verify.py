@@ -71,17 +71,23 @@ def _size(path: str) -> int:
 
 
 def _timed(fn: Callable[[], Any], repeats: int, before: Callable[[], None] = lambda: None) -> Dict[str, float]:
-    """Median seconds of `fn` and the median bytes read (rchar, read_bytes) while it ran."""
-    seconds, rchar, disk = [], [], []
+    """Median wall and CPU seconds of `fn` and the median bytes read (rchar, read_bytes) while it ran."""
+    seconds, cpu, rchar, disk = [], [], [], []
     for _ in range(repeats):
         before()
-        io0, t0 = _io(), time.perf_counter()
+        io0, t0, c0 = _io(), time.perf_counter(), time.process_time()
         fn()
         seconds.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         io1 = _io()
         rchar.append(io1["rchar"] - io0["rchar"])
         disk.append(io1["read_bytes"] - io0["read_bytes"])
-    return {"s": statistics.median(seconds), "rchar": statistics.median(rchar), "disk": statistics.median(disk)}
+    return {
+        "s": statistics.median(seconds),
+        "cpu": statistics.median(cpu),
+        "rchar": statistics.median(rchar),
+        "disk": statistics.median(disk),
+    }
 
 
 def measure(root: str, gb: float, repeats: int) -> Dict[str, Any]:
@@ -135,7 +141,9 @@ def render(r: Dict[str, Any]) -> str:
         f"Model: {r['layers']} x Linear(4096, 4096) fp32, no optimizer state; one process; "
         f"one file {sizes['one file'] / MB:,.0f} MB, sharded {sizes['sharded'] / MB:,.0f} MB "
         f"({os.cpu_count()} CPU cores, one thread per core hashes the one file's 64 MiB leaves). "
-        "read() = bytes read through read() calls (rchar), disk = bytes from the block device (read_bytes).",
+        "Medians of the repeats; wall time, with the process's CPU time (all threads) beside it, steadier on a "
+        "shared machine. read() = bytes read through read() calls (rchar), disk = bytes from the block device "
+        "(read_bytes).",
         "",
         "| operation | one file | read(), disk | sharded (DCP) | read(), disk |",
         "|---|---|---|---|---|",
@@ -143,7 +151,7 @@ def render(r: Dict[str, Any]) -> str:
 
     def cell(key: str) -> str:
         m = r.get(key)
-        return "-" if m is None else f"{m['s']:.2f} s"
+        return "-" if m is None else f"{m['s']:.2f} s (CPU {m['cpu']:.2f} s)"
 
     def io(key: str) -> str:
         m = r.get(key)

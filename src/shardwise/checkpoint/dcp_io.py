@@ -7,9 +7,10 @@ same bytes (and the gaps between items) to the file's sha256, and decodes
 through the weights_only loader. A file read to its end is compared with the
 manifest (ChecksumMismatchError names it); `verified` lists those files, so
 the caller hashes the ones no rank read in full. Nothing is decoded or
-copied into the model while reading: the items stay mapped until the caller,
-once every file is verified, calls `apply(planner)`; so a damaged checkpoint
-is refused with the model and optimizer untouched.
+copied into the model while reading: once every file is verified the caller
+calls `apply(planner)`, which maps each item again (the pages the hash just
+read, from the page cache) and decodes it; so a damaged checkpoint is refused
+with the model and optimizer untouched, and resident memory stays one item.
 """
 
 from __future__ import annotations
@@ -41,13 +42,22 @@ class VerifyingReader(SafeFileSystemReader):
         super().__init__(path, metadata)
         self.checksums = checksums or {}
         self.verified: Set[str] = set()
-        self.pending: List[Any] = []  # (request, storage info, mapped item, file) until apply()
+        self.pending: List[Any] = []  # (request, storage info, file) until apply()
 
     def apply(self, planner: Any) -> None:
         """Decode every item read and copy it into its target (call once all files are verified)."""
         pending, self.pending = self.pending, []
-        for req, info, buf, path in pending:
-            self._decode(req, info, buf, planner, path)
+        files: Dict[str, Any] = {}
+        try:
+            for req, info, path in pending:
+                if path not in files:
+                    files[path] = open(path, "rb", buffering=0)
+                buf = _map_item(files[path], info.offset, info.length, path)
+                self._decode(req, info, buf, planner, path)
+                del buf  # unmaps the item: resident memory stays one item, not the file
+        finally:
+            for fh in files.values():
+                fh.close()
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         per_file: Dict[str, List[Any]] = {}
@@ -78,14 +88,15 @@ class VerifyingReader(SafeFileSystemReader):
         with open(path, "rb", buffering=0) as fh:
             for req in reqs:
                 info = self.storage_data[req.storage_index]
+                self.pending.append((req, info, path))  # decoded by apply(), once every file is verified
                 if hasher is not None and info.offset > pos:
                     pos = self._hash_range(fh, hasher, pos, info.offset, path)
-                buf = _map_item(fh, info.offset, info.length, path)
                 if hasher is not None and info.offset == pos:
+                    buf = _map_item(fh, info.offset, info.length, path)
                     hasher.update(buf.view)
                     pos = info.offset + info.length
+                    del buf  # unmaps the item
                 # (info.offset < pos: the same item requested twice, already hashed)
-                self.pending.append((req, info, buf, path))  # decoded by apply(), once verified
             if hasher is not None:
                 pos = self._hash_range(fh, hasher, pos, None, path)
         if hasher is not None:
