@@ -31,6 +31,7 @@ COMMANDS = {
     "launch": "start this node's workers (one launcher per node)",
     "convert": "turn a checkpoint into consolidated safetensors or a torch file",
     "inspect": "list what a checkpoint holds",
+    "check": "prove a TrainModule trains the same on N ranks as on one process (CPU, before renting GPUs)",
 }
 
 # Exceptions whose message is the whole story for a user: (class name in the MRO, exit status).
