@@ -267,6 +267,23 @@ class Strategy:
     def is_global_zero(self) -> bool:
         return self.env.global_rank == 0
 
+    @property
+    def gradient_sum_scale(self) -> float:
+        """The factor that turns this strategy's gradients into a plain sum over ranks and micro-batches.
+
+        Multiply each micro-batch's loss by it before `backward`, and the gradient
+        left at the optimizer step is the sum of every rank's and every micro-batch's
+        own gradient: it undoes the averaging the strategy does itself. DDP, FSDP
+        (the reduce-scatter and a replica all-reduce both average) and every ZeRO
+        stage average over the data-parallel world, so it is that world's size; the
+        micro-batches of a window add up (`backward` never divides by the window;
+        DeepSpeedStrategy keeps its engine from dividing by the accumulation count).
+        The Trainer multiplies a summed loss by it divided by the step's global weight
+        (TrainModule.loss_weight), which gives the gradient of the global mean. A
+        strategy that averages otherwise overrides it.
+        """
+        return float(self.world_size)
+
     # ------------------------------------------------------------------ model
     @contextlib.contextmanager
     def module_init_context(self) -> Iterator[None]:

@@ -386,7 +386,8 @@ class DeepSpeedStrategy(Strategy):
         return model.module if self.engine is not None and model is self.engine else model
 
     def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
-        # The Trainer already divided by the accumulation window; the engine must not again.
+        # The Trainer already divided by the accumulation window (or by the step's global weight:
+        # gradient_sum_scale), so the engine must not divide by gradient_accumulation_steps again.
         self.require_engine().backward(loss, scale_wrt_gas=False)
 
     @contextlib.contextmanager
