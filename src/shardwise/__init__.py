@@ -7,6 +7,7 @@ from shardwise.distributed.launch import launch
 from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
 from shardwise.module import DataModule, TrainModule
 from shardwise.precision import PRECISIONS
+from shardwise.scaling import check
 from shardwise.seed import seed_everything
 from shardwise.strategies import (
     STRATEGY_NAMES,
@@ -43,5 +44,6 @@ __all__ = [
     "reset_peak_memory_stats",
     "track_memory",
     "plan",
+    "check",
     "__version__",
 ]
