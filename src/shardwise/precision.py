@@ -11,8 +11,11 @@ and exposes the dtypes; the strategies turn those into their engine's knobs.
 from __future__ import annotations
 
 import contextlib
+import copy
+from collections import UserDict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -61,11 +64,30 @@ class Precision:
     def is_half_true(self) -> bool:
         return self.name in ("bf16-true", "16-true")
 
+    @property
+    def casts_module(self) -> bool:
+        """The model itself is stored in another dtype than fp32 (64-true, bf16-true, 16-true): it is
+        built and cast to param_dtype, and floating inputs are cast to it (convert_input)."""
+        return not self.mixed and self.param_dtype != torch.float32
+
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """Autocast for the mixed modes; a no-op for the true modes."""
+        """What a step runs under: autocast for the mixed modes; for 64-true, float64 as the default
+        dtype (tensors a step creates, torch.randn(...) or torch.zeros(...), match the float64
+        model, as Lightning's double precision does); nothing for the other true modes."""
+        if self.name == "64-true":
+            return self.default_dtype()
         if not self.mixed:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        """`data` with every floating-point tensor in it cast to param_dtype when the model is cast
+        (casts_module), as Lightning's true and double precisions convert inputs; integer tensors
+        (token ids, labels), other objects and the mixed modes are left alone. Containers are rebuilt
+        (dict and Mapping types, UserDict such as BatchEncoding, lists, tuples, namedtuples)."""
+        if not self.casts_module:
+            return data
+        return _cast_floating(data, self.param_dtype)
 
     def grad_scaler(self, device: torch.device) -> Optional["torch.amp.GradScaler"]:
         if not self.needs_grad_scaler:
@@ -81,6 +103,26 @@ class Precision:
             yield
         finally:
             torch.set_default_dtype(previous)
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
+    if isinstance(data, UserDict):  # keep a BatchEncoding's other attributes
+        out = copy.copy(data)
+        out.data = {k: _cast_floating(v, dtype) for k, v in data.items()}
+        return out
+    if isinstance(data, Mapping):
+        items = {k: _cast_floating(v, dtype) for k, v in data.items()}
+        try:
+            return items if type(data) is dict else type(data)(items)
+        except TypeError:  # a Mapping type that cannot be built from a dict
+            return items
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_cast_floating(v, dtype) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_cast_floating(v, dtype) for v in data)
+    return data
 
 
 def build_precision(name: Union[str, int, Precision], device_type: str = "cpu") -> Precision:

@@ -158,9 +158,12 @@ class Strategy:
             mine = build_precision(self._precision_arg, self.accelerator).name
             theirs = build_precision(precision, self.accelerator).name
             if mine != theirs:
+                # Where the strategy's came from, when not its own precision= (a MixedPrecision object).
+                source = getattr(self, "precision_source", None)
                 raise ValueError(
-                    f"The strategy was given precision={mine!r} but the Trainer "
-                    f"precision={theirs!r}; set it in one place."
+                    f"The strategy was given precision={mine!r}{f' (by {source})' if source else ''} but the "
+                    f"Trainer precision={theirs!r}; set it in one place (leave Trainer(precision=...) out to "
+                    "use the strategy's)."
                 )
         self.precision = build_precision(precision or self._precision_arg or "32-true", self.accelerator)
         self.num_nodes = num_nodes
@@ -288,7 +291,7 @@ class Strategy:
     @contextlib.contextmanager
     def module_init_context(self) -> Iterator[None]:
         """Where configure_model builds: the meta device, in the storage dtype."""
-        dtype_ctx = self.precision.default_dtype() if self.precision.is_half_true else contextlib.nullcontext()
+        dtype_ctx = self.precision.default_dtype() if self.precision.casts_module else contextlib.nullcontext()
         device_ctx = torch.device("meta") if self.init_on_meta else self.root_device
         token = _ACTIVE_WRAP.set(self._manual_wrap)
         try:
@@ -328,8 +331,8 @@ class Strategy:
             )
 
     def _prepare(self, module: nn.Module) -> nn.Module:
-        """Shared first step: dtype for true-half runs, then device."""
-        if self.precision.is_half_true and not has_meta_tensors(module):
+        """Shared first step: the storage dtype for the true precisions (64-true, bf16-true, 16-true), then device."""
+        if self.precision.casts_module and not has_meta_tensors(module):
             module = module.to(self.precision.param_dtype)
         return module
 

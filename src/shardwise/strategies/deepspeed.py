@@ -42,6 +42,7 @@ from shardwise.strategies.deepspeed_config import (
     cpu_adam_problem,
     load_config,
     offload_enabled,
+    precision_from_config,
     size_limits,
 )
 from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
@@ -158,6 +159,9 @@ class DeepSpeedStrategy(Strategy):
         devices: int = 1,
         timeout_s: Optional[float] = None,
     ) -> None:
+        if precision is None and self._precision_arg is None:  # the config is the one place it is set
+            self._precision_arg = precision_from_config(self.user_config)
+            self.precision_source = "the DeepSpeed config" if self._precision_arg else None
         super().connect(accelerator, precision, num_nodes=num_nodes, devices=devices, timeout_s=timeout_s)
         ensure_accelerator_env(self.accelerator)
         self.world_hint = max(1, num_nodes * devices)

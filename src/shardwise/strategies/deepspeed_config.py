@@ -172,6 +172,19 @@ def build_config(
     return cfg
 
 
+def precision_from_config(user_config: Dict[str, Any]) -> Optional[str]:
+    """The precision a config's own bf16 / fp16 section asks for ("bf16-mixed", "16-mixed"), or None.
+
+    When the config is the one place the user set precision (no precision= on the strategy or the
+    Trainer), it is the run's precision, instead of a contradiction with the default "32-true".
+    """
+    for section, name in (("bf16", "bf16-mixed"), ("fp16", "16-mixed")):
+        enabled = (user_config.get(section) or {}).get("enabled")
+        if not _unset(enabled) and bool(enabled):
+            return name
+    return None
+
+
 def _reconcile_precision(cfg: Dict[str, Any], name: Optional[str]) -> None:
     if name is None:
         return

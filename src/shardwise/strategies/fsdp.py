@@ -270,6 +270,7 @@ class FSDPStrategy(Strategy):
     ) -> None:
         # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
         # names; what FSDP2 has nothing to do for is accepted and explained once per process.
+        self.precision_source = None if mixed_precision is None else f"mixed_precision={mixed_precision!r}"
         if mixed_precision is not None:
             mapped = precision_from_mixed_precision(mixed_precision)
             if precision is not None and str(precision) != mapped:
@@ -418,7 +419,7 @@ class FSDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         # True-half runs: cast before sharding, as Strategy.setup_module does (a module built on meta
         # under the init context already has the dtype).
-        if self.precision.is_half_true and not has_meta_tensors(module):
+        if self.precision.casts_module and not has_meta_tensors(module):
             module = module.to(self.precision.param_dtype)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(

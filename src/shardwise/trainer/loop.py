@@ -50,7 +50,7 @@ class Trainer(TrainerAttributes):
         devices: Union[int, str] = "auto",
         num_nodes: int = 1,
         strategy: Union[str, Strategy] = "auto",
-        precision: Union[str, int] = "32-true",
+        precision: Union[str, int, None] = None,  # None: the strategy's, else "32-true"
         max_epochs: Optional[int] = None,
         max_steps: int = -1,
         limit_train_batches: Union[int, float, None] = None,
@@ -372,7 +372,7 @@ class Trainer(TrainerAttributes):
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
         strategy, state, module = self.strategy, self.state, self.module
         batch_idx = state.batch_idx
-        batch = move_to_device(batch, strategy.root_device)
+        batch = strategy.precision.convert_input(move_to_device(batch, strategy.root_device))
         call_callbacks(self, "on_train_batch_start", batch, batch_idx)
         if call_module(self, "on_train_batch_start", batch, batch_idx) == -1:
             self.should_stop = True  # Lightning's convention: -1 ends the epoch and the run

@@ -44,7 +44,7 @@ def run_validation(trainer: Any) -> Dict[str, float]:
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= trainer.num_val_batches:
                     break
-                batch = move_to_device(batch, strategy.root_device)
+                batch = strategy.precision.convert_input(move_to_device(batch, strategy.root_device))
                 enter_hook(module, "validation_step")
                 mark_progress("validation_step", state.global_step)
                 with strategy.autocast():
