@@ -13,6 +13,17 @@ Optional hook `init_weights(self)`: when defined, it replaces the default
 initialisation after the model is materialised from the meta device (see
 strategies/materialize.py). Define it when your layers need an init scheme
 their own `reset_parameters` does not express.
+
+Optional hook `loss_weight(self, batch) -> int | Tensor`: when defined,
+`training_step` returns a SUMMED loss (e.g. cross-entropy with
+reduction="sum" over the target tokens) and `loss_weight` says how many items
+that sum covers (e.g. `(labels != -100).sum()`), for the batch as the loader
+yields it. The Trainer then divides by the step's global weight -- the sum of
+`loss_weight` over every micro-batch of the optimizer step on every rank --
+so the gradient is that of the mean over the whole global batch, the same
+for any batch size, accumulation and number of ranks (trainer/weighting.py;
+the Trainer logs that mean as "train_loss"). Without it the loss is a mean and
+each micro-batch's mean counts the same, as in Lightning.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ class TrainModule(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch[, batch_idx])")
 
     # validation_step is looked up with getattr: defining it enables validation.
+    # So is loss_weight(batch) (see the module docstring): defining it makes training_step's loss a sum.
 
     def on_train_start(self) -> None: ...
     def on_train_end(self) -> None: ...

@@ -6,8 +6,10 @@ micro-batch runs or how the optimizers step changes the prediction with it:
 
 - `forward_backward`: one micro-batch. `training_step` runs through the
   strategy (so wrappers' forward hooks fire) under its autocast, then the
-  backward of loss / window; on a non-final micro-batch of an accumulation
-  window the strategy skips the gradient communication that can wait.
+  backward of loss / window (or of loss x loss_scale, for a summed loss the
+  Trainer normalises over the global batch: trainer/weighting.py); on a
+  non-final micro-batch of an accumulation window the strategy skips the
+  gradient communication that can wait.
 - `optimizer_update`: for each optimizer, clip (if asked), step, zero the
   gradients (set to None, so their memory is freed before the next forward).
 
@@ -46,12 +48,14 @@ def forward_backward(
     window: int = 1,
     last: bool = True,
     before_backward: Optional[Callable[[torch.Tensor], None]] = None,
+    loss_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[Any, Optional[torch.Tensor]]:
     """Run `training_step(*args)` and its backward for one micro-batch; return (output, loss).
 
     window: micro-batches per optimizer step (the loss is divided by it, so the
     accumulated gradient is the window's mean); last: whether this micro-batch
-    ends the window (only then is every gradient communicated). A None loss
+    ends the window (only then is every gradient communicated). loss_scale, when
+    given, multiplies the loss instead of the division by window. A None loss
     skips the backward. before_backward(loss) runs between forward and backward.
     """
     with strategy.no_backward_sync(model, enabled=not last):
@@ -61,7 +65,7 @@ def forward_backward(
         if loss is not None:
             if before_backward is not None:
                 before_backward(loss)
-            strategy.backward(loss / window, model)
+            strategy.backward(loss / window if loss_scale is None else loss * loss_scale, model)
     return output, loss
 
 

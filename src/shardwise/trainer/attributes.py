@@ -61,6 +61,13 @@ class TrainerAttributes:
         return self.strategy.is_global_zero
 
     @property
+    def step_weight(self) -> Optional[torch.Tensor]:
+        """The current optimizer step's global weight: `module.loss_weight(batch)` summed over every
+        micro-batch of the step on every rank (a tensor on the device), known from the step's first
+        micro-batch on; None for a module without loss_weight (see trainer/weighting.py)."""
+        return self.weighting.total if self.weighting is not None else None
+
+    @property
     def callback_metrics(self) -> Dict[str, float]:
         return self.metrics.callback_metrics
 

@@ -34,7 +34,7 @@ from shardwise.module import TrainModule, attach, drain_logs, enter_hook
 from shardwise.plan.advice import FitDecision, check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
-from shardwise.trainer import arguments, loaders, nonfinite, setup
+from shardwise.trainer import arguments, loaders, nonfinite, setup, weighting
 from shardwise.trainer.attributes import TrainerAttributes
 from shardwise.trainer.hooks import call_callbacks, call_module, step_schedulers, takes_batch_idx
 from shardwise.trainer.preemption import PreemptionWatch
@@ -126,6 +126,9 @@ class Trainer(TrainerAttributes):
         self.non_finite = arguments.check_non_finite(non_finite, self.strategy)
         self.nonfinite_step: Optional[int] = None  # the first step with a non-finite value (never saved after it)
         self._window_losses: List[Tuple[int, torch.Tensor]] = []
+        # Set by fit() for a module that defines loss_weight: its summed losses are normalised over the
+        # global batch of each step (weighting.py); None keeps the mean loss of each micro-batch.
+        self.weighting: Optional[weighting.StepWeighting] = None
         callbacks = list(callbacks or [])
         self.callbacks = setup.default_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
         self.loggers = setup.build_loggers(logger, self.default_root_dir)
@@ -310,7 +313,8 @@ class Trainer(TrainerAttributes):
         state = self.state
         loader = self.train_dataloader
         self.num_training_batches = loaders.batches_to_train(loader, self.limit_train_batches)
-        pass_idx = takes_batch_idx(self.module.training_step)
+        pass_idx, window = takes_batch_idx(self.module.training_step), self.accumulate_grad_batches
+        self.weighting = weighting.maybe_build(self.module, self.strategy)
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
             self.should_stop = True
         while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):
@@ -325,7 +329,11 @@ class Trainer(TrainerAttributes):
             call_module(self, "on_train_epoch_start")
             self.model.train()
             started_at = state.batch_idx
-            for batch in self._epoch_iterator(loader):
+            batches = self._epoch_iterator(loader)
+            if self.weighting is not None:  # each window's batches taken together: the step's weight first
+                done = lambda: state.batch_idx >= self.num_training_batches or self._done()  # noqa: E731
+                batches = self.weighting.batches(batches, state, window, self.num_training_batches, done)
+            for batch in batches:
                 if state.batch_idx >= self.num_training_batches or self._done():
                     break
                 self._train_batch(batch, pass_idx)
@@ -393,19 +401,28 @@ class Trainer(TrainerAttributes):
                     "Return the loss computed from the model's output; return None to skip a batch."
                 )
             self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
+            if self.weighting is not None:
+                self.weighting.add(loss)
             mark_progress("backward", state.global_step)
 
         # The step's core is shared with the memory planner's trace (step.py). Non-final
         # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
+        # A summed loss (loss_weight) is scaled to its share of the step's global mean.
+        scale = self.weighting.loss_scale if self.weighting is not None else None
         output, _ = shared_step.forward_backward(
-            strategy, self.model, args, window=window, last=self.is_last_microbatch, before_backward=before_backward
+            strategy, self.model, args, window, self.is_last_microbatch, before_backward, loss_scale=scale
         )
         state.batch_idx += 1
         if self.is_last_microbatch:
             mark_progress("optimizer_step", state.global_step)
             self._optimizer_step()
         step_logs = self.metrics.record(drain_logs(module))
-        if self.is_last_microbatch and (state.global_step % self.log_every_n_steps == 0 or state.global_step == 1):
+        log_due = self.is_last_microbatch and (
+            state.global_step % self.log_every_n_steps == 0 or state.global_step == 1
+        )
+        if self.is_last_microbatch and self.weighting is not None:  # the step's global mean loss
+            step_logs.update(self.metrics.record(self.weighting.logs(log_due)))
+        if log_due:
             self.log_metrics({**step_logs, "epoch": float(state.epoch)})
         call_module(self, "on_train_batch_end", output, batch, batch_idx)
         call_callbacks(self, "on_train_batch_end", output, batch, batch_idx)
@@ -441,7 +458,10 @@ class Trainer(TrainerAttributes):
         # One read-back for the step: the verdict, agreed across ranks in the same all-reduce that
         # agrees on a preemption signal (_preemption_requested uses it instead of its own).
         signalled = self._preemption.signalled
-        bad, self._preemption.agreed = nonfinite.agree(self.strategy, self.model, losses, signalled)
+        share = self.weighting.local_loss if self.weighting is not None else None
+        bad, self._preemption.agreed, step_loss = nonfinite.agree(self.strategy, self.model, losses, signalled, share)
+        if self.weighting is not None:
+            self.weighting.step_loss = step_loss
         if not bad:
             return True
         step = self.global_step + 1

@@ -2,17 +2,20 @@
 
 One small all-reduce per step carries two verdicts: "some rank saw a NaN/inf"
 and "some rank was sent a preemption signal", so that every rank skips, stops
-or saves at the same step without a second collective. What happens to a
-non-finite step is Trainer(non_finite=...): 'error' stops there, naming the
-rank, the step and the tensor; 'skip' drops the step (as GradScaler does);
-'warn' reports it and takes the step anyway. With fp16 loss scaling an inf
-gradient is the scaler's overflow signal, so only the loss is checked then.
+or saves at the same step without a second collective; for a module with
+`loss_weight` it also sums the ranks' shares of the step's mean loss
+(weighting.py), which is then known without a collective of its own. What
+happens to a non-finite step is Trainer(non_finite=...): 'error' stops there,
+naming the rank, the step and the tensor; 'skip' drops the step (as
+GradScaler does); 'warn' reports it and takes the step anyway. With fp16
+loss scaling an inf gradient is the scaler's overflow signal, so only the
+loss is checked then.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,20 +25,29 @@ from shardwise.distributed import ops
 
 
 def agree(
-    strategy: Any, model: nn.Module, losses: List[Tuple[int, torch.Tensor]], signalled: bool
-) -> Tuple[bool, bool]:
-    """(any rank non-finite, any rank signalled), agreed across ranks in one read-back."""
+    strategy: Any,
+    model: nn.Module,
+    losses: List[Tuple[int, torch.Tensor]],
+    signalled: bool,
+    loss_share: Optional[torch.Tensor] = None,
+) -> Tuple[bool, bool, Optional[float]]:
+    """(any rank non-finite, any rank signalled, sum of the ranks' `loss_share` or None), agreed across
+    ranks in one read-back."""
     flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
     scaled = getattr(strategy, "grad_scaler", None) is not None
     grad_flag = None if scaled else health.nonfinite_norm_flag(strategy.gradients(model))
     if grad_flag is not None:
         flags.append(grad_flag.to(flags[0].device) if flags else grad_flag)
     local = torch.stack(flags).any().float() if flags else torch.zeros(())
-    both = torch.stack([local, torch.tensor(float(signalled), device=local.device)])
+    values = [local, torch.tensor(float(signalled), device=local.device)]
+    if loss_share is not None:
+        values.append(loss_share.detach().float().reshape(()).to(local.device))
+    both = torch.stack(values)
     if strategy.world_size > 1:
-        both = strategy.reduce(both, "max")
-    bad, preempt = (v > 0 for v in both.tolist())
-    return bad, preempt
+        # The verdicts are 0 or 1, so their sum is positive exactly when their max is; a share is summed.
+        both = strategy.reduce(both, "max" if loss_share is None else "sum")
+    numbers = both.tolist()
+    return numbers[0] > 0, numbers[1] > 0, (numbers[2] if loss_share is not None else None)
 
 
 def report(model: nn.Module, losses: List[Tuple[int, torch.Tensor]], mode: str, step: int, epoch: int) -> None:
