@@ -13,14 +13,17 @@ branches on an engine's name; a new engine or parallel dimension extends a
 class here. Imports neither torch nor plan/.
 
 Communication per optimizer step, ring collectives (all-reduce 2(n-1)/n of
-the buffer, all-gather and reduce-scatter (n-1)/n), k micro-batches:
+the buffer, all-gather and reduce-scatter (n-1)/n), k micro-batches; each
+engine's `collectives` gives the counts and `comm_bytes` prices them (for
+DDP and FSDP, tests/distributed/test_collective_counts.py counts the same
+collectives in training):
 
   DDP, FSDP NO_SHARD  all-reduce gradients once per step (no_sync between micro-batches)
   FSDP FULL_SHARD     all-gather parameters in forward and again in backward, per micro-batch;
                       reduce-scatter gradients every micro-batch (FSDPStrategy's default
                       accumulation_sync="reduce_scatter"), once per step with "none"
   FSDP SHARD_GRAD_OP  one all-gather per micro-batch (kept for backward); reduce-scatter as FULL_SHARD
-  FSDP HYBRID_SHARD   FULL_SHARD inside a node, all-reduce of the shards across nodes
+  FSDP HYBRID_SHARD   FULL_SHARD inside a node, all-reduce of the shards across nodes once per step
   ZeRO-1              reduce-scatter gradients at the boundary, all-gather parameters after the step
   ZeRO-2              as ZeRO-1, but gradients are reduced every micro-batch
   ZeRO-3              all-gather in forward and backward, reduce-scatter, per micro-batch
@@ -173,6 +176,15 @@ class Accounting:
         return 0.0
 
     # ---------------------------------------------------------------- communication
+    def collectives(
+        self, plan: ParallelPlan, accumulation: int, accumulation_sync: str = "reduce_scatter"
+    ) -> Dict[str, int]:
+        """Collectives per optimizer step of `accumulation` micro-batches, each over one FSDP unit's (DDP
+        bucket's) parameters or gradients, keyed "kind/group" (group: the mesh's `shard` dimension or the
+        `replicate` one). `comm_bytes` prices exactly these; tests/distributed/test_collective_counts.py
+        counts them in training. DDP: one all-reduce per bucket per step (no_sync before the last)."""
+        return {"all_reduce/replicate": 1}
+
     def comm_bytes(
         self,
         plan: ParallelPlan,
@@ -185,7 +197,8 @@ class Accounting:
     ) -> Tuple[float, float, float]:
         """Bytes each rank sends per optimizer step: (over the whole ring, inside a node, across nodes)."""
         ring = (world - 1) / world
-        return 2 * ring * n * _reduce_bytes(precision), 0.0, 0.0
+        reduces = self.collectives(plan, accumulation, accumulation_sync)["all_reduce/replicate"]
+        return reduces * 2 * ring * n * _reduce_bytes(precision), 0.0, 0.0
 
     def host_traffic(self, plan: ParallelPlan, shard: float, accumulation: int, precision: str) -> float:
         """Host <-> device bytes per step when offloaded."""
@@ -227,6 +240,25 @@ class FSDPAccounting(Accounting):
     def fallback_host_bytes(self, params_per_rank: float) -> float:
         return 16 * params_per_rank  # fp32 parameters, gradients and Adam's two moments
 
+    def collectives(
+        self, plan: ParallelPlan, accumulation: int, accumulation_sync: str = "reduce_scatter"
+    ) -> Dict[str, int]:
+        """FSDP2 as FSDPStrategy sets it up: every micro-batch all-gathers each unit's parameters (again for
+        backward unless SHARD_GRAD_OP kept them; the strategy passes reshard_after_forward explicitly, so
+        the root unit too) and, with accumulation_sync="reduce_scatter", reduce-scatters its gradients;
+        the replica all-reduce (HYBRID_SHARD; NO_SHARD's only collective) runs once, on the last."""
+        if plan.sharding == "NO_SHARD":  # a shard dimension of one rank: nothing to gather or scatter
+            return {"all_reduce/replicate": 1}
+        k = accumulation
+        gathers = 1 if plan.sharding == "SHARD_GRAD_OP" else 2
+        counts = {
+            "all_gather/shard": k * gathers,
+            "reduce_scatter/shard": k if accumulation_sync == "reduce_scatter" else 1,
+        }
+        if plan.sharding == "HYBRID_SHARD":
+            counts["all_reduce/replicate"] = 1
+        return counts
+
     def comm_bytes(
         self,
         plan: ParallelPlan,
@@ -239,18 +271,19 @@ class FSDPAccounting(Accounting):
     ) -> Tuple[float, float, float]:
         if plan.sharding == "NO_SHARD":
             return super().comm_bytes(plan, n, world, num_nodes, accumulation, precision, accumulation_sync)
-        k, w, wb, rb = accumulation, world, _gather_bytes(precision), _reduce_bytes(precision)
-        scatters = k if accumulation_sync == "reduce_scatter" else 1
+        w, wb, rb = world, _gather_bytes(precision), _reduce_bytes(precision)
+        counts = self.collectives(plan, accumulation, accumulation_sync)
+        gathers, scatters = counts["all_gather/shard"], counts["reduce_scatter/shard"]
         if plan.sharding == "HYBRID_SHARD":
             per_node = max(1, w // max(1, num_nodes))
             inner = (per_node - 1) / per_node
-            intra_bytes = k * 2 * inner * n * wb + scatters * inner * n * rb
+            intra_bytes = gathers * inner * n * wb + scatters * inner * n * rb
             nodes = max(1, num_nodes)
-            inter_bytes = 2 * (nodes - 1) / nodes * n / per_node * rb
+            reduces = counts["all_reduce/replicate"]
+            inter_bytes = reduces * 2 * (nodes - 1) / nodes * n / per_node * rb
             return 0.0, intra_bytes, inter_bytes
         ring = (w - 1) / w
-        gathers = 1 if plan.sharding == "SHARD_GRAD_OP" else 2
-        return k * gathers * ring * n * wb + scatters * ring * n * rb, 0.0, 0.0
+        return gathers * ring * n * wb + scatters * ring * n * rb, 0.0, 0.0
 
     def host_traffic(self, plan: ParallelPlan, shard: float, accumulation: int, precision: str) -> float:
         # fp32 shards up for every micro-batch's forward and backward, the gradient shard down
@@ -447,6 +480,17 @@ class ZeROAccounting(Accounting):
     def fallback_host_bytes(self, params_per_rank: float) -> float:
         return 18 * params_per_rank  # fp32 parameters, gradients, Adam, and the bf16 partition
 
+    def collectives(
+        self, plan: ParallelPlan, accumulation: int, accumulation_sync: str = "reduce_scatter"
+    ) -> Dict[str, int]:
+        """Passes over all the parameters (DeepSpeed buckets them; not counted by the tests): ZeRO-3
+        gathers in forward and backward and reduce-scatters every micro-batch; ZeRO-2 reduces every
+        micro-batch, ZeRO-1 at the boundary; both gather the updated parameters once after the step."""
+        k = accumulation
+        if plan.zero_stage == 3:
+            return {"all_gather/shard": 2 * k, "reduce_scatter/shard": k}
+        return {"reduce_scatter/shard": k if plan.zero_stage == 2 else 1, "all_gather/shard": 1}
+
     def comm_bytes(
         self,
         plan: ParallelPlan,
@@ -457,11 +501,12 @@ class ZeROAccounting(Accounting):
         precision: str,
         accumulation_sync: str = "reduce_scatter",
     ) -> Tuple[float, float, float]:
-        k, ring, wb = accumulation, (world - 1) / world, _gather_bytes(precision)
+        ring, wb = (world - 1) / world, _gather_bytes(precision)
+        counts = self.collectives(plan, accumulation, accumulation_sync)
+        gathers, reductions = counts["all_gather/shard"], counts["reduce_scatter/shard"]
         if plan.zero_stage == 3:
-            return k * 3 * ring * n * wb, 0.0, 0.0
-        reductions = k if plan.zero_stage == 2 else 1
-        return reductions * ring * n * wb + ring * n * wb, 0.0, 0.0
+            return (gathers + reductions) * ring * n * wb, 0.0, 0.0
+        return reductions * ring * n * wb + gathers * ring * n * wb, 0.0, 0.0
 
     def host_traffic(self, plan: ParallelPlan, shard: float, accumulation: int, precision: str) -> float:
         return accumulation * 2 * shard * _gather_bytes(precision) + shard * 4
