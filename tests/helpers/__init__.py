@@ -8,4 +8,5 @@ by name from a worker, so nothing here imports one.
   checkpoints    full model / optimizer state of a run, and an exact comparison of two
   strict_device  a CPU stand-in for "NCCL only moves CUDA tensors"
   seeds          the seed documents' stand-in data
+  collective_counts  the collectives per optimizer step per strategy (counted in training, priced by the planner)
 """
