@@ -409,8 +409,9 @@ class Trainer(TrainerAttributes):
         # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
         # A summed loss (loss_weight) is scaled to its share of the step's global mean.
         scale = self.weighting.loss_scale if self.weighting is not None else None
+        last = self.is_last_microbatch
         output, _ = shared_step.forward_backward(
-            strategy, self.model, args, window, self.is_last_microbatch, before_backward, loss_scale=scale
+            strategy, self.model, args, window=window, last=last, before_backward=before_backward, loss_scale=scale
         )
         state.batch_idx += 1
         if self.is_last_microbatch:
