@@ -106,11 +106,12 @@ class ScalingReport:
 
     def format(self) -> str:
         n, run = self.devices, f"{self.devices} x {self.strategy}"
+        width = max(16, len(run) + 6)
         lines = [
             f"shardwise check: {self.module}",
             f"  run:       {self.strategy} on {n} process{'es' if n > 1 else ''} (CPU, gloo, fp32), micro-batch "
             f"{self.micro_batch_size} x accumulation {self.accumulate} x {n} = global batch {self.global_batch}, "
-            f"{self.steps} steps",
+            f"{_steps(self.steps)}",
             f"  reference: 1 process, batch {self.global_batch}, accumulation 1, from the same seed",
             "  loss per step: "
             + ("sum of losses / sum of loss_weight(batch)" if self.weighted else "mean of the micro-batch losses"),
@@ -121,17 +122,17 @@ class ScalingReport:
                 else f"DIFFER ({self.init_name}: max |diff| {self.init_diff:.3g})"
             ),
             "",
-            f"  {'step':>4}  {'loss, 1 process':>16}  {'loss, ' + run:>16}  {'rel. diff':>9}  samples",
+            f"  {'step':>4}  {'loss, 1 process':>16}  {'loss, ' + run:>{width}}  {'rel. diff':>9}  samples",
         ]
         for row in self.rows:
             data = "distinct per rank" if row.shared == 0 else f"{row.shared} seen by several ranks"
             data += ", union = 1-process batch" if row.union_equal else ", union != 1-process batch"
             lines.append(
-                f"  {row.step:>4}  {_num(row.reference):>16}  {_num(row.run):>16}  {_sci(row.rel_diff):>9}  {data}"
+                f"  {row.step:>4}  {_num(row.reference):>16}  {_num(row.run):>{width}}  {_sci(row.rel_diff):>9}  {data}"
             )
         lines += [
             "",
-            f"  parameters after {self.steps} steps: rel. diff {self.param_diff:.3g} (||P_ranks - P_1|| / ||P_1||); "
+            f"  parameters after {_steps(self.steps)}: rel. diff {self.param_diff:.3g} (||P_ranks - P_1|| / ||P_1||); "
             f"largest element |diff| {self.param_max:.3g}" + (f" in {self.param_name}" if self.param_name else ""),
         ]
         lines.append("  " + self._buffers_line())
@@ -158,6 +159,10 @@ class ScalingReport:
             name, diff = self.buffers_vs_reference[0]
             return f"buffers: equal across ranks; {name} differs from the 1-process run (rel. diff {diff:.3g})"
         return "buffers: equal on every rank and to the 1-process run"
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" + ("" if count == 1 else "s")
 
 
 def _num(value: Optional[float]) -> str:
@@ -312,9 +317,9 @@ def first_cause(report: ScalingReport, init_across: List[str]) -> Optional[Cause
     if report.buffers_across_ranks or report.params_across_ranks:
         if report.buffers_across_ranks:
             name, diff = report.buffers_across_ranks[0]
-            what = f"buffer {name} differs across ranks after {report.steps} steps (rel. diff {diff:.3g})"
+            what = f"buffer {name} differs across ranks after {_steps(report.steps)} (rel. diff {diff:.3g})"
         else:
-            what = f"parameter {report.params_across_ranks[0]} differs across ranks after {report.steps} steps"
+            what = f"parameter {report.params_across_ranks[0]} differs across ranks after {_steps(report.steps)}"
         return Cause(
             "rank_state",
             f"{what}: state that only some ranks update",
@@ -369,7 +374,7 @@ def first_cause(report: ScalingReport, init_across: List[str]) -> Optional[Cause
         name, diff = report.buffers_vs_reference[0]
         return Cause(
             "reference_buffer",
-            f"buffer {name} differs from the 1-process run after {report.steps} steps (rel. diff {diff:.3g}): state "
+            f"buffer {name} differs from the 1-process run after {_steps(report.steps)} (rel. diff {diff:.3g}): state "
             "computed from each rank's share of the batch",
             "compute it from the global batch: reduce it across ranks (torch.distributed.all_reduce), or use "
             "nn.SyncBatchNorm for BatchNorm statistics.",
