@@ -4,8 +4,11 @@ Both use torch.distributed.checkpoint.state_dict's get/set functions, whose
 parameter names are the same for a plain module, DDP and FSDP2, so any format
 loads under any strategy. "full" gathers the state to rank 0 one tensor at a
 time and writes one torch file (or, when rank 0's host could not hold it,
-saves that step "sharded" with a warning); "sharded" is DCP: one file per rank
-plus `.metadata`, loadable at another world size. Strategies call
+saves that step "sharded" with a warning); its trailer carries the manifest
+and the digest of every byte, checked before a load unpickles anything
+(onefile.py). "sharded" is DCP: one file per rank plus `.metadata`, loadable
+at another world size; its files are hashed while they are read and nothing
+is copied into the model before all of them matched (dcp_io.py). Strategies call
 `save_model_and_optimizers` / `load_model_and_optimizers` (the contract is in
 strategies/base.py); a load first compares names and shapes with the running
 model and reports the differences.
