@@ -262,7 +262,7 @@ def _manifest_without_trailer(path: str, is_zip: bool, verify: bool) -> Dict[str
     return payload["shardwise"]
 
 
-def checkpoint_identity(path: str) -> Optional[str]:
+def run_of(path: str) -> Optional[str]:
     """The run id in the manifest of the checkpoint at `path`; None when it has none or is unreadable."""
     try:
         run_id = read_manifest(path).get("run_id")
@@ -348,7 +348,7 @@ def _record_last(directory: str, target: str) -> None:
     A crash between moving the link and this leaves the previous record, naming another
     checkpoint: compared only when the names match, it never refuses a sound checkpoint.
     """
-    run_id = checkpoint_identity(target)
+    run_id = run_of(target)
     if not run_id or not hasattr(os, "setxattr"):
         return
     try:
@@ -489,14 +489,14 @@ def foreign_reason(path: str) -> Optional[str]:
     """Why the checkpoint at `path` belongs to another run than its directory's (`last.ckpt`'s), if it does."""
     path = os.path.realpath(path)
     directory = os.path.dirname(path)
-    run_id = checkpoint_identity(path)
+    run_id = run_of(path)
     replaced = replaced_reason(path, run_id)
     if replaced:
         return replaced
     link = os.path.join(directory, LAST_NAME)
     if not os.path.exists(link) or os.path.realpath(link) == path:
         return None
-    theirs = checkpoint_identity(os.path.realpath(link))
+    theirs = run_of(os.path.realpath(link))
     if theirs and theirs != run_id:
         return f"it is run {run_id or '(none recorded)'}'s, and {directory}'s last.ckpt is run {theirs}'s"
     return None
@@ -548,7 +548,7 @@ def resolve(ckpt_path: str, search_dirs: List[str]) -> Optional[str]:
             f"newest one. Checkpoints found:\n{describe_available(dirs, wanted=path)}"
         )
     if os.path.islink(path) and os.path.basename(path) == LAST_NAME:  # a run directory's `last`, by its name
-        replaced = replaced_reason(os.path.realpath(path), checkpoint_identity(path))
+        replaced = replaced_reason(os.path.realpath(path), run_of(path))
         if replaced:
             raise ForeignCheckpointError(
                 f"{path} points to a checkpoint from another run: {replaced}. Pass the file it points to "
