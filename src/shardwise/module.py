@@ -51,6 +51,10 @@ class LoggedValue:
 class TrainModule(nn.Module):
     """Base class for training code: subclass it and implement training_step."""
 
+    #: False: training_step runs backward and steps the optimizers itself (Lightning's manual
+    #: optimization: self.optimizers(), self.manual_backward(loss), opt.step(), opt.zero_grad()).
+    automatic_optimization: bool = True
+
     def __init__(self) -> None:
         super().__init__()
         object.__setattr__(self, "_trainer", None)
@@ -105,6 +109,41 @@ class TrainModule(nn.Module):
         for tensor in self.parameters():
             return tensor.device
         return torch.device("cpu")
+
+    # ---------------------------------------------------- optimizers (trainer/manual.py)
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer (or the list of them) configure_optimizers returned; its step() and zero_grad()
+        go through the Trainer's strategy (use_pl_optimizer=False: the bare torch optimizers)."""
+        return self.trainer.optimization.optimizers(use_pl_optimizer)
+
+    def lr_schedulers(self) -> Any:
+        """The LR scheduler (or the list of them), None without one. Manual optimization steps them itself."""
+        return self.trainer.optimization.lr_schedulers()
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Manual optimization's loss.backward(): through the strategy (loss scaling, sharded gradients)."""
+        if args:
+            raise TypeError(
+                "manual_backward(loss, **kwargs): pass torch's backward options by name (retain_graph=...)."
+            )
+        self.trainer.optimization.backward(loss, **kwargs)
+
+    def clip_gradients(
+        self, optimizer: Any, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None
+    ) -> Any:
+        """Clip the gradients `optimizer` steps, across shards ("norm", the default, or "value")."""
+        return self.trainer.optimization.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Until untoggle_optimizer, only `optimizer`'s parameters require grad (a GAN's alternating steps)."""
+        self.trainer.optimization.toggle(optimizer)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        self.trainer.optimization.untoggle(optimizer)
+
+    def toggled_optimizer(self, optimizer: Any) -> Any:
+        """`with self.toggled_optimizer(opt): ...`: toggle_optimizer for the block."""
+        return self.trainer.optimization.toggled(optimizer)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.trainer.print(*args, **kwargs)

@@ -392,6 +392,22 @@ class Strategy:
         """Skip gradient communication for a non-final micro-batch."""
         return contextlib.nullcontext()
 
+    # Manual optimization (TrainModule.automatic_optimization = False; trainer/manual.py): training_step
+    # runs its own backward passes and optimizer steps, possibly several per batch.
+    def manual_model(self, model: nn.Module) -> nn.Module:
+        """What a manually optimizing training_step runs through: the wrapped model (its hooks gather shards)."""
+        return model
+
+    def manual_backward(self, loss: torch.Tensor, model: nn.Module, **kwargs: Any) -> None:
+        """`self.manual_backward(loss, **kwargs)`: the backward of automatic mode; keyword arguments
+        (retain_graph=True) go to torch's backward."""
+        if not kwargs:
+            self.backward(loss, model)
+            return
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        loss.backward(**kwargs)
+
     def _grads(self, model: nn.Module) -> List[torch.Tensor]:
         return [p for p in model.parameters() if p.grad is not None]
 

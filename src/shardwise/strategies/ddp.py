@@ -10,8 +10,10 @@ a second copy, which is the lowest-memory DDP configuration.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -54,3 +56,34 @@ class DDPStrategy(Strategy):
         if enabled and isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    # Manual optimization: DDP synchronises gradients between its own forward and the backward that
+    # follows, one pair per step. A training_step that runs several backward passes inside that
+    # forward (a GAN) gets no synchronisation from it, so it runs on the unwrapped module (DDP's
+    # reducer stays idle) and each backward's gradients are averaged here instead. Averaging after
+    # every backward is exact however gradients accumulate: what earlier backward passes left is
+    # already equal on every rank.
+    def manual_model(self, model: nn.Module) -> nn.Module:
+        return self.unwrap(model)
+
+    def manual_backward(self, loss: torch.Tensor, model: nn.Module, **kwargs: Any) -> None:
+        super().manual_backward(loss, model, **kwargs)
+        if self.world_size > 1:
+            average_gradients(self.unwrap(model), self.world_size)
+
+
+@torch.no_grad()
+def average_gradients(module: nn.Module, world_size: int) -> None:
+    """All-reduce the mean of every gradient of `module`, one flat buffer per dtype and device."""
+    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    for p in module.parameters():
+        if p.grad is not None:
+            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in groups.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -37,6 +37,7 @@ from shardwise.strategies import Strategy, build_strategy
 from shardwise.trainer import arguments, loaders, nonfinite, setup, weighting
 from shardwise.trainer.attributes import TrainerAttributes
 from shardwise.trainer.hooks import call_callbacks, call_module, step_schedulers, takes_batch_idx
+from shardwise.trainer.manual import UserOptimization
 from shardwise.trainer.preemption import PreemptionWatch
 from shardwise.trainer.validation import run_validation, validation_due
 
@@ -134,6 +135,7 @@ class Trainer(TrainerAttributes):
         self.loggers = setup.build_loggers(logger, self.default_root_dir)
         self.state = TrainState()
         self.metrics = MetricStore()
+        self.optimization = UserOptimization(self)  # self.optimizers(), manual optimization (manual.py)
         self.should_stop = False
         self.validating = False
         self.is_last_microbatch = False
@@ -186,6 +188,7 @@ class Trainer(TrainerAttributes):
         self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
         # Optimizers on the wrapped (possibly sharded) parameters.
         optimizers, schedulers = setup.parse_optimizers(call_module(self, "configure_optimizers"))
+        self.optimization.check(module, optimizers)  # several need manual optimization; what manual refuses
         for opt in optimizers:
             strategy.setup_optimizer(opt)
         strategy.lr_schedulers = schedulers
@@ -409,12 +412,15 @@ class Trainer(TrainerAttributes):
         # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
         # A summed loss (loss_weight) is scaled to its share of the step's global mean.
         scale = self.weighting.loss_scale if self.weighting is not None else None
-        last = self.is_last_microbatch
-        output, _ = shared_step.forward_backward(
-            strategy, self.model, args, window=window, last=last, before_backward=before_backward, loss_scale=scale
-        )
+        if module.automatic_optimization:
+            last = self.is_last_microbatch
+            output, _ = shared_step.forward_backward(
+                strategy, self.model, args, window=window, last=last, before_backward=before_backward, loss_scale=scale
+            )
+        else:  # manual optimization: training_step runs its own backward passes and steps (manual.py)
+            output = self.optimization.training_step(args)
         state.batch_idx += 1
-        if self.is_last_microbatch:
+        if self.is_last_microbatch and module.automatic_optimization:
             mark_progress("optimizer_step", state.global_step)
             self._optimizer_step()
         step_logs = self.metrics.record(drain_logs(module))
