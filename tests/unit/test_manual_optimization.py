@@ -268,3 +268,13 @@ def test_gan_trains_under_two_processes_like_one(strategy):
     for name in first:
         torch.testing.assert_close(first[name], second[name], rtol=0, atol=0)
     assert reference[-1] != reference[0]
+
+
+def test_fsdp_root_unit_parameters_are_refused_in_manual_mode():
+    # The root unit gathers once per training_step: a second forward after a step would use stale weights.
+    with pytest.raises(ValueError, match=r"root unit.*auto_wrap_policy=\{Discriminator, Generator\}"):
+        _trainer(strategy="fsdp", max_steps=1).fit(GAN(), DataLoader(gan_data(), batch_size=8))
+    module = GAN()
+    trainer = _trainer(strategy=FSDPStrategy(auto_wrap_policy={Generator, Discriminator}), max_steps=2)
+    trainer.fit(module, DataLoader(gan_data(), batch_size=8))
+    assert trainer.global_step == 2
