@@ -5,8 +5,6 @@ A correct module passes under DDP and FSDP with accumulation 2; each planted mis
 2 worker processes once (~6 s on an idle 2-core machine) and runs the reference here.
 """
 
-import pytest
-
 import shardwise
 from shardwise.cli import main
 
@@ -35,7 +33,9 @@ def test_cli_passes_a_correct_module_under_ddp_with_accumulation(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "global batch 16" in out and "initial weights: identical in both runs" in out
-    assert out.strip().splitlines()[-1].startswith("verdict: PASS, equivalent within tolerance (loss rel. diff <= 1e-05")
+    assert (
+        out.strip().splitlines()[-1].startswith("verdict: PASS, equivalent within tolerance (loss rel. diff <= 1e-05")
+    )
 
 
 def test_cli_names_the_same_samples_on_every_rank(capsys):
@@ -61,12 +61,16 @@ def test_a_buffer_only_rank_zero_updates_is_named():
     assert [name for name, _ in report.buffers_across_ranks] == ["feature_mean"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Trainer does not yet normalise a summed loss by the global loss_weight of the step "
-    "(issue 20 item 2, another helper's work): until it does, N ranks train on a different gradient",
-)
 def test_a_summed_loss_with_loss_weight_passes():
+    # The Trainer divides the summed losses by the step's global weight (TrainModule.loss_weight).
     report = shardwise.check(scaling_modules.WeightedLossMLP, strategy="ddp", accumulate_grad_batches=2)
     assert report.weighted
     _passed(report)
+
+
+def test_a_mean_over_a_varying_count_fails_and_points_to_loss_weight():
+    # The mistake issue 20 measured: each micro-batch's mean over its own unmasked positions.
+    report = shardwise.check(scaling_modules.TokenMeanMLP, strategy="fsdp", accumulate_grad_batches=2)
+    assert report.cause.kind == "differs", report.format()
+    assert report.rows[0].rel_diff > 1e-4 and all(row.union_equal for row in report.rows)
+    assert "define loss_weight(batch)" in report.cause.fix

@@ -7,9 +7,10 @@ thing a user gets wrong:
   the same samples);
 - SummedLossMLP: the loss summed over the micro-batch without its weight;
 - RankZeroBufferMLP: a running statistic (buffer) that only rank 0 updates.
-WeightedLossMLP does it right the other way: a summed loss over a count that varies
-per sample (tokens not masked with -100) plus loss_weight(batch), which the Trainer
-normalises by the global count once it supports loss_weight.
+WeightedLossMLP does it right for a count that varies per sample (positions not masked
+with -100): the summed loss plus loss_weight(batch), which the Trainer divides by the
+step's global count; TokenMeanMLP makes the usual mistake instead (a mean over each
+micro-batch's own count).
 
 Module-level so the workers `shardwise.check` starts can import them.
 """

@@ -364,10 +364,17 @@ def first_cause(report: ScalingReport, init_across: List[str]) -> Optional[Cause
                 f"the module drops at random ({', '.join(report.dropout[:3])}): masks differ between a 1-process "
                 "and an N-rank run; check a configuration without dropout (e.g. --init_args.dropout 0)"
             )
-        hints.append(
-            "if training_step averages over a count that varies between micro-batches (target tokens, unmasked "
-            "labels), return the sum and define loss_weight(batch) so the Trainer divides by the global count"
-        )
+        if report.weighted:
+            hints.append(
+                "the module defines loss_weight(batch): training_step must return the sum of the per-item losses "
+                "over exactly the items loss_weight counts (not a mean, and not divided by anything)"
+            )
+        else:
+            hints.append(
+                "if training_step averages over a count that varies between micro-batches (target tokens, "
+                "unmasked labels), return the sum and define loss_weight(batch) so the Trainer divides by the "
+                "global count"
+            )
         hints.append("look for randomness or state in training_step that depends on the rank or the batch size")
         return Cause("differs", "differs beyond tolerance: " + "; ".join(parts), "; ".join(hints) + ".")
     if report.buffers_vs_reference:
