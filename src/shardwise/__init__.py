@@ -2,6 +2,7 @@
 
 from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise._version import __version__
+from shardwise.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from shardwise.distributed.device import move_to_device
 from shardwise.distributed.launch import launch
 from shardwise.memory import max_memory_allocated, reset_peak_memory_stats, track_memory
@@ -28,6 +29,9 @@ __all__ = [
     "Trainer",
     "TrainModule",
     "DataModule",
+    "Callback",
+    "EarlyStopping",
+    "ModelCheckpoint",
     "seed_everything",
     "launch",
     "wrap",

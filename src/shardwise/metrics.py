@@ -1,15 +1,20 @@
 """What `self.log` recorded -> the numbers loggers, progress bar and callbacks see.
 
 Step values are forwarded as they are (after an optional cross-rank
-reduction); epoch values are accumulated -- weighted by batch size when
-given -- and reduced once at the end of the epoch, so `sync_dist=True`
-costs one collective per metric per epoch, not per step.
+reduction); epoch values are accumulated -- a mean weighted by the batch
+size, given or read from the batch as Lightning does -- and reduced once at
+the end of the epoch, so `sync_dist=True` costs one collective per metric
+per epoch, not per step. The names are Lightning's: a value logged both per
+step and per epoch is `name_step` / `name_epoch` to the loggers, all three
+spellings to callbacks, and `name` to the progress bar; `logger=False` keeps
+a value from the loggers only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterable, Iterator, List
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -34,6 +39,33 @@ def settle(values: Dict[str, Any]) -> Dict[str, Any]:
     return values
 
 
+def batch_size_of(batch: Any) -> Optional[int]:
+    """The batch size Lightning infers for an epoch mean: the first dimension of the first tensor in the batch."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size is not None:
+                return size
+    return None
+
+
+@dataclass
+class _EpochValue:
+    """One metric's accumulator over an epoch."""
+
+    total: torch.Tensor  # weighted sum (mean), sum, max or min so far
+    weight: float  # the samples the mean is over
+    reduce_fx: str
+    sync_dist: bool
+    prog_bar: bool
+    logger: bool
+    forked: bool  # also logged per step: the epoch value is `name_epoch`
+
+
 class MetricStore:
     """Logged values, kept as tensors where they were computed until something reads them.
 
@@ -48,8 +80,7 @@ class MetricStore:
         self._callback: Dict[str, Any] = {}
         self._progress: Dict[str, Any] = {}
         self._logged: Dict[str, Any] = {}
-        # name -> [weighted sum, weight, reduce_fx, sync_dist, prog_bar]
-        self._epoch: Dict[str, List] = {}
+        self._epoch: Dict[str, _EpochValue] = {}
 
     @property
     def callback_metrics(self) -> Dict[str, float]:
@@ -72,66 +103,75 @@ class MetricStore:
         finally:
             self._epoch = outer
 
-    def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True) -> Dict[str, Any]:
-        """Take one step's logs; return the step values (tensors: `settle` them to log them)."""
+    def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True, batch: Any = None) -> Dict[str, Any]:
+        """Take one step's logs; return the step values for the loggers (tensors: `settle` them to log them).
+
+        batch: the batch the values were computed on; an epoch mean without an explicit
+        batch_size is weighted by its size, as in Lightning (a shorter last batch counts less).
+        """
         step_values: Dict[str, Any] = {}
+        inferred: List[Optional[int]] = []  # read from the batch at most once, and only when needed
         for item in logs:
-            value = item.value
+            forked = item.on_step and item.on_epoch and suffix_epoch
             if item.on_step:
-                if item.sync_dist:
-                    value = _reduce(value, item.reduce_fx)
-                key = f"{item.name}_step" if (item.on_epoch and suffix_epoch) else item.name
-                step_values[key] = value
+                value = _reduce(item.value, item.reduce_fx) if item.sync_dist else item.value
+                key = f"{item.name}_step" if forked else item.name
+                if item.logger:
+                    step_values[key] = value
                 self._callback[item.name] = value
+                self._callback[key] = value
                 if item.prog_bar:
-                    self._progress[item.name] = value
+                    self._progress[item.name] = value  # one entry per metric (Lightning shows name_step)
             if item.on_epoch:
-                weight = float(item.batch_size or 1)
-                entry = self._epoch.get(item.name)
-                v = item.value
-                if entry is None:
-                    self._epoch[item.name] = [
-                        v * weight if item.reduce_fx == "mean" else v,
-                        weight,
-                        item.reduce_fx,
-                        item.sync_dist,
-                        item.prog_bar,
-                    ]
-                else:
-                    fx = entry[2]
-                    if fx == "mean":
-                        entry[0] = entry[0] + v * weight
-                    elif fx == "sum":
-                        entry[0] = entry[0] + v
-                    elif fx == "max":
-                        entry[0] = torch.maximum(entry[0], v)
-                    else:
-                        entry[0] = torch.minimum(entry[0], v)
-                    entry[1] += weight
+                weight = item.batch_size
+                if weight is None and item.reduce_fx == "mean":
+                    if not inferred:
+                        inferred.append(batch_size_of(batch))
+                    weight = inferred[0]
+                self._accumulate(item, float(weight or 1), forked)
         self._logged.update(step_values)
         return step_values
 
+    def _accumulate(self, item: LoggedValue, weight: float, forked: bool) -> None:
+        v = item.value
+        entry = self._epoch.get(item.name)
+        if entry is None:
+            total = v * weight if item.reduce_fx == "mean" else v
+            self._epoch[item.name] = _EpochValue(
+                total, weight, item.reduce_fx, item.sync_dist, item.prog_bar, item.logger, forked
+            )
+            return
+        if entry.reduce_fx == "mean":
+            entry.total = entry.total + v * weight
+        elif entry.reduce_fx == "sum":
+            entry.total = entry.total + v
+        elif entry.reduce_fx == "max":
+            entry.total = torch.maximum(entry.total, v)
+        else:
+            entry.total = torch.minimum(entry.total, v)
+        entry.weight += weight
+        entry.forked = entry.forked or forked
+
     def finish_epoch(self, suffix: bool = True) -> Dict[str, float]:
-        """Close the epoch accumulators (reducing across ranks where asked) and return them."""
+        """Close the epoch accumulators (reducing across ranks where asked); return what goes to the loggers."""
         out: Dict[str, float] = {}
-        totals = settle({name: entry[0] for name, entry in self._epoch.items()})
-        for name, (_, weight, fx, sync, prog_bar) in self._epoch.items():
-            total = totals[name]
-            if fx == "mean":
-                if sync:  # exact global mean: reduce numerator and denominator
+        totals = settle({name: entry.total for name, entry in self._epoch.items()})
+        for name, entry in self._epoch.items():
+            total, weight = totals[name], entry.weight
+            if entry.reduce_fx == "mean":
+                if entry.sync_dist:  # exact global mean: reduce numerator and denominator
                     pair = ops.reduce(torch.tensor([total, weight], dtype=torch.float64), "sum")
                     total, weight = float(pair[0]), float(pair[1])
                 value = total / max(weight, 1e-12)
             else:
-                value = float(_reduce(torch.tensor(total), fx)) if sync else total
-            key = f"{name}_epoch" if suffix and self._had_step(name) else name
-            out[key] = value
+                value = float(_reduce(torch.tensor(total), entry.reduce_fx)) if entry.sync_dist else total
+            key = f"{name}_epoch" if suffix and entry.forked else name
+            if entry.logger:
+                out[key] = value
             self._callback[name] = value
-            if prog_bar:
+            self._callback[key] = value
+            if entry.prog_bar:
                 self._progress[name] = value
         self._epoch.clear()
         self._logged.update(out)
         return out
-
-    def _had_step(self, name: str) -> bool:
-        return f"{name}_step" in self._logged

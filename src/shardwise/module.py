@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from shardwise.module_hooks import EPOCH_ONLY_HOOKS, LOG_LEVELS, ModuleHooks
+
 
 @dataclass
 class LoggedValue:
@@ -46,9 +48,10 @@ class LoggedValue:
     sync_dist: bool
     reduce_fx: str
     batch_size: Optional[int]
+    logger: bool = True  # False: callback_metrics and the progress bar only, never the loggers
 
 
-class TrainModule(nn.Module):
+class TrainModule(ModuleHooks, nn.Module):
     """Base class for training code: subclass it and implement training_step."""
 
     #: False: training_step runs backward and steps the optimizers itself (Lightning's manual
@@ -76,16 +79,8 @@ class TrainModule(nn.Module):
     # validation_step is looked up with getattr: defining it enables validation.
     # So is loss_weight(batch) (see the module docstring): defining it makes training_step's loss a sum.
 
-    def on_train_start(self) -> None: ...
-    def on_train_end(self) -> None: ...
-    def on_train_epoch_start(self) -> None: ...
-    def on_train_epoch_end(self) -> None: ...
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
-    def on_validation_epoch_start(self) -> None: ...
-    def on_validation_epoch_end(self) -> None: ...
-    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
-    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None: ...
+    # Every other Lightning hook (setup, on_fit_start, on_before_optimizer_step, optimizer_step, ...)
+    # has Lightning's default in ModuleHooks (module_hooks.py); trainer/lightning_hooks.py says when each runs.
 
     # ------------------------------------------------------------ accessors
     @property
@@ -171,10 +166,27 @@ class TrainModule(nn.Module):
         batch_size: Optional[int] = None,
         logger: bool = True,
     ) -> None:
-        """Record a metric. Defaults as in Lightning: per step in training, per epoch in validation."""
-        in_training = self._current_hook.startswith("train") or self._current_hook.startswith("on_train")
-        on_step = in_training if on_step is None else on_step
-        on_epoch = (not in_training) if on_epoch is None else on_epoch
+        """Record a metric. Defaults as in Lightning: per step in training, per epoch in validation.
+
+        logger=False keeps the value from the loggers; callbacks (callback_metrics) and the progress
+        bar (prog_bar=True) still get it. The hook that runs decides the defaults (module_hooks.LOG_LEVELS).
+        """
+        hook = self._current_hook
+        if hook in LOG_LEVELS:
+            levels = LOG_LEVELS[hook]
+            if levels is None:
+                raise RuntimeError(
+                    f"self.log({name!r}) inside {hook}: nothing receives a value logged there (no training "
+                    "step or epoch is open), as in Lightning. Log from training_step, validation_step or an "
+                    "on_*_epoch_end / on_*_batch_end hook, or write to the logger directly (self.logger)."
+                )
+            if on_step and hook in EPOCH_ONLY_HOOKS:
+                raise ValueError(f"self.log({name!r}, on_step=True) inside {hook}, which runs once per epoch.")
+        else:  # a hook Lightning does not log from: by its name, training per step, the rest per epoch
+            in_training = hook.startswith("train") or hook.startswith("on_train")
+            levels = (in_training, not in_training)
+        on_step = levels[0] if on_step is None else on_step
+        on_epoch = levels[1] if on_epoch is None else on_epoch
         if reduce_fx not in ("mean", "sum", "max", "min"):
             raise ValueError(f"log({name!r}): reduce_fx must be mean, sum, max or min, got {reduce_fx!r}")
         if isinstance(value, torch.Tensor):
@@ -183,7 +195,9 @@ class TrainModule(nn.Module):
             value = value.detach().float().reshape(())
         else:
             value = torch.tensor(float(value))
-        self._log_buffer.append(LoggedValue(name, value, prog_bar, on_step, on_epoch, sync_dist, reduce_fx, batch_size))
+        self._log_buffer.append(
+            LoggedValue(name, value, prog_bar, on_step, on_epoch, sync_dist, reduce_fx, batch_size, logger)
+        )
 
     def log_dict(self, metrics: Dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
@@ -219,9 +233,11 @@ def attached_trainer(module: TrainModule) -> Any:
     return getattr(module, "_trainer", None)
 
 
-def enter_hook(module: TrainModule, hook: str) -> None:
-    """Record which hook runs now: `self.log` takes its per-step / per-epoch defaults from it."""
+def enter_hook(module: TrainModule, hook: str) -> str:
+    """Record which hook runs now (`self.log` takes its per-step / per-epoch defaults from it); return the previous."""
+    previous = module._current_hook
     object.__setattr__(module, "_current_hook", hook)
+    return previous
 
 
 def drain_logs(module: TrainModule) -> List[LoggedValue]:

@@ -1,38 +1,69 @@
-"""How the Trainer calls user code: callbacks' hooks and the module's own.
+"""How the Trainer calls user code: callbacks' hooks, the module's, the datamodule's, the LR schedulers.
 
 Callbacks are duck-typed, as in Lightning Fabric: `call_callbacks` calls a
 hook on every callback that defines it, with Lightning's (trainer, module,
-...) arguments. `call_module` calls the TrainModule's hook after telling the
-module which hook runs (self.log's defaults depend on it) and recording it as
-this rank's progress, which names what a rank was doing if it ever hangs.
+...) arguments. As in Lightning, the callbacks that monitor a metric
+(EarlyStopping, ModelCheckpoint) can be called apart, after the module's own
+hook, so they see what the module logged in it (`monitoring=True/False`).
+`call_module` calls the TrainModule's hook after telling the module which
+hook runs (self.log's defaults depend on it) and recording it as this rank's
+progress, which names what a rank was doing if it ever hangs.
+`update_lr_schedulers` steps the schedulers where Lightning does (see its
+docstring). Which hook runs where is listed in lightning_hooks.py.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List
+import warnings
+from typing import Any, Optional
 
+import torch
+
+from shardwise.callbacks import EarlyStopping, ModelCheckpoint
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.module import enter_hook
 
-
-def call_callbacks(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> None:
-    """Call `hook(trainer, module, *args, **kwargs)` on every callback that defines it."""
-    for callback in trainer.callbacks:
-        fn = getattr(callback, hook, None)
-        if callable(fn):
-            fn(trainer, trainer.module, *args, **kwargs)
+# Callbacks whose decision reads a metric: at the end of a training epoch they run after the
+# module's on_train_epoch_end, so they can monitor what it logged (Lightning's hard-coded pair).
+MONITORING = (EarlyStopping, ModelCheckpoint)
 
 
-def call_module(trainer: Any, hook: str, *args: Any) -> Any:
-    """Call the module's `hook(*args)` if it defines one; return what it returns."""
+def call_callbacks(trainer: Any, hook: str, *args: Any, monitoring: Optional[bool] = None, **kwargs: Any) -> None:
+    """Call `hook(trainer, module, *args, **kwargs)` on every callback that defines it.
+
+    monitoring: None for every callback; True / False for only those that do / do not monitor a metric.
+    """
+    module = trainer.module
+    previous = enter_hook(module, hook) if module is not None else None  # a callback's pl_module.log
+    try:
+        for callback in trainer.callbacks:
+            if monitoring is not None and isinstance(callback, MONITORING) != monitoring:
+                continue
+            fn = getattr(callback, hook, None)
+            if callable(fn):
+                fn(trainer, module, *args, **kwargs)
+    finally:
+        if previous is not None:
+            enter_hook(module, previous)
+
+
+def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the module's `hook(*args, **kwargs)` if it defines one; return what it returns."""
     module = trainer.module
     fn = getattr(module, hook, None)
     if not callable(fn):
         return None
     enter_hook(module, hook)
     mark_progress(hook, trainer.state.global_step)  # what this rank does, if it ever hangs
-    return fn(*args)
+    return fn(*args, **kwargs)
+
+
+def call_datamodule(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the fit's datamodule's `hook` if there is a datamodule and it defines the hook."""
+    datamodule = getattr(trainer, "datamodule", None)
+    fn = getattr(datamodule, hook, None)
+    return fn(*args, **kwargs) if callable(fn) else None
 
 
 def takes_batch_idx(fn: Any) -> bool:
@@ -45,20 +76,44 @@ def takes_batch_idx(fn: Any) -> bool:
     return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def step_schedulers(schedulers: List[Dict[str, Any]], interval: str, counter: int, metrics: Any) -> None:
-    """Step the LR schedulers of this `interval` ("step" or "epoch") due at `counter` (global step, or epochs done).
+def is_plateau(entry: dict) -> bool:
+    """Whether a scheduler steps on a metric (ReduceLROnPlateau, or an entry saying reduce_on_plateau=True)."""
+    return bool(
+        entry.get("reduce_on_plateau", isinstance(entry["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau))
+    )
 
-    A scheduler with a `monitor` (ReduceLROnPlateau) steps on that logged value from `metrics`.
+
+def update_lr_schedulers(trainer: Any, interval: str, plateau: bool) -> None:
+    """Step the schedulers of this `interval` ("step" or "epoch") whose turn it is, through the module's
+    lr_scheduler_step(scheduler, metric), where Lightning does:
+
+    - the others (StepLR, cosine, ...): "step" ones after each optimizer step, "epoch" ones after the
+      epoch's last optimizer step, before the end-of-epoch validation;
+    - the plateau ones (they read a metric, usually a validation one): "step" ones after any validation
+      that follows the step, "epoch" ones after the end-of-epoch validation and on_train_epoch_end.
+
+    A plateau scheduler's `monitor` missing from callback_metrics is an error naming what was logged,
+    or, with `strict: False` in its entry, a warning and no step (as in Lightning).
     """
-    for entry in schedulers:
-        if entry["interval"] == interval and counter % entry["frequency"] == 0:
-            monitor = entry.get("monitor")
-            if monitor is not None:
-                logged = metrics.callback_metrics
-                if monitor not in logged:
+    counter = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+    for entry in trainer.strategy.lr_schedulers:
+        if entry["interval"] != interval or is_plateau(entry) != plateau or counter % entry["frequency"]:
+            continue
+        metric = None
+        if plateau:
+            monitor = entry["monitor"]
+            logged = trainer.callback_metrics
+            if monitor not in logged:
+                message = (
+                    f"The LR scheduler {type(entry['scheduler']).__name__} monitors {monitor!r}, which is not "
+                    f"among the logged metrics {sorted(logged)} at this {interval}."
+                )
+                if entry.get("strict", True):
                     raise KeyError(
-                        f"lr_scheduler monitors {monitor!r}, which was never logged. Logged: {sorted(logged)}"
+                        f"{message} Log it with self.log({monitor!r}, ...) (a validation metric needs a "
+                        "validation loader), or set 'strict': False in the scheduler's dict to skip steps without it."
                     )
-                entry["scheduler"].step(logged[monitor])
-            else:
-                entry["scheduler"].step()
+                warnings.warn(f"{message} strict=False: the scheduler does not step.", RuntimeWarning, stacklevel=2)
+                continue
+            metric = torch.tensor(logged[monitor])
+        call_module(trainer, "lr_scheduler_step", entry["scheduler"], metric)

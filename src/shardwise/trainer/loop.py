@@ -26,7 +26,6 @@ from shardwise.checkpoint import load_training_checkpoint, save_training_checkpo
 from shardwise.checkpoint.rng import restore_rng_states
 from shardwise.checkpoint.training import TrainingStates
 from shardwise.distributed import preempt
-from shardwise.distributed.device import move_to_device
 from shardwise.distributed.env import detect_env, is_global_zero, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
@@ -34,9 +33,9 @@ from shardwise.module import TrainModule, attach, drain_logs, enter_hook
 from shardwise.plan.advice import FitDecision, check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
-from shardwise.trainer import arguments, loaders, nonfinite, setup, weighting
+from shardwise.trainer import arguments, automatic, lightning_hooks, loaders, nonfinite, setup, weighting
 from shardwise.trainer.attributes import TrainerAttributes
-from shardwise.trainer.hooks import call_callbacks, call_module, step_schedulers, takes_batch_idx
+from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx, update_lr_schedulers
 from shardwise.trainer.manual import UserOptimization
 from shardwise.trainer.preemption import PreemptionWatch
 from shardwise.trainer.validation import run_validation, validation_due
@@ -137,6 +136,7 @@ class Trainer(TrainerAttributes):
         self.metrics = MetricStore()
         self.optimization = UserOptimization(self)  # self.optimizers(), manual optimization (manual.py)
         self.should_stop = False
+        self.stage: Optional[str] = None  # the entry point running: "fit", "validate", ... (Lightning's state.fn)
         self.validating = False
         self.is_last_microbatch = False
         self.num_training_batches: float = float("inf")
@@ -155,6 +155,11 @@ class Trainer(TrainerAttributes):
         """The signal's name once the run stopped for a preemption signal, else None."""
         return self._preemption.preempted
 
+    @property
+    def datamodule(self) -> Any:
+        """The datamodule given to fit() (Lightning's trainer.datamodule), or None."""
+        return self._data_sources[2]
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on global rank 0 only."""
         if self.strategy.is_global_zero:
@@ -169,10 +174,11 @@ class Trainer(TrainerAttributes):
 
     # -------------------------------------------------------------------- set-up
     def _setup(self, module: TrainModule, need_train_data: bool = True) -> None:
+        stage = "fit" if need_train_data else "validate"
         if self._set_up and self.module is module:
+            lightning_hooks.prepare_and_setup(self, stage)  # every fit / validate sets up again, as in Lightning
             if need_train_data and self._resolved_data[0] is None:  # a fit after validate()
                 self._resolve_data(module, need_train_data=True)
-            call_callbacks(self, "setup", stage="fit")  # a second fit: callbacks take their resources again
             return
         if not isinstance(module, TrainModule):
             raise TypeError(f"fit() takes a shardwise.TrainModule, got {type(module).__name__}.")
@@ -183,8 +189,11 @@ class Trainer(TrainerAttributes):
         trained = setup.check_refit(module, self)
         self.module = module
         attach(module, self)
+        # Every Lightning hook is called or refused (lightning_hooks.HOOKS): refused ones stop here.
+        lightning_hooks.configure_callbacks(self)
+        lightning_hooks.refuse_unsupported(self, module, self.callbacks, self.datamodule)
+        lightning_hooks.prepare_and_setup(self, stage)  # prepare_data, setup(stage): datamodule, callbacks, module
         self._resolve_data(module, need_train_data)
-        call_callbacks(self, "setup", stage="fit")
         self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
         # Optimizers on the wrapped (possibly sharded) parameters.
         optimizers, schedulers = setup.parse_optimizers(call_module(self, "configure_optimizers"))
@@ -195,7 +204,10 @@ class Trainer(TrainerAttributes):
         self._set_up = True
 
     def _resolve_data(self, module: TrainModule, need_train_data: bool) -> None:
-        self._resolved_data = loaders.resolve_data(self._data_sources, module, self.strategy, need_train_data)
+        train, val, datamodule = self._data_sources  # its prepare_data and setup ran: lightning_hooks
+        self._resolved_data = loaders.resolve_data(
+            (train, val, None), datamodule or module, self.strategy, need_train_data
+        )
         train = self._resolved_data[0]
         if train is not None and getattr(train, "batch_size", None) is not None:
             self._configure_training(train.batch_size)  # the loader is known only now (DeepSpeed's config takes it)
@@ -221,6 +233,7 @@ class Trainer(TrainerAttributes):
         """Train. Data as in Lightning: loaders here, a `datamodule` (also as the second positional
         argument), or the module's own train_dataloader() / val_dataloader() methods."""
         train_dataloaders, datamodule = arguments.check_fit_data(module, train_dataloaders, val_dataloaders, datamodule)
+        self.stage = "fit"
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         plan_choice = None
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
@@ -241,23 +254,18 @@ class Trainer(TrainerAttributes):
             if ckpt_path is not None:
                 self._restore(ckpt_path)
             setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
-            call_callbacks(self, "on_fit_start")
-            call_callbacks(self, "on_train_start")
-            call_module(self, "on_train_start")
+            lightning_hooks.call_both(self, "on_fit_start")
+            lightning_hooks.call_both(self, "on_train_start")
             self._fit_loop()
-            call_module(self, "on_train_end")
-            call_callbacks(self, "on_train_end")
-            call_callbacks(self, "on_fit_end")
+            lightning_hooks.call_both(self, "on_train_end")
+            lightning_hooks.call_both(self, "on_fit_end")
             setup.finalize_loggers(self.loggers, self.strategy, "success")
         except BaseException as exc:
-            call_callbacks(self, "on_exception", exc)
+            lightning_hooks.on_exception(self, exc)
             setup.finalize_loggers(self.loggers, self.strategy, "failed")
             raise
         finally:
-            call_callbacks(self, "teardown", stage="fit")
-            datamodule = self._data_sources[2]
-            if datamodule is not None and callable(getattr(datamodule, "teardown", None)):
-                datamodule.teardown("fit")
+            lightning_hooks.teardown(self, "fit")
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
         if self.preempted is not None:
@@ -346,16 +354,14 @@ class Trainer(TrainerAttributes):
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
             state.in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
-            call_module(self, "on_train_epoch_end")
-            self.log_metrics(self.metrics.finish_epoch())
-            step_schedulers(self.strategy.lr_schedulers, "epoch", self.current_epoch + 1, self.metrics)
             if (
                 self.val_dataloaders is not None
                 and self.val_check_interval is None
                 and (state.epoch + 1) % self.check_val_every_n_epoch == 0
             ):
                 run_validation(self)
-            call_callbacks(self, "on_train_epoch_end")
+            # on_train_epoch_end, the epoch's metrics, ReduceLROnPlateau on what validation logged.
+            lightning_hooks.end_train_epoch(self)
             state.in_epoch_end = False
             state.epoch += 1
             state.batch_idx = 0
@@ -383,7 +389,7 @@ class Trainer(TrainerAttributes):
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
         strategy, state, module = self.strategy, self.state, self.module
         batch_idx = state.batch_idx
-        batch = strategy.precision.convert_input(move_to_device(batch, strategy.root_device))
+        batch = lightning_hooks.transfer_batch(self, strategy.precision.convert_input(batch))
         call_callbacks(self, "on_train_batch_start", batch, batch_idx)
         if call_module(self, "on_train_batch_start", batch, batch_idx) == -1:
             self.should_stop = True  # Lightning's convention: -1 ends the epoch and the run
@@ -406,35 +412,40 @@ class Trainer(TrainerAttributes):
             self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
             if self.weighting is not None:
                 self.weighting.add(loss)
+            automatic.before_backward(self, loss, batch_idx, window, scale)  # zero-grad, on_before_backward hooks
             mark_progress("backward", state.global_step)
 
         # The step's core is shared with the memory planner's trace (step.py). Non-final
         # micro-batches skip what can wait (DDP's all-reduce; FSDP's replica all-reduce).
         # A summed loss (loss_weight) is scaled to its share of the step's global mean.
         scale = self.weighting.loss_scale if self.weighting is not None else None
-        if module.automatic_optimization:
+
+        def micro_batch() -> Any:  # training_step and its backward: on a window's last, optimizer_step's closure
             last = self.is_last_microbatch
-            output, _ = shared_step.forward_backward(
+            output, loss = shared_step.forward_backward(
                 strategy, self.model, args, window=window, last=last, before_backward=before_backward, loss_scale=scale
             )
+            automatic.after_backward(self, loss)
+            state.batch_idx += 1
+            return output
+
+        if module.automatic_optimization:  # through the module's optimizer_step on a window's last (automatic.py)
+            output = automatic.run(self, micro_batch, batch_idx, self._optimizer_step)
         else:  # manual optimization: training_step runs its own backward passes and steps (manual.py)
             output = self.optimization.training_step(args)
-        state.batch_idx += 1
-        if self.is_last_microbatch and module.automatic_optimization:
-            mark_progress("optimizer_step", state.global_step)
-            self._optimizer_step()
-        step_logs = self.metrics.record(drain_logs(module))
+            state.batch_idx += 1
+        step_logs = self.metrics.record(drain_logs(module), batch=batch)
         log_due = self.is_last_microbatch and (
             state.global_step % self.log_every_n_steps == 0 or state.global_step == 1
         )
         if self.is_last_microbatch and self.weighting is not None:  # the step's global mean loss
             step_logs.update(self.metrics.record(self.weighting.logs(log_due)))
-        if log_due:
-            self.log_metrics({**step_logs, "epoch": float(state.epoch)})
-        call_module(self, "on_train_batch_end", output, batch, batch_idx)
-        call_callbacks(self, "on_train_batch_end", output, batch, batch_idx)
+        # Schedulers, on_train_batch_end, then the step's values to the loggers with what it logged.
+        lightning_hooks.end_train_batch(self, output, batch, batch_idx, step_logs if log_due else None)
         if self.val_dataloaders is not None and validation_due(self, state.batch_idx):
             run_validation(self)
+        if self.is_last_microbatch:
+            update_lr_schedulers(self, "step", plateau=True)  # after any validation this step ran, as Lightning
         if self.is_last_microbatch and self._preemption_requested():
             self.should_stop = True  # ModelCheckpoint saves this step in on_train_end
 
@@ -444,21 +455,15 @@ class Trainer(TrainerAttributes):
 
         def before_step(i: int, optimizer: torch.optim.Optimizer) -> bool:
             call_callbacks(self, "on_before_optimizer_step", optimizer)
-            if i == 0 and self.non_finite != "off" and not self._healthy(losses):
-                return self.non_finite != "skip"  # skip: every optimizer's gradients are dropped, no step
+            call_module(self, "on_before_optimizer_step", optimizer)
+            if i == 0 and self.non_finite != "off" and not self._healthy(losses) and self.non_finite == "skip":
+                return False  # skip: every optimizer's gradients are dropped, no step
+            automatic.clip(self, optimizer)  # the module's configure_gradient_clipping, with our clip settings
             return True
 
-        # Clip, step and zero each optimizer: the same core the memory planner traces (step.py).
-        shared_step.optimizer_update(
-            strategy,
-            self.model,
-            strategy.optimizers,
-            gradient_clip_val=self.gradient_clip_val,
-            gradient_clip_algorithm=self.gradient_clip_algorithm,
-            before_step=before_step,
-        )
+        # Step and zero each optimizer (clipped in before_step): the core the memory planner traces (step.py).
+        shared_step.optimizer_update(strategy, self.model, strategy.optimizers, before_step=before_step)
         self.state.global_step += 1
-        step_schedulers(self.strategy.lr_schedulers, "step", self.global_step, self.metrics)
 
     def _healthy(self, losses: List[Tuple[int, torch.Tensor]]) -> bool:
         """Whether this step's losses and gradients are finite on every rank; acts on non_finite if not."""
@@ -486,6 +491,7 @@ class Trainer(TrainerAttributes):
     ) -> List[Dict[str, float]]:
         """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
         setup.launch_if_needed(self.devices, self.num_nodes)
+        self.stage = "validate"
         module = module or self.module
         if module is None:
             raise ValueError("validate() needs a module (or a previous fit()).")
@@ -499,4 +505,10 @@ class Trainer(TrainerAttributes):
         if ckpt_path is not None:
             self._restore(ckpt_path)
         setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
-        return [run_validation(self)]
+        try:
+            return [run_validation(self)]
+        except BaseException as exc:
+            lightning_hooks.on_exception(self, exc)
+            raise
+        finally:
+            lightning_hooks.teardown(self, "validate")

@@ -15,10 +15,10 @@ from typing import Any, Dict
 import torch
 
 from shardwise.checkpoint.rng import capture_rng_states, restore_rng_states
-from shardwise.distributed.device import move_to_device
 from shardwise.distributed.progress import mark as mark_progress
-from shardwise.module import drain_logs, enter_hook
-from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx
+from shardwise.module import enter_hook
+from shardwise.trainer import lightning_hooks
+from shardwise.trainer.hooks import takes_batch_idx
 from shardwise.trainer.loaders import length, limit
 
 
@@ -34,35 +34,34 @@ def run_validation(trainer: Any) -> Dict[str, float]:
         return {}
     trainer.validating = True
     state.rng_outside_validation = capture_rng_states()
-    was_training = trainer.model.training
-    trainer.model.eval()
+    modes = None
     try:
+        # Lightning's order: the model-mode hooks, then callbacks' hook before the module's at every point.
+        modes = lightning_hooks.enter_validation(trainer)
         with trainer.metrics.separate_epoch():
-            call_callbacks(trainer, "on_validation_start")
-            call_module(trainer, "on_validation_epoch_start")
+            lightning_hooks.call_both(trainer, "on_validation_start")
+            lightning_hooks.call_both(trainer, "on_validation_epoch_start")
             pass_idx = takes_batch_idx(module.validation_step)
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= trainer.num_val_batches:
                     break
-                batch = strategy.precision.convert_input(move_to_device(batch, strategy.root_device))
+                batch = lightning_hooks.transfer_batch(trainer, strategy.precision.convert_input(batch))
+                lightning_hooks.call_both(trainer, "on_validation_batch_start", batch, batch_idx)
                 enter_hook(module, "validation_step")
                 mark_progress("validation_step", state.global_step)
                 with strategy.autocast():
                     args = (batch, batch_idx) if pass_idx else (batch,)
                     output = strategy.call(trainer.model, "validation_step", *args)
-                trainer.metrics.record(drain_logs(module))
-                call_callbacks(trainer, "on_validation_batch_end", output, batch, batch_idx)
-            call_module(trainer, "on_validation_epoch_end")
-            trainer.metrics.record(drain_logs(module))
-            results = trainer.metrics.finish_epoch(suffix=False)
-            trainer.log_metrics(results)
-            call_callbacks(trainer, "on_validation_epoch_end")
-            call_callbacks(trainer, "on_validation_end")
+                lightning_hooks.record_logs(trainer, batch)
+                lightning_hooks.call_both(trainer, "on_validation_batch_end", output, batch, batch_idx)
+                lightning_hooks.record_logs(trainer, batch)
+            results = lightning_hooks.end_epoch(trainer, "on_validation_epoch_end", suffix=False)
+            lightning_hooks.call_both(trainer, "on_validation_end")
     finally:
         restore_rng_states(state.rng_outside_validation)
         state.rng_outside_validation = None
         trainer.validating = False
-        trainer.model.train(was_training)
+        lightning_hooks.leave_validation(trainer, modes)
     return results
 
 
