@@ -5,8 +5,9 @@
 reads any checkpoint tensor by tensor without a model (used by
 `shardwise convert` and `shardwise inspect`). Files: layout.py (names,
 atomic commit, `last`), formats.py (model + optimizers, "full" / "sharded"),
-training.py (everything else a resumed run needs), rng.py, reader.py,
-convert.py, inspect.py, errors.py.
+training.py (everything else a resumed run needs), onefile.py (a one-file
+checkpoint's own manifest and digest, checked before anything is unpickled),
+integrity.py (checksums), rng.py, reader.py, convert.py, inspect.py, errors.py.
 """
 
 from shardwise.checkpoint.errors import (
@@ -18,7 +19,10 @@ from shardwise.checkpoint.errors import (
     CheckpointWriteError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    ForeignCheckpointError,
+    ManifestMismatchError,
     UnsafeCheckpointError,
+    UnverifiableCheckpointError,
 )
 from shardwise.checkpoint.integrity import check_writable
 from shardwise.checkpoint.layout import FORMAT_VERSION, LAST_NAME, latest_checkpoint, list_checkpoints
@@ -43,6 +47,9 @@ __all__ = [
     "CheckpointWriteError",
     "ChecksumMismatchError",
     "UnsafeCheckpointError",
+    "UnverifiableCheckpointError",
+    "ManifestMismatchError",
+    "ForeignCheckpointError",
     "CheckpointDirectoryBusyError",
     "check_writable",
 ]
