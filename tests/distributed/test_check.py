@@ -7,6 +7,8 @@ A correct module passes under DDP and FSDP with accumulation 2; each planted mis
 
 import shardwise
 from shardwise.cli import main
+from shardwise.models import Block
+from shardwise.strategies import ParallelPlan
 
 from helpers import scaling_modules
 from helpers.lm import TinyGPT, token_data
@@ -23,9 +25,13 @@ def _passed(report):
 
 
 def test_the_bundled_gpt_passes_under_fsdp_with_accumulation():
-    report = shardwise.check(TinyGPT, token_data(), strategy="fsdp", devices=2, accumulate_grad_batches=2, batch_size=4)
+    # A strategy object (pickled to the workers): FSDP with each GPT block as its own unit.
+    strategy = shardwise.FSDPStrategy(auto_wrap_policy={Block})
+    report = shardwise.check(
+        TinyGPT, token_data(), strategy=strategy, devices=2, accumulate_grad_batches=2, batch_size=4
+    )
     _passed(report)
-    assert report.global_batch == 16 and report.strategy == "fsdp"
+    assert report.global_batch == 16 and report.strategy == "FSDPStrategy (fsdp)"
 
 
 def test_cli_passes_a_correct_module_under_ddp_with_accumulation(capsys):
@@ -46,7 +52,7 @@ def test_cli_names_the_same_samples_on_every_rank(capsys):
 
 
 def test_a_loss_summed_without_its_weight_is_named():
-    report = shardwise.check(scaling_modules.SummedLossMLP, strategy="fsdp", accumulate_grad_batches=2)
+    report = shardwise.check(scaling_modules.SummedLossMLP, strategy=ParallelPlan("fsdp"), accumulate_grad_batches=2)
     assert report.cause.kind == "summed_loss", report.format()
     assert "1/4 = 1/(devices x accumulation)" in report.cause.summary
     assert "define loss_weight()" in report.cause.fix

@@ -35,11 +35,17 @@ __all__ = ["check", "ScalingReport", "Cause", "CheckSetupError"]
 
 
 def _strategy_name(strategy: Any) -> str:
+    """How the report names the strategy: the table's name for its configuration, else its class."""
     if isinstance(strategy, str):
         return strategy
-    plan = getattr(strategy, "parallel_plan", None)  # a Strategy describes itself as a ParallelPlan
-    code = getattr(plan if plan is not None else strategy, "code", None)
-    return code() if callable(code) else type(strategy).__name__
+    from shardwise.strategies.names import name_of
+    from shardwise.strategies.parallel import ParallelPlan
+
+    plan = strategy if isinstance(strategy, ParallelPlan) else getattr(strategy, "parallel_plan", None)
+    name = name_of(plan) if isinstance(plan, ParallelPlan) else None
+    if isinstance(strategy, ParallelPlan):
+        return name or repr(strategy)
+    return f"{type(strategy).__name__} ({name})" if name else type(strategy).__name__
 
 
 def check(
