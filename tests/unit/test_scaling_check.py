@@ -68,10 +68,14 @@ def test_nested_init_args_on_the_command_line_are_merged():
     assert translate(argv) == ["x.Y", "--init_args.lr", "0.1", "--init_args.config", '{"n_layer": 2, "rope": true}']
 
 
-def test_usage_mistakes_exit_2_before_any_process_starts(capsys):
+def test_usage_mistakes_exit_2_before_any_process_starts(capsys, tmp_path):
     assert main(["check", "helpers.scaling_modules.MeanMLP", "--init_args.hiden", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardwise check: error: init args for MeanMLP") and len(err.splitlines()) == 1
+    config = tmp_path / "check.yaml"  # the module and its init args from a YAML file, merged with flags
+    config.write_text("target: helpers.scaling_modules.MeanMLP\ninit_args: {hidden: 8}\nstrategy: fsdp\n")
+    assert main(["check", "--config", str(config), "--init_args.hiden", "3"]) == 2
+    assert "init args for MeanMLP" in capsys.readouterr().err
     assert main(["check", "no_such_package.Model"]) == 2
     assert "cannot import" in capsys.readouterr().err
     assert main(["check", "helpers.scaling_modules.MeanMLP", "--devices", "0"]) == 2
