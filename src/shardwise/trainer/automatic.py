@@ -112,5 +112,6 @@ def clip(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
         "configure_gradient_clipping",
         optimizer,
         gradient_clip_val=trainer.gradient_clip_val,
-        gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        # None without clipping, as Lightning passes it (its Trainer has no default algorithm)
+        gradient_clip_algorithm=trainer.gradient_clip_algorithm if trainer.gradient_clip_val is not None else None,
     )

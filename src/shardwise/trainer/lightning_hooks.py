@@ -44,6 +44,7 @@ class Hook:
     where: str  # when it runs (CALLED) or why it cannot (REFUSED)
     note: str = ""  # how we differ from Lightning while calling it
     moved: bool = False  # called at another point of the order than Lightning's (the order test knows)
+    args_differ: bool = False  # called at Lightning's point, with other arguments (the note says which)
 
 
 def _rows(owner: str, status: str, stage: str, names: str, where: str, note: str = "") -> List[Hook]:
@@ -52,6 +53,10 @@ def _rows(owner: str, status: str, stage: str, names: str, where: str, note: str
 
 _TRANSFER = "for every batch, before the batch hooks: (batch, dataloader_idx=0), device, then (batch, 0)"
 _VAL_BATCH = "around each validation_step: (batch, batch_idx), then (outputs, batch, batch_idx)"
+_OUTPUTS = (
+    "outputs is what training_step returned, as before (Lightning passes a dict {'loss': loss / "
+    "accumulate_grad_batches, ...} even for a tensor)"
+)
 _TEST = "by trainer.test(), in Lightning's order (test loop)"
 _PREDICT = "by trainer.predict(), in Lightning's order (predict loop)"
 _SAVE = (
@@ -68,7 +73,8 @@ HOOKS: Tuple[Hook, ...] = tuple(
     + _rows("module", CALLED, "any", "setup", "(stage=...) after the datamodule's and the callbacks' setup, before "
             "configure_model")
     + _rows("module", CALLED, "any", "configure_model", "after setup, under the strategy's init context (meta device)")
-    + _rows("module", CALLED, "fit", "configure_optimizers", "after configure_model, on the wrapped parameters")
+    + _rows("module", CALLED, "fit", "configure_optimizers", "after configure_model, on the wrapped parameters",
+            "also in validate / test / predict under DeepSpeed, whose engine is built with the optimizer")
     + _rows("module", CALLED, "fit", "on_fit_start on_train_start on_train_end on_fit_end",
             "after the callbacks' hook of the same name, as in Lightning")
     + [
@@ -103,9 +109,8 @@ HOOKS: Tuple[Hook, ...] = tuple(
         Hook("module", "configure_gradient_clipping", CALLED, "fit", "after on_before_optimizer_step: (optimizer, "
              "gradient_clip_val=, gradient_clip_algorithm=) with the Trainer's values; the default clips with them",
              "refused when overridden under a strategy whose engine clips inside its own step (DeepSpeed)"),
-        Hook("module", "on_train_batch_end", CALLED, "fit", "after the callbacks': (outputs, batch, batch_idx)",
-             "outputs is what training_step returned (Lightning passes {'loss': loss / accumulate_grad_batches, "
-             "...}); the batch's logs reach the loggers after it, as in Lightning"),
+        Hook("module", "on_train_batch_end", CALLED, "fit", "after the callbacks': (outputs, batch, batch_idx); "
+             "the batch's logs reach the loggers after it", _OUTPUTS, args_differ=True),
         Hook("module", "lr_scheduler_step", CALLED, "fit", "(scheduler, metric) where Lightning steps each scheduler "
              "(trainer/hooks.update_lr_schedulers)", "a 'step' scheduler's frequency counts optimizer steps "
              "(Lightning: batches of the epoch)"),
@@ -136,9 +141,10 @@ HOOKS: Tuple[Hook, ...] = tuple(
     + _rows("callback", CALLED, "any", "teardown", "(trainer, module, stage=...) after the datamodule's teardown, "
             "before the module's")
     + _rows("callback", CALLED, "fit", "on_fit_start on_train_start on_train_epoch_start on_train_batch_start "
-            "on_before_zero_grad on_before_backward on_after_backward on_before_optimizer_step on_train_batch_end "
-            "on_train_end on_fit_end", "before the module's hook of the same name, same arguments after "
-            "(trainer, module)")
+            "on_before_zero_grad on_before_backward on_after_backward on_before_optimizer_step on_train_end "
+            "on_fit_end", "before the module's hook of the same name, same arguments after (trainer, module)")
+    + [Hook("callback", "on_train_batch_end", CALLED, "fit", "before the module's: (trainer, module, outputs, "
+            "batch, batch_idx)", _OUTPUTS, args_differ=True)]
     + _rows("callback", CALLED, "fit", "on_train_epoch_end", "after the end-of-epoch validation; callbacks that "
             "monitor a metric (EarlyStopping, ModelCheckpoint) after the module's on_train_epoch_end, the others "
             "before it")
@@ -180,6 +186,12 @@ def defines(obj: Any, name: str, owner: str) -> bool:
     return base is None or getattr(base, name, None) is not fn
 
 
+def engine_owns_step(strategy: Any) -> bool:
+    """Whether the strategy's engine takes the optimizer step itself, with its own accumulation and clipping
+    (DeepSpeed: the one that overrides Strategy.configure_training to receive them)."""
+    return type(strategy).configure_training is not Strategy.configure_training
+
+
 def refuse_unsupported(trainer: Any, module: Any, callbacks: List[Any], datamodule: Any) -> None:
     """Raise naming every REFUSED hook the module, a callback or the datamodule defines, and why."""
     found = []
@@ -188,8 +200,7 @@ def refuse_unsupported(trainer: Any, module: Any, callbacks: List[Any], datamodu
         for obj in objects:
             if obj is not None and hook.status == REFUSED and defines(obj, hook.name, hook.owner):
                 found.append(f"{type(obj).__name__}.{hook.name}: {hook.where}")
-    engine_clips = type(trainer.strategy).configure_training is not Strategy.configure_training  # DeepSpeed's
-    if engine_clips and defines(module, "configure_gradient_clipping", "module"):
+    if engine_owns_step(trainer.strategy) and defines(module, "configure_gradient_clipping", "module"):
         found.append(
             f"{type(module).__name__}.configure_gradient_clipping: {type(trainer.strategy).__name__}'s engine clips "
             "inside its own step (at the gradient_clip_val it was built with), so a custom rule could not run; "
@@ -225,17 +236,17 @@ def prepare_and_setup(trainer: Any, stage: str) -> None:
             else:
                 owner.prepare_data()
         strategy.barrier("prepare_data")  # no rank reads what is being prepared before it exists
-    call_datamodule(trainer, "setup", stage)
+    call_datamodule(trainer, "setup", stage=stage)
     call_callbacks(trainer, "setup", stage=stage)
-    call_module(trainer, "setup", stage)
+    call_module(trainer, "setup", stage=stage)
 
 
 def teardown(trainer: Any, stage: str) -> None:
     """teardown(stage): the datamodule's, the callbacks', the module's."""
-    call_datamodule(trainer, "teardown", stage)
+    call_datamodule(trainer, "teardown", stage=stage)
     call_callbacks(trainer, "teardown", stage=stage)
     if trainer.module is not None:
-        call_module(trainer, "teardown", stage)
+        call_module(trainer, "teardown", stage=stage)
 
 
 def on_exception(trainer: Any, exc: BaseException) -> None:

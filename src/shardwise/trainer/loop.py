@@ -179,6 +179,7 @@ class Trainer(TrainerAttributes):
             lightning_hooks.prepare_and_setup(self, stage)  # every fit / validate sets up again, as in Lightning
             if need_train_data and self._resolved_data[0] is None:  # a fit after validate()
                 self._resolve_data(module, need_train_data=True)
+            self._configure_optimizers(need_train_data)
             return
         if not isinstance(module, TrainModule):
             raise TypeError(f"fit() takes a shardwise.TrainModule, got {type(module).__name__}.")
@@ -195,13 +196,20 @@ class Trainer(TrainerAttributes):
         lightning_hooks.prepare_and_setup(self, stage)  # prepare_data, setup(stage): datamodule, callbacks, module
         self._resolve_data(module, need_train_data)
         self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
-        # Optimizers on the wrapped (possibly sharded) parameters.
+        self._set_up = True
+        self._configure_optimizers(need_train_data)
+
+    def _configure_optimizers(self, need_train_data: bool) -> None:
+        """Optimizers on the wrapped (possibly sharded) parameters, once: for fit, as in Lightning, and for
+        any stage where the strategy's engine is built with its optimizer (DeepSpeed)."""
+        strategy = self.strategy
+        if strategy.optimizers or not (need_train_data or lightning_hooks.engine_owns_step(strategy)):
+            return
         optimizers, schedulers = setup.parse_optimizers(call_module(self, "configure_optimizers"))
-        self.optimization.check(module, optimizers)  # several need manual optimization; what manual refuses
+        self.optimization.check(self.module, optimizers)  # several need manual optimization; what manual refuses
         for opt in optimizers:
             strategy.setup_optimizer(opt)
         strategy.lr_schedulers = schedulers
-        self._set_up = True
 
     def _resolve_data(self, module: TrainModule, need_train_data: bool) -> None:
         train, val, datamodule = self._data_sources  # its prepare_data and setup ran: lightning_hooks

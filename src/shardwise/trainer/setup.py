@@ -31,6 +31,7 @@ from shardwise.distributed.launch import launch_script
 from shardwise.loggers import CSVLogger
 from shardwise.module import attached_trainer
 from shardwise.strategies.materialize import watch_meta_writes
+from shardwise.trainer.hooks import is_plateau
 
 
 def launch_if_needed(devices: int, num_nodes: int, plan_choice: Optional[Dict[str, Any]] = None) -> None:
@@ -124,12 +125,19 @@ def build_model(strategy: Any, module: Any, configure_model: Callable[[], Any], 
 def parse_optimizers(config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dict[str, Any]]]:
     """configure_optimizers' return -> (optimizers, scheduler entries with interval and frequency)."""
 
-    def scheduler_entry(s: Any) -> Dict[str, Any]:
+    def scheduler_entry(s: Any, monitor: Optional[str] = None) -> Dict[str, Any]:
         entry = dict(s) if isinstance(s, dict) else {"scheduler": s}
+        if monitor is not None:  # Lightning's {"optimizer": ..., "lr_scheduler": s, "monitor": "val_loss"}
+            entry.setdefault("monitor", monitor)
         entry.setdefault("interval", "epoch")
         entry.setdefault("frequency", 1)
         if entry["interval"] not in ("step", "epoch"):
             raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {entry['interval']!r}")
+        if is_plateau(entry) and not entry.get("monitor"):
+            raise ValueError(
+                f"{type(entry['scheduler']).__name__} steps on a metric, so it needs one to monitor: return "
+                '{"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}.'
+            )
         return entry
 
     if config is None:
@@ -138,7 +146,7 @@ def parse_optimizers(config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dic
         return [config], []
     if isinstance(config, dict):
         scheds = config.get("lr_scheduler")
-        return [config["optimizer"]], ([scheduler_entry(scheds)] if scheds is not None else [])
+        return [config["optimizer"]], ([scheduler_entry(scheds, config.get("monitor"))] if scheds is not None else [])
     if isinstance(config, (list, tuple)):
         if len(config) == 2 and isinstance(config[0], (list, tuple)):
             return list(config[0]), [scheduler_entry(s) for s in config[1]]
