@@ -64,4 +64,5 @@ class GPTModule(TrainModule):
 
 
 if __name__ == "__main__":
-    Trainer(devices=2, strategy="fsdp", max_steps=20, accelerator="cpu").fit(GPTModule())
+    trainer = Trainer(devices=2, strategy="fsdp", max_steps=20, accelerator="cpu", enable_checkpointing=False)
+    trainer.fit(GPTModule())
