@@ -3,9 +3,17 @@
 The model is built on the meta device in `configure_model` (the strategy
 shards it and allocates only the local shards), then `init_weights` streams
 the pretrained weights from global rank 0 into those shards (hf_model.py).
-The loss is the model's own; the module keeps the global mean loss of every
-optimizer step (`history`) and of every evaluation (`eval_history`), read
-back to the host only at log lines. Optimizer and schedule are the Hugging
+The training loss is normalised over the GLOBAL batch: `training_step`
+returns the cross-entropy summed over the micro-batch's target tokens
+(labels other than -100, after the shift to the next token) and
+`loss_weight` counts them, so the Trainer divides by the target tokens of
+the whole optimizer step -- every micro-batch on every rank -- and the step
+is the same for any batch size, accumulation and number of ranks, packed or
+not (trainer/weighting.py). Averaging per micro-batch instead weighed a
+3-token answer as much as a 40-token one. The module keeps the global mean
+loss of every optimizer step (`history`, the same value the Trainer logs as
+train_loss) and of every evaluation (`eval_history`, also per target token),
+read back to the host only at log lines. Optimizer and schedule are the Hugging
 Face Trainer's: AdamW without decay on biases and norms, linear warm-up,
 then cosine / linear / constant.
 """
@@ -17,6 +25,7 @@ import time
 from typing import Any, Callable, Dict, List, Union
 
 import torch
+import torch.nn.functional as F
 
 from shardwise.distributed import ops
 from shardwise.module import TrainModule
@@ -40,7 +49,7 @@ def lr_lambda(total_steps: int, warmup_steps: int, kind: str):
 
 
 class CausalLMModule(TrainModule):
-    """A pretrained causal LM: built on meta, weights streamed from rank 0, HF loss."""
+    """A pretrained causal LM: built on meta, weights streamed from rank 0, loss per global target token."""
 
     # Under ZeRO-3 the loader writes the partitions itself (hf_model._place);
     # the strategy must not gather the whole model for it.
@@ -56,7 +65,7 @@ class CausalLMModule(TrainModule):
         self.eval_history: List[Dict[str, float]] = []
         self.load_report: Any = None
         self._window: List[torch.Tensor] = []
-        # (step, lr, this rank's window mean on the device) until the next log line:
+        # (step, lr, this rank's share of the step's mean loss on the device) until the next log line:
         # reading a loss back to the host every step would stall the device queue.
         self._unsynced: List[Any] = []
         self._eval_sum = torch.zeros(2)
@@ -73,24 +82,39 @@ class CausalLMModule(TrainModule):
         self.load_report = hf_model.load_rank0_and_distribute(self.model, self.folder.path, self.folder.weight_files)
         hf_model.recompute_buffers(self.model)
 
+    def loss_weight(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Target tokens: the positions whose next token has a label (the Trainer sums these per step)."""
+        return (batch["labels"][:, 1:] != -100).sum()
+
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        # No KV cache in training; without one, position ids that restart
-        # per document become a block-diagonal mask (data.py).
+        """The model's own loss: the mean over the batch's target tokens."""
+        # No KV cache; without one, position ids that restart per document
+        # become a block-diagonal mask (data.py).
         return self.model(**batch, use_cache=False).loss
+
+    def _summed_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of each token's prediction of the next, summed over the target tokens."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = self.model(**inputs, use_cache=False).logits
+        # The model's own shift, without copying the logits: the labels move left by one instead.
+        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
 
     def on_train_start(self) -> None:
         self._t0 = time.time()
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        # Summed: the Trainer divides by the step's global target tokens and logs the mean as train_loss.
+        return self._summed_loss(batch)
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = self._loss(batch)
+        loss, tokens = self._loss(batch).detach().float(), self.loss_weight(batch)
         self._eval_sum = self._eval_sum.to(loss.device)
-        self._eval_sum += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
-        self.log("val_loss", loss, sync_dist=True)
+        self._eval_sum += torch.stack([loss * tokens, tokens.to(loss.dtype)])  # eval_loss: per target token
+        # The epoch's val_loss too: each batch's mean weighted by its target tokens, across ranks.
+        self.log("val_loss", loss, sync_dist=True, batch_size=max(int(tokens), 1))
 
     def on_validation_epoch_start(self) -> None:
         self._eval_sum = torch.zeros(2)
@@ -112,8 +136,9 @@ class CausalLMModule(TrainModule):
         self._window.append(loss.detach().float())
         if not self.trainer.is_last_microbatch:
             return
-        step = self.trainer.global_step
-        self._unsynced.append((step, self._lr, torch.stack(self._window).mean()))
+        step, tokens = self.trainer.global_step, self.trainer.step_weight  # the step's global target tokens
+        share = torch.stack(self._window).sum() / tokens.clamp_min(1).to(self._window[0].device)
+        self._unsynced.append((step, self._lr, share.float()))
         self._window = []
         if step % self.cfg.logging_steps == 0 or step == 1:
             self._sync_history()
@@ -131,13 +156,14 @@ class CausalLMModule(TrainModule):
     def _sync_history(self) -> None:
         """Move the losses since the last log line into history: one all-reduce, one host read.
 
-        Each is the mean over the accumulation window and over all ranks: the loss of the
-        whole global batch, comparable across world sizes and layouts. Every rank calls this
-        at the same steps (log steps and the end of training), so the collectives match.
+        Each rank holds its summed losses of the step over the step's global target tokens;
+        their sum over ranks is the loss of the whole global batch per target token, the same
+        for any world size and layout. Every rank calls this at the same steps (log steps and
+        the end of training), so the collectives match.
         """
         if not self._unsynced:
             return
-        means = ops.reduce(torch.stack([m for _, _, m in self._unsynced]), "mean").tolist()
+        means = ops.reduce(torch.stack([m for _, _, m in self._unsynced]), "sum").tolist()
         self.history.extend(
             {"step": step, "loss": loss, "lr": lr} for (step, lr, _), loss in zip(self._unsynced, means)
         )
