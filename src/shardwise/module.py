@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from shardwise.module_hooks import EPOCH_ONLY_HOOKS, LOG_LEVELS, ModuleHooks
+from shardwise.module_weights import load_from_checkpoint
 
 
 @dataclass
@@ -104,6 +105,31 @@ class TrainModule(ModuleHooks, nn.Module):
         for tensor in self.parameters():
             return tensor.device
         return torch.device("cpu")
+
+    # ------------------------------------------------------------ weights
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str,
+        map_location: Any = None,
+        hparams_file: Optional[str] = None,
+        strict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """A module built from the checkpoint's hyperparameters (`kwargs` override them) with its weights,
+        on the CPU (or `map_location`); full, sharded and DeepSpeed checkpoints (module_weights.py)."""
+        if hparams_file is not None:
+            raise TypeError(
+                "load_from_checkpoint(hparams_file=...) is not supported: the hyperparameters are read from the "
+                "checkpoint; pass the ones to change as keyword arguments."
+            )
+        return load_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
+
+    def gathered(self) -> Any:
+        """`with module.gathered(): module.model(x)`: after fit under FSDP (or ZeRO-3), every parameter
+        whole on every rank for the block, so any submodule can be called directly. Collective: enter it
+        on every rank. A no-op where parameters are not sharded."""
+        return self.trainer.strategy.gathered(self.trainer.model)
 
     # ---------------------------------------------------- optimizers (trainer/manual.py)
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:

@@ -457,7 +457,11 @@ def test_contradicting_batch_size_fails_before_spawning():
             dict(gradient_clip_val=1.0),
             r"gradient_clipping=0.5 but Trainer\(gradient_clip_val\)=1.0",
         ),
-        (dict(config={"bf16": {"enabled": True}}), {}, r"bf16.enabled=True but the Trainer's precision='32-true'"),
+        (
+            dict(config={"bf16": {"enabled": True}}),
+            dict(precision="32-true"),  # the config alone sets the run's precision (one place)
+            r"bf16.enabled=True but the Trainer's precision='32-true'",
+        ),
         (dict(config={"optimizer": {"type": "AdamW"}}), {}, r"'optimizer' section"),
         (
             dict(config={"train_batch_size": 100, "train_micro_batch_size_per_gpu": 2}),

@@ -398,6 +398,11 @@ class Strategy:
         """What a manually optimizing training_step runs through: the wrapped model (its hooks gather shards)."""
         return model
 
+    def gathered(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Every parameter of `model` whole on this rank for the block, so that any submodule can be called
+        directly (TrainModule.gathered, for inference after fit); a no-op unless parameters are sharded."""
+        return contextlib.nullcontext()
+
     def manual_backward(self, loss: torch.Tensor, model: nn.Module, **kwargs: Any) -> None:
         """`self.manual_backward(loss, **kwargs)`: the backward of automatic mode; keyword arguments
         (retain_graph=True) go to torch's backward."""

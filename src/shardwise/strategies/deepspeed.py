@@ -28,7 +28,7 @@ import logging
 import os
 import warnings
 from dataclasses import replace
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,16 @@ from shardwise.strategies.deepspeed_config import (
     DeepSpeedConfigError,
     build_config,
     cpu_adam_problem,
+    lightning_options,
     load_config,
     offload_enabled,
     precision_from_config,
     size_limits,
 )
 from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
+from shardwise.strategies.deepspeed_zero3 import check_zero3_dtypes, init_zero3_module
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
-from shardwise.strategies.materialize import find_reset_fn, module_seed, reset_own, rng_devices
+from shardwise.strategies.materialize import rng_devices
 
 
 class DeepSpeedStrategy(Strategy):
@@ -77,8 +79,8 @@ class DeepSpeedStrategy(Strategy):
         logging_level: int = logging.WARNING,
         precision: Any = None,
         timeout_s: float = 1800.0,
+        **lightning: Any,  # Lightning's other DeepSpeedStrategy arguments, set in the config (lightning_options)
     ) -> None:
-        super().__init__(precision=precision, timeout_s=timeout_s)
         self.user_config = load_config(config)
         for key in ("optimizer", "scheduler"):
             if key in self.user_config:
@@ -91,6 +93,10 @@ class DeepSpeedStrategy(Strategy):
             offload_optimizer = cpu_offload if offload_optimizer is None else offload_optimizer
             if (stage if stage is not None else self.user_config.get("zero_optimization", {}).get("stage")) == 3:
                 offload_parameters = cpu_offload if offload_parameters is None else offload_parameters
+        self.user_config, timeout = lightning_options(
+            lightning, self.user_config, offload_parameters, offload_optimizer
+        )
+        super().__init__(precision=precision, timeout_s=timeout if timeout is not None else timeout_s)
         self.args = dict(
             stage=stage,
             offload_optimizer=offload_optimizer,
@@ -389,10 +395,20 @@ class DeepSpeedStrategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if self.engine is not None and model is self.engine else model
 
-    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
+    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
         # The Trainer already divided by the accumulation window (or by the step's global weight:
         # gradient_sum_scale), so the engine must not divide by gradient_accumulation_steps again.
-        self.require_engine().backward(loss, scale_wrt_gas=False)
+        self.require_engine().backward(loss, scale_wrt_gas=False, **kwargs)
+
+    def manual_backward(self, loss: torch.Tensor, model: nn.Module, **kwargs: Any) -> None:
+        self.backward(loss, model, **kwargs)  # through the engine, retain_graph=... included
+
+    def gathered(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """ZeRO-3: every partitioned parameter gathered on every rank for the block (base.Strategy.gathered)."""
+        if self.stage < 3:
+            return contextlib.nullcontext()
+        deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        return deepspeed.zero.GatheredParameters(list(self.unwrap(model).parameters()), modifier_rank=None)
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
@@ -482,77 +498,6 @@ class DeepSpeedStrategy(Strategy):
 
 
 # ----------------------------------------------------------------- helpers
-def check_zero3_dtypes(root: nn.Module, expected: torch.dtype) -> None:
-    """Refuse ZeRO-3 partitions whose dtype is not the one the precision asked for.
-
-    A wrong dtype here is silent: training runs, losses look plausible, and the
-    weights a user exports have lost precision. Parameters built outside
-    zero.Init (no `ds_tensor`) are the module's own and are not checked.
-    """
-    wrong = [
-        (name, p.ds_tensor.dtype)
-        for name, p in root.named_parameters()
-        if getattr(p, "ds_tensor", None) is not None
-        and p.ds_tensor.is_floating_point()
-        and p.ds_tensor.dtype != expected
-    ]
-    if wrong:
-        import deepspeed
-
-        name, dtype = wrong[0]
-        raise RuntimeError(
-            f"DeepSpeed ZeRO-3 built {len(wrong)} parameter partitions in {dtype} (first: {name!r}) but the "
-            f"precision asks for {expected}. DeepSpeed {deepspeed.__version__} chose the dtype itself; set the "
-            "precision through Trainer(precision=...) only (not zero.Init or a config's dtype), or report "
-            "this with your DeepSpeed version."
-        )
-
-
-@torch.no_grad()
-def init_zero3_module(root: nn.Module, seed: int) -> int:
-    """Re-initialise parameters built under zero.Init exactly as materialize.py would for DDP.
-
-    Each module with a reset_parameters() gets its parameters gathered, reset
-    under torch.manual_seed(module_seed(seed, name)) -- the same draws DDP's
-    meta-device materialisation makes on full-size tensors -- and re-sharded.
-    Children first, as in eager construction. Parameters created outside
-    zero.Init (no `ds_id`) keep their values, as DDP keeps real tensors.
-    A TrainModule.init_weights hook replaces the pass. It runs with every
-    parameter gathered (the whole model on each rank), unless the module sets
-    `init_weights_partitioned = True`: then it runs on the partitions and
-    writes them itself, into each parameter's `ds_tensor` (the fine-tuning
-    recipe's loader does this) or one parameter at a time inside
-    `deepspeed.zero.GatheredParameters([p], modifier_rank=0)`.
-    Returns the number of modules initialised.
-    """
-    import deepspeed
-
-    def zero_params(mod: nn.Module, recurse: bool) -> List[nn.Parameter]:
-        return [p for p in mod.parameters(recurse=recurse) if hasattr(p, "ds_id")]
-
-    hook = getattr(root, "init_weights", None)
-    if callable(hook):
-        if getattr(root, "init_weights_partitioned", False):
-            hook()
-        else:
-            with deepspeed.zero.GatheredParameters(zero_params(root, True), modifier_rank=0):
-                hook()
-        return 1
-    count = 0
-    for fqn, mod in reversed(list(root.named_modules())):
-        fn = find_reset_fn(mod)
-        params = zero_params(mod, True) if fn is not None else []
-        if not params:
-            continue
-        # A parent's init may touch its children's parameters (MultiheadAttention), so gather recursively.
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            with torch.random.fork_rng(devices=rng_devices()):
-                torch.manual_seed(module_seed(seed, fqn))
-                reset_own(mod, fn)  # on CPU copies when gathered on a GPU: the weights DDP/FSDP get
-        count += 1
-    return count
-
-
 def apply_deepspeed_checkpointing(root: nn.Module, policy: Any) -> int:
     """Run each module the policy selects through deepspeed.checkpointing.checkpoint.
 

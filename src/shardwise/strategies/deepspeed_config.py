@@ -17,7 +17,7 @@ import importlib
 import json
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -269,3 +269,127 @@ def size_limits(numels: List[int], user_zero: Optional[Dict[str, Any]] = None) -
         for key, default in SIZE_DEFAULTS.items()
         if _unset(user_zero.get(key)) and _unset(user_zero.get(key.replace("stage3_", "")))
     }
+
+
+# Lightning's DeepSpeedStrategy keyword arguments that are config keys under another name: the argument,
+# then the config path it sets (section, key); "aio" is DeepSpeed's NVMe I/O section.
+LIGHTNING_KEYS = {
+    "allgather_bucket_size": ("zero_optimization", "allgather_bucket_size"),
+    "reduce_bucket_size": ("zero_optimization", "reduce_bucket_size"),
+    "allgather_partitions": ("zero_optimization", "allgather_partitions"),
+    "reduce_scatter": ("zero_optimization", "reduce_scatter"),
+    "overlap_comm": ("zero_optimization", "overlap_comm"),
+    "contiguous_gradients": ("zero_optimization", "contiguous_gradients"),
+    "sub_group_size": ("zero_optimization", "sub_group_size"),
+    "zero_allow_untested_optimizer": (None, "zero_allow_untested_optimizer"),
+    "logging_batch_size_per_gpu": (None, "train_micro_batch_size_per_gpu"),
+    "synchronize_checkpoint_boundary": ("activation_checkpointing", "synchronize_checkpoint_boundary"),
+    "block_size": ("aio", "block_size"),
+    "queue_depth": ("aio", "queue_depth"),
+    "single_submit": ("aio", "single_submit"),
+    "overlap_events": ("aio", "overlap_events"),
+    "thread_count": ("aio", "thread_count"),
+    # fp16's dynamic loss scaling (only meaningful with precision 16-mixed / 16-true)
+    "loss_scale": ("fp16", "loss_scale"),
+    "initial_scale_power": ("fp16", "initial_scale_power"),
+    "loss_scale_window": ("fp16", "loss_scale_window"),
+    "hysteresis": ("fp16", "hysteresis"),
+    "min_loss_scale": ("fp16", "min_loss_scale"),
+}
+# ... that configure an offload target: they need offload_parameters / offload_optimizer on.
+OFFLOAD_KEYS = {
+    "offload_params_device": ("offload_param", "device"),
+    "params_buffer_count": ("offload_param", "buffer_count"),
+    "params_buffer_size": ("offload_param", "buffer_size"),
+    "max_in_cpu": ("offload_param", "max_in_cpu"),
+    "offload_optimizer_device": ("offload_optimizer", "device"),
+    "optimizer_buffer_count": ("offload_optimizer", "buffer_count"),
+    "pin_memory": (None, "pin_memory"),  # both offload targets
+    "nvme_path": (None, "nvme_path"),  # both offload targets
+}
+# Their values in Lightning's signature: passed with nothing offloaded, they are what Lightning ignores too.
+OFFLOAD_DEFAULTS = {
+    "offload_params_device": "cpu",
+    "params_buffer_count": 5,
+    "params_buffer_size": 100_000_000,
+    "max_in_cpu": 1_000_000_000,
+    "offload_optimizer_device": "cpu",
+    "optimizer_buffer_count": 4,
+    "pin_memory": False,
+    "nvme_path": "/local_nvme",
+}
+# ... that shardwise does not honour, with the reason (refused by name unless left at Lightning's default).
+REFUSED = {
+    "remote_device": (None, "ZeRO-3 builds where offload_parameters says (the device, or 'cpu'); set that"),
+    "load_full_weights": (
+        False,
+        "fit(ckpt_path=...) resumes a DeepSpeed checkpoint; load consolidated weights in "
+        "TrainModule.init_weights, or convert with `shardwise convert`",
+    ),
+    "exclude_frozen_parameters": (False, "checkpoints hold every parameter (their manifest lists each one)"),
+    "accelerator": (None, "pass Trainer(accelerator=...)"),
+    "parallel_devices": (None, "pass Trainer(devices=...)"),
+    "cluster_environment": (None, "shardwise reads the launcher's environment (torchrun, SLURM, shardwise launch)"),
+    "precision_plugin": (None, "pass Trainer(precision=...) or precision= here"),
+    "process_group_backend": (None, "the backend follows the device (NCCL on CUDA, gloo on CPU)"),
+}
+
+
+def lightning_options(
+    options: Dict[str, Any],
+    config: Dict[str, Any],
+    offload_parameters: Optional[bool],
+    offload_optimizer: Optional[bool],
+) -> Tuple[Dict[str, Any], Optional[float]]:
+    """Lightning's DeepSpeedStrategy keyword arguments -> (the config with them set, Lightning's `timeout` in s).
+
+    Each is written where DeepSpeed reads it; one the config already sets to another value is an error
+    naming both (set it in one place), one shardwise does not honour is refused with the reason, and an
+    unknown name lists the valid ones.
+    """
+    cfg = copy.deepcopy(config)
+    timeout = options.pop("timeout", None)
+    if "zero_optimization" in options:  # Lightning's switch for ZeRO as a whole: off is stage 0
+        enabled = options.pop("zero_optimization")
+        if not enabled:
+            reconcile(_section(cfg, "zero_optimization"), "stage", 0, "zero_optimization.stage", "zero_optimization")
+    unknown = [k for k in options if k not in LIGHTNING_KEYS and k not in OFFLOAD_KEYS and k not in REFUSED]
+    if unknown:
+        raise TypeError(
+            f"DeepSpeedStrategy got unknown argument(s) {sorted(unknown)}. Lightning's names it takes: "
+            f"{', '.join(sorted([*LIGHTNING_KEYS, *OFFLOAD_KEYS, 'zero_optimization', 'timeout']))}; refused: "
+            f"{', '.join(sorted(REFUSED))}."
+        )
+    for name, value in options.items():
+        if name in REFUSED:
+            default, why = REFUSED[name]
+            if value != default:
+                raise DeepSpeedConfigError(f"DeepSpeedStrategy({name}={value!r}) is not supported: {why}.")
+        elif name in LIGHTNING_KEYS:
+            section, key = LIGHTNING_KEYS[name]
+            target = cfg if section is None else _section(cfg, section)
+            reconcile(target, key, value, f"{section + '.' if section else ''}{key}", name)
+    # The devices first: the other offload keys default the device to "cpu".
+    for name, value in sorted(options.items(), key=lambda item: OFFLOAD_KEYS.get(item[0], (None, ""))[1] != "device"):
+        if name not in OFFLOAD_KEYS:
+            continue
+        target, key = OFFLOAD_KEYS[name]
+        targets = [target] if target else ["offload_param", "offload_optimizer"]
+        wanted = {"offload_param": offload_parameters, "offload_optimizer": offload_optimizer}
+        on = [t for t in targets if wanted[t] or offload_enabled(cfg.get("zero_optimization") or {}, t)]
+        if not on and value == OFFLOAD_DEFAULTS[name]:
+            continue
+        if not on:
+            switch = "offload_parameters" if target == "offload_param" else "offload_optimizer"
+            raise DeepSpeedConfigError(
+                f"DeepSpeedStrategy({name}={value!r}) configures an offload target, but nothing is offloaded: "
+                f"pass {switch if target else 'offload_parameters or offload_optimizer'}=True."
+            )
+        for t in on:
+            section = _section(_section(cfg, "zero_optimization"), t)
+            if key != "device":
+                section.setdefault("device", "cpu")
+            reconcile(section, key, value, f"zero_optimization.{t}.{key}", name)
+    if timeout is not None and not isinstance(timeout, (int, float)):
+        timeout = timeout.total_seconds()  # Lightning passes a datetime.timedelta
+    return cfg, timeout

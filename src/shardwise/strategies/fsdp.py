@@ -24,7 +24,7 @@ import inspect
 import warnings
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -469,6 +469,22 @@ class FSDPStrategy(Strategy):
         if self.mesh is not None and self.mesh.ndim > 1:
             return _switched_off(model.set_requires_all_reduce)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[None]:
+        """Every unit unsharded (all-gathered) for the block, resharded after (base.Strategy.gathered).
+
+        After fit the parameters are DTensor shards, and a submodule called directly (`module.model(x)`)
+        bypasses the root's forward hooks that gather them. Units called inside the block gather and
+        reshard themselves as in training; the root's own parameters stay gathered until the block ends."""
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
 
     def manual_model(self, model: nn.Module) -> nn.Module:
         """Manual optimization: refuse parameters of the root unit (base.Strategy.manual_model).
