@@ -215,7 +215,10 @@ def configure_callbacks(trainer: Any) -> None:
     """Merge the module's configure_callbacks() into the Trainer's (same type: replaced); checkpoints last."""
     extra = call_module(trainer, "configure_callbacks") or []
     extra = list(extra) if isinstance(extra, (list, tuple)) else [extra]
-    replaced = {type(c) for c in trainer.callbacks if any(isinstance(e, type(c)) for e in extra)}
+    # A plain Callback() is no type to replace (every callback is one), as in Lightning.
+    replaced = {
+        type(c) for c in trainer.callbacks if type(c) is not Callback and any(isinstance(e, type(c)) for e in extra)
+    }
     merged = [c for c in trainer.callbacks if type(c) not in replaced] + extra
     trainer.callbacks = [c for c in merged if not isinstance(c, ModelCheckpoint)] + [
         c for c in merged if isinstance(c, ModelCheckpoint)
