@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
 from shardwise import Callback, DataModule, Trainer, TrainModule
-from shardwise.trainer.lightning_hooks import CALLED, HOOKS, REFUSED
+from shardwise.trainer.lightning_hooks import CALLED, HOOKS, REFUSED, render_rows
 
 from helpers.hook_recording import CALLS, TRAINER_KWARGS, module_class, record, recording_classes
 
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lightning_hook_order.json")
 LIGHTNING = json.load(open(FIXTURE))
 OURS = types.SimpleNamespace(LightningModule=TrainModule, Callback=Callback, Trainer=Trainer)
@@ -100,9 +101,15 @@ class _DataModule(DataModule):
     def val_dataloader(self):
         return DataLoader(self.data, batch_size=4)
 
+    def test_dataloader(self):
+        return DataLoader(self.data, batch_size=4)
+
+    def predict_dataloader(self):
+        return DataLoader(self.data, batch_size=4)
+
 
 def _recording_datamodule():
-    hooks = [h for h in called("datamodule") if h not in ("test_dataloader", "predict_dataloader")]
+    hooks = called("datamodule")
 
     def make(name):
         def method(self, *args, **kwargs):
@@ -143,6 +150,11 @@ def test_every_called_row_is_called_by_some_run(tmp_path):
     for what in ("test", "predict"):
         if hasattr(Trainer, what):
             seen |= {(c["who"], c["hook"]) for c in ours(what)}
+            CALLS.clear()
+            getattr(Trainer(**{**TRAINER_KWARGS, "callbacks": []}), what)(
+                module_cls(), datamodule=_recording_datamodule()
+            )
+            seen |= {(c["who"], c["hook"]) for c in CALLS}
     if "num_sanity_val_steps" in Trainer.__init__.__code__.co_varnames:
         seen |= {(c["who"], c["hook"]) for c in ours("fit", num_sanity_val_steps=1, max_epochs=1)}
     missing = [
@@ -186,3 +198,18 @@ def test_a_custom_clipping_rule_is_refused_where_the_engine_clips():
     trainer = Trainer(**{**TRAINER_KWARGS, "strategy": "deepspeed_stage_2"})
     with pytest.raises(TypeError, match="configure_gradient_clipping: DeepSpeedStrategy's engine clips"):
         trainer.fit(Clips())
+
+
+# ------------------------------------------------------------------------ README's tables
+def test_readme_coming_from_lightning_has_a_row_for_everything_lightning_has():
+    text = open(README).read()
+    section = text[text.index("\n## Coming from Lightning\n") :]
+    section = section[: section.index("\n## ", 1)]
+    for owner in ("module", "callback", "datamodule"):
+        assert render_rows(owner) in section, f"README's {owner} hook rows differ from lightning_hooks.render_rows"
+    rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")}
+    names = {name.strip(" `") for row in rows for name in row.split(",")}
+    assert set(LIGHTNING["trainer_arguments"]) - names == set(), "Trainer arguments without a README row"
+    assert set(LIGHTNING["callbacks"]) - names == set(), "Lightning callbacks without a README row"
+    statuses = {line.split("|")[2].strip() for line in section.splitlines() if line.startswith("| `")}
+    assert statuses <= {"same", "different", "refused"}

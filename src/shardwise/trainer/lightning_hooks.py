@@ -84,7 +84,7 @@ HOOKS: Tuple[Hook, ...] = tuple(
              "train_dataloader", moved=True),
     ]
     + _rows("module", CALLED, "any", "on_before_batch_transfer transfer_batch_to_device on_after_batch_transfer",
-            _TRANSFER, "the datamodule's when it defines it, else the module's")
+            _TRANSFER + "; the datamodule's instead when it defines it")
     + _rows("module", CALLED, "fit", "on_train_epoch_start", "after the callbacks'")
     + _rows("module", CALLED, "fit", "on_train_batch_start", "after the callbacks'; returning -1 ends the run")
     + [
@@ -105,7 +105,8 @@ HOOKS: Tuple[Hook, ...] = tuple(
              "on_after_backward, or optimize manually (self.manual_backward)"),
         Hook("module", "on_after_backward", CALLED, "fit", "after every backward"),
         Hook("module", "on_before_optimizer_step", CALLED, "fit", "before each optimizer step, gradients complete "
-             "and unscaled, not yet clipped: (optimizer)"),
+             "(accumulated, reduced), not yet clipped: (optimizer)", "under fp16 loss scaling the gradients are "
+             "still scaled here (Lightning unscales them first); bf16 and fp32 have no scaler"),
         Hook("module", "configure_gradient_clipping", CALLED, "fit", "after on_before_optimizer_step: (optimizer, "
              "gradient_clip_val=, gradient_clip_algorithm=) with the Trainer's values; the default clips with them",
              "refused when overridden under a strategy whose engine clips inside its own step (DeepSpeed)"),
@@ -345,3 +346,21 @@ def leave_validation(trainer: Any, modes: Optional[List[Tuple[torch.nn.Module, b
     elif modes is not None:
         for module, training in modes:
             module.training = training
+
+
+# ------------------------------------------------------------------------------- README rows
+def status_word(hook: Hook) -> str:
+    """The README's word for a row: same, different (called, with a note) or refused."""
+    if hook.status == REFUSED:
+        return "refused"
+    return "different" if hook.note or hook.moved or hook.args_differ else "same"
+
+
+def render_rows(owner: str) -> str:
+    """README.md's rows for `owner`'s hooks ("Coming from Lightning"; test_lightning_hooks keeps them in step)."""
+    rows = []
+    for hook in HOOKS:
+        if hook.owner == owner:
+            text = hook.where + (f"; {hook.note}" if hook.note else "")
+            rows.append(f"| `{hook.name}` | {status_word(hook)} | {text.replace('|', '/')} |")
+    return "\n".join(rows)
