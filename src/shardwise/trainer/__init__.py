@@ -11,6 +11,10 @@
 - nonfinite.py: the NaN/inf check before every optimizer step.
 - preemption.py: a stop signal turned into one step at which every rank stops.
 - hooks.py: calling callbacks, the module's hooks and the LR schedulers.
+- lightning_hooks.py: the table of every Lightning hook (called where
+  Lightning calls it, or refused by name) and the calling sequences.
+- automatic.py: automatic optimization through the module's optimizer_step,
+  its closure and the zero-grad / backward / clipping hooks.
 
 Nothing below this package imports it: the Trainer hands the lower layers
 (strategies, checkpoint, plan) what they need and applies what they return.
