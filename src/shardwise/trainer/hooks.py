@@ -54,9 +54,12 @@ def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
     fn = getattr(module, hook, None)
     if not callable(fn):
         return None
-    enter_hook(module, hook)
+    previous = enter_hook(module, hook)
     mark_progress(hook, trainer.state.global_step)  # what this rank does, if it ever hangs
-    return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        enter_hook(module, previous)  # self.log after it takes the enclosing hook's defaults again
 
 
 def call_datamodule(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
