@@ -9,6 +9,8 @@
 - loaders.py: where the loaders come from and how many batches the loop takes.
 - validation.py: one validation pass, apart from training's metrics and RNG.
 - nonfinite.py: the NaN/inf check before every optimizer step.
+- weighting.py: a summed loss (a module's `loss_weight`) normalised over each
+  optimizer step's global batch, its window of micro-batches taken together.
 - preemption.py: a stop signal turned into one step at which every rank stops.
 - hooks.py: calling callbacks, the module's hooks and the LR schedulers.
 - lightning_hooks.py: the table of every Lightning hook (called where
