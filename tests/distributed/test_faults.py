@@ -17,9 +17,11 @@ logic, `shardwise.launch(fn)` failures) run after them, alone.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -317,3 +319,134 @@ def test_check_collectives_names_a_collective_called_from_one_rank(monkeypatch):
     assert "Detected mismatch between collectives" in message and "in training_step at step 2" in message, message
     assert "ALLREDUCE" in message and "BARRIER" in message
     assert time.monotonic() - start < 120
+
+
+# ------------------------------------------ an error raised on every rank, shown once
+# configure_model raises on every rank. Rank 0's teardown lasts long enough that, on most runs, the
+# launcher stops it (SIGTERM) while it is still cleaning up: the verdict must still name the hook the
+# error came from (not "teardown") and the error, not the signal. Which rank fails first, and whether
+# rank 0 records before it is stopped, is up to the machine's load: nothing below depends on it.
+EVERY_RANK_MODULE = textwrap.dedent("""
+    import os, time
+    import torch, shardwise
+
+    class WidthModule(shardwise.TrainModule):
+        def __init__(self, width: int = 7):
+            super().__init__()
+            self.width = width
+
+        def configure_model(self):
+            raise ValueError(f"bad width {self.width}: use a multiple of 8")
+
+        def teardown(self, stage):
+            if os.environ.get("RANK") == "0":
+                time.sleep(20)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return (torch.ones(8) * i,)
+
+    def train():
+        trainer = shardwise.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                                    enable_progress_bar=False, enable_checkpointing=False)
+        trainer.fit(WidthModule(), torch.utils.data.DataLoader(Rows(), batch_size=4))
+
+    if __name__ == "__main__":
+        train()
+        print("UNREACHABLE: the run finished")
+""")
+FIRST_LINE = re.compile(
+    r"^\[shardwise\] rank ([01]) (?:exited with code (\d+)|failed) in configure_model at step 0: "
+    r"ValueError: bad width 7: use a multiple of 8",
+    re.M,
+)
+
+
+def _every_rank_script(tmp_path):
+    (tmp_path / "every_rank.py").write_text(EVERY_RANK_MODULE)
+    return str(tmp_path / "every_rank.py")
+
+
+def _agent_log(text: str) -> str:
+    match = re.search(r"torch's elastic agent logged to (\S+)", text)
+    assert match, text[-3000:]
+    with open(match.group(1)) as fh:
+        return fh.read()
+
+
+def _assert_shown_once(text: str) -> None:
+    """The verdict names configure_model and shows one traceback; every rank's is kept in the agent log."""
+    assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    assert text.count('raise ValueError(f"bad width') == 1, text[-4000:]
+    assert "[rank0]" not in text and "[rank1]" not in text, text[-4000:]
+    first = FIRST_LINE.search(text)
+    assert first, text[-4000:]
+    assert "teardown" not in text and "code -15" not in text, text[-4000:]
+    other = 1 - int(first.group(1))
+    assert f"after it: rank {other}: " in text or f"stopped the other 1 rank(s) ({other})" in text, text[-4000:]
+    log = _agent_log(text)
+    assert f"rank {first.group(1)}'s traceback (ValueError: bad width 7" in log, log[-3000:]
+    assert 'raise ValueError(f"bad width' in log
+
+
+def test_error_on_every_rank_is_shown_once_by_the_script_launcher(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, _every_rank_script(tmp_path)], env=_env(), capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "UNREACHABLE" not in proc.stdout
+    assert proc.stderr.startswith("[shardwise] rank "), proc.stderr[-3000:]  # nothing from the workers before it
+    _assert_shown_once(proc.stderr)
+
+
+def test_error_on_every_rank_is_shown_once_by_launch_fn(tmp_path, capfd, monkeypatch):
+    _every_rank_script(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    import every_rank
+
+    capfd.readouterr()
+    with pytest.raises(WorkerFailedError) as err:
+        shardwise.launch(every_rank.train, devices=2)
+    workers = capfd.readouterr().err
+    assert "Traceback" not in workers and "bad width" not in workers, workers[-3000:]  # the workers printed nothing
+    assert err.value.exitcode == 1 and err.value.error_types[:2] == ("ValueError", "Exception")
+    _assert_shown_once(str(err.value))
+    # The summary is the same verdict, one line per failing rank, no traceback (the command line prints it).
+    assert "Traceback" not in err.value.summary and FIRST_LINE.search(err.value.summary)
+
+
+@pytest.mark.slow
+def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(tmp_path):
+    _every_rank_script(tmp_path)
+    command = [sys.executable, "-m", "shardwise.cli", "fit", "--model", "every_rank.WidthModule"]
+    command += ["--data", "every_rank.Rows", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    command += ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+    env = _env(PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    err = proc.stderr
+    assert proc.returncode == 2, err[-3000:]  # a usage mistake's status, as with one device
+    assert "Traceback" not in err and "shardwise fit: error" not in err, err[-3000:]  # no worker printed its own
+    lines = [line for line in err.splitlines() if "bad width 7" in line]
+    assert len(lines) == 2 and FIRST_LINE.match(lines[0]) and "after it: rank" in lines[1], err[-3000:]
+    assert 'raise ValueError(f"bad width' in _agent_log(err)  # the traceback is kept
+
+
+@pytest.mark.slow
+def test_torchrun_workers_still_print_their_own_traceback(tmp_path):
+    # Under torchrun shardwise is not the launcher: nobody else would show the user the traceback.
+    script = _every_rank_script(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script]
+    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    assert 'raise ValueError(f"bad width' in proc.stderr and "ValueError: bad width 7" in proc.stderr
+    assert "[shardwise] rank" not in proc.stderr  # no verdict of ours: torchrun reports

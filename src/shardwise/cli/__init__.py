@@ -10,7 +10,10 @@ dispatches and owns what every command shares:
   option, a value that is not valid), 1 for a run that failed, 75 when the
   workers were preempted and saved;
 - a mistake the user can fix is printed as one line on stderr, without a
-  traceback (SHARDWISE_TRACEBACK=1 shows it).
+  traceback (SHARDWISE_TRACEBACK=1 shows it); in a worker of a shardwise
+  launcher it is recorded instead, and the launcher's verdict prints it once
+  for every rank (one line per failing rank), as it does for `launch(fn)`'s
+  workers (WorkerFailedError's summary).
 
 Command modules import torch and the Trainer inside `run()`, so that
 `shardwise --help` and a usage error answer without loading them.
@@ -94,6 +97,26 @@ def _user_error(exc: BaseException) -> Optional[int]:
     return None
 
 
+def _message(exc: BaseException) -> str:
+    """The one-line story: a failed worker's verdict without its traceback when its own error is one of ours."""
+    types = set(getattr(exc, "error_types", ()))
+    if types & {name for name, _ in _USER_ERRORS}:
+        return exc.summary.strip()  # type: ignore[attr-defined]
+    return str(exc).strip() or type(exc).__name__
+
+
+def _recorded_for_launcher(exc: BaseException) -> bool:
+    """In a worker of a shardwise launcher: record the error for its verdict (brief), true if it has it."""
+    from shardwise.distributed.context import current  # no torch: a usage mistake answers fast
+
+    if not current().launched_by_shardwise:
+        return False
+    from shardwise.distributed import faults
+
+    faults.record_exception(exc, brief=True)
+    return faults.shown_by_launcher()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -124,8 +147,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         status = _user_error(exc)
         if status is None or os.environ.get("SHARDWISE_TRACEBACK"):
             raise
-        message = str(exc).strip() or type(exc).__name__
-        print(f"shardwise {name}: error: {message}", file=sys.stderr)
+        if _recorded_for_launcher(exc):
+            return status  # the verdict shows it, once for all the ranks that fail alike
+        print(f"shardwise {name}: error: {_message(exc)}", file=sys.stderr)
         return status
 
 

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -71,7 +71,9 @@ def die_with_launcher(launcher_pid: int) -> None:
 class Result:
     """How a launch ended. `exitcode`: 0; 75 (preempted); 128+signal (killed after the grace period);
     else the root cause's (1 for an exception). `message`: for stderr, '' on success; with
-    `verdict`, the root cause (faults.diagnose). `signalled`: a preemption signal was forwarded."""
+    `verdict`, the root cause (faults.diagnose). `signalled`: a preemption signal was forwarded.
+    `summary`: the verdict without the traceback; `error_types`: the root cause's exception class and
+    its bases by name (empty without a record), for a caller that shows some errors in one line."""
 
     exitcode: int
     message: str = ""
@@ -79,6 +81,8 @@ class Result:
     return_values: Optional[Dict[int, Any]] = None
     verdict: bool = False
     signalled: bool = False
+    summary: str = ""
+    error_types: Tuple[str, ...] = ()
 
 
 def run(
@@ -143,7 +147,9 @@ def run(
         result.signalled = forwarder.received is not None
         if result.exitcode not in (0, PREEMPTED_EXIT_CODE) and os.path.exists(agent_log):
             kept = True  # the run directory with it: the verdict names the file
-            result.message = result.message.rstrip("\n") + f"\n{who} torch's elastic agent logged to {agent_log}"
+            where = f"\n{who} torch's elastic agent logged to {agent_log}"
+            result.message = result.message.rstrip("\n") + where
+            result.summary = result.summary and result.summary.rstrip("\n") + where
     except BaseException as exc:
         if os.path.exists(agent_log) and hasattr(exc, "add_note"):
             kept = True
@@ -254,13 +260,30 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
             )
     root = faults.root_cause(outcomes)
     message = faults.diagnose(outcomes, run_dir).rstrip()
+    summary = faults.diagnose(outcomes, run_dir, with_traceback=False).rstrip()
     if not message:  # no rank left a record or a code we can read: torch's own summary
-        message = exc.format_msg()
-    if root is None or not root.exitcode or root.record is not None:
+        message = summary = exc.format_msg()
+    tracebacks = faults.every_traceback(outcomes)
+    if tracebacks:  # the workers printed none of them: the verdict names this file
+        try:
+            with open(os.path.join(run_dir, AGENT_LOG), "a") as fh:
+                fh.write(tracebacks)
+        except OSError:
+            pass
+    if root is not None and root.record is not None and root.exitcode is not None and root.exitcode > 0:
+        exitcode = root.exitcode  # its own exit status (the command line's 2 for a usage mistake)
+    elif root is None or not root.exitcode or root.record is not None:
         exitcode = 1  # an uncaught exception, even if the agent stopped the rank while it unwound
     else:
         exitcode = root.exitcode if root.exitcode > 0 else 128 - root.exitcode
-    return Result(exitcode, message=message, rank=root.rank if root is not None else None, verdict=True)
+    return Result(
+        exitcode,
+        message=message,
+        rank=root.rank if root is not None else None,
+        verdict=True,
+        summary=summary,
+        error_types=tuple(root.record["shardwise"].get("types") or ()) if root and root.record else (),
+    )
 
 
 def _new_spawned() -> Callable[[], List[int]]:

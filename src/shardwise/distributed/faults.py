@@ -7,6 +7,12 @@ directory and to TORCHELASTIC_ERROR_FILE when torch's elastic agent (torchrun,
 `shardwise launch`) asked for one -- the same JSON torch's `@record` writes,
 so the agent's "Root Cause" shows the traceback -- and a rank's Python stacks
 can be dumped on request (faulthandler on SIGUSR2, into `stack.<rank>.txt`).
+Under a shardwise launcher a worker prints nothing of its own failure once it
+is recorded: an error raised on every rank would otherwise reach the user's
+terminal once per rank and again in the verdict. Under torchrun (or with no
+record written) it prints its traceback as before: nobody else will.
+The Trainer notes where and when a rank failed as it fails (`note_failure`),
+so that the record does not name the clean-up hooks (teardown) it ran after.
 
 Launcher side (`diagnose`): when ranks fail, the root cause is the earliest
 failure that is not a consequence of another: a peer's "Connection closed by
@@ -36,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from shardwise.distributed import progress
+from shardwise.distributed.context import current as launch_context
 from shardwise.distributed.env import PREEMPTED_EXIT_CODE, global_rank
 
 STACK_SIGNAL = signal.SIGUSR2
@@ -56,6 +63,8 @@ _TIMEOUT = re.compile(
 
 _INSTALLED = False
 _stack_file = None
+# (exception, where and when it was raised): see note_failure
+_failure: Optional[tuple] = None
 _collective_timeout_s: Optional[float] = None
 CHECK_COLLECTIVES_ENV = "SHARDWISE_CHECK_COLLECTIVES"
 
@@ -69,15 +78,39 @@ def classify(message: str) -> str:
     return "primary"
 
 
-def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
-    """Write this rank's failure (torch's error-file JSON plus our fields); return the record."""
+def note_failure(exc: BaseException) -> None:
+    """Remember this rank's hook, step and the time as `exc` is first caught (the Trainer calls it).
+
+    Between that moment and the record, the rank runs its clean-up hooks
+    (on_exception, teardown), which move its progress record, and a launcher
+    may stop it only then: a ValueError from configure_model was reported as
+    a failure "in teardown", timed by when the rank was stopped.
+    """
+    global _failure
+    if _failure is not None and _failure[0] is exc:
+        return  # caught again further out: the first catch is the closest to where it was raised
+    where = progress.read_all().get(global_rank())
+    _failure = (
+        exc,
+        {"time": time.time(), "hook": where.hook if where else None, "step": where.step if where else None},
+    )
+
+
+def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool = False) -> Dict:
+    """Write this rank's failure (torch's error-file JSON plus our fields); return the record.
+
+    brief: the message is the whole story (the command line's one-line errors); the launcher's
+    verdict then leaves the traceback in the record and the agent log.
+    """
     tb = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    now = time.time()
+    noted = _failure[1] if _failure is not None and _failure[0] is exc else None
+    now = noted["time"] if noted else time.time()
     summary = f"{type(exc).__name__}: {exc}"
     kind = classify(f"{summary}\n{tb}" if not isinstance(exc, (KeyboardInterrupt, SystemExit)) else summary)
     rank = global_rank()
     records = progress.read_all()
     where = records.get(rank)
+    hook, step = (noted["hook"], noted["step"]) if noted else (where.hook, where.step) if where else (None, None)
     stall, stacks = None, {}
     if kind == "timeout":
         # Name the rank this one waited for while it is still alive, and ask it
@@ -100,8 +133,10 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
             "timeout_s": _collective_timeout_s,
             "stall": stall,
             "stacks": stacks,
-            "hook": where.hook if where else None,
-            "step": where.step if where else None,
+            "hook": hook,
+            "step": step,
+            "types": [cls.__name__ for cls in type(exc).__mro__],
+            "brief": brief,
         },
     }
     targets = []
@@ -119,13 +154,26 @@ def record_exception(exc: BaseException, tb: Optional[str] = None) -> Dict:
     return data
 
 
+def shown_by_launcher() -> bool:
+    """Whether a shardwise launcher started this rank and holds its error record: its verdict shows it."""
+    directory = launch_context().run_dir
+    return (
+        launch_context().launched_by_shardwise
+        and bool(directory)
+        and os.path.exists(os.path.join(directory, f"error.{global_rank()}.json"))
+    )
+
+
 def print_worker_exception(exc: BaseException, text: Optional[str] = None) -> None:
-    """A worker's dying words: the whole traceback, unless it only lost a peer that failed first.
+    """A worker's dying words: none under a shardwise launcher that has its record (the verdict shows
+    it, once for the run); else the whole traceback, unless it only lost a peer that failed first.
 
     A peer's closed connection is a consequence; its traceback printed in full
     before the launcher's verdict buried the first failure's own (a user saw
     only rank 1's "Connection closed by peer"). The record keeps it whole.
     """
+    if shown_by_launcher():
+        return
     text = text or "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if classify(f"{type(exc).__name__}: {exc}") == "secondary":
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -145,6 +193,8 @@ def _excepthook(previous):
             data = record_exception(exc, text)
         except Exception:  # the diagnosis must never hide the original error
             pass
+        if data is not None and shown_by_launcher():
+            return  # the launcher's verdict shows it, stall included, once for the run
         if classify(f"{exc_type.__name__}: {exc}") == "secondary":
             print_worker_exception(exc, text)
         else:
@@ -337,6 +387,17 @@ def _trim_stack(stack: str, lines: int = 14) -> str:
     return "\n".join("    " + line for line in block[:lines])
 
 
+def every_traceback(outcomes: List[Outcome]) -> str:
+    """Each recorded rank's traceback, in the order they failed: kept in the agent log the verdict names,
+    since the workers no longer print theirs and the verdict shows only the first (or none, when brief)."""
+    recorded = sorted((o for o in outcomes if o.record), key=lambda o: o.time)
+    return "".join(
+        f"[shardwise] rank {o.rank}'s traceback ({o.record['shardwise']['summary'].splitlines()[0][:160]}):\n"
+        f"{o.record['message']['extraInfo']['py_callstack'].rstrip()}\n"
+        for o in recorded
+    )
+
+
 def diagnose(
     outcomes: List[Outcome],
     run_dir: Optional[str] = None,
@@ -387,8 +448,14 @@ def diagnose(
     else:
         rec = root.record["shardwise"]
         where = f" in {rec['hook']} at step {rec['step']}" if rec.get("hook") else ""
-        text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}{where}: {rec['summary']}"
-        if with_traceback:
+        if root.exitcode is not None and root.exitcode > 0:
+            text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}{where}: {rec['summary']}"
+        else:
+            # Recorded, then stopped by a signal while it was still on its way out (its clean-up outlasted
+            # a peer's failure): its own exception is the story, the signal only how it ended.
+            ended = f"; {signal_name(-root.exitcode)} stopped it during its clean-up" if root.exitcode else ""
+            text = f"[shardwise] rank {root.rank} failed{where}: {rec['summary']}{ended}"
+        if with_traceback and not rec.get("brief"):
             tb = root.record["message"]["extraInfo"]["py_callstack"].rstrip()
             text += f"\n[shardwise] rank {root.rank}'s traceback (the first failure):\n{tb}"
     consequences = [

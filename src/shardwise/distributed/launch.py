@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from shardwise.distributed import agent, faults
 from shardwise.distributed.context import LaunchContext
@@ -63,12 +63,26 @@ def launch_script(nproc: int, context: Optional[LaunchContext] = None) -> None:
 
 
 class WorkerFailedError(RuntimeError):
-    """A rank of `launch(fn)` failed; the message is the launcher's verdict with the root cause's traceback."""
+    """A rank of `launch(fn)` failed; the message is the launcher's verdict with the root cause's traceback.
 
-    def __init__(self, message: str, exitcode: int, rank: Optional[int]) -> None:
+    `summary`: the same verdict without the traceback (one line per failing rank); `error_types`: the
+    root cause's exception class and its bases, by name (empty when it left no record). The workers
+    print nothing of their own failure: this is the one place it is shown.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        exitcode: int,
+        rank: Optional[int],
+        summary: str = "",
+        error_types: Tuple[str, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.exitcode = exitcode
         self.rank = rank
+        self.summary = summary or message
+        self.error_types = tuple(error_types)
 
 
 def _worker(fn: Callable, args: tuple, launcher_pid: int) -> Any:
@@ -150,5 +164,5 @@ def launch(
             sys.stderr.write(result.message + "\n")
         raise SystemExit(result.exitcode)
     if result.exitcode != 0:
-        raise WorkerFailedError(result.message, result.exitcode, result.rank)
+        raise WorkerFailedError(result.message, result.exitcode, result.rank, result.summary, result.error_types)
     return [result.return_values[node_rank * devices + i] for i in range(devices)]

@@ -25,7 +25,7 @@ from shardwise import step as shared_step  # looked up at call time, like the pl
 from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
 from shardwise.checkpoint.rng import restore_rng_states
 from shardwise.checkpoint.training import TrainingStates
-from shardwise.distributed import preempt
+from shardwise.distributed import faults, preempt
 from shardwise.distributed.env import detect_env, is_global_zero, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
@@ -269,6 +269,7 @@ class Trainer(TrainerAttributes):
             lightning_hooks.call_both(self, "on_fit_end")
             setup.finalize_loggers(self.loggers, self.strategy, "success")
         except BaseException as exc:
+            faults.note_failure(exc)  # where it failed, before teardown's hooks move this rank's progress
             lightning_hooks.on_exception(self, exc)
             setup.finalize_loggers(self.loggers, self.strategy, "failed")
             raise
