@@ -137,6 +137,22 @@ def test_reduce_on_plateau_steps_on_the_validation_it_follows(top_level):
     assert module.seen == [0.1, 0.1, 0.05] and trainer.optimizers[0].param_groups[0]["lr"] == 0.025
 
 
+def test_reduce_on_plateau_with_a_step_interval_monitors_a_step_metric():
+    class PerStep(Linear):
+        def training_step(self, batch, batch_idx):
+            self.log("flat", 1.0)  # never improves: from the second step on, every step halves the LR
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "flat", "interval": "step"}}
+
+    trainer = Trainer(**{**QUIET, "max_steps": 4})
+    trainer.fit(PerStep(), _loader(n=16))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 2**3)
+
+
 def test_a_missing_monitored_metric_is_an_error_unless_strict_is_false():
     module = Plateau()
     module.monitor = "val_acc"
