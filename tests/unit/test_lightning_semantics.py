@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import shardwise
 from shardwise import Callback, DataModule, EarlyStopping, ModelCheckpoint, Trainer, TrainModule
 
 QUIET = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
@@ -383,3 +384,24 @@ def test_early_stopping_on_a_missing_metric_is_an_error_unless_not_strict():
         trainer = Trainer(**{**QUIET, "max_epochs": 2, "callbacks": [EarlyStopping("val_acc", strict=False)]})
         trainer.fit(Linear(), _loader())
     assert trainer.current_epoch == 2
+
+
+class _RankDependent(Linear):
+    """val_loss improves on rank 0 and worsens on rank 1 (logged without sync_dist: each rank its own)."""
+
+    def validation_step(self, batch, batch_idx):
+        sign = 1.0 if self.trainer.global_rank == 1 else -1.0
+        self.log("val_loss", sign * float(self.current_epoch))
+
+
+def _stop_on_ranks():
+    stopping = EarlyStopping(monitor="val_loss", patience=1)
+    trainer = Trainer(**{**QUIET, "max_epochs": 10, "devices": 2, "strategy": "ddp", "callbacks": [stopping]})
+    trainer.fit(_RankDependent(), _loader(), _loader())
+    return trainer.current_epoch, stopping.wait_count
+
+
+@pytest.mark.slow
+def test_early_stopping_stops_every_rank_when_one_rank_decides():
+    # Rank 1 runs out of patience after its second check; rank 0 keeps improving, and stops with it.
+    assert shardwise.launch(_stop_on_ranks, devices=2) == [(2, 0), (2, 1)]
