@@ -120,9 +120,9 @@ def _worker(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         trainer.fit(model, DataLoader(dataset, batch_size=cfg["batch_size"], shuffle=True))
         n_params = sum(p.numel() for p in model.parameters())  # FSDP2's DTensors report their global size
         if main_run:
-            trainer.print(
-                f"done: {trainer.global_step} steps, final loss {probe.last_loss:.3f}, "
-                f"{n_params / 1e6:.1f}M parameters. Comparing strategies ({cfg['compare_steps']} steps each)..."
+            trainer.print(  # the progress bar's own "done:" line has just given the steps and time
+                f"{LABELS[name]}: final loss {probe.last_loss:.3f}, {n_params / 1e6:.1f}M parameters. "
+                f"Comparing strategies ({cfg['compare_steps']} steps each)..."
             )
         speed = probe.timed_steps / probe.elapsed if probe.elapsed > 0 and probe.timed_steps else float("nan")
         rows.append(

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from shardwise.distributed import env
 from shardwise.module import TrainModule
 
 
@@ -58,7 +59,9 @@ class TrainerAttributes:
 
     @property
     def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
+        # Before set-up the strategy has no rank yet and answers True in every process (the demo's header
+        # printed once per rank): the process's own answer holds from the start, and agrees once it is set up.
+        return self.strategy.is_global_zero and env.is_global_zero()
 
     @property
     def step_weight(self) -> Optional[torch.Tensor]:

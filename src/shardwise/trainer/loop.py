@@ -161,8 +161,8 @@ class Trainer(TrainerAttributes):
         return self._data_sources[2]
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on global rank 0 only."""
-        if self.strategy.is_global_zero:
+        """print() on global rank 0 only (also before set-up: see is_global_zero)."""
+        if self.is_global_zero:
             print(*args, **kwargs)
 
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
