@@ -374,6 +374,57 @@ def test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports(reque
         assert result["max_abs"][kind] < 1e-5, (kind, result["max_abs"])
 
 
+def inspect_checkpoints(root: str) -> Dict[str, int]:
+    """One optimizer step under DeepSpeed without ZeRO, ZeRO-2 and ZeRO-3, each saved; the trainable parameter
+    count and the number of parameter tensors, for the expected optimizer state."""
+    from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+    strategies = (
+        ("stage0", DeepSpeedStrategy(stage=0)),
+        ("stage2", "deepspeed_stage_2"),
+        ("stage3", "deepspeed_stage_3"),
+    )
+    for name, strategy in strategies:
+        shardwise.seed_everything(1234)
+        module = TinyGPT(lr=1e-3)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=int(os.environ["WORLD_SIZE"]),
+            strategy=strategy,
+            max_steps=1,
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            default_root_dir=root,
+        )
+        trainer.fit(module, DataLoader(token_data(32), batch_size=4))
+        trainer.save_checkpoint(os.path.join(root, name + ".ckpt"))
+    reference = TinyGPT(lr=1e-3)
+    reference.configure_model()
+    return {"numel": sum(p.numel() for p in reference.parameters()), "tensors": len(list(reference.parameters()))}
+
+
+def test_inspect_sizes_deepspeed_optimizer_state(tmp_path):
+    # `shardwise inspect` said "optimizer 0 B" for every DeepSpeed checkpoint (issue 26).
+    from shardwise.checkpoint.inspect import describe, render
+
+    counts = shardwise.launch(inspect_checkpoints, str(tmp_path), devices=2)[0]
+    numel, tensors = counts["numel"], counts["tensors"]
+    moments = 2 * 4 * numel  # AdamW's exp_avg and exp_avg_sq, fp32
+    # Without ZeRO: torch's AdamW state as it is, one scalar step per parameter tensor.
+    stage0 = describe(str(tmp_path / "stage0.ckpt"))
+    assert stage0["ok"] and stage0["optimizer_bytes"] == moments + 4 * tensors, stage0["optimizer_bytes"]
+    for name in ("stage2", "stage3"):
+        summary = describe(str(tmp_path / f"{name}.ckpt"))
+        # ZeRO: each rank's partition of the moments and of the fp32 master weights (padded to the world
+        # size at most), plus a scalar step per rank and parameter group.
+        assert summary["ok"], name
+        low = moments + 4 * numel
+        assert low <= summary["optimizer_bytes"] <= low + 3 * 4 * 2 * 64 + 64, (name, summary["optimizer_bytes"])
+        line = next(x for x in render(summary).splitlines() if x.startswith("optimizer"))
+        assert line.split()[1] != "0", line
+
+
 # ------------------------------------------------- configuration, in-process
 # These run in the pytest process: each error must come before anything is spawned.
 def _strategy(**kwargs):

@@ -190,9 +190,10 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
         if summary["hyper_parameters"]:
             lines.append("hparams      " + ", ".join(f"{k}={v}" for k, v in summary["hyper_parameters"].items()))
     lines.append("files")
+    names = max((len(e["name"]) for e in summary["files"]), default=0)
     for e in summary["files"]:
         size = _mb(e["bytes"]) if e["bytes"] is not None else "-"
-        lines.append(f"  {e['name']:<40} {size:>14}  {e['status']}")
+        lines.append(f"  {e['name']:<{max(40, names)}} {size:>14}  {e['status']}")
     for line in problems(summary):
         lines.append(f"  ! {line}")
     if not summary["ok"]:

@@ -295,6 +295,41 @@ def consolidate(path: str, names: Optional[Iterable[str]] = None) -> Dict[str, t
     return {n: state[n].detach().contiguous() for n in wanted}
 
 
+class _DeepSpeedObject:
+    """Stands in for DeepSpeed's own objects (DS_SAFE_GLOBALS) while the structure of its files is read
+    for `inspect`: their tensors' shapes are all it needs, so nothing of DeepSpeed is imported or run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _tensor_infos(tree: Any, prefix: str) -> List[TensorInfo]:
+    if isinstance(tree, torch.Tensor):
+        return [TensorInfo(prefix, tuple(tree.shape), tree.dtype)]
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return [info for key, value in items for info in _tensor_infos(value, f"{prefix}.{key}")]
+
+
+def optimizer_state_infos(path: str) -> List[TensorInfo]:
+    """Shape and dtype of every tensor of the engine's optimizer state, every rank's partition: ZeRO's
+    `*optim_states.pt` (the optimizer's moments and the fp32 master partitions), or, without ZeRO (stage 0),
+    the optimizer section of the model file. Only the pickled structure is read (meta device)."""
+    root = os.path.join(path, ENGINE_TAG)
+    stand_ins = [(_DeepSpeedObject, name) for name in DS_SAFE_GLOBALS]
+    out: List[TensorInfo] = []
+    for rel in iter_files(root) if os.path.isdir(root) else ():
+        if not rel.endswith(("optim_states.pt", "model_states.pt")):
+            continue
+        tree = safe_torch_load(os.path.join(root, rel), map_location="meta", extra_safe=stand_ins)
+        if rel.endswith("model_states.pt"):
+            tree = tree.get("optimizer") if isinstance(tree, dict) else None  # None under ZeRO
+        out += _tensor_infos(tree, f"optimizer.{rel[: -len('.pt')]}")
+    return out
+
+
 def _stage0_state(path: str) -> Dict[str, torch.Tensor]:
     file = os.path.join(path, ENGINE_TAG, "mp_rank_00_model_states.pt")
     if not os.path.exists(file):
@@ -328,6 +363,11 @@ class DeepSpeedReader(CheckpointReader):
             check_engine_files(self.path)
             self._state = consolidate(self.path)
         return {n: self._state[n] for n in names}
+
+    def optimizer_tensors(self) -> List[TensorInfo]:
+        engine = [os.path.join(ENGINE_TAG, rel) for rel in iter_files(os.path.join(self.path, ENGINE_TAG))]
+        verify_directory(self.path, self.manifest, only=[f for f in engine if f.endswith(".pt")], verify=self._verify)
+        return optimizer_state_infos(self.path)
 
     def trainer_state(self) -> Dict[str, Any]:
         verify_directory(self.path, self.manifest, only=[TRAINER_STATE_NAME], verify=self._verify)
