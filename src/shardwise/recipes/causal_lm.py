@@ -13,9 +13,10 @@ not (trainer/weighting.py). Averaging per micro-batch instead weighed a
 3-token answer as much as a 40-token one. The module keeps the global mean
 loss of every optimizer step (`history`, the same value the Trainer logs as
 train_loss) and of every evaluation (`eval_history`, also per target token),
-read back to the host only at log lines. Optimizer and schedule are the Hugging
-Face Trainer's: AdamW without decay on biases and norms, linear warm-up,
-then cosine / linear / constant.
+read back to the host only at log lines; checkpoints carry both, so a resumed
+run's history keeps the steps before the resume. Optimizer and schedule are
+the Hugging Face Trainer's: AdamW without decay on biases and norms, linear
+warm-up, then cosine / linear / constant.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 from shardwise.distributed import ops
 from shardwise.module import TrainModule
 from shardwise.recipes import hf_model
+
+HISTORY_KEY = "finetune_history"  # the module's losses so far, in every checkpoint's trainer state
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, kind: str):
@@ -131,7 +134,23 @@ class CausalLMModule(TrainModule):
         if not self._window:
             self._lr = self.trainer.optimizers[0].param_groups[0]["lr"]
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def configure_callbacks(self) -> Any:
+        return [StepRecorder()]  # before the checkpoint callbacks, which the Trainer runs last
+
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        # Every rank saves together (collective), so the sync is too; the steps so far, the current one included.
+        self._sync_history()
+        checkpoint[HISTORY_KEY] = {"history": list(self.history), "eval_history": list(self.eval_history)}
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        # A resumed run continues after the checkpoint's step: its history starts with the saved steps.
+        saved = checkpoint.get(HISTORY_KEY) or {}
+        self.history = list(saved.get("history", []))
+        self.eval_history = list(saved.get("eval_history", []))
+        self._unsynced, self._window = [], []
+
+    def record_step_output(self, outputs: Any) -> None:
+        """A micro-batch's summed loss; at the step's last one, the step's entry (StepRecorder calls it)."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self._window.append(loss.detach().float())
         if not self.trainer.is_last_microbatch:
@@ -200,6 +219,15 @@ class CausalLMModule(TrainModule):
         warmup = math.ceil(total * cfg.warmup_ratio)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, warmup, cfg.lr_scheduler_type))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class StepRecorder:
+    """Hands each micro-batch's loss to the module at on_train_batch_end, as a callback: the module's own hook
+    runs after the callbacks', so a checkpoint saved at step S (ModelCheckpoint, last of the callbacks) did
+    not yet hold step S, and a run resumed from it never had that step in its history."""
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        module.record_step_output(outputs)
 
 
 def build_module(cfg: Any, folder: Any, total_steps: Union[int, Callable[[], int]]) -> CausalLMModule:
