@@ -270,6 +270,34 @@ def test_root_cause_ignores_consequences_and_orders_by_sub_second_time():
     assert faults.classify("ValueError: warmup_steps must be < max_steps") == "primary"
 
 
+def test_the_record_names_where_a_rank_failed_not_the_clean_up_after_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setattr(progress, "_buffer", None)
+    with context.using(context.LaunchContext(run_dir=str(tmp_path), launched_by_shardwise=True)):
+        progress.mark("configure_model", 0)
+        try:
+            raise ValueError("bad width 7: use a multiple of 8")
+        except ValueError as exc:
+            faults.note_failure(exc)  # as the Trainer does when fit() catches it
+            error = exc
+        progress.mark("teardown", 0)  # the clean-up hooks run before the exception reaches the top
+        record = faults.record_exception(error)
+        assert faults.shown_by_launcher()  # so the worker prints nothing of it: the verdict will
+    assert (record["shardwise"]["hook"], record["shardwise"]["step"]) == ("configure_model", 0)
+    assert record["shardwise"]["types"][:2] == ["ValueError", "Exception"]
+    # The launcher stopped it (SIGTERM) during that clean-up, after a peer failed the same way.
+    stopped = faults.Outcome(rank=0, exitcode=-signal.SIGTERM, record=record)
+    later = _outcome(1, "primary", record["shardwise"]["time"] + 0.5)
+    verdict = faults.diagnose([stopped, later])
+    assert verdict.startswith(
+        "[shardwise] rank 0 failed in configure_model at step 0: ValueError: bad width 7: use a multiple of 8; "
+        "SIGTERM stopped it during its clean-up\n"
+    ), verdict
+    assert "code -15" not in verdict and "after it: rank 1: Error: primary on 1" in verdict
+
+
 def test_progress_records_name_the_rank_that_fell_behind(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

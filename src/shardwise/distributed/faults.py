@@ -63,8 +63,8 @@ _TIMEOUT = re.compile(
 
 _INSTALLED = False
 _stack_file = None
-# (exception, where and when it was raised): see note_failure
-_failure: Optional[tuple] = None
+# Where and when an exception was first caught, kept on the exception itself (see note_failure).
+_FAILURE_ATTR = "_shardwise_failed_at"
 _collective_timeout_s: Optional[float] = None
 CHECK_COLLECTIVES_ENV = "SHARDWISE_CHECK_COLLECTIVES"
 
@@ -86,14 +86,14 @@ def note_failure(exc: BaseException) -> None:
     may stop it only then: a ValueError from configure_model was reported as
     a failure "in teardown", timed by when the rank was stopped.
     """
-    global _failure
-    if _failure is not None and _failure[0] is exc:
+    if getattr(exc, _FAILURE_ATTR, None) is not None:
         return  # caught again further out: the first catch is the closest to where it was raised
     where = progress.read_all().get(global_rank())
-    _failure = (
-        exc,
-        {"time": time.time(), "hook": where.hook if where else None, "step": where.step if where else None},
-    )
+    noted = {"time": time.time(), "hook": where.hook if where else None, "step": where.step if where else None}
+    try:  # on the exception, not in a global: a caught and retried failure must not keep its frames alive
+        setattr(exc, _FAILURE_ATTR, noted)
+    except (AttributeError, TypeError):  # an exception class with __slots__: the record says less
+        pass
 
 
 def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool = False) -> Dict:
@@ -103,7 +103,7 @@ def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool =
     verdict then leaves the traceback in the record and the agent log.
     """
     tb = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    noted = _failure[1] if _failure is not None and _failure[0] is exc else None
+    noted = getattr(exc, _FAILURE_ATTR, None)
     now = noted["time"] if noted else time.time()
     summary = f"{type(exc).__name__}: {exc}"
     kind = classify(f"{summary}\n{tb}" if not isinstance(exc, (KeyboardInterrupt, SystemExit)) else summary)
