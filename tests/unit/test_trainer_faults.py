@@ -109,6 +109,17 @@ def test_empty_data_is_an_error_that_says_so():
         trainer(max_steps=5).fit(Net(), DataLoader(Stream(0), batch_size=4))
 
 
+def test_a_validation_interval_longer_than_an_epoch_is_refused():
+    # 10 training batches per epoch: an interval of 11 batches would never validate, and said nothing.
+    train, val = loaders()
+    with pytest.raises(ValueError, match=r"val_check_interval=11 is larger than an epoch \(10 training batches\)"):
+        trainer(val_check_interval=11).fit(Net(), train, val)
+    # limit_train_batches shortens the epoch the interval is measured against.
+    with pytest.raises(ValueError, match=r"val_check_interval=5 is larger than an epoch \(4 training batches\)"):
+        trainer(val_check_interval=5, limit_train_batches=4).fit(Net(), train, val)
+    trainer(val_check_interval=10).fit(Net(), train, val)  # the whole epoch: allowed
+
+
 # --------------------------------------------------------------- NaN
 class NaNAt(Net):
     """The loss becomes NaN at optimizer step `step` (1-based), as a diverging run's does."""

@@ -73,8 +73,11 @@ def describe_empty(loader: Any) -> str:
     return f"{size}{share}, batch size {batch}{drop}."
 
 
-def batches_to_train(loader: Any, limit_train_batches: Union[int, float, None]) -> float:
-    """The training batches per epoch, refusing an empty loader or a limit that leaves none."""
+def batches_to_train(
+    loader: Any, limit_train_batches: Union[int, float, None], val_check_interval: Union[int, float, None] = None
+) -> float:
+    """The training batches per epoch, refusing an empty loader, a limit that leaves none, or a
+    validation interval (in batches) that an epoch never reaches."""
     available = length(loader)
     if available == 0:
         raise ValueError(
@@ -86,6 +89,14 @@ def batches_to_train(loader: Any, limit_train_batches: Union[int, float, None]) 
         raise ValueError(
             f"limit_train_batches={limit_train_batches!r} leaves none of the train "
             f"DataLoader's {int(available)} batches: raise it, or leave it None for all."
+        )
+    # An int interval counts training batches within an epoch (Lightning's rule, which refuses the same):
+    # one larger than the epoch would never validate, silently.
+    if isinstance(val_check_interval, int) and count != float("inf") and val_check_interval > count:
+        raise ValueError(
+            f"val_check_interval={val_check_interval} is larger than an epoch ({int(count)} training batches), so "
+            f"validation would never run. Use at most {int(count)}, a float fraction of the epoch (e.g. 0.5), "
+            "or None to validate at each epoch's end."
         )
     return count
 
