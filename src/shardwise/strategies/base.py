@@ -367,6 +367,7 @@ class Strategy:
         """
         inner = self.unwrap(model)
         original = inner.forward
+        own = inner.__dict__.get("forward")  # an instance's own forward (torch.compile's) stays after the call
 
         def redirected(*a: Any, **k: Any) -> Any:
             inner.forward = original  # restore before the user's code runs
@@ -376,9 +377,10 @@ class Strategy:
         try:
             return model(*args, **kwargs)
         finally:
-            inner.forward = original
-            if inner.__dict__.get("forward") is original:
-                del inner.__dict__["forward"]
+            if own is not None:
+                inner.forward = own
+            else:
+                inner.__dict__.pop("forward", None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model

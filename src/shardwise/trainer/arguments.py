@@ -184,3 +184,24 @@ def check_fit_data(module: Any, train_dataloaders: Any, val_dataloaders: Any, da
             f"train_dataloader() method on {type(module).__name__}."
         )
     return train_dataloaders, datamodule
+
+
+COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
+
+def unwrap_compiled(module: Any) -> Any:
+    """`torch.compile(module)` -> the TrainModule inside, its forward and steps compiled, as Lightning takes it.
+
+    torch.compile returns an OptimizedModule wrapping the module; the Trainer needs the TrainModule itself
+    (its hooks, its parameters to shard), so it takes the original back and compiles the methods the loop
+    runs with the same compiler settings (the wrapper's dynamo context), which is what Lightning does.
+    """
+    original = getattr(module, "_orig_mod", None)
+    context = getattr(module, "dynamo_ctx", None)
+    if original is None or context is None:
+        return module
+    for name in COMPILED_METHODS:
+        fn = getattr(original, name, None)
+        if callable(fn) and not hasattr(fn, "_torchdynamo_orig_callable"):  # not compiled twice
+            setattr(original, name, context(fn))
+    return original

@@ -33,7 +33,7 @@ from shardwise.module import TrainModule, attach, drain_logs, enter_hook
 from shardwise.plan.advice import FitDecision, check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
-from shardwise.trainer import arguments, automatic, lightning_hooks, loaders, nonfinite, setup, weighting
+from shardwise.trainer import arguments, automatic, evaluation, lightning_hooks, loaders, nonfinite, setup, weighting
 from shardwise.trainer.attributes import TrainerAttributes
 from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx, update_lr_schedulers
 from shardwise.trainer.manual import UserOptimization
@@ -138,6 +138,8 @@ class Trainer(TrainerAttributes):
         self.should_stop = False
         self.stage: Optional[str] = None  # the entry point running: "fit", "validate", ... (Lightning's state.fn)
         self.validating = False
+        self.testing = False  # inside test() / predict() (Lightning's trainer.testing / .predicting)
+        self.predicting = False
         self.is_last_microbatch = False
         self.num_training_batches: float = float("inf")
         self.num_val_batches: float = 0
@@ -173,8 +175,8 @@ class Trainer(TrainerAttributes):
             logger.log_metrics(metrics, step=self.global_step if step is None else step)
 
     # -------------------------------------------------------------------- set-up
-    def _setup(self, module: TrainModule, need_train_data: bool = True) -> None:
-        stage = "fit" if need_train_data else "validate"
+    def _setup(self, module: TrainModule, need_train_data: bool = True, stage: Optional[str] = None) -> None:
+        stage = stage or ("fit" if need_train_data else "validate")
         if self._set_up and self.module is module:
             lightning_hooks.prepare_and_setup(self, stage)  # every fit / validate sets up again, as in Lightning
             if need_train_data and self._resolved_data[0] is None:  # a fit after validate()
@@ -194,7 +196,8 @@ class Trainer(TrainerAttributes):
         lightning_hooks.configure_callbacks(self)
         lightning_hooks.refuse_unsupported(self, module, self.callbacks, self.datamodule)
         lightning_hooks.prepare_and_setup(self, stage)  # prepare_data, setup(stage): datamodule, callbacks, module
-        self._resolve_data(module, need_train_data)
+        if stage in ("fit", "validate"):  # test / predict ask for their own loaders (evaluation.py)
+            self._resolve_data(module, need_train_data)
         self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
         self._set_up = True
         self._configure_optimizers(need_train_data)
@@ -240,6 +243,7 @@ class Trainer(TrainerAttributes):
     ) -> None:
         """Train. Data as in Lightning: loaders here, a `datamodule` (also as the second positional
         argument), or the module's own train_dataloader() / val_dataloader() methods."""
+        module = arguments.unwrap_compiled(module)  # torch.compile(module): the TrainModule, its steps compiled
         train_dataloaders, datamodule = arguments.check_fit_data(module, train_dataloaders, val_dataloaders, datamodule)
         self.stage = "fit"
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
@@ -493,6 +497,28 @@ class Trainer(TrainerAttributes):
         nonfinite.report(self.model, losses, self.non_finite, step, self.current_epoch)
         return False
 
+    # ------------------------------------------------------- test and predict (evaluation.py)
+    def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None) -> List[Dict]:
+        """test_step over the test loaders (given, or test_dataloader()); one dict of epoch metrics per loader."""
+        return evaluation.run(self, "test", model, dataloaders, datamodule, ckpt_path, self._enter_stage, verbose)
+
+    def predict(self, model=None, dataloaders=None, datamodule=None, return_predictions=None, ckpt_path=None) -> Any:
+        """predict_step over the predict loaders; this rank's predictions per batch (a list per loader if several)."""
+        return evaluation.run(
+            self, "predict", model, dataloaders, datamodule, ckpt_path, self._enter_stage, True, return_predictions
+        )
+
+    def _enter_stage(self, stage: str, module: TrainModule, datamodule: Any, ckpt_path: Optional[str]) -> None:
+        """Set up test / predict: the world, the model (built once), a checkpoint's weights, the loggers."""
+        setup.launch_if_needed(self.devices, self.num_nodes)
+        self.stage = stage
+        if datamodule is not None:
+            self._data_sources = (None, None, datamodule)
+        self._setup(module, need_train_data=False, stage=stage)
+        if ckpt_path is not None:
+            self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
+        setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
+
     # -------------------------------------------------------------- validation
     def validate(
         self,
@@ -503,7 +529,7 @@ class Trainer(TrainerAttributes):
         """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
         setup.launch_if_needed(self.devices, self.num_nodes)
         self.stage = "validate"
-        module = module or self.module
+        module = arguments.unwrap_compiled(module) if module is not None else self.module
         if module is None:
             raise ValueError("validate() needs a module (or a previous fit()).")
         self._setup(module, need_train_data=False)
