@@ -120,6 +120,18 @@ def test_a_validation_interval_longer_than_an_epoch_is_refused():
     trainer(val_check_interval=10).fit(Net(), train, val)  # the whole epoch: allowed
 
 
+def test_fsdp_cpu_offload_with_bf16_true_trains():
+    # It used to start and die in the first forward ("mat1 and mat2 must have the same dtype"): the
+    # float32 batch met bf16 weights. True half precision casts floating inputs, as Lightning does.
+    from shardwise.strategies import FSDPStrategy
+
+    t = trainer(strategy=FSDPStrategy(cpu_offload=True), precision="bf16-true", max_steps=2)
+    module = Net()
+    t.fit(module, loaders()[0])
+    assert t.global_step == 2
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+
+
 # --------------------------------------------------------------- NaN
 class NaNAt(Net):
     """The loss becomes NaN at optimizer step `step` (1-based), as a diverging run's does."""
