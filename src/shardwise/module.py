@@ -191,12 +191,17 @@ class TrainModule(ModuleHooks, nn.Module):
         reduce_fx: str = "mean",
         batch_size: Optional[int] = None,
         logger: bool = True,
+        rank_zero_only: bool = False,
     ) -> None:
         """Record a metric. Defaults as in Lightning: per step in training, per epoch in validation.
 
         logger=False keeps the value from the loggers; callbacks (callback_metrics) and the progress
         bar (prog_bar=True) still get it. The hook that runs decides the defaults (module_hooks.LOG_LEVELS).
+        rank_zero_only=True: logged from global rank 0 alone, so never reduced across ranks (a
+        collective only one rank joins would wait forever); as in Lightning, do not monitor it.
         """
+        if rank_zero_only:
+            sync_dist = False
         hook = self._current_hook
         if hook in LOG_LEVELS:
             levels = LOG_LEVELS[hook]

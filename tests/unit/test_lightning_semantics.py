@@ -408,3 +408,15 @@ def _stop_on_ranks():
 def test_early_stopping_stops_every_rank_when_one_rank_decides():
     # Rank 1 runs out of patience after its second check; rank 0 keeps improving, and stops with it.
     assert shardwise.launch(_stop_on_ranks, devices=2) == [(2, 0), (2, 1)]
+
+
+def test_rank_zero_only_is_accepted_and_never_reduced():
+    class RankZero(Linear):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.is_global_zero:
+                self.log("only_here", 1.0, sync_dist=True, rank_zero_only=True, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(**{**QUIET, "max_epochs": 1})
+    trainer.fit(RankZero(), _loader())
+    assert trainer.callback_metrics["only_here_epoch"] == 1.0
