@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+import shardwise.trainer.options as options  # the first-hour Lightning options
 from shardwise import step as shared_step  # looked up at call time, like the planner's trace
 from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
 from shardwise.checkpoint.rng import restore_rng_states
@@ -71,6 +72,16 @@ class Trainer(TrainerAttributes):
         preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
         non_finite: str = "error",
         timeout_s: Optional[float] = None,
+        # The first-hour Lightning options (options.py says what each does here):
+        fast_dev_run: Union[bool, int] = False,
+        num_sanity_val_steps: Optional[int] = None,  # None: 0 (Lightning: 2)
+        overfit_batches: Union[int, float] = 0.0,
+        max_time: options.MaxTime = None,
+        min_epochs: Optional[int] = None,
+        min_steps: Optional[int] = None,
+        detect_anomaly: bool = False,
+        limit_test_batches: Union[int, float, None] = None,
+        limit_predict_batches: Union[int, float, None] = None,
         gpus: Optional[int] = None,
         plugins: Any = None,
     ) -> None:
@@ -102,7 +113,7 @@ class Trainer(TrainerAttributes):
             gradient_clip_algorithm=gradient_clip_algorithm,
             log_every_n_steps=log_every_n_steps,
         )
-        default_epochs = arguments.MAX_EPOCHS_DEFAULT if max_steps == -1 else -1
+        default_epochs = arguments.MAX_EPOCHS_DEFAULT if max_steps == -1 and max_time is None else -1
         self.max_epochs = max_epochs if max_epochs is not None else default_epochs
         self.max_steps = max_steps
         self.limit_train_batches = limit_train_batches
@@ -150,6 +161,8 @@ class Trainer(TrainerAttributes):
         self._data_sources: Tuple[Any, Any, Any] = (None, None, None)  # fit()'s (train, val, datamodule)
         self._resolved_data: Tuple[Any, Any] = (None, None)  # the loaders they gave, in the workers
         self._set_up = False
+        options.apply(self, fast_dev_run, num_sanity_val_steps, overfit_batches, max_time, min_epochs, min_steps,
+                      detect_anomaly, limit_test_batches, limit_predict_batches)  # fmt: skip
 
     # ------------------------------------------------------------ reporting
     @property
@@ -161,6 +174,11 @@ class Trainer(TrainerAttributes):
     def datamodule(self) -> Any:
         """The datamodule given to fit() (Lightning's trainer.datamodule), or None."""
         return self._data_sources[2]
+
+    @property
+    def estimated_stepping_batches(self) -> Union[int, float]:
+        """The optimizer steps fit will take (OneCycleLR's total_steps); valid from configure_optimizers on."""
+        return options.estimated_stepping_batches(self, self.train_dataloader or self._resolved_data[0])
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on global rank 0 only (also before set-up: see is_global_zero)."""
@@ -259,7 +277,7 @@ class Trainer(TrainerAttributes):
         try:
             self._setup(module)
             train_dataloaders, val_dataloaders = self._resolved_data
-            self.train_dataloader = self.strategy.setup_dataloader(train_dataloaders)
+            self.train_dataloader = self.strategy.setup_dataloader(train_dataloaders, options.train_shuffle(self))
             self.val_dataloaders = (
                 self.strategy.setup_dataloader(val_dataloaders, shuffle=False) if val_dataloaders is not None else None
             )
@@ -267,6 +285,7 @@ class Trainer(TrainerAttributes):
                 self._restore(ckpt_path)
             setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
             lightning_hooks.call_both(self, "on_fit_start")
+            options.before_training(self)  # the sanity check; max_time's clock; detect_anomaly
             lightning_hooks.call_both(self, "on_train_start")
             self._fit_loop()
             lightning_hooks.call_both(self, "on_train_end")
@@ -278,6 +297,7 @@ class Trainer(TrainerAttributes):
             setup.finalize_loggers(self.loggers, self.strategy, "failed")
             raise
         finally:
+            options.after_fit(self)
             lightning_hooks.teardown(self, "fit")
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
@@ -330,7 +350,8 @@ class Trainer(TrainerAttributes):
         return save_training_checkpoint(self._states(), path, wait=wait)
 
     def _done(self) -> bool:
-        return self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
+        stop = self.should_stop and options.can_stop(self)  # not before min_epochs / min_steps
+        return stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
 
     # ------------------------------------------------------------------ loop
     def _fit_loop(self) -> None:
@@ -463,6 +484,8 @@ class Trainer(TrainerAttributes):
             update_lr_schedulers(self, "step", plateau=True)  # after any validation this step ran, as Lightning
         if self.is_last_microbatch and self._preemption_requested():
             self.should_stop = True  # ModelCheckpoint saves this step in on_train_end
+        if self.is_last_microbatch and options.out_of_time(self):
+            self.should_stop = True  # max_time: every rank stops after this same step
 
     def _optimizer_step(self) -> None:
         strategy = self.strategy
