@@ -357,9 +357,7 @@ class Trainer(TrainerAttributes):
     def _fit_loop(self) -> None:
         state = self.state
         loader = self.train_dataloader
-        self.num_training_batches = loaders.batches_to_train(
-            loader, self.limit_train_batches, self.val_check_interval
-        )
+        self.num_training_batches = loaders.batches_to_train(loader, self.limit_train_batches, self.val_check_interval)
         pass_idx, window = takes_batch_idx(self.module.training_step), self.accumulate_grad_batches
         self.weighting = weighting.maybe_build(self.module, self.strategy)
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
