@@ -278,3 +278,23 @@ def test_fsdp_root_unit_parameters_are_refused_in_manual_mode():
     trainer = _trainer(strategy=FSDPStrategy(auto_wrap_policy={Generator, Discriminator}), max_steps=2)
     trainer.fit(module, DataLoader(gan_data(), batch_size=8))
     assert trainer.global_step == 2
+
+
+def test_lr_schedulers_are_the_users_to_step_in_manual_mode():
+    class Scheduled(GAN):
+        def configure_optimizers(self):
+            opt_g, opt_d = super().configure_optimizers()
+            return [opt_g, opt_d], [
+                torch.optim.lr_scheduler.StepLR(opt_g, 1, 0.5),
+                {"scheduler": torch.optim.lr_scheduler.StepLR(opt_d, 1, 0.5), "interval": "step"},
+            ]
+
+        def on_train_epoch_end(self):
+            sched_g, _ = self.lr_schedulers()
+            sched_g.step()  # the generator's, once an epoch; the discriminator's is never stepped
+
+    trainer = _trainer(max_epochs=2, limit_train_batches=2)
+    trainer.fit(Scheduled(), DataLoader(gan_data(), batch_size=8))
+    opt_g, opt_d = trainer.strategy.optimizers
+    assert opt_g.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**2)
+    assert opt_d.param_groups[0]["lr"] == pytest.approx(0.01)  # not stepped by the loop

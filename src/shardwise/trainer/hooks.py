@@ -98,6 +98,8 @@ def update_lr_schedulers(trainer: Any, interval: str, plateau: bool) -> None:
     A plateau scheduler's `monitor` missing from callback_metrics is an error naming what was logged,
     or, with `strict: False` in its entry, a warning and no step (as in Lightning).
     """
+    if not trainer.module.automatic_optimization:
+        return  # manual optimization steps its schedulers itself (self.lr_schedulers()), as in Lightning
     counter = trainer.global_step if interval == "step" else trainer.current_epoch + 1
     for entry in trainer.strategy.lr_schedulers:
         if entry["interval"] != interval or is_plateau(entry) != plateau or counter % entry["frequency"]:
