@@ -350,8 +350,8 @@ def test_check_collectives_names_a_collective_called_from_one_rank(monkeypatch):
 
 
 # ------------------------------------------ an error raised on every rank, shown once
-# configure_model raises on every rank. Rank 0's teardown lasts long enough that, on most runs, the
-# launcher stops it (SIGTERM) while it is still cleaning up: the verdict must still name the hook the
+# configure_model raises on every rank. With SLOW_TEARDOWN set, rank 0's teardown lasts long enough that,
+# on most runs, the launcher stops it (SIGTERM) while it is still cleaning up: the verdict must still name the hook the
 # error came from (not "teardown") and the error, not the signal. Which rank fails first, and whether
 # rank 0 records before it is stopped, is up to the machine's load: nothing below depends on it.
 EVERY_RANK_MODULE = textwrap.dedent("""
@@ -367,7 +367,7 @@ EVERY_RANK_MODULE = textwrap.dedent("""
             raise ValueError(f"bad width {self.width}: use a multiple of 8")
 
         def teardown(self, stage):
-            if os.environ.get("RANK") == "0":
+            if os.environ.get("RANK") == "0" and os.environ.get("SLOW_TEARDOWN"):
                 time.sleep(20)
 
         def training_step(self, batch, batch_idx):
@@ -427,9 +427,8 @@ def _assert_shown_once(text: str) -> None:
 
 
 def test_error_on_every_rank_is_shown_once_by_the_script_launcher(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, _every_rank_script(tmp_path)], env=_env(), capture_output=True, text=True, timeout=400
-    )
+    command = [sys.executable, _every_rank_script(tmp_path)]
+    proc = subprocess.run(command, env=_env(SLOW_TEARDOWN="1"), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "UNREACHABLE" not in proc.stdout
     assert proc.stderr.startswith("[shardwise] rank "), proc.stderr[-3000:]  # nothing from the workers before it
@@ -440,6 +439,7 @@ def test_error_on_every_rank_is_shown_once_by_launch_fn(tmp_path, capfd, monkeyp
     _every_rank_script(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SLOW_TEARDOWN", "1")
     import every_rank
 
     capfd.readouterr()
@@ -453,7 +453,6 @@ def test_error_on_every_rank_is_shown_once_by_launch_fn(tmp_path, capfd, monkeyp
     assert "Traceback" not in err.value.summary and FIRST_LINE.search(err.value.summary)
 
 
-@pytest.mark.slow
 def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(tmp_path):
     _every_rank_script(tmp_path)
     command = [sys.executable, "-m", "shardwise.cli", "fit", "--model", "every_rank.WidthModule"]
@@ -469,7 +468,6 @@ def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(tmp_path):
     assert 'raise ValueError(f"bad width' in _agent_log(err)  # the traceback is kept
 
 
-@pytest.mark.slow
 def test_torchrun_workers_still_print_their_own_traceback(tmp_path):
     # Under torchrun shardwise is not the launcher: nobody else would show the user the traceback.
     script = _every_rank_script(tmp_path)
