@@ -17,6 +17,11 @@
   Lightning calls it, or refused by name) and the calling sequences.
 - automatic.py: automatic optimization through the module's optimizer_step,
   its closure and the zero-grad / backward / clipping hooks.
+- manual.py: `self.optimizers()` and manual optimization (manual_backward,
+  the user's optimizer steps), and the refusal of several optimizers otherwise.
+- evaluation.py: trainer.test and trainer.predict.
+- options.py: fast_dev_run, the sanity check, overfit_batches, max_time,
+  min_epochs / min_steps, detect_anomaly, estimated_stepping_batches.
 
 Nothing below this package imports it: the Trainer hands the lower layers
 (strategies, checkpoint, plan) what they need and applies what they return.
