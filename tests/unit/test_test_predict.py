@@ -381,3 +381,12 @@ def test_test_and_predict_on_two_ranks(strategy):
             ("setup", "predict"),
             ("teardown", "predict"),
         ]
+
+
+def test_validate_from_a_checkpoint_on_a_fresh_trainer(tmp_path):
+    module = Regressor()
+    trainer = _trainer(max_steps=3)
+    trainer.fit(module, DataLoader(_data(), batch_size=8))
+    path = trainer.save_checkpoint(str(tmp_path / "model.ckpt"))
+    results = _trainer().validate(Regressor(), DataLoader(_data(seed=1), batch_size=8), ckpt_path=path)
+    assert results[0]["val_loss"] == pytest.approx(_mse(module, _data(seed=1)), rel=1e-5)

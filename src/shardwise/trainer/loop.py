@@ -560,8 +560,8 @@ class Trainer(TrainerAttributes):
             self.val_dataloaders = self.strategy.setup_dataloader(dataloaders, shuffle=False)
         if self.val_dataloaders is None:
             raise ValueError("validate() needs dataloaders (none were given here or to fit()).")
-        if ckpt_path is not None:
-            self._restore(ckpt_path)
+        if ckpt_path is not None:  # a training checkpoint, optimizers included ("best" as test() takes it)
+            self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
         setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
         try:
             return [run_validation(self)]
