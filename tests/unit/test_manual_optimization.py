@@ -298,3 +298,42 @@ def test_lr_schedulers_are_the_users_to_step_in_manual_mode():
     opt_g, opt_d = trainer.strategy.optimizers
     assert opt_g.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**2)
     assert opt_d.param_groups[0]["lr"] == pytest.approx(0.01)  # not stepped by the loop
+
+
+class ManualRegression(TrainModule):
+    """One optimizer, stepped by hand: what DeepSpeed (one optimizer per engine) can run manually."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        real, _ = batch
+        opt = self.optimizers()
+        loss = F.mse_loss(self.net(real), real.sum(1, keepdim=True))
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def manual_regression(strategy):
+    shardwise.seed_everything(0)
+    module = ManualRegression()
+    trainer = _trainer(strategy=strategy, max_steps=4)
+    trainer.fit(module, DataLoader(gan_data(), batch_size=8))
+    return {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.model).items()}, trainer.global_step
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_manual_optimization_under_deepspeed():
+    pytest.importorskip("deepspeed")
+    reference, _ = shardwise.launch(manual_regression, "single", devices=1)[0]
+    state, steps = shardwise.launch(manual_regression, "deepspeed_stage_2", devices=1)[0]
+    assert steps == 4
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
