@@ -298,11 +298,7 @@ def test_refusals_name_the_fix():
         _trainer().test(nn.Linear(4, 1), DataLoader(_data(4), batch_size=2))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_3"])
-def test_one_process_sharded_strategies(strategy):
-    if strategy.startswith("deepspeed"):
-        pytest.importorskip("deepspeed")
-        pytest.skip("DeepSpeed runs in its own process (tests below)")
+def test_one_process_fsdp():  # DeepSpeed runs in processes of its own: test_test_and_predict_on_two_ranks
     module = Regressor()
     trainer = _trainer(strategy=FSDPStrategy(), max_steps=2)
     trainer.fit(module, DataLoader(_data(), batch_size=8))
