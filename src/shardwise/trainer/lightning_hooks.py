@@ -19,6 +19,7 @@ end of a training batch and epoch, and validation's model-mode hooks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -256,6 +257,18 @@ def teardown(trainer: Any, stage: str) -> None:
 def on_exception(trainer: Any, exc: BaseException) -> None:
     call_callbacks(trainer, "on_exception", exc)
     call_datamodule(trainer, "on_exception", exc)
+
+
+@contextlib.contextmanager
+def running(trainer: Any, stage: str) -> Iterator[None]:
+    """An entry point's run: on_exception (callbacks', datamodule's) if it fails, then teardown(stage) always."""
+    try:
+        yield
+    except BaseException as exc:
+        on_exception(trainer, exc)
+        raise
+    finally:
+        teardown(trainer, stage)
 
 
 # ---------------------------------------------------------------------------- batches

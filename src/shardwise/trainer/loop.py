@@ -563,10 +563,5 @@ class Trainer(TrainerAttributes):
         if ckpt_path is not None:  # a training checkpoint, optimizers included ("best" as test() takes it)
             self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
         setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
-        try:
+        with lightning_hooks.running(self, "validate"):  # on_exception if it fails, teardown("validate")
             return [run_validation(self)]
-        except BaseException as exc:
-            lightning_hooks.on_exception(self, exc)
-            raise
-        finally:
-            lightning_hooks.teardown(self, "validate")
