@@ -151,18 +151,12 @@ def run(
     """trainer.test / trainer.predict: set up for `stage` (enter: the Trainer's set-up), run, tear down."""
     module, dataloaders, datamodule = check_entry(stage, trainer, model, dataloaders, datamodule)
     enter(stage, module, datamodule, ckpt_path)
-    try:
+    with lightning_hooks.running(trainer, stage), torch.no_grad():  # on_exception if it fails; teardown(stage)
         loaders = find_loaders(stage, trainer, dataloaders, datamodule)
-        with torch.no_grad():
-            if stage == "test":
-                return run_test(trainer, loaders, verbose)
-            predictions = run_predict(trainer, loaders)
-        return predictions if return_predictions is not False else None
-    except BaseException as exc:
-        lightning_hooks.on_exception(trainer, exc)
-        raise
-    finally:
-        lightning_hooks.teardown(trainer, stage)
+        if stage == "test":
+            return run_test(trainer, loaders, verbose)
+        predictions = run_predict(trainer, loaders)
+    return predictions if return_predictions is not False else None
 
 
 def _step_args(step: Any, batch: Any, batch_idx: int, dataloader_idx: Optional[int]) -> tuple:
