@@ -9,7 +9,7 @@ the atomic commit (layout.py). The caller hands over these stateful parts
 explicitly, as one `TrainingStates` (torchtitan passes its `states=` the same
 way): nothing here reads the Trainer or calls into it. Where the RNG states
 come from and where they go back is the subtle part, explained at
-`_resume_position` and in Trainer._epoch_iterator: a checkpoint is taken
+`_resume_position` and in trainer/loaders.epoch_iterator: a checkpoint is taken
 right after an optimizer step, and the resumed run puts the generators back
 at the matching point of its own loop, so both runs draw the same numbers
 from there on.
@@ -272,7 +272,7 @@ def restore_state(states: TrainingStates, state: Dict[str, Any]) -> None:
             stacklevel=3,
         )
     if strategy.global_rank < len(rng_states):
-        # Applied by the loop at the point the saved run was at (Trainer._epoch_iterator).
+        # Applied by the loop at the point the saved run was at (trainer/loaders.epoch_iterator).
         states.train_state.pending_rng = rng_states[strategy.global_rank]
     saved_scheds = state.get("lr_schedulers", [])
     if len(saved_scheds) != len(strategy.lr_schedulers):

@@ -86,6 +86,17 @@ def _loss(output: Any) -> Optional[torch.Tensor]:
     return output if isinstance(output, torch.Tensor) else None
 
 
+def check_trainable(loss: torch.Tensor, step: int, batch_idx: int) -> None:
+    """A loss that does not require grad trains nothing: say why it happens, before its backward."""
+    if not loss.requires_grad:
+        raise RuntimeError(
+            f"training_step returned a loss that does not require grad (step {step}, "
+            f"batch {batch_idx}): nothing can be trained from it. It was computed under "
+            "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
+            "Return the loss computed from the model's output; return None to skip a batch."
+        )
+
+
 def before_backward(trainer: Any, loss: torch.Tensor, batch_idx: int, window: int, scale: Any = None) -> None:
     """The hooks before a backward: zero-grad ones on a window's first micro-batch, then on_before_backward
     with the loss as it is backpropagated (divided by the window, or scaled to the global batch)."""

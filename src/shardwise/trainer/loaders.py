@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Tuple, Union
 
+from shardwise.checkpoint.rng import restore_rng_states
+
 
 def resolve_data(
     sources: Tuple[Any, Any, Any], module: Any, strategy: Any, need_train_data: bool = True
@@ -108,3 +110,31 @@ def empty_epoch_error(loader: Any, epoch: int) -> ValueError:
         f"{describe_empty(loader)} Check the dataset (an IterableDataset must yield "
         "samples on every rank, every epoch)."
     )
+
+
+def position_sampler(loader: Any, state: Any) -> None:
+    """Set the sampler's epoch (its shuffle) and, on a mid-epoch resume, skip the consumed batches by
+    index without loading them (0 at a fresh epoch: the position is TrainState's, never the sampler's)."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(state.epoch)
+    if hasattr(sampler, "set_start_index"):
+        sampler.set_start_index(state.batch_idx * (loader.batch_size or 1))
+
+
+def epoch_iterator(loader: Any, state: Any) -> Any:
+    """iter(loader), re-applying a checkpoint's RNG states at the point the saved run was at.
+
+    A checkpoint captures the generators right after an optimizer step.
+    Creating a DataLoader iterator draws a seed from torch's generator: the
+    saved run drew it before a mid-epoch checkpoint and after an
+    end-of-epoch one, so the resumed run restores after, respectively
+    before, creating its iterator, and then draws the same numbers.
+    """
+    pending, state.pending_rng = state.pending_rng, None
+    if pending is not None and state.batch_idx == 0:
+        restore_rng_states(pending)
+    iterator = iter(loader)
+    if pending is not None and state.batch_idx > 0:
+        restore_rng_states(pending)
+    return iterator

@@ -24,14 +24,13 @@ from torch import nn
 import shardwise.trainer.options as options  # the first-hour Lightning options
 from shardwise import step as shared_step  # looked up at call time, like the planner's trace
 from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
-from shardwise.checkpoint.rng import restore_rng_states
 from shardwise.checkpoint.training import TrainingStates
-from shardwise.distributed import faults, preempt
-from shardwise.distributed.env import detect_env, is_global_zero, resolve_accelerator, resolve_devices
+from shardwise.distributed import faults
+from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule, attach, drain_logs, enter_hook
-from shardwise.plan.advice import FitDecision, check_before_fit
+from shardwise.plan.advice import check_before_fit
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
 from shardwise.trainer import arguments, automatic, evaluation, lightning_hooks, loaders, nonfinite, setup, weighting
@@ -39,7 +38,7 @@ from shardwise.trainer.attributes import TrainerAttributes
 from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx, update_lr_schedulers
 from shardwise.trainer.manual import UserOptimization
 from shardwise.trainer.preemption import PreemptionWatch
-from shardwise.trainer.validation import run_validation, validation_due
+from shardwise.trainer.validation import run_validation, validation_due, validation_due_at_epoch_end
 
 
 class Trainer(TrainerAttributes):
@@ -239,16 +238,7 @@ class Trainer(TrainerAttributes):
         )
         train = self._resolved_data[0]
         if train is not None and getattr(train, "batch_size", None) is not None:
-            self._configure_training(train.batch_size)  # the loader is known only now (DeepSpeed's config takes it)
-
-    def _configure_training(self, micro_batch_size: Optional[int]) -> None:
-        """A strategy whose engine owns accumulation, clipping and the micro-batch size (DeepSpeed) takes them."""
-        self.strategy.configure_training(
-            accumulate_grad_batches=self.accumulate_grad_batches,
-            gradient_clip_val=self.gradient_clip_val,
-            gradient_clip_algorithm=self.gradient_clip_algorithm,
-            micro_batch_size=micro_batch_size,
-        )
+            setup.configure_training(self, train.batch_size)  # the loader is known only now (DeepSpeed's config)
 
     # ------------------------------------------------------------------- fit
     def fit(
@@ -267,11 +257,13 @@ class Trainer(TrainerAttributes):
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         plan_choice = None
         if self.device_memory is not None:  # before any worker starts (see shardwise/plan/advice.py)
-            plan_choice = self._apply_plan(check_before_fit(self, module, train_dataloaders))
+            decision = check_before_fit(self, module, train_dataloaders)
+            train_dataloaders, plan_choice = setup.apply_plan(self, decision, train_dataloaders)
+            self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
         # Before any worker starts: a strategy whose engine owns accumulation,
         # clipping and the micro-batch size (DeepSpeed) checks them against its
         # own configuration now, so a contradiction fails in the user's process.
-        self._configure_training(getattr(self._data_sources[0], "batch_size", None))  # the planner may re-batch
+        setup.configure_training(self, getattr(self._data_sources[0], "batch_size", None))  # after any re-batching
         setup.launch_if_needed(self.devices, self.num_nodes, plan_choice)
         previous_handlers = self._preemption.install()
         try:
@@ -301,25 +293,7 @@ class Trainer(TrainerAttributes):
             lightning_hooks.teardown(self, "fit")
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
-        if self.preempted is not None:
-            saved = [getattr(cb, "last_model_path", "") for cb in self.callbacks if hasattr(cb, "last_model_path")]
-            where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
-            preempt.exit_preempted(f"{self.preempted} at step {self.global_step}: {where}")
-
-    def _apply_plan(self, decision: Optional[FitDecision]) -> Optional[Dict[str, Any]]:
-        """Take the memory planner's decision: its strategy, re-batched loader and accumulation.
-        Returns the choice the workers apply instead of planning again (None: no choice)."""
-        if decision is None:
-            return None
-        if decision.strategy is not None:
-            self.strategy = decision.strategy
-        if decision.train_dataloader is not None:
-            self._data_sources = (decision.train_dataloader, *self._data_sources[1:])
-        if decision.accumulate_grad_batches is not None:
-            self.accumulate_grad_batches = decision.accumulate_grad_batches
-        if decision.message and is_global_zero():
-            print(decision.message)
-        return decision.plan_choice
+        self._preemption.exit_if_preempted(self.global_step, self.callbacks)  # saved, exit 75 for the job script
 
     def _preemption_requested(self) -> bool:
         return self._preemption.requested(self.strategy)
@@ -341,12 +315,9 @@ class Trainer(TrainerAttributes):
         load_training_checkpoint(self._states(), ckpt_path, setup.checkpoint_search_dirs(self))
 
     def save_checkpoint(self, path: str, wait: bool = True) -> Any:
-        """Save everything needed to resume, in the strategy's format; returns the path.
-
-        Call it on every rank (it is collective). The checkpoint appears at
-        `path` atomically, once every rank has written its part. With
-        wait=False it returns the PendingCheckpoint instead, whose commit()
-        every rank must run later (ModelCheckpoint does, for async saves)."""
+        """Save everything needed to resume, in the strategy's format; returns the path. Collective: call it on
+        every rank; the checkpoint appears at `path` atomically once every rank has written its part. wait=False
+        returns the PendingCheckpoint, whose commit() every rank runs later (ModelCheckpoint's async saves)."""
         return save_training_checkpoint(self._states(), path, wait=wait)
 
     def _done(self) -> bool:
@@ -363,18 +334,12 @@ class Trainer(TrainerAttributes):
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
             self.should_stop = True
         while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(state.epoch)
-            if hasattr(sampler, "set_start_index"):
-                # Mid-epoch resume: skip consumed batches by index, without loading them
-                # (0 at a fresh epoch: the position is TrainState's, never the sampler's).
-                sampler.set_start_index(state.batch_idx * (loader.batch_size or 1))
+            loaders.position_sampler(loader, state)  # this epoch's order; a mid-epoch resume skips by index
             call_callbacks(self, "on_train_epoch_start")
             call_module(self, "on_train_epoch_start")
             self.model.train()
             started_at = state.batch_idx
-            batches = self._epoch_iterator(loader)
+            batches = loaders.epoch_iterator(loader, state)  # a checkpoint's RNG states at the saved point
             if self.weighting is not None:  # each window's batches taken together: the step's weight first
                 done = lambda: state.batch_idx >= self.num_training_batches or self._done()  # noqa: E731
                 batches = self.weighting.batches(batches, state, window, self.num_training_batches, done)
@@ -388,11 +353,7 @@ class Trainer(TrainerAttributes):
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
             state.in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
-            if (
-                self.val_dataloaders is not None
-                and self.val_check_interval is None
-                and (state.epoch + 1) % self.check_val_every_n_epoch == 0
-            ):
+            if validation_due_at_epoch_end(self):
                 run_validation(self)
             # on_train_epoch_end, the epoch's metrics, ReduceLROnPlateau on what validation logged.
             lightning_hooks.end_train_epoch(self)
@@ -402,23 +363,6 @@ class Trainer(TrainerAttributes):
             if self._preemption_requested():
                 # Signalled during epoch-end work: stop before the next epoch's first step.
                 self.should_stop = True
-
-    def _epoch_iterator(self, loader: Iterable) -> Any:
-        """iter(loader), re-applying a checkpoint's RNG states at the point the saved run was at.
-
-        A checkpoint captures the generators right after an optimizer step.
-        Creating a DataLoader iterator draws a seed from torch's generator: the
-        saved run drew it before a mid-epoch checkpoint and after an
-        end-of-epoch one, so the resumed run restores after, respectively
-        before, creating its iterator, and then draws the same numbers.
-        """
-        pending, self.state.pending_rng = self.state.pending_rng, None
-        if pending is not None and self.state.batch_idx == 0:
-            restore_rng_states(pending)
-        iterator = iter(loader)
-        if pending is not None and self.state.batch_idx > 0:
-            restore_rng_states(pending)
-        return iterator
 
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
         strategy, state, module = self.strategy, self.state, self.module
@@ -436,13 +380,7 @@ class Trainer(TrainerAttributes):
         mark_progress("training_step", state.global_step)
 
         def before_backward(loss: torch.Tensor) -> None:
-            if not loss.requires_grad:
-                raise RuntimeError(
-                    f"training_step returned a loss that does not require grad (step {state.global_step}, "
-                    f"batch {batch_idx}): nothing can be trained from it. It was computed under "
-                    "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
-                    "Return the loss computed from the model's output; return None to skip a batch."
-                )
+            automatic.check_trainable(loss, state.global_step, batch_idx)
             self._window_losses.append((batch_idx, loss.detach()))  # checked at the step, no sync here
             if self.weighting is not None:
                 self.weighting.add(loss)
@@ -503,20 +441,13 @@ class Trainer(TrainerAttributes):
 
     def _healthy(self, losses: List[Tuple[int, torch.Tensor]]) -> bool:
         """Whether this step's losses and gradients are finite on every rank; acts on non_finite if not."""
-        # One read-back for the step: the verdict, agreed across ranks in the same all-reduce that
-        # agrees on a preemption signal (_preemption_requested uses it instead of its own).
-        signalled = self._preemption.signalled
-        share = self.weighting.local_loss if self.weighting is not None else None
-        bad, self._preemption.agreed, step_loss = nonfinite.agree(self.strategy, self.model, losses, signalled, share)
-        if self.weighting is not None:
-            self.weighting.step_loss = step_loss
-        if not bad:
-            return True
+        # One read-back for the step, in the all-reduce that also agrees on a preemption signal.
         step = self.global_step + 1
-        if self.nonfinite_step is None:
+        healthy = nonfinite.check_step(self.strategy, self.model, losses, self._preemption, self.weighting,
+                                       self.non_finite, step, self.current_epoch)  # fmt: skip
+        if not healthy and self.nonfinite_step is None:
             self.nonfinite_step = step
-        nonfinite.report(self.model, losses, self.non_finite, step, self.current_epoch)
-        return False
+        return healthy
 
     # ------------------------------------------------------- test and predict (evaluation.py)
     def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None) -> List[Dict]:

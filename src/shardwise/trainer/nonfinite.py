@@ -50,6 +50,30 @@ def agree(
     return numbers[0] > 0, numbers[1] > 0, (numbers[2] if loss_share is not None else None)
 
 
+def check_step(
+    strategy: Any,
+    model: nn.Module,
+    losses: List[Tuple[int, torch.Tensor]],
+    preemption: Any,
+    weighting: Any,
+    mode: str,
+    step: int,
+    epoch: int,
+) -> bool:
+    """Whether this step's losses and gradients are finite on every rank; acts on `mode` if not.
+
+    The same read-back carries the preemption vote (the watch takes the agreed answer) and, for a
+    module with loss_weight, the step's global mean loss (the weighting takes it).
+    """
+    share = weighting.local_loss if weighting is not None else None
+    bad, preemption.agreed, step_loss = agree(strategy, model, losses, preemption.signalled, share)
+    if weighting is not None:
+        weighting.step_loss = step_loss
+    if bad:
+        report(model, losses, mode, step, epoch)
+    return not bad
+
+
 def report(model: nn.Module, losses: List[Tuple[int, torch.Tensor]], mode: str, step: int, epoch: int) -> None:
     """Name what was non-finite on which rank (collective), then raise (mode 'error') or warn."""
     found = health.first_nonfinite(model, [(i, float(t)) for i, t in losses])

@@ -52,3 +52,11 @@ class PreemptionWatch:
         if requested and self.preempted is None:
             self.preempted = self.flag.signal_name or "a preemption signal (on another rank)"
         return requested
+
+    def exit_if_preempted(self, global_step: int, callbacks: List[Any]) -> None:
+        """After a run stopped for a signal: say what was saved and exit with PREEMPTED_EXIT_CODE (75)."""
+        if self.preempted is None:
+            return
+        saved = [getattr(cb, "last_model_path", "") for cb in callbacks if hasattr(cb, "last_model_path")]
+        where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
+        preempt.exit_preempted(f"{self.preempted} at step {global_step}: {where}")

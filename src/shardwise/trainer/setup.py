@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.callbacks import ModelCheckpoint, RichProgressBar
 from shardwise.distributed import context
-from shardwise.distributed.env import detect_env
+from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.distributed.launch import launch_script
 from shardwise.loggers import CSVLogger
 from shardwise.module import attached_trainer
@@ -206,3 +206,29 @@ def checkpoint_search_dirs(trainer: Any) -> List[str]:
     """Where fit(ckpt_path="last") looks: the checkpoint callbacks' directories, then the default one."""
     dirs = [cb.resolve_dirpath(trainer) for cb in trainer.callbacks if hasattr(cb, "resolve_dirpath")]
     return dirs + [os.path.join(trainer.default_root_dir, "checkpoints")]
+
+
+def configure_training(trainer: Any, micro_batch_size: Optional[int]) -> None:
+    """A strategy whose engine owns accumulation, clipping and the micro-batch size (DeepSpeed) takes them."""
+    trainer.strategy.configure_training(
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        micro_batch_size=micro_batch_size,
+    )
+
+
+def apply_plan(trainer: Any, decision: Any, train_loader: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """Take the memory planner's decision (plan/advice.FitDecision): its strategy and accumulation on the
+    Trainer, its re-batched loader returned. Also returns the choice the workers apply instead of
+    planning again (None: no choice)."""
+    if decision is None:
+        return train_loader, None
+    if decision.strategy is not None:
+        trainer.strategy = decision.strategy
+    if decision.accumulate_grad_batches is not None:
+        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
+    if decision.message and is_global_zero():
+        print(decision.message)
+    loader = decision.train_dataloader if decision.train_dataloader is not None else train_loader
+    return loader, decision.plan_choice

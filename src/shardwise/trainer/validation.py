@@ -77,3 +77,12 @@ def validation_due(trainer: Any, batches_done: int) -> bool:
     else:
         every = int(interval)  # every N training batches, as in Lightning
     return batches_done % every == 0
+
+
+def validation_due_at_epoch_end(trainer: Any) -> bool:
+    """Whether this epoch ends with a validation pass (no batch interval set; every n-th epoch)."""
+    return (
+        trainer.val_dataloaders is not None
+        and trainer.val_check_interval is None
+        and (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch == 0
+    )
