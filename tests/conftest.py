@@ -13,6 +13,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -47,3 +49,15 @@ os.environ.update(
 
 def pytest_unconfigure(config):
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A Trainer under FSDP or DeepSpeed in this process creates a private process group of one that lives
+    until exit (as it would in a user's script); between tests it would make the next one that needs its
+    own group (the planner's fake world, another strategy) fail for a reason that is not its own."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
