@@ -4,8 +4,9 @@ It uses what a first hour with Lightning reaches for: prepare_data and setup bui
 datasets, self.log per step and per epoch (an uneven last validation batch, so the epoch mean
 must be weighted by batch size), a gradient norm logged in on_before_optimizer_step,
 ReduceLROnPlateau on val_loss, EarlyStopping, and a Callback subclass reading
-callback_metrics. tests/fixtures/lightning_port_reference.json is what this file printed under
-Lightning 2.6.6 (the same file with the import block below swapped by
+callback_metrics; it trains in precision="64-true", then runs trainer.test (an uneven last batch
+again) and trainer.predict on held-out data. tests/fixtures/lightning_port_reference.json is what
+this file printed under Lightning 2.6.6 (the same file with the import block below swapped by
 tests/fixtures/record_lightning_port.py); test_port.py runs it here and compares.
 """
 
@@ -54,6 +55,14 @@ class Regression(LightningModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self.net(x), y), prog_bar=True, sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self.net(x), y), sync_dist=True)
+        self.log("test_mae", F.l1_loss(self.net(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
     def on_before_optimizer_step(self, optimizer):
         norms = [torch.linalg.vector_norm(p.grad) for p in self.parameters() if p.grad is not None]
         self.log("grad_norm", torch.linalg.vector_norm(torch.stack(norms)))
@@ -82,7 +91,14 @@ class History(Callback):
         self.epochs.append({k: float(metrics[k]) if k in metrics else None for k in names})
 
 
-def main(batch_size: int = 16, val_batch_size: int = 12, **trainer_kwargs):
+def held_out_data():
+    # float32 data, as a user's would be: 64-true casts the batches to float64 on the way in.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(30, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True) / 4
+
+
+def main(batch_size: int = 16, val_batch_size: int = 12, test_batch_size: int = 8, **trainer_kwargs):
     seed_everything(0)
     model = Regression(batch_size=batch_size, val_batch_size=val_batch_size)
     history = History()
@@ -93,18 +109,28 @@ def main(batch_size: int = 16, val_batch_size: int = 12, **trainer_kwargs):
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
+        precision="64-true",
         **trainer_kwargs,
     )
     trainer.fit(model)
+    prepared_by_fit = model.prepared
+    x, y = held_out_data()
+    tested = trainer.test(model, DataLoader(TensorDataset(x, y), batch_size=test_batch_size), verbose=False)
+    predicted = trainer.predict(model, DataLoader(TensorDataset(x), batch_size=test_batch_size))
     return {
         "epochs": history.epochs,
         "batches": history.batches,
         "stopped_epoch": stopping.stopped_epoch,
         "wait_count": stopping.wait_count,
         "global_step": trainer.global_step,
-        "prepared": model.prepared,
+        "prepared": prepared_by_fit,
+        "prepared_in_all": model.prepared,  # Lightning calls prepare_data again in test and predict
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "weights": [float(p.detach().double().sum()) for p in model.parameters()],
+        "parameter_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "test": [{k: float(v) for k, v in metrics.items()} for metrics in tested],
+        "predictions": [p.tolist() for p in predicted],
+        "prediction_dtypes": [str(p.dtype) for p in predicted],
     }
 
 
