@@ -9,4 +9,5 @@ by name from a worker, so nothing here imports one.
   strict_device  a CPU stand-in for "NCCL only moves CUDA tensors"
   seeds          the seed documents' stand-in data
   collective_counts  the collectives per optimizer step per strategy (counted in training, priced by the planner)
+  trainers       quiet_trainer: a one-process CPU Trainer without logger, progress bar or checkpoints
 """

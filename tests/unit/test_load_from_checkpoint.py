@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 
+from helpers.trainers import quiet_trainer as _trainer
+
 
 def _data(n=32):
     g = torch.Generator().manual_seed(0)
@@ -41,14 +43,6 @@ class Net(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    for off in ("logger", "enable_progress_bar", "enable_checkpointing"):
-        kw.setdefault(off, False)
-    return Trainer(**kw)
 
 
 def _full_state(module):

@@ -16,8 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import FSDPStrategy, Trainer, TrainModule
+from shardwise import FSDPStrategy, TrainModule
 from shardwise.health import NonFiniteError
+
+from helpers.trainers import quiet_trainer as _trainer
 
 STEPS = 6  # batches; each takes one discriminator and one generator step
 
@@ -79,14 +81,6 @@ class GAN(TrainModule):
             torch.optim.Adam(self.generator.parameters(), lr=0.01),
             torch.optim.Adam(self.discriminator.parameters(), lr=0.01),
         )
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    for off in ("logger", "enable_progress_bar", "enable_checkpointing"):
-        kw.setdefault(off, False)
-    return Trainer(**kw)
 
 
 def _state(module):

@@ -10,8 +10,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardwise import FSDPStrategy, Trainer, TrainModule
+from shardwise import FSDPStrategy, TrainModule
 from shardwise.precision import build_precision
+
+from helpers.trainers import quiet_trainer as _trainer
 
 
 def _data(n=32):
@@ -38,14 +40,6 @@ class Regressor(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    for off in ("logger", "enable_progress_bar", "enable_checkpointing"):
-        kw.setdefault(off, False)
-    return Trainer(**kw)
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])

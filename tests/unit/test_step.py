@@ -19,8 +19,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import Trainer, TrainModule, step
+from shardwise import TrainModule, step
 from shardwise.distributed.env import single_process_env
+
+from helpers.trainers import quiet_trainer as _trainer
 
 
 def _data(n=32, seed=0):
@@ -39,15 +41,6 @@ class Classifier(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    kw.setdefault("logger", False)
-    kw.setdefault("enable_progress_bar", False)
-    kw.setdefault("enable_checkpointing", False)
-    return Trainer(**kw)
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ import shardwise
 from shardwise import DataModule, FSDPStrategy, Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
 
+from helpers.trainers import quiet_trainer as _trainer
+
 
 def _data(n=24, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -49,14 +51,6 @@ class Regressor(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    for off in ("logger", "enable_progress_bar", "enable_checkpointing"):
-        kw.setdefault(off, False)
-    return Trainer(**kw)
 
 
 def _mse(module, dataset):

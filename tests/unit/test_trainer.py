@@ -9,7 +9,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise import Trainer, TrainModule
+from shardwise import TrainModule
+
+from helpers.trainers import quiet_trainer as _trainer
 
 
 def _data(n=64, seed=0):
@@ -43,15 +45,6 @@ class Classifier(TrainModule):
         if self.sched == "epoch":
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
         return opt
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    kw.setdefault("logger", False)
-    kw.setdefault("enable_progress_bar", False)
-    kw.setdefault("enable_checkpointing", False)
-    return Trainer(**kw)
 
 
 def test_hooks_run_in_order_and_module_sees_the_trainer():

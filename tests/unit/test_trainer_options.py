@@ -16,6 +16,8 @@ from shardwise import Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.trainer.options import parse_max_time
 
+from helpers.trainers import quiet_trainer as _trainer
+
 
 def _data(n=24, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -48,14 +50,6 @@ class Counting(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def _trainer(**kw):
-    kw.setdefault("accelerator", "cpu")
-    kw.setdefault("devices", 1)
-    for off in ("logger", "enable_progress_bar", "enable_checkpointing"):
-        kw.setdefault(off, False)
-    return Trainer(**kw)
 
 
 def _loaders(batch_size=4):
