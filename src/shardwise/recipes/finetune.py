@@ -130,6 +130,14 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
         state_dict_type: sharded | full intermediate checkpoints
         enable_progress_bar: show the progress bar
         timeout_s: collective timeout in seconds
+        lora_r: LoRA rank through PEFT (0: full fine-tuning, every weight trained)
+        lora_alpha: LoRA scaling numerator (PEFT's lora_alpha)
+        lora_dropout: dropout on the LoRA path
+        lora_target_modules: PEFT's target_modules: module names, or all-linear
+            (default: PEFT's choice for the model type)
+        load_in_4bit: QLoRA: base weights frozen in 4-bit NF4 (bitsandbytes, double quantisation),
+            computed in the precision's dtype; needs lora_r > 0
+        merge: with LoRA, also export the adapter merged into the base weights as a Hugging Face folder
     """
 
     # What to train on
@@ -174,6 +182,13 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
     state_dict_type: str = "sharded"
     enable_progress_bar: bool = False
     timeout_s: float = 1800.0
+    # Adapters (LoRA / QLoRA through PEFT and bitsandbytes)
+    lora_r: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Optional[List[str]] = None
+    load_in_4bit: bool = False
+    merge: bool = False
 
 
 @dataclass
