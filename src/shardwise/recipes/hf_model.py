@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardwise.adapters.lora import base_weight_name, is_adapter_model
 from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -282,9 +283,15 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     plan = ops.broadcast_object(read_safetensors_plan(path, files) if rank == 0 else None)
     by_key = {key: (fname, shape) for fname, key, shape in plan}
     targets = _targets(model)
+    # A PeftModel's base weights are the checkpoint's under other names (base_model.model. ...
+    # .base_layer.); its adapter weights are not in the checkpoint (adapters.init_lora_weights fills them).
+    rename = base_weight_name if is_adapter_model(model) else (lambda name: name)
     order: List[Tuple[str, str, torch.Tensor]] = []  # (file, key, tensor)
     missing, mismatched, used = [], [], set()
     for names, tensor in targets.values():
+        names = [n for n in map(rename, names) if n is not None]
+        if not names:
+            continue
         key = next((n for n in names if n in by_key), None)
         if key is None:
             missing.append(names[0])
