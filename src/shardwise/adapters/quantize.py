@@ -1,0 +1,229 @@
+"""QLoRA's frozen base: nn.Linear layers as bitsandbytes NF4 `Linear4bit`, in a storage FSDP2 shards like any weight.
+
+`quantize_to_4bit` swaps a model's linear layers (except `skip`, the output
+head by default) for bitsandbytes' `Linear4bit`: NF4 codes in blocks of 64
+weights, double quantisation (each block's absmax is itself quantised to 8
+bits in blocks of 256), dequantised to `compute_dtype` for every matmul. The
+packed codes are stored as a column `(n / (2 * itemsize), 1)` of
+`storage_dtype`, which must be the dtype FSDP2 all-gathers the unit's
+parameters in (the precision's compute dtype): FSDP2 then shards, gathers and
+frees that column byte for byte like any frozen parameter, and never casts it
+(a cast of packed codes, say fp32 -> bf16 under a mixed-precision policy,
+would destroy them). The quantisation state (absmax, the nested absmax and
+offset, the two code tables) is small -- about 1/32 of the packed bytes -- and
+stays whole on every rank as `Linear4bit.quant_state`, a plain attribute that
+no engine sees; bitsandbytes' forward takes it from the module whenever the
+weight in place is a plain tensor, which is what FSDP2's all-gathered
+parameter is. On a meta-device model the layers get a meta placeholder of the
+packed shape and no state; the recipe's loader (recipes/hf_model.py) quantises
+each full weight on global rank 0 as it streams the checkpoint
+(`quantize_weight`), sends every rank its slice of the packed column and
+broadcasts the state (`broadcast_quant_state`), so no rank ever holds the
+full-precision model. `fourbit_bytes` is the accounting the planner uses.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+BLOCKSIZE = 64  # weights per absmax (bitsandbytes' default for NF4)
+NESTED_BLOCKSIZE = 256  # absmax values per nested absmax (double quantisation)
+QUANT_TYPE = "nf4"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def require_bitsandbytes() -> Any:
+    """The bitsandbytes module, or a ValueError saying how to install it."""
+    try:
+        import bitsandbytes
+    except ImportError as exc:
+        raise ValueError(
+            "load_in_4bit needs the bitsandbytes package (NF4 quantisation); install it with "
+            "`pip install shardwise[lora]` (or pip install bitsandbytes), or drop load_in_4bit."
+        ) from exc
+    return bitsandbytes
+
+
+def _linear4bit_class() -> Optional[type]:
+    # bitsandbytes is imported only by a model that uses it: importing it costs a second.
+    if "bitsandbytes" not in sys.modules:
+        return None
+    return sys.modules["bitsandbytes"].nn.Linear4bit
+
+
+def packed_shape(out_features: int, in_features: int, storage_dtype: torch.dtype) -> Tuple[int, int]:
+    """The shape of a layer's packed NF4 codes: two codes per byte, as a column of `storage_dtype`."""
+    numel = out_features * in_features
+    itemsize = torch.empty((), dtype=storage_dtype).element_size()
+    if numel % (2 * itemsize):
+        raise ValueError(
+            f"a {out_features} x {in_features} weight has {numel} entries, not a multiple of "
+            f"{2 * itemsize} (two 4-bit codes per byte, {itemsize}-byte storage)"
+        )
+    return numel // (2 * itemsize), 1
+
+
+def _matches(name: str, skip: Sequence[str]) -> bool:
+    return any(name == s or name.endswith("." + s) for s in skip)
+
+
+def _new_layer(linear: nn.Linear, compute_dtype: torch.dtype, storage_dtype: torch.dtype) -> nn.Module:
+    bnb = require_bitsandbytes()
+    layer = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=False,
+        compute_dtype=compute_dtype,
+        compress_statistics=True,
+        quant_type=QUANT_TYPE,
+        quant_storage=storage_dtype,
+        device="meta",  # never a full-precision temporary; the weight is replaced below
+    )
+    layer.bias = linear.bias  # kept as it is (PEFT freezes it with the rest of the base)
+    # bitsandbytes repacks the codes into another CPU layout, in place, on the first no-grad eval forward
+    # on CPUs with AVX512-BF16. In place means inside FSDP's all-gathered buffer, which the next
+    # all-gather overwrites with the original layout while the state says "repacked": wrong outputs.
+    layer.support_avx512bf16_for_cpu = False
+    return layer
+
+
+def _params4bit(data: torch.Tensor, layer: nn.Module, state: Any) -> nn.Parameter:
+    bnb = sys.modules["bitsandbytes"]
+    return bnb.nn.Params4bit(
+        data,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=BLOCKSIZE,
+        compress_statistics=True,
+        quant_type=QUANT_TYPE,
+        quant_storage=data.dtype,
+        module=layer,
+        bnb_quantized=True,  # never let Params4bit.to() quantise the codes a second time
+    )
+
+
+def quantize_weight(full: torch.Tensor, layer: nn.Module) -> Tuple[torch.Tensor, Any]:
+    """NF4-quantise a full weight for `layer` (a Linear4bit): the packed column and its QuantState.
+
+    The weight is cast to the layer's compute dtype first, so dequantising gives that dtype back.
+    """
+    bnb = require_bitsandbytes()
+    storage = layer.quant_storage
+    return bnb.functional.quantize_4bit(
+        full.to(layer.compute_dtype).contiguous(),
+        blocksize=BLOCKSIZE,
+        compress_statistics=True,
+        quant_type=QUANT_TYPE,
+        quant_storage=storage,
+    )
+
+
+def set_quant_state(layer: nn.Module, state: Any) -> None:
+    """Install `state` as the layer's quantisation state (and its weight's, when the weight can hold one)."""
+    layer.quant_state = state
+    if isinstance(layer.weight, sys.modules["bitsandbytes"].nn.Params4bit):
+        layer.weight.quant_state = state
+
+
+@torch.no_grad()
+def quantize_to_4bit(
+    model: nn.Module,
+    compute_dtype: torch.dtype,
+    storage_dtype: torch.dtype,
+    skip: Sequence[str] = ("lm_head",),
+) -> List[str]:
+    """Replace every nn.Linear of `model` (not named in `skip`) by an NF4 Linear4bit; return the replaced names.
+
+    `skip` entries match a module's full name or its last components ("lm_head" matches
+    "model.lm_head"). Real weights are quantised now (in `compute_dtype`); meta weights
+    become meta placeholders of the packed shape whose values and state the loader fills.
+    The model is marked `is_loaded_in_4bit`, which is how PEFT chooses its 4-bit LoRA layer.
+    """
+    if compute_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype}: 4-bit layers compute in {FLOAT_DTYPES}.")
+    if storage_dtype not in FLOAT_DTYPES + (torch.uint8,):
+        raise ValueError(f"storage_dtype={storage_dtype}: use a float dtype (what the strategy shards) or uint8.")
+    require_bitsandbytes()
+    replaced: List[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is not nn.Linear or _matches(name, skip):
+                continue
+            layer = _new_layer(child, compute_dtype, storage_dtype)
+            shape = packed_shape(child.out_features, child.in_features, storage_dtype)
+            if child.weight.is_meta:
+                data, state = torch.empty(shape, dtype=storage_dtype, device="meta"), None
+            else:
+                data, state = quantize_weight(child.weight.detach(), layer)
+            layer.weight = _params4bit(data, layer, state)
+            layer.quant_state = state
+            setattr(parent, child_name, layer)
+            replaced.append(name)
+    if replaced:
+        model.is_loaded_in_4bit = True
+    return replaced
+
+
+def is_4bit(model: nn.Module) -> bool:
+    """True when `model` holds a bitsandbytes 4-bit linear layer."""
+    cls = _linear4bit_class()
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def fourbit_layers(model: nn.Module) -> Dict[int, nn.Module]:
+    """The 4-bit layers keyed by the identity of their (possibly sharded) weight parameter."""
+    cls = _linear4bit_class()
+    if cls is None:
+        return {}
+    return {id(m.weight): m for m in model.modules() if isinstance(m, cls)}
+
+
+def broadcast_quant_state(state: Any, device: torch.device) -> Any:
+    """Global rank 0's QuantState on every rank, on `device` (a collective: every rank calls it, same order)."""
+    import torch.distributed as dist
+
+    from shardwise.distributed import ops
+
+    bnb = require_bitsandbytes()
+    if ops.world_size() == 1:
+        state.to(device)
+        return state
+    plain = state.as_dict() if ops.rank() == 0 else None
+    meta = ops.broadcast_object(
+        None
+        if plain is None
+        else {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v) for k, v in plain.items()}
+    )
+    out: Dict[str, Any] = {}
+    for key, (shape, dtype) in meta.items():
+        if shape == "value":
+            out[key] = dtype
+            continue
+        buf = (
+            plain[key].to(ops.collective_device()).contiguous()
+            if plain is not None
+            else torch.empty(shape, dtype=dtype, device=ops.collective_device())
+        )
+        dist.broadcast(buf, src=0)
+        out[key] = buf.to(device)
+    return bnb.functional.QuantState.from_dict(out, device=device)
+
+
+def fourbit_bytes(numel: int, storage_dtype: torch.dtype = torch.bfloat16, shards: int = 1) -> Dict[str, float]:
+    """Bytes one rank holds for a 4-bit weight of `numel` entries sharded over `shards` ranks (planner accounting).
+
+    "packed": the NF4 codes (numel / 2 bytes, padded by FSDP2 to a multiple of `shards` storage elements)
+    on each rank; "state": the QuantState, whole on every rank: one uint8 absmax per 64 weights, one
+    float32 nested absmax per 256 absmax, a float32 offset and the two code tables (16 + 256 float32).
+    """
+    itemsize = torch.empty((), dtype=storage_dtype).element_size()
+    rows = math.ceil(numel / (2 * itemsize))
+    blocks = math.ceil(numel / BLOCKSIZE)
+    state = blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 4 + 4 * (16 + 256)
+    return {"packed": math.ceil(rows / shards) * itemsize, "state": state}
