@@ -489,7 +489,7 @@ def _place_zero3(param: torch.Tensor, full: Optional[torch.Tensor], scratch: _Sc
 
 
 # ------------------------------------------------------------------ export
-def _export_items(model: nn.Module, config: Any) -> List[Tuple[str, torch.Tensor]]:
+def export_items(model: nn.Module, config: Any) -> List[Tuple[str, torch.Tensor]]:
     """(name, tensor) pairs to save, one name per tensor, tied copies left out as save_pretrained does."""
     tied = set()
     if getattr(config, "tie_word_embeddings", False):
@@ -532,31 +532,39 @@ def export_hf_folder(
     source_dir: Optional[str] = None,
     max_shard_size: int = 5 * 2**30,
     dtype: Optional[torch.dtype] = None,
+    tensors: Optional[Sequence[Tuple[str, Any]]] = None,
 ) -> Optional[str]:
     """Write a Hugging Face folder from a (sharded) model; every rank calls it, rank 0 writes.
 
     One tensor is all-gathered at a time; rank 0 keeps the current shard
     (at most `max_shard_size` bytes) and writes it before starting the next.
+    `tensors`: (key, tensor or function returning a context that yields the full
+    tensor) pairs to write instead of `export_items(model, config)` -- the LoRA
+    merge (adapters/export.py); every rank enters them in the same order.
     Returns out_dir on rank 0, None elsewhere.
     """
     rank = ops.rank()
-    items = _export_items(model, config)
+    items = export_items(model, config) if tensors is None else tensors
     writer = ShardWriter(out_dir, max_shard_size) if rank == 0 else None
-    for name, tensor in items:
-        with gathered(tensor) as full:  # a collective: every rank, same order
+    first_dtype = None
+    for name, source in items:
+        # A tensor of the model, or (adapters/export.py) a function giving a context that yields the full tensor.
+        own = isinstance(source, torch.Tensor)
+        with gathered(source) if own else source() as full:  # a collective: every rank, same order
             if writer is not None:
                 value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
-                if value.data_ptr() == full.data_ptr() and not isinstance(tensor, DTensor):
+                if value.data_ptr() == full.data_ptr() and not (own and isinstance(source, DTensor)):
                     value = value.clone()  # never alias a live (or soon re-partitioned) tensor
                 writer.add(name, value)
+                first_dtype = first_dtype or (full.dtype if full.is_floating_point() else None)
             del full
     if writer is None:
         ops.barrier()
         return None
     writer.close()
     config = copy.deepcopy(config)
-    if dtype is not None or items:
-        config.dtype = dtype or items[0][1].dtype
+    if dtype is not None or first_dtype is not None:
+        config.dtype = dtype or first_dtype
     config.save_pretrained(out_dir)
     if source_dir and os.path.exists(os.path.join(source_dir, "generation_config.json")):
         shutil.copy2(os.path.join(source_dir, "generation_config.json"), out_dir)
