@@ -7,8 +7,10 @@ With packing, documents share fixed-length blocks without leaking into each
 other: each document's first label is -100, and under `packing="attention"`
 (the default) position ids restart per document, which Hugging Face models
 turn into a block-diagonal mask; `packing="loss"` masks only the boundary
-labels. Global rank 0 writes the token arrays to a cache folder keyed by
-everything that changes them; the other ranks memory-map the same files.
+labels (packing.py). With `assistant_only_loss` only the assistant turns
+are labels (assistant_spans.py). Global rank 0 writes the token arrays to a
+cache folder keyed by everything that changes them; the other ranks
+memory-map the same files.
 `DataOptions` are the recipe's data options as the user gives them;
 `FinetuneData` is the DataModule that hands them to the Trainer, which runs
 its `prepare_data` (the tokenisation) before any rank reads the cache.
@@ -30,10 +32,16 @@ from torch.utils.data import DataLoader, Dataset
 from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.module import DataModule
+from shardwise.recipes import assistant_spans
+from shardwise.recipes.packing import (  # PACKING_MODES and the packers are read from here too
+    PACKING_MODES,  # noqa: F401
+    pack_documents,
+    target_tokens,
+    truncate_documents,
+)
 
 CACHE_VERSION = 1
 CHAT_FORMATS = ("auto", "tags", "tokenizer", "none")
-PACKING_MODES = ("attention", "loss")
 ROLE_TAGS = {"system": "<|system|>", "user": "<|prompter|>", "assistant": "<|assistant|>"}
 END_TAG = "<|endoftext|>"
 _ROLE_ALIASES = {"human": "user", "prompter": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
@@ -65,6 +73,8 @@ class DataOptions:
         per_device_train_batch_size: examples per process per micro-batch
         per_device_eval_batch_size: examples per process per eval batch
         dataloader_num_workers: DataLoader worker processes
+        assistant_only_loss: train on the assistant turns of chat data only (as TRL's option): the
+            system and user turns and the assistant's turn headers get label -100
     """
 
     dataset: str = ""
@@ -80,6 +90,7 @@ class DataOptions:
     per_device_train_batch_size: int = 1
     per_device_eval_batch_size: int = 1
     dataloader_num_workers: int = 0
+    assistant_only_loss: bool = False
 
     def spec(self, text_field: str, seed: int) -> "DataSpec":
         """What decides the token arrays: these options with the text field resolved and the split's seed."""
@@ -94,6 +105,7 @@ class DataOptions:
             append_eos=self.append_concat_token,
             eval_split_ratio=self.eval_split_ratio,
             seed=seed,
+            assistant_only_loss=self.assistant_only_loss,
         )
 
 
@@ -111,6 +123,7 @@ class DataSpec:
     append_eos: bool = True
     eval_split_ratio: float = 0.05
     seed: int = 42
+    assistant_only_loss: bool = False
 
 
 # ------------------------------------------------------------------ records
@@ -180,6 +193,23 @@ def resolve_text_field(columns: Sequence[str], text_field: Optional[str], path: 
     return text_field
 
 
+def check_assistant_only_loss(options: DataOptions, text_field: str) -> None:
+    """Up front (the recipe's validate_config): refuse assistant_only_loss where the data has no turns."""
+    if options.assistant_only_loss:
+        path, first = options.dataset, None
+        if options.chat_template_format != "none":
+            if path.endswith(".jsonl"):
+                with open(path) as fh:
+                    first = json.loads(next(line for line in fh if line.strip())).get(text_field)
+            elif _kind(path) == "parquet":
+                import pyarrow.parquet as pq
+
+                first = pq.ParquetFile(path).read_row_group(0, columns=[text_field]).column(0)[0].as_py()
+            else:
+                first = _load_splits(path, None)[0][0][text_field]
+        assistant_spans.check_value(first, options.chat_template_format, text_field)
+
+
 # --------------------------------------------------------------- formatting
 def _normalise_messages(value: Any) -> List[Dict[str, str]]:
     out = []
@@ -197,7 +227,13 @@ def _normalise_messages(value: Any) -> List[Dict[str, str]]:
 
 def format_tags(messages: Sequence[Dict[str, str]]) -> str:
     """The tagged chat format (used when the tokenizer has no chat template), one `<|endoftext|>` per turn."""
-    return " ".join(f"{ROLE_TAGS[m['role']]} {m['content']} {END_TAG}" for m in messages)
+    return format_tags_with_spans(messages)[0]
+
+
+def format_tags_with_spans(messages: Sequence[Dict[str, str]]) -> Tuple[str, List[Tuple[int, int]]]:
+    """The tagged text and its assistant spans: each assistant turn after its tag, through its end tag."""
+    pieces = [(ROLE_TAGS[m["role"]], f" {m['content']} {END_TAG}", m["role"] == "assistant") for m in messages]
+    return assistant_spans.join_with_spans(pieces)
 
 
 def resolve_chat_format(chat_template_format: str, tokenizer: Any) -> str:
@@ -227,50 +263,14 @@ def record_text(value: Any, chat_format: str, tokenizer: Any) -> str:
     return format_tags(messages)
 
 
-# ------------------------------------------------------------------ packing
-def pack_documents(docs: Sequence[Sequence[int]], block: int, mode: str) -> Dict[str, np.ndarray]:
-    """Concatenate documents into [N, block] arrays; the last, partial block is dropped.
-
-    Labels are -100 at every document's first token; position ids restart
-    at each document (mode "attention") or count through the block ("loss").
-    Position ids also restart at every block, so a document cut by a block
-    boundary never exceeds `block` positions.
-    """
-    if mode not in PACKING_MODES:
-        raise ValueError(f"packing_mode={mode!r}: use one of {PACKING_MODES}.")
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-    total = int(lengths.sum())
-    n = total // block
-    if n == 0:
-        raise ValueError(
-            f"the dataset has {total} tokens, fewer than one block of max_seq_len={block}; "
-            "lower max_seq_len or add data."
-        )
-    flat = np.fromiter((t for d in docs for t in d), dtype=np.int32, count=total)[: n * block]
-    starts = np.zeros(total, dtype=bool)
-    starts[np.concatenate([[0], np.cumsum(lengths)[:-1]])] = True
-    starts = starts[: n * block]
-    labels = np.where(starts, -100, flat).astype(np.int32)
-    if mode == "attention":
-        # position = distance to the most recent document start, restarted at each block
-        idx = np.arange(n * block)
-        last_start = np.maximum.accumulate(np.where(starts | (idx % block == 0), idx, 0))
-        positions = (idx - last_start).astype(np.int32)
-    else:
-        positions = np.tile(np.arange(block, dtype=np.int32), n)
-    return {
-        "input_ids": flat.reshape(n, block),
-        "labels": labels.reshape(n, block),
-        "position_ids": positions.reshape(n, block),
-    }
-
-
-def truncate_documents(docs: Sequence[Sequence[int]], block: int) -> Dict[str, np.ndarray]:
-    """Unpacked: one example per document, cut at `block` tokens, stored flat with offsets."""
-    cut = [list(d[:block]) for d in docs if len(d) > 1]
-    lengths = np.array([len(d) for d in cut], dtype=np.int64)
-    flat = np.fromiter((t for d in cut for t in d), dtype=np.int32, count=int(lengths.sum()))
-    return {"tokens": flat, "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
+def record_text_and_spans(value: Any, chat_format: str, tokenizer: Any, field: str, record: int) -> Tuple[str, list]:
+    """record_text and the character spans of its assistant turns (assistant_only_loss)."""
+    assistant_spans.check_value(value, chat_format, field, record)
+    messages = _normalise_messages(value)
+    if chat_format == "tokenizer":
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return text, assistant_spans.template_spans(messages, tokenizer, text, record)
+    return format_tags_with_spans(messages)
 
 
 # -------------------------------------------------------------------- cache
@@ -292,10 +292,13 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def cache_key(spec: DataSpec, tokenizer: Any) -> str:
+    fields = asdict(spec)
+    if not fields["assistant_only_loss"]:
+        del fields["assistant_only_loss"]  # off: the key of caches written before the option existed
     blob = json.dumps(
         {
             "v": CACHE_VERSION,
-            "spec": asdict(spec),
+            "spec": fields,
             "data": _file_fingerprint(spec.path),
             "tok": _tokenizer_fingerprint(tokenizer),
         },
@@ -305,20 +308,39 @@ def cache_key(spec: DataSpec, tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _tokenize(dataset: Any, field: str, chat_format: str, tokenizer: Any, spec: DataSpec) -> List[List[int]]:
+def _tokenize(
+    dataset: Any, field: str, chat_format: str, tokenizer: Any, spec: DataSpec
+) -> Tuple[List[List[int]], Optional[List[np.ndarray]]]:
+    """The documents' token ids and, with assistant_only_loss, which of their tokens are targets."""
     eos = tokenizer.eos_token_id
+    only_assistant = spec.assistant_only_loss
     docs: List[List[int]] = []
+    targets: List[np.ndarray] = []
     batch = 256
     for start in range(0, len(dataset), batch):
         rows = dataset[start : start + batch][field]
-        texts = [record_text(v, chat_format, tokenizer) for v in rows]
-        encoded = tokenizer(texts, add_special_tokens=spec.add_special_tokens)["input_ids"]
-        for ids in encoded:
+        if only_assistant:
+            rendered = [record_text_and_spans(v, chat_format, tokenizer, field, start + j) for j, v in enumerate(rows)]
+            texts = [text for text, _ in rendered]
+            encoded = tokenizer(texts, add_special_tokens=spec.add_special_tokens, return_offsets_mapping=True)
+            flags = [
+                assistant_spans.token_targets(o, spans) for o, (_, spans) in zip(encoded["offset_mapping"], rendered)
+            ]
+        else:
+            texts = [record_text(v, chat_format, tokenizer) for v in rows]
+            encoded = tokenizer(texts, add_special_tokens=spec.add_special_tokens)
+        for j, ids in enumerate(encoded["input_ids"]):
+            ids = list(ids)
+            flag = flags[j] if only_assistant else None
             if spec.append_eos and eos is not None and (not ids or ids[-1] != eos):
-                ids = list(ids) + [eos]
+                ids.append(eos)
+                if flag is not None:  # the EOS ends an answer when the document ends inside one
+                    flag = np.append(flag, bool(flag[-1]) if len(flag) else False)
             if ids:
-                docs.append(list(ids))
-    return docs
+                docs.append(ids)
+                if flag is not None:
+                    targets.append(flag)
+    return docs, (targets if only_assistant else None)
 
 
 def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
@@ -326,6 +348,10 @@ def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
     train, evaluation = _load_splits(spec.path, os.path.join(os.path.dirname(folder), "hf_datasets"))
     field = resolve_text_field(train.column_names, spec.text_field, spec.path)
     chat_format = resolve_chat_format(spec.chat_template_format, tokenizer)
+    if spec.assistant_only_loss:
+        assistant_spans.check_tokenizer(tokenizer)
+        if len(train):
+            assistant_spans.check_value(train[0][field], chat_format, field, 0)
     if evaluation is None and spec.eval_split_ratio > 0 and len(train) > 1:
         n_eval = max(1, int(round(len(train) * spec.eval_split_ratio)))
         split = train.train_test_split(test_size=n_eval, seed=spec.seed, shuffle=True)
@@ -337,18 +363,27 @@ def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
     for name, part in (("train", train), ("eval", evaluation)):
         if part is None or len(part) == 0:
             continue
-        docs = _tokenize(part, field, chat_format, tokenizer, spec)
+        docs, targets = _tokenize(part, field, chat_format, tokenizer, spec)
         arrays = (
-            pack_documents(docs, spec.max_seq_len, spec.packing_mode)
+            pack_documents(docs, spec.max_seq_len, spec.packing_mode, targets)
             if spec.packing
-            else truncate_documents(docs, spec.max_seq_len)
+            else truncate_documents(docs, spec.max_seq_len, targets)
         )
         for key, arr in arrays.items():
             np.save(os.path.join(tmp, f"{name}.{key}.npy"), arr)
         examples = arrays["input_ids"].shape[0] if spec.packing else len(arrays["offsets"]) - 1
         summary[name] = {"records": len(part), "tokens": int(sum(len(d) for d in docs)), "examples": int(examples)}
+        if targets is not None:
+            summary[name]["assistant_tokens"] = target_tokens(arrays, spec.packing)
     if "train" not in summary:
         raise ValueError(f"dataset {spec.path!r} produced no training examples.")
+    if spec.assistant_only_loss and summary["train"]["assistant_tokens"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(
+            f"assistant_only_loss: the training examples of {spec.path!r} hold no assistant tokens to train on "
+            f"(no assistant turns, or every one cut off by max_seq_len={spec.max_seq_len}). Check the data's "
+            "roles, raise max_seq_len, or turn assistant_only_loss off."
+        )
     with open(os.path.join(tmp, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
     try:
@@ -380,17 +415,25 @@ class PackedBlocks(Dataset):
 
 
 class Examples(Dataset):
-    """One (truncated) document per item; `pad_collate` pads a batch."""
+    """One (truncated) document per item; `PadCollate` pads a batch. An item is its token ids, or with
+    assistant_only_loss a dict of input_ids and labels (-100 where the token is not a target)."""
 
     def __init__(self, folder: str, split: str) -> None:
         self.tokens = np.load(os.path.join(folder, f"{split}.tokens.npy"), mmap_mode="r")
         self.offsets = np.load(os.path.join(folder, f"{split}.offsets.npy"))
+        targets = os.path.join(folder, f"{split}.targets.npy")
+        self.targets = np.load(targets, mmap_mode="r") if os.path.exists(targets) else None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64))
+    def __getitem__(self, i: int) -> Any:
+        where = slice(self.offsets[i], self.offsets[i + 1])
+        ids = torch.from_numpy(np.asarray(self.tokens[where], dtype=np.int64))
+        if self.targets is None:
+            return ids
+        keep = torch.from_numpy(np.array(self.targets[where], dtype=bool))  # a copy: the map is read-only
+        return {"input_ids": ids, "labels": ids.masked_fill(~keep, -100)}
 
 
 class PadCollate:
@@ -399,14 +442,16 @@ class PadCollate:
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
 
-    def __call__(self, batch: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        longest = max(len(x) for x in batch)
+    def __call__(self, batch: List[Any]) -> Dict[str, torch.Tensor]:
+        items = [x if isinstance(x, dict) else {"input_ids": x, "labels": x} for x in batch]
+        longest = max(len(x["input_ids"]) for x in items)
         ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), longest), -100, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, x in enumerate(batch):
-            ids[row, : len(x)] = x
-            mask[row, : len(x)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        for row, x in enumerate(items):
+            n = len(x["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = x["input_ids"], x["labels"], 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 @dataclass

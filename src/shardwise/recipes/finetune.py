@@ -47,6 +47,7 @@ from shardwise.recipes.data import (
     PACKING_MODES,
     DataOptions,
     FinetuneData,
+    check_assistant_only_loss,
     dataset_columns,
     resolve_text_field,
 )
@@ -230,6 +231,7 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
         )
     columns = dataset_columns(data.dataset)
     text_field = resolve_text_field(columns, data.dataset_text_field, data.dataset)
+    check_assistant_only_loss(data, text_field)  # no turns (plain text, chat_template_format none): refused
     if data.chat_template_format not in CHAT_FORMATS:
         raise ValueError(f"chat_template_format={data.chat_template_format!r}: use one of {CHAT_FORMATS}.")
     if data.packing_mode not in PACKING_MODES:
