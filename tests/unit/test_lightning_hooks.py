@@ -22,7 +22,7 @@ from shardwise.trainer.lightning_hooks import CALLED, HOOKS, REFUSED, render_row
 
 from helpers.hook_recording import CALLS, TRAINER_KWARGS, module_class, record, recording_classes
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+README = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "coming-from.md")  # README's tables moved here
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lightning_hook_order.json")
 LIGHTNING = json.load(open(FIXTURE))
 OURS = types.SimpleNamespace(LightningModule=TrainModule, Callback=Callback, Trainer=Trainer)

@@ -1,0 +1,225 @@
+"""The documentation builds and its code runs (issue 26 item 1).
+
+`mkdocs build --strict` builds the site from docs/ into a temporary folder: a broken link or
+anchor, a page missing from the nav or an API entry that does not resolve fails it. Every Python
+block in README.md and docs/ says whether it runs (docs/WRITING.md: `<!-- run -->`,
+`<!-- run: continue -->`, `<!-- run: replace "A" with "B" -->`, `<!-- no-run: why -->`), and the
+marked blocks run here, scaled down where their page says so. README.md stays a short entry page
+that starts with the two set-up commands `.ci/run` and the fresh-machine check read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import subprocess
+import sys
+from typing import List, Optional, Tuple
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+README = os.path.join(ROOT, "README.md")
+SETUP_COMMANDS = [
+    'pip install "torch==2.13.0" -e . && shardwise demo',
+    'pip install "torch==2.13.0" -e ".[test]" -c constraints.txt && python -m pytest tests',
+]
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+MARKER = re.compile(r"^\s*<!--\s*(run|no-run)\s*(?::\s*(.*?))?\s*-->\s*$")
+REPLACE = re.compile(r'^replace "([^";]*)" with "([^";]*)"$')
+PYTHON = {"python", "py"}
+SHELL = {"bash", "sh", "shell"}
+BLOCK_TIMEOUT_S = 120
+
+
+@dataclasses.dataclass
+class Block:
+    page: str  # relative to the repository's root
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    run: bool = False
+    continues: bool = False
+    replacements: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+    problem: Optional[str] = None  # a marker that is missing or malformed
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    def runnable_code(self) -> str:
+        code = self.code
+        for old, new in self.replacements:
+            code = code.replace(old, new)
+        return code
+
+
+def pages() -> List[str]:
+    found = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return [README] + found
+
+
+def read_marker(block: Block, marker: Optional[str]) -> None:
+    if marker is None:
+        if block.lang in PYTHON:
+            block.problem = "a Python block without <!-- run --> or <!-- no-run: why --> on the line above it"
+        return
+    kind, options = MARKER.match(marker).groups()
+    if kind == "no-run":
+        if not options:
+            block.problem = "<!-- no-run --> without a reason: write <!-- no-run: why -->"
+        return
+    if block.lang not in PYTHON | SHELL:
+        block.problem = f"<!-- run --> on a {block.lang or 'plain'} block: only python and bash blocks run"
+        return
+    block.run = True
+    for option in filter(None, (part.strip() for part in (options or "").split(";"))):
+        replace = REPLACE.match(option)
+        if option == "continue":
+            block.continues = True
+        elif replace:
+            block.replacements.append(replace.groups())
+        else:
+            block.problem = f'unknown run option {option!r}: use continue or replace "A" with "B"'
+    for old, _ in block.replacements:
+        if old not in block.code:
+            block.problem = f"replace {old!r}: the block has no such text (the substitution is stale)"
+
+
+def parse(path: str) -> List[Block]:
+    """The fenced blocks of a Markdown file with the marker on the line above each (nested fences skipped)."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    blocks: List[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, fence, lang = opening.groups()
+        body, j = [], i + 1
+        while j < len(lines):
+            closing = FENCE.match(lines[j])
+            if closing and closing.group(2)[0] == fence[0] and len(closing.group(2)) >= len(fence):
+                if not closing.group(3):
+                    break
+            body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j].lstrip())
+            j += 1
+        previous = lines[i - 1] if i > 0 else ""
+        block = Block(os.path.relpath(path, ROOT), i + 1, lang.lower(), "\n".join(body) + "\n")
+        read_marker(block, previous if MARKER.match(previous) else None)
+        blocks.append(block)
+        i = j + 1
+    return blocks
+
+
+def all_blocks() -> List[Block]:
+    return [block for page in pages() for block in parse(page)]
+
+
+def groups() -> List[List[Block]]:
+    """A `run` block and the `continue` blocks after it on the same page, in order."""
+    out: List[List[Block]] = []
+    for block in all_blocks():
+        if not block.run or block.problem:
+            continue
+        if block.continues and out and out[-1][0].page == block.page:
+            out[-1].append(block)
+        else:
+            out.append([block])
+    return out
+
+
+# --------------------------------------------------------------------------------------- README
+def test_readme_is_short_and_starts_with_the_two_setup_commands():
+    lines = open(README, encoding="utf-8").read().splitlines()
+    assert len(lines) < 150, f"README.md has {len(lines)} lines; move the text into a docs/ page"
+    first_block = lines[lines.index("```bash") + 1 :]
+    assert first_block[:3] == SETUP_COMMANDS + ["```"], "README.md's first block must be the two set-up commands"
+    assert all(not line.startswith("```") for line in lines[: lines.index("```bash")])
+
+
+def test_readme_example_is_the_getting_started_example():
+    readme = next(block for block in parse(README) if block.lang in PYTHON)
+    page = next(block for block in parse(os.path.join(ROOT, "docs", "getting-started.md")) if block.lang in PYTHON)
+    assert readme.code == page.code, "README.md's first example and docs/getting-started.md's differ: keep them equal"
+    assert readme.run, "README.md's first example runs (docs/getting-started.md's copy is no-run)"
+
+
+def test_every_python_block_says_whether_it_runs():
+    problems = [f"{block.where}: {block.problem}" for block in all_blocks() if block.problem]
+    assert not problems, "see docs/WRITING.md, 'Code blocks':\n" + "\n".join(problems)
+
+
+def test_a_continue_block_has_a_block_to_continue():
+    seen = set()
+    for block in all_blocks():
+        if block.run and block.continues:
+            assert block.page in seen, f"{block.where}: run: continue, but no run block before it on the page"
+        if block.run:
+            seen.add(block.page)
+
+
+# ---------------------------------------------------------------------------------- the blocks
+def run_group(group: List[Block], folder: str) -> None:
+    os.symlink(os.path.join(ROOT, "examples"), os.path.join(folder, "examples"))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    steps: List[Tuple[List[Block], List[str]]] = []
+    for block in group:  # consecutive Python blocks are one script; a shell block runs by itself
+        if block.lang in PYTHON and steps and steps[-1][0][-1].lang in PYTHON:
+            steps[-1][0].append(block)
+        else:
+            steps.append(([block], []))
+    for n, (blocks, _) in enumerate(steps):
+        if blocks[0].lang in PYTHON:
+            script = os.path.join(folder, f"block{n}.py")
+            with open(script, "w") as f:
+                f.write("\n".join(f"# {b.where}\n{b.runnable_code()}" for b in blocks))
+            command = [sys.executable, os.path.basename(script)]
+        else:
+            command = ["bash", "-eo", "pipefail", "-c", blocks[0].runnable_code()]
+        try:
+            done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{blocks[0].where}: did not finish within {BLOCK_TIMEOUT_S} s\n{exc.stdout}\n{exc.stderr}")
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr)[-4000:]
+            pytest.fail(f"{blocks[0].where}: exit status {done.returncode}\n{output}")
+
+
+@pytest.mark.parametrize("group", groups(), ids=lambda group: group[0].where)
+def test_marked_block_runs(group, tmp_path):
+    run_group(group, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------- the site
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("site"))
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", "mkdocs.yml", "-d", folder],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    return folder
+
+
+def html(site: str, page: str) -> str:
+    return open(os.path.join(site, page, "index.html"), encoding="utf-8").read()
+
+
+def test_site_builds_strict_with_the_cli_and_api_reference(site):
+    from shardwise.cli import COMMANDS
+
+    cli = html(site, "cli")
+    for name in COMMANDS:
+        assert f"usage: shardwise {name}" in cli, f"the CLI reference has no `shardwise {name} --help`"
+    assert "<!-- cli-reference -->" not in cli
+    trainer = html(site, "api/trainer")
+    assert "estimated_stepping_batches" in trainer and 'id="shardwise.Trainer"' in trainer
+    assert "benchmarks" in os.listdir(site) and "<!-- include:" not in html(site, "benchmarks")
