@@ -52,7 +52,7 @@ def first_nonfinite(model: nn.Module, losses: Iterable[Tuple[int, float]]) -> Op
     """The first non-finite thing this rank holds: a micro-batch loss, then a gradient, then a parameter."""
     for batch_idx, value in losses:
         if not torch.isfinite(torch.tensor(value)):
-            return f"the loss of batch {batch_idx} ({value})"
+            return f"the loss of batch_idx {batch_idx} ({value})"
     named = list(model.named_parameters())
     for kind, pick in (("the gradient", lambda p: p.grad), ("the parameter", lambda p: p)):
         for name, p in named:

@@ -144,7 +144,7 @@ def test_hung_rank_is_named_with_its_hook_step_and_stack(scenarios, scenario):
     assert proc.returncode != 0, err[-3000:]
     assert "UNREACHABLE" not in proc.stdout
     # The rank that stopped responding, where, and the one that waited for it.
-    assert "rank 1 stopped responding in training_step at step 3" in err, err[-3000:]
+    assert "rank 1 stopped responding in training_step after step 3" in err, err[-3000:]
     assert "rank 0 waited for it in a collective" in err and f"timed out after {TIMEOUT_S} s" in err
     assert "rank 1's Python stack" in err and "in training_step" in err.split("rank 1's Python stack")[1]
     # Every rank is gone soon after the timeout, not after torch's 30-minute default.
@@ -230,7 +230,7 @@ def test_first_failure_wins_over_a_peers_closed_connection_in_launch_fn():
         shardwise.launch(_raise_on_rank0_after_peer_sees_closed_connection, devices=2)
     message = str(err.value)
     first_line = message.splitlines()[0]
-    assert "rank 0 exited with code 1 in training_step at step 1: ValueError: config error" in first_line, message
+    assert "rank 0 exited with code 1 in training_step after step 1: ValueError: config error" in first_line, message
     assert "rank 0's traceback (the first failure)" in message and "destroy_process_group" not in first_line
     assert err.value.rank == 0
     assert "after it: rank 1" in message  # the consequence is still mentioned, after the cause
@@ -261,7 +261,9 @@ def test_root_cause_ignores_consequences_and_orders_by_sub_second_time():
     outcomes = [_outcome(0, "secondary", 100.1), _outcome(1, "primary", 100.4), _outcome(2, "primary", 100.7)]
     assert faults.root_cause(outcomes).rank == 1
     verdict = faults.diagnose(outcomes)
-    assert verdict.startswith("[shardwise] rank 1 exited with code 1 in training_step at step 7: Error: primary on 1")
+    assert verdict.startswith(
+        "[shardwise] rank 1 exited with code 1 in training_step after step 7: Error: primary on 1"
+    )
     assert "Traceback of rank 1" in verdict and "Traceback of rank 0" not in verdict
     killed = faults.Outcome(rank=3, exitcode=-signal.SIGKILL, seen_at=100.2)
     assert faults.root_cause([_outcome(0, "secondary", 100.1), killed]).rank == 3
@@ -292,7 +294,7 @@ def test_the_record_names_where_a_rank_failed_not_the_clean_up_after_it(tmp_path
     later = _outcome(1, "primary", record["shardwise"]["time"] + 0.5)
     verdict = faults.diagnose([stopped, later])
     assert verdict.startswith(
-        "[shardwise] rank 0 failed in configure_model at step 0: ValueError: bad width 7: use a multiple of 8; "
+        "[shardwise] rank 0 failed in configure_model after step 0: ValueError: bad width 7: use a multiple of 8; "
         "SIGTERM stopped it during its clean-up\n"
     ), verdict
     assert "code -15" not in verdict and "after it: rank 1: Error: primary on 1" in verdict
@@ -309,8 +311,8 @@ def test_progress_records_name_the_rank_that_fell_behind(tmp_path, monkeypatch):
     assert (mine.rank, mine.step, mine.hook, mine.pid) == (1, 4, "training_step", os.getpid())
     records = {1: mine, 0: progress.Progress(0, 5, "backward", mine.time + 3, mine.started, 1)}
     text = progress.describe_stall([0], records=records, timeout_s=20, now=mine.time + 24)
-    assert text.startswith("rank 1 stopped responding in training_step at step 4 (no progress for 24 s)")
-    assert "rank 0 waited for it in a collective (in backward at step 5) and timed out after 20 s" in text
+    assert text.startswith("rank 1 stopped responding in training_step after step 4 (no progress for 24 s)")
+    assert "rank 0 waited for it in a collective (in backward after step 5) and timed out after 20 s" in text
 
 
 def test_timeout_reaches_every_strategy_from_the_trainer_side():
@@ -344,7 +346,7 @@ def test_check_collectives_names_a_collective_called_from_one_rank(monkeypatch):
         shardwise.launch(_collective_on_rank0_only, devices=2)
     message = str(err.value)
     # Named at once (no 150 s timeout): which rank ran which collective.
-    assert "Detected mismatch between collectives" in message and "in training_step at step 2" in message, message
+    assert "Detected mismatch between collectives" in message and "in training_step after step 2" in message, message
     assert "ALLREDUCE" in message and "BARRIER" in message
     assert time.monotonic() - start < 120
 
@@ -393,7 +395,7 @@ EVERY_RANK_MODULE = textwrap.dedent("""
         print("UNREACHABLE: the run finished")
 """)
 FIRST_LINE = re.compile(
-    r"^\[shardwise\] rank ([01]) (?:exited with code (\d+)|failed) in configure_model at step 0: "
+    r"^\[shardwise\] rank ([01]) (?:exited with code (\d+)|failed) in configure_model after step 0: "
     r"ValueError: bad width 7: use a multiple of 8",
     re.M,
 )

@@ -78,7 +78,7 @@ def test_a_model_without_parameters_and_a_loss_without_grad_are_named():
         def training_step(self, batch, batch_idx):
             return super().training_step(batch, batch_idx).detach()
 
-    with pytest.raises(RuntimeError, match=r"does not require grad \(step 0, batch 0\).*return None to skip"):
+    with pytest.raises(RuntimeError, match=r"does not require grad \(step 1, batch_idx 0\).*return None to skip"):
         trainer().fit(Detached(), loaders()[0])
 
 
@@ -159,7 +159,7 @@ class InfGrad(Net):
 def test_a_nan_loss_stops_the_run_at_that_step_and_last_stays_sound(tmp_path, strategy):
     with pytest.raises(
         NonFiniteError,
-        match=r"optimizer step 5 .*rank 0: the loss of batch 4 \(nan\).*"
+        match=r"optimizer step 5 .*rank 0: the loss of batch_idx 4 \(nan\).*"
         r"The step was not taken.*non_finite='skip'",
     ):
         fit(tmp_path, 10, strategy, module=NaNAt(5), checkpoint=ModelCheckpoint(every_n_train_steps=2))
@@ -177,7 +177,7 @@ def test_an_infinite_gradient_is_named():
 
 
 def test_skip_drops_the_step_and_warn_never_moves_last(tmp_path):
-    with pytest.warns(UserWarning, match=r"step 5: rank 0: the loss of batch 4 \(nan\)\. The step was skipped"):
+    with pytest.warns(UserWarning, match=r"step 5: rank 0: the loss of batch_idx 4 \(nan\)\. The step was skipped"):
         t, losses = fit(tmp_path / "skip", 8, module=NaNAt(5), non_finite="skip")
     assert t.global_step == 8 and math.isnan(losses[5])
     assert all(torch.isfinite(p).all() for p in t.lightning_module.parameters())

@@ -447,7 +447,7 @@ def diagnose(
             )
     else:
         rec = root.record["shardwise"]
-        where = f" in {rec['hook']} at step {rec['step']}" if rec.get("hook") else ""
+        where = f" in {rec['hook']} after step {rec['step']}" if rec.get("hook") else ""
         if root.exitcode is not None and root.exitcode > 0:
             text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}{where}: {rec['summary']}"
         else:

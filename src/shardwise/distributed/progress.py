@@ -155,16 +155,16 @@ def describe_stall(
     suspects.sort(key=lambda p: (p.step, p.time))
     culprit = suspects[0]
     lines = [
-        f"rank {culprit.rank} stopped responding in {culprit.hook or 'start-up'} at step {culprit.step} "
+        f"rank {culprit.rank} stopped responding in {culprit.hook or 'start-up'} after step {culprit.step} "
         f"(no progress for {culprit.age(now):.0f} s)"
     ]
     for other in suspects[1:]:
-        lines.append(f"rank {other.rank} last seen in {other.hook} at step {other.step}, {other.age(now):.0f} s ago")
+        lines.append(f"rank {other.rank} last seen in {other.hook} after step {other.step}, {other.age(now):.0f} s ago")
     if waiting:
         who = ", ".join(str(r) for r in sorted(waiting))
         after = f" after {timeout_s:.0f} s" if timeout_s else ""
         waited = [records[r] for r in waiting if r in records]
-        where = f" (in {waited[0].hook} at step {waited[0].step})" if waited else ""
+        where = f" (in {waited[0].hook} after step {waited[0].step})" if waited else ""
         lines.append(
             f"rank{'s' if len(waiting) > 1 else ''} {who} waited for it in a collective{where} and timed out{after}"
         )

@@ -86,12 +86,12 @@ def _loss(output: Any) -> Optional[torch.Tensor]:
     return output if isinstance(output, torch.Tensor) else None
 
 
-def check_trainable(loss: torch.Tensor, step: int, batch_idx: int) -> None:
+def check_trainable(loss: torch.Tensor, global_step: int, batch_idx: int) -> None:
     """A loss that does not require grad trains nothing: say why it happens, before its backward."""
     if not loss.requires_grad:
         raise RuntimeError(
-            f"training_step returned a loss that does not require grad (step {step}, "
-            f"batch {batch_idx}): nothing can be trained from it. It was computed under "
+            f"training_step returned a loss that does not require grad (step {global_step + 1}, "
+            f"batch_idx {batch_idx}): nothing can be trained from it. It was computed under "
             "torch.no_grad() or from detached tensors, or every parameter has requires_grad=False. "
             "Return the loss computed from the model's output; return None to skip a batch."
         )

@@ -10,6 +10,14 @@ naming the rank, the step and the tensor; 'skip' drops the step (as
 GradScaler does); 'warn' reports it and takes the step anyway. With fp16
 loss scaling an inf gradient is the scaler's overflow signal, so only the
 loss is checked then.
+
+Numbers in shardwise's messages follow one convention (issue 26): "step N"
+is the optimizer step after which trainer.global_step reads N, the step the
+loggers record its values at (the first is step 1), so a check made during
+step N, before its update, finds trainer.global_step at N - 1 and says so;
+"after step N" is where a rank is while trainer.global_step reads N;
+"batch_idx i" is the index the batch hooks receive (0-based in the epoch),
+and "epoch e" is trainer.current_epoch.
 """
 
 from __future__ import annotations
@@ -83,9 +91,10 @@ def report(model: nn.Module, losses: List[Tuple[int, torch.Tensor]], mode: str, 
     if mode == "error":
         raise health.NonFiniteError(
             f"Non-finite values at optimizer step {step} (epoch {epoch}): {what}. The step was not "
-            "taken and nothing after the last checkpoint was saved. Lower the learning rate, clip gradients "
+            f"taken (trainer.global_step stays {step - 1}) and nothing after the last checkpoint was saved. "
+            "Lower the learning rate, clip gradients "
             "(gradient_clip_val), check the data of that batch, or use bf16 instead of fp16; "
             "Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
         )
-    action = "skipped" if mode == "skip" else "taken anyway (non_finite='warn')"
+    action = "skipped (no update)" if mode == "skip" else "taken anyway (non_finite='warn')"
     warnings.warn(f"Non-finite values at optimizer step {step}: {what}. The step was {action}.", stacklevel=3)

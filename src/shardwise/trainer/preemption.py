@@ -59,4 +59,4 @@ class PreemptionWatch:
             return
         saved = [getattr(cb, "last_model_path", "") for cb in callbacks if hasattr(cb, "last_model_path")]
         where = f"saved {saved[0]}" if saved and saved[0] else "no checkpoint (checkpointing is off)"
-        preempt.exit_preempted(f"{self.preempted} at step {global_step}: {where}")
+        preempt.exit_preempted(f"{self.preempted} after step {global_step}: {where}")
