@@ -194,6 +194,19 @@ def test_marked_block_runs(group, tmp_path):
     run_group(group, str(tmp_path))
 
 
+def test_finetuning_options_table_has_every_option():
+    from shardwise.recipes.data import DataOptions
+    from shardwise.recipes.finetune import FinetuneConfig
+
+    text = open(os.path.join(ROOT, "docs", "finetuning.md"), encoding="utf-8").read()
+    table = text[text.index("\n## Options\n") :]
+    table = table[: table.index("\n## ", 1)]
+    rows = {line.split("|")[1] for line in table.splitlines() if line.startswith("| `")}
+    named = set(re.findall(r"`(\w+)`", " ".join(rows).replace("adam_beta1/2", "adam_beta1`, `adam_beta2")))
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig) + dataclasses.fields(DataOptions)} - {"data"}
+    assert fields <= named, f"docs/finetuning.md's Options table has no row for {sorted(fields - named)}"
+
+
 # ----------------------------------------------------------------------------------- the site
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
@@ -201,6 +214,7 @@ def site(tmp_path_factory):
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", "mkdocs.yml", "-d", folder],
         cwd=ROOT,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),  # Material's notice about its successor
         capture_output=True,
         text=True,
         timeout=300,
