@@ -172,8 +172,8 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
         f"checkpoint   {summary['path']}",
         f"format       {m.get('checkpoint_format')} (layout version {m.get('format_version')}), written by "
         f"strategy {m.get('strategy')!r} on {m.get('world_size')} process(es)",
-        f"progress     epoch {m.get('epoch')}, global step {m.get('global_step')}, batch {m.get('batch_idx')} "
-        "of the epoch",
+        f"progress     epoch {m.get('epoch')}, global step {m.get('global_step')}, {m.get('batch_idx')} "
+        "batch(es) of the epoch done",
         f"written      {m.get('created')} (shardwise {m.get('shardwise_version')}, torch {m.get('torch_version')}), "
         f"run {m.get('run_id') or '-'}",
         f"integrity    {_integrity_line(summary)}",
