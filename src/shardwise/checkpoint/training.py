@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from shardwise.checkpoint import formats, layout
+from shardwise.checkpoint import adapters, formats, layout
 from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
 from shardwise.checkpoint.formats import check_format_readable
 from shardwise.checkpoint.integrity import merge_checksum_parts
@@ -129,6 +129,15 @@ def _keyed(objects: List[Any], method: str) -> Dict[str, Any]:
     return out
 
 
+def _with_step(logger_state: Any, state: Dict[str, Any]) -> Any:
+    """A logger's saved state plus the checkpoint's step ("checkpoint_step"): a resumed logger drops or
+    skips what the interrupted run logged after it (loggers/csv.py, loggers/tracker.py)."""
+    step = (state.get("train_state") or {}).get("global_step")
+    if not isinstance(logger_state, dict) or step is None:
+        return logger_state
+    return {**logger_state, "checkpoint_step": int(step)}
+
+
 def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Every rank's RNG states, on every rank. They travel as torch.save bytes: pickling a
     tensor straight through all_gather_object does not round-trip its storage."""
@@ -155,6 +164,8 @@ def collect_state(states: TrainingStates) -> Dict[str, Any]:
             ),
             "optimizers": [type(opt).__name__ for opt in strategy.optimizers],
             "run_id": train_state.run_id,
+            # An adapter model saves its trainable weights only, and names its base (adapters.py).
+            **({adapters.ADAPTER_KEY: adapter} if (adapter := adapters.record(module)) else {}),
         },
         "train_state": {**position, "run_id": train_state.run_id},
         "data": {"batch_size": getattr(loader, "batch_size", None), "world_size": strategy.world_size},
@@ -214,6 +225,7 @@ def load_training_checkpoint(states: TrainingStates, path: str, search_dirs: Lis
     # message with the `shardwise convert` command, not an optimizer mismatch.
     strategy = states.strategy
     check_format_readable(resolved, manifest["checkpoint_format"], strategy.checkpoint_format)
+    adapters.check_resume(resolved, manifest, states.module)  # an adapter needs its own base
     running = [type(opt).__name__ for opt in strategy.optimizers]
     if manifest.get("optimizers", running) != running:
         raise CheckpointMismatchError(
@@ -289,7 +301,7 @@ def restore_state(states: TrainingStates, state: Dict[str, Any]) -> None:
         current = _keyed(objects, "state_dict")  # same keys, in the same order
         for obj, name in zip([o for o in objects if callable(getattr(o, "state_dict", None))], current):
             if name in saved and callable(getattr(obj, "load_state_dict", None)):
-                obj.load_state_dict(saved[name])
+                obj.load_state_dict(_with_step(saved[name], state) if key == "loggers" else saved[name])
     states.callback_metrics.update(state.get("callback_metrics", {}))
     if module is not None:
         module.on_load_checkpoint(state)

@@ -2,16 +2,20 @@
 # rank 0: log_hyperparams(dict), log_metrics(dict, step) and
 # finalize(status); anything with those methods (plus log_dir, name, version) works,
 # so wrapping another tracking service needs no base class. CSVLogger is the default
-# because it needs nothing installed; TensorBoardLogger needs the tensorboard extra
-# but is importable without it (the error comes when one is constructed).
+# because it needs nothing installed; TensorBoardLogger, WandbLogger and MLflowLogger need
+# their extras (tensorboard, wandb, mlflow) but are importable without them (the error,
+# naming the pip command, comes when one is constructed). The two trackers share their
+# run and resume handling (tracker.py).
 from __future__ import annotations
 
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 from shardwise.loggers.csv import CSVLogger
+from shardwise.loggers.mlflow import MLflowLogger
 from shardwise.loggers.tensorboard import TensorBoardLogger
+from shardwise.loggers.wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "Logger", "MLflowLogger", "TensorBoardLogger", "WandbLogger"]
 
 
 @runtime_checkable

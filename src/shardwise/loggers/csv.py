@@ -67,14 +67,14 @@ def hparams_to_dict(params: Any) -> dict[str, Any]:
     return dict(params)
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     # YAML/JSON-safe copy: containers recurse, numbers stay, everything else is repr'd
     # (a torch.dtype or a class should not make logging crash).
     value = to_scalar(value)
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
@@ -82,7 +82,7 @@ def _plain(value: Any) -> Any:
 
 def write_hparams(path: str, hparams: Mapping[str, Any]) -> None:
     """Write hparams as YAML (PyYAML if installed, else JSON, which is valid YAML)."""
-    data = _plain(dict(hparams))
+    data = plain_value(dict(hparams))
     try:
         import yaml
 
@@ -151,7 +151,11 @@ class VersionedLogDir:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._chosen_version = state.get("version", self._chosen_version)
-        self.last_step = int(state.get("last_step", -1))
+        # A save inside step k comes before step k's values are logged (ModelCheckpoint runs in
+        # on_train_batch_end), and the resumed run starts after step k: keep what the interrupted
+        # run logged up to the checkpoint's step (checkpoint/training.py adds it), not only up to
+        # the last step logged before the save.
+        self.last_step = max(int(state.get("last_step", -1)), int(state.get("checkpoint_step", -1)))
         if rank_zero():
             self._forget_after(self.last_step)
 

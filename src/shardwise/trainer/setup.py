@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -193,6 +194,24 @@ def setup_loggers(loggers: List[Any], strategy: Any, hparams: Dict[str, Any]) ->
             logger.version = strategy.broadcast(logger.version if strategy.is_global_zero else None)
         if strategy.is_global_zero and hasattr(logger, "log_hyperparams"):
             logger.log_hyperparams(dict(hparams))
+        if strategy.is_global_zero and hasattr(logger, "log_run_config"):  # the trackers (W&B, MLflow)
+            logger.log_run_config(run_config(strategy))
+
+
+def run_config(strategy: Any) -> Dict[str, Any]:
+    """The resolved configuration a tracker records beside the hyper-parameters: the strategy's label, the
+    world size, the mesh degrees it resolved to, and every field of its ParallelPlan."""
+    plan = strategy.parallel_plan
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    blocks = fields.get("blocks")
+    if blocks is not None:  # classes by name (a tracker shows text)
+        fields["blocks"] = sorted(getattr(b, "__name__", str(b)) for b in blocks)
+    config: Dict[str, Any] = {"strategy": plan.label, "world_size": strategy.world_size, "plan": fields}
+    try:
+        config["mesh"] = dataclasses.asdict(plan.mesh(strategy.world_size, getattr(strategy, "num_nodes", 1)))
+    except ValueError:
+        pass  # a plan the world cannot be laid out for has failed set-up long before; nothing to add
+    return config
 
 
 def finalize_loggers(loggers: List[Any], strategy: Any, status: str) -> None:
