@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -170,6 +170,21 @@ def quantize_to_4bit(
     return replaced
 
 
+def compute_dtype_for(precision: Any) -> torch.dtype:
+    """The dtype 4-bit layers dequantise to and compute in for a Trainer precision: its compute dtype
+    (32-true: float32, bf16-mixed / bf16-true: bfloat16, 16-mixed: float16). It is also their storage
+    dtype, the one the strategy gathers the unit's parameters in. 64-true is refused."""
+    from shardwise.precision import build_precision
+
+    dtype = build_precision(precision, "cuda").compute_dtype  # the name's dtypes; devices are checked elsewhere
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"load_in_4bit with precision={precision!r}: bitsandbytes' 4-bit layers compute in float32, "
+            "bfloat16 or float16. Use precision='bf16-mixed' (GPUs) or '32-true'."
+        )
+    return dtype
+
+
 def is_4bit(model: nn.Module) -> bool:
     """True when `model` holds a bitsandbytes 4-bit linear layer."""
     cls = _linear4bit_class()
@@ -213,6 +228,27 @@ def broadcast_quant_state(state: Any, device: torch.device) -> Any:
         dist.broadcast(buf, src=0)
         out[key] = buf.to(device)
     return bnb.functional.QuantState.from_dict(out, device=device)
+
+
+def place_4bit(tensor: torch.Tensor, full: Optional[torch.Tensor], layer: nn.Module, place: Callable) -> None:
+    """Load one 4-bit weight during rank-0 loading (a collective: every rank calls it, same order).
+
+    Global rank 0 holds the checkpoint's `full` weight and quantises it on the device the shards live
+    on; `place(tensor, packed)` (the loader's own placement: a DTensor shard, or all of it) gives
+    every rank its part of the packed codes, and the quantisation state is broadcast whole.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from shardwise.distributed import ops
+
+    device = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).device
+    packed, state = quantize_weight(full.to(device), layer) if ops.rank() == 0 else (None, None)
+    place(tensor, packed)
+    del packed
+    set_quant_state(layer, broadcast_quant_state(state, device))
+    # Packed codes are not numbers: read as floats, some are NaN bit patterns, which the strategy's
+    # check for its uninitialised-memory sentinel (materialize.py) must not take for unwritten memory.
+    tensor.packed_codes = True
 
 
 def fourbit_bytes(numel: int, storage_dtype: torch.dtype = torch.bfloat16, shards: int = 1) -> Dict[str, float]:

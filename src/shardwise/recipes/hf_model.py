@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.adapters.lora import base_weight_name, is_adapter_model
+from shardwise.adapters.quantize import fourbit_layers, place_4bit
 from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -286,6 +287,7 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     # A PeftModel's base weights are the checkpoint's under other names (base_model.model. ...
     # .base_layer.); its adapter weights are not in the checkpoint (adapters.init_lora_weights fills them).
     rename = base_weight_name if is_adapter_model(model) else (lambda name: name)
+    quantized = fourbit_layers(model)  # QLoRA: checkpoint weights quantised as they are placed
     order: List[Tuple[str, str, torch.Tensor]] = []  # (file, key, tensor)
     missing, mismatched, used = [], [], set()
     for names, tensor in targets.values():
@@ -298,8 +300,10 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
             continue
         used.add(key)
         shape = by_key[key][1]
-        if list(full_shape(tensor)) != shape:
-            mismatched.append(f"{key}: checkpoint {shape} vs model {list(full_shape(tensor))}")
+        layer = quantized.get(id(tensor))
+        expected = [layer.out_features, layer.in_features] if layer is not None else list(full_shape(tensor))
+        if expected != shape:
+            mismatched.append(f"{key}: checkpoint {shape} vs model {expected}")
         order.append((by_key[key][0], key, tensor))
     if missing or mismatched:
         raise ModelFolderError(
@@ -323,7 +327,10 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
                     current_file = fname
                 full = handle.get_tensor(key)
                 report.bytes_read += full.numel() * full.element_size()
-            _place(tensor, full, rank, scratch)
+            if id(tensor) in quantized:  # quantised on rank 0; the packed codes travel like any weight
+                place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch))
+            else:
+                _place(tensor, full, rank, scratch)
             del full
             report.tensors += 1
     report.peak_growth = peak_rss_bytes() - report.rss_before
