@@ -58,8 +58,9 @@ class TrackerLogger:
     # ------------------------------------------------------------ the run
     @property
     def run_id(self) -> Optional[str]:
-        """The tracker's run id (on rank 0, opening the run if it is not open yet)."""
-        self._ensure_open()
+        """The tracker's run id (on rank 0, opening the run if none was chosen yet; a closed run stays closed)."""
+        if self._run_id is None:
+            self._ensure_open()
         return self._run_id
 
     # The Trainer hands rank 0's `version` to the other ranks (trainer/setup.setup_loggers),
