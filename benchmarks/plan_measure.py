@@ -55,13 +55,23 @@ class _Probe:
     def on_train_start(self, trainer: Any, module: Any) -> None:
         from shardwise.memory import start_tracking
 
+        self.quant_state = 0
+        if getattr(module.spec, "adapters", None) is not None and module.spec.adapters.load_in_4bit:
+            # QLoRA: the quantisation states a loader would have made (none is loaded here), made
+            # before tracking as a loader's are; whole on every rank and outside every module's
+            # parameters and buffers, so the tracker does not see them: measured from the layers.
+            from shardwise.plan.adapters import fill_quant_states, quant_state_bytes
+
+            fill_quant_states(trainer.strategy.module)
+            self.quant_state = quant_state_bytes(trainer.strategy.module)
         start_tracking(trainer.strategy.module, trainer.strategy.optimizers)
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         from shardwise.memory import stop_tracking
 
         tracker = stop_tracking()
-        self.peak, self.breakdown = tracker.peak_bytes, tracker.peak_breakdown
+        self.peak, self.breakdown = tracker.peak_bytes + self.quant_state, tracker.peak_breakdown
+        self.breakdown["buffers"] += self.quant_state
 
 
 def _run_one(
@@ -210,12 +220,18 @@ def compare(
     precision: str = "32-true",
     deepspeed_config: Optional[Dict[str, Any]] = None,
     steps: int = 2,
+    adapters: Optional[Dict[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
-    """Predicted (plan) and measured (real CPU runs) peak tracked bytes per rank for each candidate."""
+    """Predicted (plan) and measured (real CPU runs) peak tracked bytes per rank for each candidate.
+
+    adapters: the planner's LoRA / QLoRA keywords (lora_r=8, load_in_4bit=True, ...); the real
+    runs train the same adapter model (the planned spec's LMModule).
+    """
     from shardwise.plan.core import plan
 
     p = plan(
         spec,
+        **(adapters or {}),
         batch_size=batch_size,
         seq_len=seq_len,
         devices=devices,
@@ -226,6 +242,13 @@ def compare(
     )
     rows = {e.candidate.config_key: e for e in p.estimates}
     cands = [e.candidate for e in p.estimates]
+    if adapters:
+        from dataclasses import replace
+
+        from shardwise.plan.adapters import build_adapters, compute_dtype_name
+
+        options = build_adapters(**adapters)
+        spec = replace(spec, adapters=replace(options, compute_dtype=compute_dtype_name(precision)))
     measured = measure(
         spec, cands, devices, precision=precision, seq_len=seq_len, steps=steps, deepspeed_config=deepspeed_config
     )
@@ -242,6 +265,8 @@ def compare(
                 error=e.allocated / m["peak"] - 1,
                 method=e.method,
                 ranks=m["ranks"],
+                breakdown=m["breakdown"],
+                predicted_breakdown=e.breakdown,
             )
         )
     return out

@@ -12,7 +12,7 @@ split -- are a PlanError (a ValueError): one line, exit status 2.
 from __future__ import annotations
 
 import json as _json
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from jsonargparse import ArgumentParser
 
@@ -44,6 +44,11 @@ def plan_command(
     paged_resident: float = 0.0,
     expandable_segments: Optional[bool] = None,
     strategy: Optional[str] = None,
+    lora_r: int = 0,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.0,
+    lora_target_modules: Optional[List[str]] = None,
+    load_in_4bit: bool = False,
 ) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
 
@@ -79,6 +84,13 @@ def plan_command(
         expandable_segments: the CUDA allocator setting (default: PYTORCH_CUDA_ALLOC_CONF, else off).
         strategy: plan exactly this strategy: a name (fsdp, ddp, fsdp_shard_grad_op, deepspeed_stage_3,
             ...) or python:module.attr (a Strategy object or a ParallelPlan, or a function returning one).
+        lora_r: plan LoRA fine-tuning of this rank (0: full fine-tuning): a frozen base, adapter
+            gradients and optimizer state only.
+        lora_alpha: LoRA's scaling numerator.
+        lora_dropout: dropout on the LoRA input (its mask is saved for backward).
+        lora_target_modules: modules that get adapters, PEFT's names (e.g. q_proj,v_proj, or
+            all-linear); default: PEFT's for the model type (q_proj,v_proj for the Llama presets).
+        load_in_4bit: QLoRA: the frozen base in NF4 with double quantisation (needs --lora_r).
     """
     from shardwise.plan.core import plan
     from shardwise.plan.presets import PlanError
@@ -117,6 +129,11 @@ def plan_command(
         paged_resident=paged_resident,
         expandable_segments=expandable_segments,
         strategy=strategy_obj,
+        lora_r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        lora_target_modules=lora_target_modules,
+        load_in_4bit=load_in_4bit,
     )
     if json:
         print(to_json(result))

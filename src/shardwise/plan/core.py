@@ -35,11 +35,12 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from shardwise.memory import parse_bytes
 from shardwise.plan import analytic
+from shardwise.plan.adapters import build_adapters, check_candidates, compute_dtype_name
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
 from shardwise.plan.candidates import Candidate, batch_splits, check_layout, from_strategy, requested_candidates
 from shardwise.plan.cost import Hardware, step_cost
+from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
@@ -140,6 +141,11 @@ def plan(
     paged_resident: float = 0.0,
     expandable_segments: Optional[bool] = None,
     strategy: Any = None,
+    lora_r: int = 0,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.0,
+    lora_target_modules: Optional[List[str]] = None,
+    load_in_4bit: bool = False,
 ) -> Plan:
     """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
 
@@ -164,10 +170,15 @@ def plan(
         strategy: a Strategy object (or a name, or a ParallelPlan) to plan exactly, instead of the candidate list.
         all_micro_batches: evaluate every micro-batch split, not only when the full batch does not fit.
         workers: processes tracing in parallel (default: 2 on a machine with 2+ cores, for 4+ traces).
+        lora_r, lora_alpha, lora_dropout, lora_target_modules, load_in_4bit: plan LoRA (lora_r > 0) or
+            QLoRA (and load_in_4bit) fine-tuning, as the finetune recipe's flags (plan/adapters.py).
     """
     start = time.perf_counter()
     spec = resolve_model(model, example_batch)
-    layout = _validate(
+    adapters = build_adapters(lora_r, lora_alpha, lora_dropout, lora_target_modules, load_in_4bit)
+    if adapters is not None:
+        spec = replace(spec, adapters=replace(adapters, compute_dtype=compute_dtype_name(precision)))
+    layout = validate_inputs(
         spec,
         batch_size,
         seq_len,
@@ -194,6 +205,7 @@ def plan(
             # Offload moves state from device to host memory; on a CPU both are the same memory
             # (FSDPStrategy says so and does nothing): it saves nothing, so it is never a choice.
             cands = [c for c in cands if not c.offload]
+    cands, adapter_notes = check_candidates(adapters, cands, requested=candidates is not None or strategy is not None)
     opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident, target=accelerator)
     expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
     alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor)
@@ -215,6 +227,7 @@ def plan(
         all_micro=all_micro_batches,
         workers=workers,
     )
+    planner.notes += adapter_notes
     estimates = planner.run()
     if any(accounting_for(c.plan).analytic_states for c in cands) and (
         opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"
@@ -262,54 +275,6 @@ def plan(
         allocator=alloc.describe(),
         assumptions=assumptions,
     )
-
-
-# ------------------------------------------------------------------ validation
-def _validate(
-    spec: ModelSpec,
-    batch_size: int,
-    seq_len: Optional[int],
-    devices: int,
-    num_nodes: int,
-    device_memory: Any,
-    cpu_memory: Any,
-    precision: str,
-    accelerator: str,
-    reserved_factor: Optional[float],
-) -> Tuple[int, int, Optional[int], Optional[int], Optional[float]]:
-    from shardwise.precision import build_precision
-
-    for name, value in (("devices", devices), ("num_nodes", num_nodes), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise PlanError(f"{name}={value!r}: use a positive integer.")
-    if accelerator not in ("cuda", "cpu"):
-        raise PlanError(f"accelerator={accelerator!r}: plan for 'cuda' (GPUs) or 'cpu'.")
-    try:
-        build_precision(precision, accelerator)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-
-    def size(value: Any, what: str) -> Optional[int]:
-        if value is None:
-            return None
-        try:
-            return parse_bytes(value)
-        except (ValueError, TypeError) as exc:
-            raise PlanError(f"{what}={value!r} is not a memory size. {exc}") from exc
-
-    dev_mem, cpu_mem = size(device_memory, "device_memory"), size(cpu_memory, "cpu_memory")
-    if seq_len is None:
-        seq_len = spec.default_seq_len
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise PlanError(f"seq_len={seq_len!r}: use a positive integer.")
-    if spec.kind == "gpt" and seq_len > spec.config.block_size:
-        raise PlanError(f"seq_len={seq_len} exceeds {spec.name}'s context length {spec.config.block_size}.")
-    if reserved_factor is not None and not reserved_factor >= 1.0:
-        raise PlanError(
-            f"reserved_factor={reserved_factor!r}: the allocator reserves at least what is allocated (>= 1)."
-        )
-    factor = None if reserved_factor is None else float(reserved_factor)
-    return devices * num_nodes, seq_len, dev_mem, cpu_mem, factor
 
 
 # ------------------------------------------------------------------ the planner

@@ -84,6 +84,7 @@ class ModelSpec:
     module: Optional[TrainModule] = None  # kind == "module"
     example_batch: Any = None  # kind == "module": the user's batch at the full micro-batch size
     notes: List[str] = field(default_factory=list)
+    adapters: Any = None  # plan/adapters.Adapters: LoRA / QLoRA fine-tuning of this model (None: full)
 
     # ------------------------------------------------------------- building
     def build(self, depth: Optional[int] = None) -> nn.Module:
@@ -219,7 +220,12 @@ class LMModule(TrainModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = self.spec.build(self.depth)
+            model = self.spec.build(self.depth)
+            if self.spec.adapters is not None:
+                from shardwise.plan.adapters import apply_adapters
+
+                model = apply_adapters(model, self.spec.adapters, self.spec.kind)
+            self.model = model
 
     def training_step(self, batch: Any) -> torch.Tensor:
         if self.spec.kind == "transformer":
@@ -234,13 +240,13 @@ class LMModule(TrainModule):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Only what trains: a LoRA model's frozen base is not the optimizer's (all of it otherwise).
+        params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, foreach=self.foreach, fused=self.fused)
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9, foreach=self.foreach, fused=self.fused)
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=self.foreach, fused=self.fused)
-        return torch.optim.AdamW(
-            self.parameters(), lr=self.lr, weight_decay=0.0, foreach=self.foreach, fused=self.fused
-        )
+            return torch.optim.Adam(params, lr=self.lr, foreach=self.foreach, fused=self.fused)
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0, foreach=self.foreach, fused=self.fused)
 
 
 # ------------------------------------------------------------------ resolving --model
@@ -501,7 +507,8 @@ def describe(spec: ModelSpec) -> str:
     total = spec.param_counts()["total"]
     size = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.1f}M"
     depth = f", {spec.depth} blocks" if spec.depth else ""
-    return f"{spec.name} ({size} parameters{depth})"
+    adapters = f", {spec.adapters.describe()}" if spec.adapters is not None else ""
+    return f"{spec.name} ({size} parameters{depth}{adapters})"
 
 
 def divisors(n: int) -> List[int]:

@@ -179,12 +179,22 @@ def fake_world(world_size: int) -> Iterator[None]:
     # for tests to replace (with a threading.Lock). Ours marks those ops so the tracker skips
     # them; without it the first trace in a process counts two extra parameter-sized lists in a
     # foreach optimizer step (cached schemas are not re-run, so later traces were right).
-    previous = ShardingPropagator._fake_mode_lock
-    ShardingPropagator._fake_mode_lock = _PropagationMarker(previous)
+    # torch before 2.13 has no such slot: there the method that runs those ops is wrapped instead.
+    slot = "_fake_mode_lock" if hasattr(ShardingPropagator, "_fake_mode_lock") else None
+    previous = getattr(ShardingPropagator, slot or "_propagate_tensor_meta_non_cached")
+    if slot:
+        ShardingPropagator._fake_mode_lock = _PropagationMarker(previous)
+    else:
+
+        def marked(self: Any, op_schema: Any) -> Any:
+            with _PropagationMarker(contextlib.nullcontext()):
+                return previous(self, op_schema)
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = marked
     try:
         yield
     finally:
-        ShardingPropagator._fake_mode_lock = previous
+        setattr(ShardingPropagator, slot or "_propagate_tensor_meta_non_cached", previous)
         dist.destroy_process_group()
 
 
@@ -310,6 +320,7 @@ def trace(
         # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
         with contextlib.nullcontext() if acct.shards_on_meta else fake:
             model = strategy.setup_module(module)
+        quant_state = _fill_quant_states(spec, model, fake)
         with fake, target_attention(target):
             opt_config = module.configure_optimizers()
             optimizers = (
@@ -320,7 +331,7 @@ def trace(
             optimizers = [strategy.setup_optimizer(optimizer.apply(o)) for o in optimizers]
             batches = [spec_batch(spec, micro_batch, seq_len) for _ in range(accumulation)]
             tracker.register(strategy.unwrap(model), optimizers)
-            with tracker:
+            with tracker, _fake_4bit(quant_state):
                 result.params = tracker.current_breakdown["parameters"]
                 result.buffers = tracker.current_breakdown["buffers"]
                 tracker.begin_transient_window()
@@ -330,10 +341,35 @@ def trace(
         raise
     except Exception as exc:  # data-dependent shapes, ops without fake kernels, ...
         raise TraceFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    result.envelope = recorder.envelope
+    # QLoRA's quantisation states sit beside the sharded codes, whole on every rank, outside any
+    # module's parameters or buffers: the tracker never sees them, so they are added as buffers.
+    result.envelope = {
+        key: (value + quant_state, (*parts[:3], parts[3] + quant_state, parts[4]))
+        for key, (value, parts) in recorder.envelope.items()
+    }
+    result.buffers += quant_state
     result.units = list(getattr(strategy, "units", []))
     result.largest_transient = tracker.largest_transient_bytes
     return result
+
+
+def _fill_quant_states(spec: ModelSpec, model: nn.Module, fake: Any) -> int:
+    """QLoRA: fake quantisation states for the 4-bit layers (a loader's job in training); their bytes."""
+    if spec.adapters is None or not spec.adapters.load_in_4bit:
+        return 0
+    from shardwise.plan.adapters import fill_quant_states, quant_state_bytes
+
+    with fake:
+        fill_quant_states(model)
+    return quant_state_bytes(model)
+
+
+def _fake_4bit(quant_state: int) -> Any:
+    if not quant_state:
+        return contextlib.nullcontext()
+    from shardwise.plan.adapters import fake_4bit_weights
+
+    return fake_4bit_weights()
 
 
 def _train_step(
