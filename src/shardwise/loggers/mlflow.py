@@ -68,7 +68,7 @@ class MLflowLogger(TrackerLogger):
     @property
     def experiment(self) -> Any:
         """The MlflowClient (None on ranks other than 0): `logger.experiment.log_artifact(logger.run_id, path)`."""
-        return self._client if self._ensure_open() else None
+        return self._client if self.ensure_open() else None
 
     def _open(self, run_id: Optional[str]) -> str:
         client_class, _ = _mlflow()
@@ -86,8 +86,8 @@ class MLflowLogger(TrackerLogger):
 
     def _points_since(self, step: int) -> Dict[int, Set[str]]:
         held: Dict[int, Set[str]] = {}
-        for key in self._client.get_run(self._run_id).data.metrics:
-            for point in self._client.get_metric_history(self._run_id, key):
+        for key in self._client.get_run(self.run_id).data.metrics:
+            for point in self._client.get_metric_history(self.run_id, key):
                 if point.step >= step:
                     held.setdefault(point.step, set()).add(key)
         return held
@@ -103,17 +103,14 @@ class MLflowLogger(TrackerLogger):
             elif str(old) != text:  # MLflow refuses to change a parameter; say so instead of failing the run
                 warn_changed("MLflowLogger", key, old, value, "MLflow keeps a parameter's first value.")
         for i in range(0, len(new), _BATCH_PARAMS):
-            self._client.log_batch(self._run_id, params=new[i : i + _BATCH_PARAMS])
+            self._client.log_batch(self.run_id, params=new[i : i + _BATCH_PARAMS])
 
     def _write_metrics(self, metrics: Dict[str, float], step: Optional[int]) -> None:
         _, entities = _mlflow()
         now = int(time.time() * 1000)
         points = [entities.Metric(key, value, now, int(step or 0)) for key, value in metrics.items()]
         for i in range(0, len(points), _BATCH_METRICS):
-            self._client.log_batch(self._run_id, metrics=points[i : i + _BATCH_METRICS])
+            self._client.log_batch(self.run_id, metrics=points[i : i + _BATCH_METRICS])
 
     def _close(self, status: str) -> None:
-        self._client.set_terminated(self._run_id, "FINISHED" if status == "success" else "FAILED")
-
-    def __repr__(self) -> str:
-        return f"MLflowLogger(experiment_name={self.experiment_name!r}, run_id={self._run_id!r})"
+        self._client.set_terminated(self.run_id, "FINISHED" if status == "success" else "FAILED")

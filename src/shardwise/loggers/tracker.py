@@ -60,7 +60,7 @@ class TrackerLogger:
     def run_id(self) -> Optional[str]:
         """The tracker's run id (on rank 0, opening the run if none was chosen yet; a closed run stays closed)."""
         if self._run_id is None:
-            self._ensure_open()
+            self.ensure_open()
         return self._run_id
 
     # The Trainer hands rank 0's `version` to the other ranks (trainer/setup.setup_loggers),
@@ -74,7 +74,8 @@ class TrackerLogger:
         if not rank_zero():
             self._run_id = value
 
-    def _ensure_open(self) -> bool:
+    def ensure_open(self) -> bool:
+        """Open (or continue) the run if it is not open; True on global rank 0, the only rank that has one."""
         if not rank_zero():
             return False
         if not self._open_run:
@@ -89,7 +90,7 @@ class TrackerLogger:
         """Write the hyper-parameters this run does not hold yet (nested dicts as "a/b")."""
         flat = {k: plain_value(v) for k, v in flatten_dict(hparams_to_dict(params)).items()}
         new = {k: v for k, v in flat.items() if self._params.get(k, _MISSING) != v}
-        if not new or not self._ensure_open():
+        if not new or not self.ensure_open():
             return
         self._write_params(new)
         self._params.update(new)
@@ -99,7 +100,7 @@ class TrackerLogger:
         self.log_hyperparams({"shardwise": dict(config)})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
-        if not self._ensure_open():
+        if not self.ensure_open():
             return
         held = self._held.get(int(step), ()) if step is not None else ()
         out: Dict[str, float] = {}
@@ -146,6 +147,9 @@ class TrackerLogger:
         self._resume_step = int(step) if step is not None and step >= 0 else None
         if self._open_run and rank_zero() and self._resume_step is not None:
             self._held = self._points_since(self._resume_step)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(run_id={self._run_id!r})"  # never opens a run
 
 
 def warn_changed(logger: str, key: str, old: Any, new: Any, kept: str) -> None:

@@ -103,7 +103,7 @@ class WandbLogger(TrackerLogger):
 
         Log through it with ``step=trainer.global_step``: the logger's rows use the Trainer's step as W&B's.
         """
-        return self._run if self._ensure_open() else None
+        return self._run if self.ensure_open() else None
 
     def _open(self, run_id: Optional[str]) -> str:
         wandb = _wandb()
@@ -154,9 +154,6 @@ class WandbLogger(TrackerLogger):
     def _close(self, status: str) -> None:
         self._run.finish(exit_code=0 if status == "success" else 1)
         self._run = None
-
-    def __repr__(self) -> str:
-        return f"WandbLogger(project={self.project!r}, id={self._run_id!r})"
 
 
 class _AllKeys(frozenset):
