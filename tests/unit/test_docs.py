@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
 import subprocess
@@ -163,35 +164,101 @@ def test_a_continue_block_has_a_block_to_continue():
 
 
 # ---------------------------------------------------------------------------------- the blocks
-def run_group(group: List[Block], folder: str) -> None:
+# A Python block runs as `python block.py` would, but forked from this warm process, which has imported
+# torch and shardwise once (about 2 s a block saved). It has run nothing else, so no thread pool exists
+# to break in the fork; each block gets its own process group, directory, argv, sys.path[0] and
+# __main__ (runpy), so `Trainer(devices=2)` re-runs `python block.py` for its workers as for a user.
+RUNNER = r"""
+import atexit, json, os, runpy, signal, sys, time, traceback
+import torch, shardwise
+
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.setpgrp()
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1), os.dup2(log, 2)
+        os.chdir(job["cwd"])
+        sys.argv, sys.path[0], status = [job["script"]], job["cwd"], 0
+        try:
+            runpy.run_path(job["script"], run_name="__main__")
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        atexit._run_exitfuncs()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    deadline, done = time.monotonic() + job["timeout"], None
+    while done is None:
+        waited, code = os.waitpid(pid, os.WNOHANG)
+        if waited:
+            done = os.waitstatus_to_exitcode(code)
+        elif time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            done = "timeout"
+        else:
+            time.sleep(0.02)
+    print(json.dumps(done), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def runner():
+    process = subprocess.Popen(
+        [sys.executable, "-c", RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    yield process
+    process.stdin.close()
+    process.wait(timeout=60)
+
+
+def run_script(runner, script: str, folder: str) -> Tuple[object, str]:
+    log = os.path.join(folder, os.path.basename(script) + ".log")
+    job = {"script": script, "cwd": folder, "log": log, "timeout": BLOCK_TIMEOUT_S}
+    runner.stdin.write(json.dumps(job) + "\n")
+    runner.stdin.flush()
+    answer = runner.stdout.readline()
+    assert answer, "the block runner died"
+    return json.loads(answer), open(log).read()
+
+
+def run_group(group: List[Block], folder: str, runner) -> None:
     os.symlink(os.path.join(ROOT, "examples"), os.path.join(folder, "examples"))
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    steps: List[Tuple[List[Block], List[str]]] = []
+    steps: List[List[Block]] = []
     for block in group:  # consecutive Python blocks are one script; a shell block runs by itself
-        if block.lang in PYTHON and steps and steps[-1][0][-1].lang in PYTHON:
-            steps[-1][0].append(block)
+        if block.lang in PYTHON and steps and steps[-1][-1].lang in PYTHON:
+            steps[-1].append(block)
         else:
-            steps.append(([block], []))
-    for n, (blocks, _) in enumerate(steps):
+            steps.append([block])
+    for n, blocks in enumerate(steps):
         if blocks[0].lang in PYTHON:
-            script = os.path.join(folder, f"block{n}.py")
-            with open(script, "w") as f:
+            script = f"block{n}.py"
+            with open(os.path.join(folder, script), "w") as f:
                 f.write("\n".join(f"# {b.where}\n{b.runnable_code()}" for b in blocks))
-            command = [sys.executable, os.path.basename(script)]
+            status, output = run_script(runner, script, folder)
         else:
             command = ["bash", "-eo", "pipefail", "-c", blocks[0].runnable_code()]
-        try:
-            done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            pytest.fail(f"{blocks[0].where}: did not finish within {BLOCK_TIMEOUT_S} s\n{exc.stdout}\n{exc.stderr}")
-        if done.returncode != 0:
-            output = (done.stdout + done.stderr)[-4000:]
-            pytest.fail(f"{blocks[0].where}: exit status {done.returncode}\n{output}")
+            try:
+                done = subprocess.run(
+                    command, cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+                )
+                status, output = done.returncode, done.stdout + done.stderr
+            except subprocess.TimeoutExpired as exc:
+                status, output = "timeout", f"{exc.stdout}\n{exc.stderr}"
+        if status == "timeout":
+            pytest.fail(f"{blocks[0].where}: did not finish within {BLOCK_TIMEOUT_S} s\n{output[-4000:]}")
+        if status != 0:
+            pytest.fail(f"{blocks[0].where}: exit status {status}\n{output[-4000:]}")
 
 
 @pytest.mark.parametrize("group", groups(), ids=lambda group: group[0].where)
-def test_marked_block_runs(group, tmp_path):
-    run_group(group, str(tmp_path))
+def test_marked_block_runs(group, tmp_path, runner):
+    run_group(group, str(tmp_path), runner)
 
 
 def test_finetuning_options_table_has_every_option():
