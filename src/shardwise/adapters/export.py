@@ -228,3 +228,46 @@ def export_merged(
         tensors=items,
     )
     return folder
+
+
+# ------------------------------------------------------------------ the recipe's export
+def check_merge(config: Any) -> None:
+    """`merge` (FinetuneConfig) needs LoRA: refused up front, not ignored, for full fine-tuning."""
+    if getattr(config, "merge", False) and not getattr(config, "lora_r", 0):
+        raise ValueError(
+            "merge=True merges a LoRA adapter into the base weights, but lora_r=0 (full fine-tuning) trains "
+            "no adapter: the exported folder already holds every trained weight. Drop merge, or set lora_r."
+        )
+
+
+def export_lora(
+    model: nn.Module,
+    output_dir: str,
+    *,
+    merge: bool,
+    config: Any,
+    tokenizer: Any = None,
+    source_dir: Optional[str] = None,
+    max_shard_size: int = 5 * 2**30,
+    dtype: Optional[torch.dtype] = None,
+) -> List[str]:
+    """The LoRA recipe's outputs: the PEFT adapter folder (and the tokenizer) in `output_dir`, and with
+    `merge` the merged Hugging Face folder in `output_dir/merged` (in `dtype`, default the base's).
+    Collective; returns the folders written."""
+    written = [export_adapter(model, output_dir)]
+    if tokenizer is not None and ops.rank() == 0:
+        tokenizer.save_pretrained(output_dir)
+    if merge:
+        folder = os.path.join(output_dir, MERGED_DIR)
+        written.append(
+            export_merged(
+                model,
+                folder,
+                config,
+                tokenizer,
+                source_dir=source_dir,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+            )
+        )
+    return written

@@ -6,6 +6,12 @@ larger than --max-shard-size; hf_shards.py), or, when OUT ends in
 `.safetensors` / `.pt` / `.pth` / `.bin`, that one file. --format torch writes
 torch files instead of safetensors.
 
+An adapter checkpoint (LoRA: the trainable weights only, checkpoint/adapters.py)
+becomes a PEFT adapter folder (`adapter_config.json` +
+`adapter_model.safetensors`, what `peft.PeftModel.from_pretrained` loads), or,
+given `base_model` (the base's Hugging Face folder), the base with the adapter
+merged in by PEFT, as a Hugging Face folder. A file OUT still gets its raw tensors.
+
 Tensors are read from the checkpoint one at a time (reader.py; small ones a
 few together) and cast on their own, so a folder's peak memory is about one
 shard plus one tensor. A single file has to be held whole before it is
@@ -16,10 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from shardwise.checkpoint import adapters
 from shardwise.checkpoint.formats import available_host_bytes
 from shardwise.checkpoint.hf_shards import ShardWriter, save_durably
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, open_checkpoint
@@ -72,6 +80,32 @@ def write_safetensors(
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _adapter_outputs(
+    reader: CheckpointReader,
+    infos: List[TensorInfo],
+    adapter: Dict,
+    out: str,
+    cast: Optional[torch.dtype],
+    max_shard_size: str,
+    base_model: Optional[str],
+    quiet: bool,
+) -> List[str]:
+    """An adapter checkpoint as a PEFT adapter folder, or merged into `base_model` (adapters.py)."""
+    tensors = dict(read_cast(reader, infos, None if base_model else cast))  # adapters are small
+    if base_model is None:
+        written = adapters.write_adapter_folder(tensors, adapter, out)
+    else:
+        with tempfile.TemporaryDirectory(prefix="shardwise-adapter-") as tmp:
+            adapters.write_adapter_folder(tensors, adapter, tmp)
+            written = adapters.merge_into_base(base_model, tmp, out, cast, max_shard_size)
+    if not quiet:
+        kind = f"merged into {base_model}" if base_model else "a PEFT adapter folder"
+        print(f"converted {reader.path} (adapter checkpoint, step {reader.manifest.get('global_step')}) -> {kind}:")
+        for path in written:
+            print(f"  {path}")
+    return written
+
+
 def convert(
     ckpt: str,
     out: str,
@@ -79,14 +113,25 @@ def convert(
     max_shard_size: str = "5GB",
     fmt: Optional[str] = None,
     quiet: bool = False,
+    base_model: Optional[str] = None,
 ) -> List[str]:
-    """Write the model weights of checkpoint `ckpt` to `out`; returns the files written."""
+    """Write the model weights of checkpoint `ckpt` to `out`; returns the files written.
+
+    `base_model`: for an adapter checkpoint, the base model's folder: `out` becomes the merged model."""
     cast = cast_dtype(dtype)
     reader = open_checkpoint(ckpt)
     infos = reader.tensors()
     max_bytes = parse_bytes(max_shard_size)
     suffix = os.path.splitext(out)[1].lower()
     single_file = suffix in (".safetensors", ".pt", ".pth", ".bin")
+    adapter = reader.manifest.get(adapters.ADAPTER_KEY)
+    if base_model is not None and (not adapter or single_file):
+        raise ValueError(
+            "--base_model merges an adapter checkpoint into its base, written as a folder: "
+            + (f"give a folder as OUT, not {out!r}." if adapter else f"{reader.path} is a full checkpoint.")
+        )
+    if adapter and not single_file:
+        return _adapter_outputs(reader, infos, adapter, out, cast, max_shard_size, base_model, quiet)
     fmt = fmt or ("torch" if suffix in (".pt", ".pth", ".bin") else "safetensors")
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"--format {fmt!r}: use safetensors or torch.")

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shardwise.checkpoint import onefile
+from shardwise.checkpoint.adapters import is_adapter_checkpoint, load_options, model_state
 from shardwise.checkpoint.dcp_io import VerifyingReader
 from shardwise.checkpoint.errors import (
     CheckpointError,
@@ -107,8 +107,8 @@ def describe_differences(
     return "\n".join(lines)
 
 
-def _check_model(path: str, checkpoint: Dict[str, Tuple[int, ...]], model: torch.nn.Module) -> None:
-    report = describe_differences(checkpoint, shapes_of(get_model_state_dict(model)))
+def _check_model(path: str, checkpoint: Dict[str, Tuple[int, ...]], model: torch.nn.Module, adapter: bool) -> None:
+    report = describe_differences(checkpoint, shapes_of(model_state(model, None, adapter)))
     if report:
         raise CheckpointMismatchError(
             f"The model in {path} does not match the running model:\n{report}\n"
@@ -132,11 +132,15 @@ def save_model_and_optimizers(
     checkpoint_format: str,
     async_save: bool = False,
 ) -> Optional[Future]:
-    """Write model + optimizers + trainer `state` at `path` (collective: call on every rank)."""
+    """Write model + optimizers + trainer `state` at `path` (collective: call on every rank).
+
+    An adapter checkpoint (the manifest's `adapter` entry, checkpoint/adapters.py) holds the trainable
+    parameters of the model only."""
+    adapter = is_adapter_checkpoint(state["shardwise"])
     if checkpoint_format == "full":
-        needed, available = _full_state_budget(model, optimizers)
+        needed, available = _full_state_budget(model, optimizers, adapter)
         if available is None or needed <= _HOST_SHARE * available:
-            return _save_full(model, optimizers, path, state)
+            return _save_full(model, optimizers, path, state, adapter)
         # Gathering would run rank 0's host out of memory and the kernel would kill the run with
         # everything since the last checkpoint. Save this step sharded (nothing is gathered);
         # the manifest says so, and every strategy resumes from either format.
@@ -150,9 +154,9 @@ def save_model_and_optimizers(
                 stacklevel=3,
             )
         state = {**state, "shardwise": {**state["shardwise"], "checkpoint_format": "sharded"}}
-        return _save_sharded(model, optimizers, path, state, async_save)
+        return _save_sharded(model, optimizers, path, state, async_save, adapter)
     if checkpoint_format == "sharded":
-        return _save_sharded(model, optimizers, path, state, async_save)
+        return _save_sharded(model, optimizers, path, state, async_save, adapter)
     raise CheckpointFormatError(f"Unknown checkpoint format {checkpoint_format!r}; built in: {BUILTIN_FORMATS}.")
 
 
@@ -191,13 +195,17 @@ def available_host_bytes() -> Optional[int]:
     return min(found) if found else None
 
 
-def _full_state_budget(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer]) -> Tuple[int, Optional[float]]:
+def _full_state_budget(
+    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], adapter: bool = False
+) -> Tuple[int, Optional[float]]:
     """(bytes a full save gathers on rank 0, rank 0's available host bytes), the same on every rank.
 
     A DTensor's numel() is its global size, so every rank computes the same total without
     communicating; rank 0's free memory is shared in one all-reduce (a collective: every rank calls).
     """
     tensors = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    if adapter:
+        tensors = [p for p in model.parameters() if p.requires_grad]
     for opt in optimizers:
         for per_param in opt.state.values():
             tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
@@ -218,17 +226,17 @@ def _failed(exc: BaseException) -> Future:
 
 
 def _save_full(
-    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str, state: Dict[str, Any]
+    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str, state: Dict[str, Any], adapter: bool
 ) -> Optional[Future]:
     # full_state_dict + cpu_offload: tensors are all-gathered one at a time and
     # only rank 0 keeps them (in host memory); the other ranks get {}.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
+    weights = model_state(model, options, adapter)
     optim_states = [get_optimizer_state_dict(model, opt, options=options) for opt in optimizers]
     if ops.rank() == 0:
         body = {
             **plain_state({k: v for k, v in state.items() if k != "shardwise"}, "trainer state"),
-            "state_dict": model_state,
+            "state_dict": weights,
             "optimizer_states": optim_states,
         }
         # The manifest is pickled with the state (torch.load users see it) and, sealed, in the trailer
@@ -259,10 +267,15 @@ def checkpoint_group() -> Any:
 
 
 def _save_sharded(
-    model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], path: str, state: Dict[str, Any], async_save: bool
+    model: torch.nn.Module,
+    optimizers: List[torch.optim.Optimizer],
+    path: str,
+    state: Dict[str, Any],
+    async_save: bool,
+    adapter: bool = False,
 ) -> Optional[Future]:
     payload = {
-        _MODEL: get_model_state_dict(model),
+        _MODEL: model_state(model, None, adapter),
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
     error: Optional[BaseException] = None
@@ -400,12 +413,13 @@ def _load_full(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], 
         raise CorruptCheckpointError(f"{path} has no 'state_dict' entry: not a full shardwise checkpoint.")
     if verified:
         check_agreement(path, manifest, payload)
-    _check_model(path, shapes_of(payload["state_dict"]), model)
+    adapter = is_adapter_checkpoint(manifest)
+    _check_model(path, shapes_of(payload["state_dict"]), model, adapter)
     optim_states = payload.get("optimizer_states", [])
     _check_optimizer_count(path, len(optim_states), len(optimizers))
     # FSDP: every rank has the whole tensor and keeps its slice (no broadcast).
     options = StateDictOptions(full_state_dict=True) if _is_sharded(model) else StateDictOptions()
-    set_model_state_dict(model, payload["state_dict"], options=options)
+    set_model_state_dict(model, payload["state_dict"], options=load_options(options, adapter))
     for index, (opt, osd) in enumerate(zip(optimizers, optim_states)):
         # An optimizer without per-parameter tensors (plain SGD) has nothing to
         # slice, and torch's full-state path then fails ("Expected device to be
@@ -475,13 +489,14 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
     )
     state = read_trainer_state(path)
     metadata = read_dcp_metadata(path)
-    _check_model(path, _prefixed_shapes(metadata, _MODEL + "."), model)
+    adapter = is_adapter_checkpoint(manifest)
+    _check_model(path, _prefixed_shapes(metadata, _MODEL + "."), model, adapter)
     saved_optims = {k.split(".")[1] for k in metadata.state_dict_metadata if k.startswith(_OPTIMIZERS + ".")}
     _check_optimizer_count(path, len(saved_optims), len(optimizers))
     # Templates in the running layout (DTensor shards under FSDP, whole
     # tensors otherwise): DCP reads into them whatever slices they cover.
     payload = {
-        _MODEL: get_model_state_dict(model),
+        _MODEL: model_state(model, None, adapter),
         _OPTIMIZERS: {str(i): get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)},
     }
     reader = VerifyingReader(path, metadata, {rel: sums[rel] for rel in data_files})
@@ -532,7 +547,7 @@ def _load_sharded(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer
         raise problem
     if failed:
         raise CorruptCheckpointError(f"Loading {path} failed on another rank: {failed[0]}")
-    set_model_state_dict(model, payload[_MODEL])
+    set_model_state_dict(model, payload[_MODEL], options=load_options(None, adapter))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, payload[_OPTIMIZERS][str(i)])
     return state

@@ -12,7 +12,9 @@ checkpoint is unpickled at all. An intact one is then described: the
 manifest (format, layout version, strategy, world size, epoch, step, when
 and by which versions), the files and sizes, the model's tensors (the first
 --limit of them), totals for model and optimizer state, and the trainer
-state's entries, whose copy of the manifest must agree with it. Only JSON,
+state's entries, whose copy of the manifest must agree with it; an adapter
+checkpoint (LoRA, checkpoint/adapters.py) says so, with its adapter, the
+share of the model it trains and the base it needs. Only JSON,
 pickled structure (never tensor bytes) and DCP's .metadata are read, through
 the allow-lists of safety.py: safe on a file of unknown origin, and apart
 from the hashing instant for a huge model.
@@ -166,6 +168,26 @@ def _integrity_line(summary: Dict[str, Any]) -> str:
     return f"ok: the manifest's seal and the sha256 of its {checked} recorded file(s) match"
 
 
+def adapter_line(adapter: Dict[str, Any]) -> str:
+    """`LoRA r=16 alpha=32 on q_proj, v_proj: the trainable weights only (...), base <folder>`."""
+    names = {"LORA": "LoRA"}
+    kinds = [
+        f"{names.get(c.get('peft_type'), c.get('peft_type'))} r={c.get('r')} alpha={c.get('lora_alpha')} on "
+        + (
+            ", ".join(c["target_modules"])
+            if isinstance(c.get("target_modules"), list)
+            else str(c.get("target_modules"))
+        )
+        for c in (adapter.get("peft_config") or {}).values()
+    ]
+    trainable, total = adapter.get("trainable_parameters", 0), adapter.get("total_parameters", 0)
+    share = f"{100.0 * trainable / total:.2f}%" if total else "?"
+    return (
+        f"{'; '.join(kinds) or 'adapter layers'}: the trainable weights only ({trainable:,} of {total:,} "
+        f"parameters, {share}); resumes on base {adapter.get('base', {}).get('name_or_path') or '(built in code)'}"
+    )
+
+
 def render(summary: Dict[str, Any], limit: int = 50) -> str:
     m = summary["manifest"]
     lines = [
@@ -183,6 +205,7 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
             f"model        {summary['model_params']:,} parameters in {len(summary['tensors'])} tensors, "
             f"{_mb(summary['model_bytes'])}",
             f"optimizer    {_mb(summary['optimizer_bytes'])} of state",
+            *([f"adapter      {adapter_line(m['adapter'])}"] if m.get("adapter") else []),
             f"trainer      RNG states of {summary['rng_ranks']} rank(s), {summary['lr_schedulers']} LR "
             f"scheduler(s), callbacks: {', '.join(summary['callbacks']) or '-'}",
             f"             entries: {', '.join(summary['trainer_state_keys'])}",

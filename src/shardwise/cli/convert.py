@@ -1,7 +1,9 @@
 """`shardwise convert CKPT OUT`: a checkpoint's model weights as safetensors or one torch file.
 
 Reads any checkpoint shardwise wrote (full, sharded, DeepSpeed), one tensor at a
-time, so a model larger than host memory converts into a folder of shards.
+time, so a model larger than host memory converts into a folder of shards. An
+adapter (LoRA) checkpoint becomes a PEFT adapter folder, or with --base_model
+the base model with the adapter merged in.
 """
 
 from __future__ import annotations
@@ -30,11 +32,19 @@ def parser() -> ArgumentParser:
         default=None,
         help="output format (default: from OUT's suffix, else safetensors)",
     )
+    p.add_argument(
+        "--base_model",
+        type=Optional[str],
+        default=None,
+        help="adapter checkpoints: the base model's Hugging Face folder; OUT becomes the merged model",
+    )
     return p
 
 
 def run(cfg: Any) -> int:
     from shardwise.checkpoint.convert import convert
 
-    convert(cfg.ckpt, cfg.out, dtype=cfg.dtype, max_shard_size=cfg.max_shard_size, fmt=cfg.format)
+    convert(
+        cfg.ckpt, cfg.out, dtype=cfg.dtype, max_shard_size=cfg.max_shard_size, fmt=cfg.format, base_model=cfg.base_model
+    )
     return 0

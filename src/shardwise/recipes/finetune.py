@@ -27,6 +27,7 @@ final model is exported as a consolidated Hugging Face folder in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -36,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
+from shardwise.adapters.export import check_merge, export_lora
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch
 from shardwise.dtypes import DTYPES, cast_dtype
@@ -302,6 +304,7 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
         raise ValueError(f"export_dtype={cfg.export_dtype!r}: use one of {', '.join(DTYPES)}.")
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
     _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
+    check_merge(cfg)
     return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
 
 
@@ -510,9 +513,11 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
 
     module = build_module(cfg, folder, total_steps)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from_checkpoint)
-    # The consolidated Hugging Face folder, gathered one tensor at a time.
+    # The consolidated Hugging Face folder, gathered one tensor at a time; for LoRA the PEFT adapter
+    # folder instead, plus with merge the merged model in output_dir/merged (adapters/export.py).
     export_dtype = cast_dtype(cfg.export_dtype)
-    export_hf_folder(
+    export = functools.partial(export_lora, merge=cfg.merge) if cfg.lora_r else export_hf_folder
+    export(
         module.model,
         cfg.output_dir,
         config=folder.config,
