@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from typing import List, Optional, Tuple
@@ -142,6 +143,14 @@ def test_readme_is_short_and_starts_with_the_two_setup_commands():
     assert all(not line.startswith("```") for line in lines[: lines.index("```bash")])
 
 
+def test_readme_links_point_at_files_that_exist():
+    text = open(README, encoding="utf-8").read()
+    links = [link.split("#")[0] for link in re.findall(r"\]\(([^)]+)\)", text) if "://" not in link]
+    assert links and all(os.path.exists(os.path.join(ROOT, link)) for link in links), [
+        link for link in links if not os.path.exists(os.path.join(ROOT, link))
+    ]
+
+
 def test_readme_example_is_the_getting_started_example():
     readme = next(block for block in parse(README) if block.lang in PYTHON)
     page = next(block for block in parse(os.path.join(ROOT, "docs", "getting-started.md")) if block.lang in PYTHON)
@@ -259,6 +268,49 @@ def run_group(group: List[Block], folder: str, runner) -> None:
 @pytest.mark.parametrize("group", groups(), ids=lambda group: group[0].where)
 def test_marked_block_runs(group, tmp_path, runner):
     run_group(group, str(tmp_path), runner)
+
+
+def shardwise_commands(page: str) -> List[Tuple[str, List[str]]]:
+    """Each `shardwise <command> ...` in a page's shell blocks and inline code: (where, its words)."""
+    lines = [(b.where, b.code.replace("\\\n", " ")) for b in parse(page) if b.lang in SHELL]
+    prose = re.sub(r"```.*?```", "", open(page, encoding="utf-8").read(), flags=re.S)
+    lines += [(os.path.relpath(page, ROOT), span) for span in re.findall(r"`(shardwise [^`]*--[^`]+)`", prose)]
+    found = []
+    for where, text in lines:
+        for line in text.replace("\n", " \n ").split("\n"):
+            words = [w.strip("[]") for w in shlex.split(line.split(" #")[0].replace("|", " "))]
+            starts = [i for i, word in enumerate(words) if word == "shardwise"] + [len(words)]
+            found += [(where, words[a + 1 : b]) for a, b in zip(starts, starts[1:]) if b > a + 1]
+    return found
+
+
+def test_shardwise_commands_in_the_docs_use_real_options():
+    """No run needed: every option a page shows is one the command's parser (or its translations) takes."""
+    import importlib
+
+    from shardwise.cli import COMMANDS, _flags, normalise
+
+    wrong = []
+    for page in pages():
+        for where, (name, *words) in shardwise_commands(page):
+            if name.startswith("<"):  # `shardwise <command> --help`: a placeholder
+                continue
+            if name not in COMMANDS:
+                wrong.append(f"{where}: no command `shardwise {name}`")
+                continue
+            command = importlib.import_module(f"shardwise.cli.{name}")
+            parser = command.parser()
+            known = {option for action in parser._actions for option in action.option_strings}
+            args = normalise(words, _flags(parser), getattr(command, "PASSTHROUGH", False))
+            for file_option in ("--fsdp_config", "--config_file"):  # they read a file the page only names
+                while file_option in args:
+                    del args[args.index(file_option) : args.index(file_option) + 2]
+            args = command.translate(args) if hasattr(command, "translate") else args
+            for arg in args:
+                option = arg.split("=")[0]
+                if arg.startswith("--") and option not in known and option.split(".")[0] not in known:
+                    wrong.append(f"{where}: `shardwise {name}` has no option {option}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_finetuning_options_table_has_every_option():
