@@ -9,6 +9,7 @@ from shardwise.callbacks.device_stats import DeviceStatsMonitor
 from shardwise.callbacks.early_stopping import EarlyStopping
 from shardwise.callbacks.lr_monitor import LearningRateMonitor
 from shardwise.callbacks.progress import RichProgressBar
+from shardwise.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
     "Callback",
@@ -17,4 +18,5 @@ __all__ = [
     "LearningRateMonitor",
     "ModelCheckpoint",
     "RichProgressBar",
+    "ThroughputMonitor",
 ]

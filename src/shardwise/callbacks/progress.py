@@ -1,7 +1,7 @@
 # RichProgressBar: what a user watches during fit. On a terminal it draws a live rich
-# bar (epoch, steps, it/s, the metrics logged with prog_bar=True, and memory); when
-# stdout is not a terminal (CI, a pipe, a spawned rank, a log file) redrawing would
-# spew control codes and one line per refresh, so it prints one plain line every N
+# bar (epoch, steps, it/s, tokens/s / TFLOP/s / MFU from the ThroughputMonitor, the metrics
+# logged with prog_bar=True, and memory); when stdout is not a terminal (CI, a pipe, a spawned
+# rank, a log file) redrawing would spew control codes and one line per refresh, so it prints one plain line every N
 # optimizer steps instead, plus one at the end of each epoch and validation run.
 # Only global rank 0 renders. Memory is the device's peak allocated bytes on CUDA;
 # on CPU it is the tracked tensor peak when a MemoryTracker runs (DeviceStatsMonitor
@@ -39,6 +39,15 @@ def memory_text(trainer: Any, finished: bool = False) -> str:
     if tracker is not None:
         return f"mem {memory.format_bytes(tracker.peak_bytes)} (tracked peak)"
     return f"rss {memory.format_bytes(memory.current_rss_bytes())}"
+
+
+def throughput_text(trainer: Any) -> str:
+    """The latest tokens/s, TFLOP/s and MFU a ThroughputMonitor measured ('' before its second log step)."""
+    for callback in getattr(trainer, "callbacks", ()):
+        text = getattr(callback, "progress_text", None)
+        if callable(text):
+            return text()
+    return ""
 
 
 class RichProgressBar:
@@ -121,7 +130,7 @@ class RichProgressBar:
 
     def _train_fields(self, trainer: Any) -> dict[str, str]:
         return {
-            "rate": f"{self._rate():.2f} it/s",
+            "rate": " | ".join(filter(None, (f"{self._rate():.2f} it/s", throughput_text(trainer)))),
             "metrics": self._metrics_text(getattr(trainer, "progress_bar_metrics", {}) or {}),
             "memory": memory_text(trainer),
         }
@@ -256,7 +265,8 @@ class RichProgressBar:
         self._stop()
         steps = trainer.global_step - self._start_step
         seconds = time.perf_counter() - self._t0
-        self._line(trainer, f"done: {steps} steps in {seconds:.1f} s", memory_text(trainer, finished=True))
+        done = f"done: {steps} steps in {seconds:.1f} s"
+        self._line(trainer, done, throughput_text(trainer), memory_text(trainer, finished=True))
 
     def on_exception(self, trainer: Any, module: Any, exc: BaseException) -> None:
         self._stop()

@@ -1,14 +1,11 @@
 """The Trainer: the training loop, top to bottom.
 
-Set-up (in this order, every step commented where it matters):
-environment -> strategy -> configure_model under the strategy's init context
--> strategy wraps / shards / materialises -> optimizers on the wrapped
-parameters -> data loaders with distributed, resumable sampling -> restore a
-checkpoint -> loop. The loop accumulates micro-batches (communicating only on
-the last one), clips, steps, logs, validates and checkpoints. Everything that
-differs between one device, DDP, FSDP and DeepSpeed is a strategy method;
-nothing here knows which strategy runs. (The package's __init__ says what
-the modules beside this one do.)
+Set-up (in this order, every step commented where it matters): environment -> strategy -> configure_model
+under the strategy's init context -> strategy wraps / shards / materialises -> optimizers on the wrapped
+parameters -> data loaders with distributed, resumable sampling -> restore a checkpoint -> loop. The loop
+accumulates micro-batches (communicating only on the last one), clips, steps, logs, validates and
+checkpoints. Everything that differs between one device, DDP, FSDP and DeepSpeed is a strategy method;
+nothing here knows which strategy runs. (The package's __init__ says what the modules beside it do.)
 """
 
 from __future__ import annotations
@@ -71,6 +68,9 @@ class Trainer(TrainerAttributes):
         preemption_signals: Optional[Sequence[Union[str, int]]] = ("SIGTERM", "SIGINT", "SIGUSR1"),
         non_finite: str = "error",
         timeout_s: Optional[float] = None,
+        throughput: bool = True,  # tokens/s, TFLOP/s and MFU at the log steps (callbacks/throughput.py)
+        peak_tflops: Optional[float] = None,  # the device's peak for MFU; None: shardwise.flops' table
+        profile_steps: Optional[Tuple[int, int]] = None,  # torch.profiler traces of these optimizer steps
         # The first-hour Lightning options (options.py says what each does here):
         fast_dev_run: Union[bool, int] = False,
         num_sanity_val_steps: Optional[int] = None,  # None: 0 (Lightning: 2)
@@ -139,8 +139,8 @@ class Trainer(TrainerAttributes):
         # Set by fit() for a module that defines loss_weight: its summed losses are normalised over the
         # global batch of each step (weighting.py); None keeps the mean loss of each micro-batch.
         self.weighting: Optional[weighting.StepWeighting] = None
-        callbacks = list(callbacks or [])
-        self.callbacks = setup.default_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self.callbacks = setup.default_callbacks(callbacks, enable_progress_bar, enable_checkpointing, throughput,
+                                                 peak_tflops, profile_steps)  # fmt: skip
         self.loggers = setup.build_loggers(logger, self.default_root_dir)
         self.state = TrainState()
         self.metrics = MetricStore()

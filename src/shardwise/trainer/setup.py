@@ -10,7 +10,8 @@
 - `parse_optimizers`: configure_optimizers' return, in any of Lightning's
   shapes, as (optimizers, scheduler entries), built on the wrapped parameters.
 - `default_callbacks` / `build_loggers` / `setup_loggers`: the progress bar,
-  checkpointing and CSV logger a Trainer has unless told otherwise, and one
+  checkpointing, throughput monitor, profiler (when asked), out-of-memory
+  report and CSV logger a Trainer has unless told otherwise, and one
   log version agreed by every rank.
 """
 
@@ -25,7 +26,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise import flops
 from shardwise.callbacks import ModelCheckpoint, RichProgressBar
+from shardwise.callbacks.profiling import OutOfMemoryReport, ProfileSteps, check_profile_steps
+from shardwise.callbacks.throughput import ThroughputMonitor
 from shardwise.distributed import context
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.distributed.launch import launch_script
@@ -165,8 +169,35 @@ def parse_optimizers(config: Any) -> Tuple[List[torch.optim.Optimizer], List[Dic
     )
 
 
-def default_callbacks(callbacks: List[Any], progress: bool, checkpointing: bool) -> List[Any]:
-    """The user's callbacks plus a progress bar and ModelCheckpoint unless they have one or turned it off."""
+def default_callbacks(
+    callbacks: Optional[List[Any]],
+    progress: bool,
+    checkpointing: bool,
+    throughput: Any = True,
+    peak: Any = None,
+    profile_steps: Any = None,
+) -> List[Any]:
+    """The user's callbacks plus a progress bar and ModelCheckpoint unless they have one or turned it off; a
+    ThroughputMonitor (before the bar, which shows what it measured) unless throughput=False or the user has
+    one; ProfileSteps when profile_steps is given; the out-of-memory report always."""
+    callbacks = list(callbacks or [])
+    if not isinstance(throughput, bool):
+        raise ValueError(f"Trainer(throughput={throughput!r}): use True (tokens/s, TFLOP/s, MFU) or False.")
+    if not throughput and peak is not None:
+        raise ValueError(
+            f"Trainer(peak_tflops={peak!r}) is the peak MFU is measured against, and throughput=False turns the "
+            "measurement off: drop one of them."
+        )
+    mine = [c for c in callbacks if isinstance(c, ThroughputMonitor)]
+    if throughput and not mine:
+        callbacks.append(ThroughputMonitor(flops.check_peak(peak)))
+    elif peak is not None and any(c.peak_tflops not in (None, peak) for c in mine):
+        raise ValueError(f"Trainer(peak_tflops={peak!r}) contradicts the ThroughputMonitor's peak_tflops: give one.")
+    for monitor in mine:
+        monitor.peak_tflops = monitor.peak_tflops if peak is None else flops.check_peak(peak)
+    if profile_steps is not None:
+        callbacks.append(ProfileSteps(*check_profile_steps(profile_steps)))
+    callbacks.append(OutOfMemoryReport())
     if progress and not any(hasattr(c, "is_progress_bar") for c in callbacks):
         callbacks.append(RichProgressBar())
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):

@@ -1,0 +1,161 @@
+"""FLOPs a training step does, what the device could do, and the ratio between them (MFU).
+
+A step's FLOPs are counted, not modelled: `FlopCounter` runs torch's
+FlopCounterMode over one real forward and backward (the throughput monitor
+counts the first micro-batch of a run), so any user model gets a number,
+whatever its layers, including attention through scaled_dot_product_attention.
+The counter sees the matrix products and convolutions that dominate a step;
+elementwise work, norms and the optimizer update are left out, as every MFU
+figure leaves them out. The peak is the device's dense (no 2:4 sparsity)
+tensor throughput for the precision the step runs in, from NVIDIA's data
+sheets by `torch.cuda.get_device_name`; a GPU not in the table, or the CPU,
+has no peak and so no MFU unless the user gives one (`Trainer(peak_tflops=)`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense TFLOP/s per GPU by the kind of number a matmul multiplies. "tf32" is float32 storage with
+# TF32 tensor-core products (torch's float32_matmul_precision "high"/"medium"); "fp32" is IEEE
+# float32 on the CUDA cores. Checked against the vendor's data sheets (sparse figures halved).
+# Order matters: the first pattern that matches the device name wins (H100 NVL before H100).
+PEAK_TFLOPS: Tuple[Tuple[str, str, Dict[str, float]], ...] = (
+    ("B200", r"\bb200\b", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    ("H200 NVL", r"\bh200\b.*\bnvl\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("H200", r"\bh200\b", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    ("H100 NVL", r"\bh100\b.*\bnvl\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("H100 PCIe", r"\bh100\b.*\bpcie\b", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0}),
+    ("H100 SXM", r"\bh100\b", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    ("A100", r"\ba100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L4", r"\bl4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    # AWS's A10G: the A10 data sheet's figures (the same GA102 part, full-rate tensor cores).
+    ("A10G", r"\ba10g\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+)
+
+
+def number_kind(precision: str) -> str:
+    """The numbers a step's matrix products use under a precision name: bf16, fp16, tf32, fp32 or fp64."""
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    if precision.startswith("64"):
+        return "fp64"
+    # float32 products run on the tensor cores as TF32 when torch is allowed to (Ampere and later).
+    tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
+    return "tf32" if tf32 else "fp32"
+
+
+def lookup_peak(device_name: str, kind: str) -> Optional[Tuple[str, float]]:
+    """(the table's name for the device, its dense peak TFLOP/s for `kind`), or None when not in the table."""
+    name = device_name.lower()
+    for label, pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name):
+            return (label, peaks[kind]) if kind in peaks else None
+    return None
+
+
+def device_peak(device: torch.device, precision: str, override: Optional[float] = None) -> Tuple[Optional[float], str]:
+    """The peak TFLOP/s MFU is measured against, and where it came from (said once in the run's output).
+
+    override: the user's `peak_tflops`, taken as it is on any device. Otherwise the table's entry for a
+    CUDA device, or None (no MFU) for the CPU and for GPUs the table does not list.
+    """
+    kind = number_kind(precision)
+    if override is not None:
+        return float(override), f"peak_tflops={override:g} as given"
+    if device.type != "cuda":
+        return None, f"no peak for the {device.type.upper()}: TFLOP/s without MFU (pass peak_tflops for MFU)"
+    name = torch.cuda.get_device_name(device)
+    found = lookup_peak(name, kind)
+    if found is None:
+        return None, f"no peak known for {name} in {kind}: TFLOP/s without MFU (pass peak_tflops for MFU)"
+    label, peak = found
+    return peak, f"{label} dense {kind} peak {peak:g} TFLOP/s"
+
+
+def mfu(achieved_tflops: float, peak_tflops: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation: the achieved share of the peak, 0..1 (None without a peak)."""
+    if not peak_tflops or peak_tflops <= 0:
+        return None
+    return achieved_tflops / peak_tflops
+
+
+def check_peak(value: Any, where: str = "Trainer(peak_tflops=...)") -> Optional[float]:
+    """A user's peak_tflops: None or a positive number of TFLOP/s per device."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise ValueError(
+            f"{where}: {value!r} is not a peak; give the device's dense TFLOP/s for the run's precision "
+            "(e.g. 989.5 for an H100 SXM in bf16), or None to use the built-in table."
+        )
+    return float(value)
+
+
+def _attention_flops(query: Any, key: Any, value: Any) -> int:
+    """Scores (query x key) and the weighted sum (scores x value), 2 FLOPs a multiply-add, every head of
+    the query (grouped-query attention shares key/value heads but computes every query head's scores)."""
+    batch, heads, q_len, head_dim = query
+    k_len, v_dim = key[-2], value[-1]
+    return 2 * batch * heads * q_len * k_len * (head_dim + v_dim)
+
+
+def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return _attention_flops(query, key, value)
+
+
+def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * _attention_flops(query, key, value)  # the four products of the backward: twice the forward's
+
+
+# The CPU's fused attention kernel is missing from torch's FLOP registry (the CUDA ones are there), so on
+# the CPU scaled_dot_product_attention would count as nothing; these formulas are the CUDA ones' shapes.
+_CUSTOM = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+
+
+def _counter_mode() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=dict(_CUSTOM))
+
+
+class FlopCounter:
+    """Counts the FLOPs of whatever runs between `start()` and `stop()` (may span several hooks).
+
+    torch's FlopCounterMode is a dispatch mode: entered here, it sees every operator the model, its
+    backward and any collectives run, whichever thread of hooks starts and ends it. `stop()` is safe
+    to call twice (an exception path and the normal one).
+    """
+
+    def __init__(self) -> None:
+        self._mode: Optional[FlopCounterMode] = None
+        self.total: Optional[int] = None
+
+    @property
+    def running(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        self._mode = _counter_mode()
+        self._mode.__enter__()
+
+    def stop(self) -> Optional[int]:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            self.total = int(mode.get_total_flops())
+        return self.total
+
+
+def count_flops(fn: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of `fn(*args, **kwargs)` (call it on a forward + backward to count a training step)."""
+    with _counter_mode() as mode:
+        fn(*args, **kwargs)
+    return int(mode.get_total_flops())
