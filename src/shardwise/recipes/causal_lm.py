@@ -89,6 +89,12 @@ class CausalLMModule(TrainModule):
         """Target tokens: the positions whose next token has a label (the Trainer sums these per step)."""
         return (batch["labels"][:, 1:] != -100).sum()
 
+    def count_tokens(self, batch: Dict[str, torch.Tensor]) -> Any:
+        """Tokens trained on, for tokens/s and MFU (callbacks/throughput.py): padding (attention 0) is not;
+        a packed block has none. A device sum, read back only at log steps."""
+        mask = batch.get("attention_mask")
+        return mask.sum() if mask is not None else batch["input_ids"].numel()
+
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's own loss: the mean over the batch's target tokens."""
         # No KV cache; without one, position ids that restart per document
