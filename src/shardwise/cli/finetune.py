@@ -46,6 +46,10 @@ def translate(argv: List[str]) -> List[str]:
     from shardwise.distributed.env import is_global_zero
     from shardwise.recipes.hf_args import translate_argv
 
+    if "--profile_steps" in argv:  # START END, as two words: jsonargparse takes a tuple as one ("[3,5]")
+        at = argv.index("--profile_steps") + 1
+        if len(argv) >= at + 2 and all(word.isdigit() for word in argv[at : at + 2]):
+            argv = argv[:at] + [f"[{argv[at]},{argv[at + 1]}]"] + argv[at + 2 :]
     argv, notes = translate_argv(argv)
     if is_global_zero():
         for note in notes:

@@ -33,14 +33,16 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from shardwise.adapters.export import check_merge, export_lora
+from shardwise.callbacks.profiling import check_profile_steps
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch
 from shardwise.dtypes import DTYPES, cast_dtype
+from shardwise.flops import check_peak
 from shardwise.memory import parse_bytes
 from shardwise.precision import build_precision
 from shardwise.recipes.causal_lm import build_module
@@ -133,6 +135,8 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
         state_dict_type: sharded | full intermediate checkpoints
         enable_progress_bar: show the progress bar
         timeout_s: collective timeout in seconds
+        peak_tflops: the device's dense peak TFLOP/s for MFU (default: the built-in table by GPU name)
+        profile_steps: START END: torch.profiler traces of these optimizer steps in <output_dir>/profiles
         lora_r: LoRA rank through PEFT (0: full fine-tuning, every weight trained)
         lora_alpha: LoRA scaling numerator (PEFT's lora_alpha)
         lora_dropout: dropout on the LoRA path
@@ -185,6 +189,8 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
     state_dict_type: str = "sharded"
     enable_progress_bar: bool = False
     timeout_s: float = 1800.0
+    peak_tflops: Optional[float] = None
+    profile_steps: Optional[Tuple[int, int]] = None
     # Adapters (LoRA / QLoRA through PEFT and bitsandbytes)
     lora_r: int = 0
     lora_alpha: int = 16
@@ -303,6 +309,8 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     if cfg.export_dtype is not None and cfg.export_dtype not in DTYPES:
         raise ValueError(f"export_dtype={cfg.export_dtype!r}: use one of {', '.join(DTYPES)}.")
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
+    check_peak(cfg.peak_tflops, "--peak_tflops")
+    check_profile_steps(cfg.profile_steps)
     _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
     check_merge(cfg)
     return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
@@ -492,6 +500,8 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         enable_checkpointing=bool(callbacks),
         enable_progress_bar=cfg.enable_progress_bar,
         default_root_dir=cfg.output_dir,
+        peak_tflops=cfg.peak_tflops,
+        profile_steps=cfg.profile_steps,
     )
     # The Trainer joins the process group (strategy.setup_environment), runs
     # the data module's prepare_data (the tokenisation: rank 0 writes the
