@@ -5,7 +5,8 @@
   (`shardwise.cli.<command>.parser()`), so the reference cannot drift from the CLI.
 - `<!-- include: FILE -->` on a line of its own becomes FILE's text (a path relative to the
   repository's root; docs/benchmarks.md includes BENCHMARKS.md this way), its headings one level
-  deeper so the page keeps one title.
+  deeper so the page keeps one title, and a blank line before a list that follows a paragraph line
+  (GitHub renders such a list; Python-Markdown would run it into the paragraph).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import importlib
 import os
 import re
 
-CLI_MARK = "<!-- cli-reference -->"
+CLI_MARK = re.compile(r"^<!-- cli-reference -->$", re.MULTILINE)  # on a line of its own
 INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.MULTILINE)
+LIST_ITEM = re.compile(r"([-*]|\d+\.) ")
 WIDTH = "100"  # argparse wraps help at $COLUMNS: fixed, so the page does not depend on the terminal
 
 
@@ -44,12 +46,15 @@ def include(match: re.Match, root: str) -> str:
     lines, fenced = [], False
     for line in open(os.path.join(root, match.group(1)), encoding="utf-8").read().splitlines():
         fenced ^= line.lstrip().startswith(("```", "~~~"))
+        if not fenced and LIST_ITEM.match(line) and lines and lines[-1].strip() and not LIST_ITEM.match(lines[-1]):
+            if not lines[-1].startswith(" "):  # GitHub starts a list under a paragraph line; Markdown needs a gap
+                lines.append("")
         lines.append("#" + line if re.match(r"#+ ", line) and not fenced else line)
     return "\n".join(lines)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     root = os.path.dirname(config.config_file_path)
-    if CLI_MARK in markdown:
-        markdown = markdown.replace(CLI_MARK, cli_reference())
+    if CLI_MARK.search(markdown):
+        markdown = CLI_MARK.sub(lambda _: cli_reference(), markdown)
     return INCLUDE.sub(lambda match: include(match, root), markdown)

@@ -352,7 +352,7 @@ def test_site_builds_strict_with_the_cli_and_api_reference(site):
     cli = html(site, "cli")
     for name in COMMANDS:
         assert f"usage: shardwise {name}" in cli, f"the CLI reference has no `shardwise {name} --help`"
-    assert "<!-- cli-reference -->" not in cli
+    assert "<!-- cli-reference -->" not in cli and "usage: shardwise demo" not in html(site, "WRITING")
     trainer = html(site, "api/trainer")
     assert "estimated_stepping_batches" in trainer and 'id="shardwise.Trainer"' in trainer
     assert "benchmarks" in os.listdir(site) and "<!-- include:" not in html(site, "benchmarks")
