@@ -21,10 +21,11 @@ the names that do exist before any worker starts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -345,6 +346,29 @@ def check_lora(model: nn.Module, options: LoraOptions) -> Dict[str, int]:
             f"lora_target_modules={options.target_modules!r} adds no trainable parameter. {module_name_hint(model)}"
         )
     return {"trainable": trainable, "total": total}
+
+
+def check_lora_config(config: Any, build_meta_model: Callable[[], nn.Module]) -> Optional[Dict[str, int]]:
+    """The recipe's LoRA fields (lora_r, lora_alpha, lora_dropout, lora_target_modules) checked up front.
+
+    `build_meta_model()` builds the architecture (no weights); it runs on the meta
+    device, so nothing is allocated. Raises ValueError naming the field and the
+    fix; a LoRA field set while lora_r is 0 is refused rather than ignored.
+    Returns the run's parameter counts, or None for full fine-tuning.
+    """
+    options = options_from(config)
+    if options is None:
+        if config.lora_r != 0:
+            raise ValueError(f"lora_r={config.lora_r!r}: use 1 or more for LoRA (e.g. 16), or 0 for full fine-tuning.")
+        defaults = {f.name: f.default for f in dataclasses.fields(LoraOptions)}
+        fields = ("alpha", "dropout", "target_modules")
+        given = [f"lora_{n}" for n in fields if getattr(config, f"lora_{n}") != defaults[n]]
+        if given:
+            raise ValueError(f"{', '.join(given)} set but lora_r=0 (full fine-tuning): set lora_r (e.g. 16) too.")
+        return None
+    with torch.device("meta"):
+        model = build_meta_model()
+    return check_lora(model, options)
 
 
 def options_from(config: Any) -> Optional[LoraOptions]:

@@ -16,7 +16,10 @@ train_loss) and of every evaluation (`eval_history`, also per target token),
 read back to the host only at log lines; checkpoints carry both, so a resumed
 run's history keeps the steps before the resume. Optimizer and schedule are
 the Hugging Face Trainer's: AdamW without decay on biases and norms, linear
-warm-up, then cosine / linear / constant.
+warm-up, then cosine / linear / constant; it holds only the parameters that
+require gradients, so with LoRA (`lora_r` > 0: PEFT wraps the meta model in
+`configure_model`, adapters/lora.py) the frozen base weights have no
+optimizer state under any strategy.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any, Callable, Dict, List, Union
 import torch
 import torch.nn.functional as F
 
+from shardwise.adapters.lora import apply_lora, count_parameters, describe_parameters, init_lora_weights, options_from
+from shardwise.adapters.quantize import check_4bit_plan, compute_dtype_for, quantize_to_4bit
 from shardwise.distributed import ops
 from shardwise.module import TrainModule
 from shardwise.recipes import hf_model
@@ -67,6 +72,7 @@ class CausalLMModule(TrainModule):
         self.history: List[Dict[str, float]] = []
         self.eval_history: List[Dict[str, float]] = []
         self.load_report: Any = None
+        self.parameter_counts: Dict[str, int] = {}  # full-size trainable / total elements
         self._window: List[torch.Tensor] = []
         # (step, lr, this rank's share of the step's mean loss on the device) until the next log line:
         # reading a loss back to the host every step would stall the device queue.
@@ -77,13 +83,25 @@ class CausalLMModule(TrainModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
+            model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
+            if getattr(self.cfg, "load_in_4bit", False):  # QLoRA: an NF4 base under the adapters
+                check_4bit_plan(self.trainer.strategy.parallel_plan)  # strategy="auto" is known only here
+                dtype = compute_dtype_for(self.cfg.precision)
+                quantize_to_4bit(model, dtype, dtype)
+            lora = options_from(self.cfg)
+            # LoRA wraps the meta model before the strategy shards it: the frozen base weights
+            # and the adapters are sharded together, unit by unit (mixed requires_grad per unit).
+            self.model = apply_lora(model, lora) if lora is not None else model
+            trainable, total = count_parameters(self.model)
+            self.parameter_counts = {"trainable": trainable, "total": total}
 
     def init_weights(self) -> None:
         # Called by the strategy after the shards are allocated (materialize.py):
-        # rank 0 reads, every rank receives its slices; then the computed buffers.
+        # rank 0 reads, every rank receives its slices; then the computed buffers,
+        # then the LoRA matrices (not in the checkpoint), seeded the same on every rank.
         self.load_report = hf_model.load_rank0_and_distribute(self.model, self.folder.path, self.folder.weight_files)
         hf_model.recompute_buffers(self.model)
+        init_lora_weights(self.model, self.cfg.seed)
 
     def loss_weight(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Target tokens: the positions whose next token has a label (the Trainer sums these per step)."""
@@ -113,6 +131,10 @@ class CausalLMModule(TrainModule):
 
     def on_train_start(self) -> None:
         self._t0 = time.time()
+        if self.trainer.is_global_zero and self.parameter_counts:
+            counts = self.parameter_counts
+            kind = f"LoRA r={self.cfg.lora_r}" if self.cfg.lora_r else "full fine-tuning"
+            print(f"[finetune] {kind}: {describe_parameters(counts['trainable'], counts['total'])}", flush=True)
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # Summed: the Trainer divides by the step's global target tokens and logs the mean as train_loss.

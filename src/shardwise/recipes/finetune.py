@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from shardwise.adapters.export import check_merge, export_lora
+from shardwise.adapters.lora import check_lora_config
+from shardwise.adapters.quantize import check_4bit_config
 from shardwise.callbacks.profiling import check_profile_steps
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.launch import launch
@@ -55,7 +57,7 @@ from shardwise.recipes.data import (
     dataset_columns,
     resolve_text_field,
 )
-from shardwise.recipes.hf_model import export_hf_folder, inspect_model_folder, model_block_names
+from shardwise.recipes.hf_model import build_meta_model, export_hf_folder, inspect_model_folder, model_block_names
 from shardwise.seed import seed_everything
 from shardwise.strategies import CLASSES, build_strategy
 from shardwise.strategies.fsdp_compat import sharding_strategy_name
@@ -207,6 +209,7 @@ class FinetuneResult:
     eval_losses: List[Dict[str, float]] = field(default_factory=list)
     load: Dict[str, Any] = field(default_factory=dict)  # rank-0 loading report of this rank
     data: Dict[str, Any] = field(default_factory=dict)
+    parameters: Dict[str, int] = field(default_factory=dict)  # {"trainable": n, "total": n}, full sizes
     extra: Any = None  # what finetune(after_fit=...) returned on this rank
 
 
@@ -311,7 +314,9 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
     check_peak(cfg.peak_tflops, "--peak_tflops")
     check_profile_steps(cfg.profile_steps)
-    _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
+    strategy = _build_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
+    check_4bit_config(cfg, strategy)  # load_in_4bit: LoRA, bitsandbytes, precision, no ZeRO-3 / offload
+    check_lora_config(cfg, lambda: build_meta_model(folder, cfg.attn_implementation))  # LoRA options vs the model
     check_merge(cfg)
     return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
 
@@ -542,6 +547,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         eval_losses=module.eval_history,
         load=dataclasses.asdict(module.load_report) if module.load_report else {},
         data=data.prepared.summary,
+        parameters=dict(module.parameter_counts),
         extra=after_fit(module) if after_fit is not None else None,
     )
     if trainer.is_global_zero:

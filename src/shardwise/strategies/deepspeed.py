@@ -498,6 +498,10 @@ class DeepSpeedStrategy(Strategy):
 
 
 # ----------------------------------------------------------------- helpers
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
 def apply_deepspeed_checkpointing(root: nn.Module, policy: Any) -> int:
     """Run each module the policy selects through deepspeed.checkpointing.checkpoint.
 
@@ -514,12 +518,20 @@ def apply_deepspeed_checkpointing(root: nn.Module, policy: Any) -> int:
             continue
         original = module.forward
 
-        def forward(*args: Any, _original=original, **kwargs: Any) -> Any:
+        def forward(*args: Any, _original=original, _module=module, **kwargs: Any) -> Any:
             from deepspeed import checkpointing
 
             if not torch.is_grad_enabled():  # validation: nothing to save for a backward
                 return _original(*args, **kwargs)
             positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+            if not any(args[i].requires_grad for i in positions) and _trains(_module):
+                # DeepSpeed's checkpoint is reentrant: with no input requiring grad (frozen embeddings
+                # under LoRA) its output would not either, and the block's adapters would get no
+                # gradient. A floating input made a leaf that requires grad keeps the graph (what
+                # transformers' enable_input_require_grads does for the same reason).
+                args = tuple(
+                    a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+                )
             if kwargs or len(positions) < len(args):
 
                 def run(*tensors: torch.Tensor) -> Any:
