@@ -52,6 +52,7 @@ class ProfileSteps:
         self.dirpath = dirpath
         self.files: Dict[str, str] = {}  # "trace" / "memory" -> this rank's file, once written
         self._profiler: Any = None
+        self._span: Any = None
         self._cuda = False
         self._done = False
 
@@ -60,11 +61,15 @@ class ProfileSteps:
         window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
         if self._profiler is None and not self._done and window_start and self.start <= step <= self.end:
             self._begin(trainer)
+        if self._profiler is not None and window_start:
+            # A span per optimizer step, named as torch.profiler's own step marks are (trace viewers group by it).
+            self._span = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._span.__enter__()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._profiler is None or not getattr(trainer, "is_last_microbatch", True):
             return
-        self._profiler.step()  # a ProfilerStep#N span per optimizer step in the trace
+        self._end_span()
         if trainer.global_step >= self.end:
             self._finish(trainer)
 
@@ -91,7 +96,13 @@ class ProfileSteps:
         if self._cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
 
+    def _end_span(self) -> None:
+        span, self._span = self._span, None
+        if span is not None:
+            span.__exit__(None, None, None)
+
     def _finish(self, trainer: Any) -> None:
+        self._end_span()
         profiler, self._profiler, self._done = self._profiler, None, True
         profiler.stop()
         folder = self._folder(trainer)
@@ -113,6 +124,7 @@ class ProfileSteps:
             )
 
     def _discard(self) -> None:
+        self._end_span()
         profiler, self._profiler = self._profiler, None
         if profiler is not None:
             profiler.stop()
