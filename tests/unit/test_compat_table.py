@@ -28,6 +28,8 @@ def test_every_accepted_name_has_a_row():
 
 def test_readme_carries_the_rendered_table():
     text = open(README).read()
-    assert compat.MARK_START in text, "README.md has no compat-table block; run `python -m shardwise.compat`"
+    assert compat.MARK_START in text, "docs/coming-from.md has no compat-table block; run `python -m shardwise.compat`"
     block = text[text.index(compat.MARK_START) : text.index(compat.MARK_END) + len(compat.MARK_END)]
-    assert block == compat.render_block(), "README's table is stale: paste `python -m shardwise.compat` into it"
+    assert block == compat.render_block(), (
+        "docs/coming-from.md's table is stale: paste `python -m shardwise.compat` into it"
+    )

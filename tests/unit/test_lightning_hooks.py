@@ -208,10 +208,14 @@ def test_readme_coming_from_lightning_has_a_row_for_everything_lightning_has():
     section = text[text.index("\n## Coming from Lightning\n") :]
     section = section[: section.index("\n## ", 1)]
     for owner in ("module", "callback", "datamodule"):
-        assert render_rows(owner) in section, f"README's {owner} hook rows differ from lightning_hooks.render_rows"
+        assert render_rows(owner) in section, (
+            f"docs/coming-from.md's {owner} hook rows differ from lightning_hooks.render_rows"
+        )
     rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")}
     names = {name.strip(" `") for row in rows for name in row.split(",")}
-    assert set(LIGHTNING["trainer_arguments"]) - names == set(), "Trainer arguments without a README row"
-    assert set(LIGHTNING["callbacks"]) - names == set(), "Lightning callbacks without a README row"
+    assert set(LIGHTNING["trainer_arguments"]) - names == set(), (
+        "Trainer arguments without a row in docs/coming-from.md"
+    )
+    assert set(LIGHTNING["callbacks"]) - names == set(), "Lightning callbacks without a row in docs/coming-from.md"
     statuses = {line.split("|")[2].strip() for line in section.splitlines() if line.startswith("| `")}
     assert statuses <= {"same", "different", "refused"}
