@@ -313,6 +313,15 @@ def test_shardwise_commands_in_the_docs_use_real_options():
     assert not wrong, "\n".join(wrong)
 
 
+def test_every_environment_variable_shardwise_reads_is_documented():
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "src", "shardwise", "**", "*.py"), recursive=True):
+        names |= set(re.findall(r"SHARDWISE_[A-Z][A-Z0-9_]*", open(path, encoding="utf-8").read()))
+    table = open(os.path.join(ROOT, "docs", "launching.md"), encoding="utf-8").read()
+    missing = sorted(name for name in names if f"`{name}" not in table)
+    assert names and not missing, f"{missing}: add them to docs/launching.md's table"
+
+
 def test_finetuning_options_table_has_every_option():
     from shardwise.recipes.data import DataOptions
     from shardwise.recipes.finetune import FinetuneConfig
