@@ -52,3 +52,31 @@ def test_predicted_peak_within_10_percent_full_matrix(model, devices):
     pytest.importorskip("deepspeed")
     spec, seq = accuracy_models()[model]
     _check(compare(spec, seq, devices, ACCURACY_CONFIGURATIONS))
+
+
+ADAPTER_TOLERANCE = 0.05
+ADAPTER_CASES = {  # (LoRA / QLoRA keywords, processes): configurations
+    ("lora", 2): ["ddp", "fsdp"],
+    ("qlora", 2): ["fsdp", "ddp"],
+    ("qlora", 1): ["fsdp"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, devices", list(ADAPTER_CASES))
+def test_adapter_peak_within_5_percent(kind, devices):
+    # LoRA r=8 on q_proj / v_proj of a Llama-shaped GPT (6 blocks), QLoRA with the base in NF4; the
+    # same adapter LMModule trained for real on CPU (measured: within 0.03% in BENCHMARKS.md).
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from shardwise.models import GPTConfig
+    from shardwise.plan.presets import gpt_spec
+
+    llama = GPTConfig(
+        vocab_size=2048, block_size=64, n_layer=6, n_head=4, n_embd=256, norm="rmsnorm", mlp="swiglu", rope=True
+    )
+    spec = gpt_spec("llama-6x256", llama)
+    adapters = dict(lora_r=8, load_in_4bit=kind == "qlora")
+    rows = compare(spec, 64, devices, ADAPTER_CASES[(kind, devices)], precision="bf16-mixed", adapters=adapters)
+    bad = [r for r in rows if abs(r["error"]) > ADAPTER_TOLERANCE]
+    assert not bad, f"{kind} predictions off by more than {ADAPTER_TOLERANCE:.0%}: {bad}"

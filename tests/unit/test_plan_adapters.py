@@ -43,9 +43,11 @@ def test_adapter_arguments_refused_before_tracing(kwargs, words):
         _plan(**kwargs)
 
 
-def test_qlora_is_refused_under_deepspeed_and_left_out_by_default():
+@pytest.mark.parametrize("load_in_4bit", [False, True])
+def test_adapters_are_refused_under_deepspeed(load_in_4bit):
+    # ZeRO's rows are accounted, not traced, and the accounting counts every parameter as trainable.
     with pytest.raises(PlanError, match="DDP and FSDP only"):
-        _plan(lora_r=4, load_in_4bit=True, candidates=["deepspeed_stage_3"])
+        _plan(lora_r=4, load_in_4bit=load_in_4bit, candidates=["deepspeed_stage_3"])
 
 
 def test_lora_plan_holds_gradients_and_adam_state_for_adapters_only():

@@ -84,20 +84,25 @@ def build_adapters(
 
 
 def check_candidates(adapters: Optional[Adapters], cands: List[Any], requested: bool) -> Tuple[List[Any], List[str]]:
-    """QLoRA's 4-bit base cannot go through DeepSpeed's engine: drop those rows (refuse them if asked for)."""
-    if adapters is None or not adapters.load_in_4bit:
+    """Adapters are planned under DDP and FSDP, which are traced: ZeRO's rows are arithmetic over every
+    parameter as a trainable one (strategies/accounting.py), and DeepSpeed cannot partition 4-bit weights.
+    Drop those rows (refuse them if asked for)."""
+    if adapters is None:
         return cands, []
     ds = [c for c in cands if c.plan.engine == "deepspeed"]
     if not ds:
         return cands, []
+    why = (
+        "DeepSpeed casts and partitions bitsandbytes' packed 4-bit weights as if they were ordinary ones"
+        if adapters.load_in_4bit
+        else "its accounting does not yet separate frozen from trainable parameters"
+    )
     if requested:
         raise PlanError(
-            f"load_in_4bit (QLoRA) is planned under DDP and FSDP only, not {ds[0].config_label}: DeepSpeed "
-            "casts and partitions the packed 4-bit weights as if they were ordinary ones. Use fsdp or ddp."
+            f"LoRA{' + load_in_4bit' if adapters.load_in_4bit else ''} is planned under DDP and FSDP only, not "
+            f"{ds[0].config_label}: {why}. Plan fsdp or ddp."
         )
-    return [c for c in cands if c.plan.engine != "deepspeed"], [
-        "QLoRA: DeepSpeed ZeRO rows are left out (DeepSpeed cannot partition bitsandbytes' 4-bit weights)."
-    ]
+    return [c for c in cands if c.plan.engine != "deepspeed"], [f"Adapters: DeepSpeed ZeRO rows are left out ({why})."]
 
 
 def compute_dtype_name(precision: str) -> str:
