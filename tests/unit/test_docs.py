@@ -34,6 +34,8 @@ REPLACE = re.compile(r'^replace "([^";]*)" with "([^";]*)"$')
 PYTHON = {"python", "py"}
 SHELL = {"bash", "sh", "shell"}
 BLOCK_TIMEOUT_S = 120
+# Blocks see the commands an installed user has on PATH (`shardwise`, this `python`).
+ENV = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 @dataclasses.dataclass
@@ -187,7 +189,7 @@ for line in sys.stdin:
     if pid == 0:
         os.setpgrp()
         log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(log, 1), os.dup2(log, 2)
+        os.dup2(log, 1), os.dup2(log, 2), os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # stdin: not the jobs
         os.chdir(job["cwd"])
         sys.argv, sys.path[0], status = [job["script"]], job["cwd"], 0
         try:
@@ -218,7 +220,7 @@ for line in sys.stdin:
 @pytest.fixture(scope="module")
 def runner():
     process = subprocess.Popen(
-        [sys.executable, "-c", RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, "-c", RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=ENV
     )
     yield process
     process.stdin.close()
@@ -237,7 +239,6 @@ def run_script(runner, script: str, folder: str) -> Tuple[object, str]:
 
 def run_group(group: List[Block], folder: str, runner) -> None:
     os.symlink(os.path.join(ROOT, "examples"), os.path.join(folder, "examples"))
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     steps: List[List[Block]] = []
     for block in group:  # consecutive Python blocks are one script; a shell block runs by itself
         if block.lang in PYTHON and steps and steps[-1][-1].lang in PYTHON:
@@ -254,7 +255,7 @@ def run_group(group: List[Block], folder: str, runner) -> None:
             command = ["bash", "-eo", "pipefail", "-c", blocks[0].runnable_code()]
             try:
                 done = subprocess.run(
-                    command, cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+                    command, cwd=folder, env=ENV, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
                 )
                 status, output = done.returncode, done.stdout + done.stderr
             except subprocess.TimeoutExpired as exc:
@@ -268,6 +269,27 @@ def run_group(group: List[Block], folder: str, runner) -> None:
 @pytest.mark.parametrize("group", groups(), ids=lambda group: group[0].where)
 def test_marked_block_runs(group, tmp_path, runner):
     run_group(group, str(tmp_path), runner)
+
+
+def test_the_markers_mean_what_writing_md_says(tmp_path, runner):
+    page = tmp_path / "page.md"
+    page.write_text(
+        '<!-- run: replace "big" with "small" -->\n```python\nsize = "big"\n```\n'
+        "<!-- run: continue -->\n```python\nassert size == 'small', size\n```\n"
+        '<!-- run: replace "gone" with "x" -->\n```python\npass\n```\n'
+        "````markdown\n```python\nnot a block of the page\n```\n````\n"
+        "```python\nunmarked = True\n```\n<!-- no-run -->\n```python\nx\n```\n"
+        "<!-- run -->\n```python\nraise SystemExit(3)\n```\n"
+    )
+    first, second, stale, nested, unmarked, reasonless, failing = parse(str(page))
+    assert first.run and second.continues and not first.problem and not second.problem
+    assert "stale" in stale.problem and nested.lang == "markdown" and "```python" in nested.code
+    assert "without <!-- run -->" in unmarked.problem and "without a reason" in reasonless.problem
+    for folder in ("ok", "fails"):
+        os.mkdir(tmp_path / folder)
+    run_group([first, second], str(tmp_path / "ok"), runner)  # substituted, and one script for both
+    with pytest.raises(pytest.fail.Exception, match="exit status 3"):
+        run_group([failing], str(tmp_path / "fails"), runner)
 
 
 def shardwise_commands(page: str) -> List[Tuple[str, List[str]]]:
