@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise import flops
+from shardwise.adapters.lora import full_numel
 from shardwise.callbacks import ModelCheckpoint, RichProgressBar
 from shardwise.callbacks.profiling import OutOfMemoryReport, ProfileSteps, check_profile_steps
 from shardwise.callbacks.throughput import ThroughputMonitor
@@ -117,7 +118,9 @@ def build_model(strategy: Any, module: Any, configure_model: Callable[[], Any], 
         raise ValueError(
             f"{type(module).__name__} has no trainable parameters after configure_model()"
             + (
-                " (every parameter has requires_grad=False)."
+                f": the trainable parameter count is 0 of {sum(full_numel(p) for p in params):,} "
+                "(every parameter has requires_grad=False; with adapters: the LoRA target modules matched "
+                "nothing, or the adapter was loaded for inference, is_trainable=False)."
                 if params
                 else ": no layer was registered. Assign layers to attributes of the module (self.model = ...), "
                 "in __init__ or configure_model; layers kept in plain lists or dicts are not registered "
