@@ -144,3 +144,19 @@ def test_planted_silent_failures_stop_the_run(kwargs, error, message):
     assert module.grads_seen == [] or len(module.grads_seen) == 1  # stopped at the first step
     if error is ZeroGradientError:
         assert "rank 0: 6 gradient tensor(s)" in str(info.value) and "global_step stays 0" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("all-linear", ["all-linear"]),
+        ("q_proj,v_proj", ["q_proj", "v_proj"]),
+        ("[q_proj,v_proj]", ["q_proj", "v_proj"]),
+    ],
+)
+def test_cli_takes_peft_target_module_spellings(value, expected):
+    from shardwise.cli.finetune import parser, translate
+
+    argv = ["--model_path", "m", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.05"]
+    ns = parser().parse_args(translate([*argv, "--lora_target_modules", value]))
+    assert (ns.lora_r, ns.lora_alpha, ns.lora_dropout, ns.lora_target_modules) == (16, 32, 0.05, expected)

@@ -50,11 +50,23 @@ def translate(argv: List[str]) -> List[str]:
         at = argv.index("--profile_steps") + 1
         if len(argv) >= at + 2 and all(word.isdigit() for word in argv[at : at + 2]):
             argv = argv[:at] + [f"[{argv[at]},{argv[at + 1]}]"] + argv[at + 2 :]
+    argv = _target_modules_as_list(argv)
     argv, notes = translate_argv(argv)
     if is_global_zero():
         for note in notes:
             print(f"shardwise finetune: note: {note}", file=sys.stderr)
     return argv
+
+
+def _target_modules_as_list(argv: List[str]) -> List[str]:
+    """`--lora_target_modules all-linear` or `q_proj,v_proj` (PEFT's spelling, unquoted) as the list
+    jsonargparse expects; `[q_proj,v_proj]` passes unchanged."""
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        value = out[i + 1]
+        if word == "--lora_target_modules" and not value.startswith(("[", "-")) and value.lower() != "null":
+            out[i + 1] = "[" + ",".join(v.strip() for v in value.split(",") if v.strip()) + "]"
+    return out
 
 
 def run(cfg: Any) -> int:
