@@ -362,7 +362,7 @@ def test_finetuning_options_table_has_every_option():
 def site(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("site"))
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", "mkdocs.yml", "-d", folder],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", "mkdocs.yml", "-d", folder],
         cwd=ROOT,
         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),  # Material's notice about its successor
         capture_output=True,
