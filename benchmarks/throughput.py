@@ -13,6 +13,7 @@ cuda`; `--precision bf16-mixed` for tensor-core peaks). Prints a markdown table.
 
     nice -n 10 python benchmarks/throughput.py [--size tiny|small|gpt2] [--steps 20] [--repeats 1]
         [--strategies single ddp fsdp] [--modes eager compiled] [--devices 2] [--peak_tflops P]
+        [--compile_with auto|trainer|script]
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ class GPTModule(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def trainer_compiles() -> bool:
-    """Whether the Trainer has its own compile option (then it compiles, not this script)."""
-    return "compile" in inspect.signature(Trainer.__init__).parameters
+def trainer_compiles(choice: str = "auto") -> bool:
+    """Whether the Trainer compiles (its own compile option, when it has one and --compile_with allows)."""
+    has = "compile" in inspect.signature(Trainer.__init__).parameters
+    if choice == "trainer" and not has:
+        raise SystemExit("--compile_with trainer: this Trainer has no compile option; use auto or script")
+    return has and choice != "script"
 
 
 def run_one(args: argparse.Namespace, strategy: str, mode: str, world: int) -> Dict[str, float]:
@@ -76,7 +80,7 @@ def run_one(args: argparse.Namespace, strategy: str, mode: str, world: int) -> D
     tokens = torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     compiled = mode == "compiled"
-    own_compile = compiled and trainer_compiles()
+    own_compile = compiled and trainer_compiles(args.compile_with)
     monitor = ThroughputMonitor(peak_tflops=args.peak_tflops)
     extra: Dict[str, Any] = {"compile": True} if own_compile else {}
     if strategy == "fsdp":
@@ -135,6 +139,12 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--peak_tflops", type=float, default=None, help="per device, for MFU")
+    parser.add_argument(
+        "--compile_with",
+        choices=["auto", "trainer", "script"],
+        default="auto",
+        help="auto: Trainer(compile=True) when the Trainer has it, else torch.compile per block in this script",
+    )
     args = parser.parse_args()
 
     rows: List[Dict[str, Any]] = []
@@ -145,7 +155,7 @@ def main() -> None:
         rows += shardwise.launch(run_all, args, args.devices, distributed, devices=args.devices)[0]
 
     eager = {r["strategy"]: r["tokens_per_sec"] for r in rows if r["mode"] == "eager"}
-    compile_by = "Trainer(compile=True)" if trainer_compiles() else "torch.compile per block"
+    compile_by = "Trainer(compile=True)" if trainer_compiles(args.compile_with) else "torch.compile per block"
     shape = ", ".join(f"{k}={v}" for k, v in SIZES[args.size].items())
     print(f"\nGPT {args.size} ({shape}), {args.batch_size} x {SIZES[args.size]['block_size']} tokens per device "
           f"per step, {args.steps} steps (second half measured), {args.precision} on {args.accelerator}; "
