@@ -150,21 +150,25 @@ def quantize_to_4bit(
         raise ValueError(f"storage_dtype={storage_dtype}: use a float dtype (what the strategy shards) or uint8.")
     require_bitsandbytes()
     replaced: List[str] = []
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is not nn.Linear or _matches(name, skip):
-                continue
-            layer = _new_layer(child, compute_dtype, storage_dtype)
-            shape = packed_shape(child.out_features, child.in_features, storage_dtype)
-            if child.weight.is_meta:
-                data, state = torch.empty(shape, dtype=storage_dtype, device="meta"), None
-            else:
-                data, state = quantize_weight(child.weight.detach(), layer)
-            layer.weight = _params4bit(data, layer, state)
-            layer.quant_state = state
-            setattr(parent, child_name, layer)
-            replaced.append(name)
+    for name, child in list(model.named_modules()):  # in the model's order
+        if type(child) is not nn.Linear or _matches(name, skip):
+            continue
+        if hasattr(child.weight, "ds_id"):
+            raise ValueError(
+                f"quantize_to_4bit: {name}.weight is partitioned by DeepSpeed ZeRO-3 (built under "
+                "deepspeed.zero.Init); 4-bit layers work under FSDP, DDP and ZeRO-1/2 only."
+            )
+        layer = _new_layer(child, compute_dtype, storage_dtype)
+        shape = packed_shape(child.out_features, child.in_features, storage_dtype)
+        if child.weight.is_meta:
+            data, state = torch.empty(shape, dtype=storage_dtype, device="meta"), None
+        else:
+            data, state = quantize_weight(child.weight.detach(), layer)
+        layer.weight = _params4bit(data, layer, state)
+        layer.quant_state = state
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, layer)
+        replaced.append(name)
     if replaced:
         model.is_loaded_in_4bit = True
     return replaced
@@ -183,6 +187,46 @@ def compute_dtype_for(precision: Any) -> torch.dtype:
             "bfloat16 or float16. Use precision='bf16-mixed' (GPUs) or '32-true'."
         )
     return dtype
+
+
+def check_4bit_plan(plan: Any) -> None:
+    """Refuse parallel plans (strategies/parallel.py) 4-bit base weights do not work under; None passes."""
+    if plan is None:
+        return
+    if plan.engine == "deepspeed" and plan.zero_stage == 3:
+        raise ValueError(
+            "load_in_4bit does not work under DeepSpeed ZeRO-3: zero.Init partitions each linear weight "
+            "as the model is built, before it can become a 4-bit layer. Use strategy='fsdp' (FSDP2 shards "
+            "the packed 4-bit weights) or "
+            "'deepspeed_stage_2' / 'deepspeed_stage_1' (4-bit weights replicated, adapter state partitioned)."
+        )
+    if plan.offload_params or plan.offload_optimizer:
+        raise ValueError(
+            "load_in_4bit with CPU offload (cpu_offload, a *_offload strategy, or offload options) is not "
+            "supported: offloaded shards of the packed 4-bit weights would live on the host while their "
+            "quantisation state and the matmul are on the GPU, a path not implemented or tested here. Drop "
+            "the offload: the 4-bit base needs about 0.52 bytes per weight, sharded over the ranks under FSDP."
+        )
+
+
+def check_4bit_config(config: Any, strategy: Any) -> None:
+    """The up-front checks of the recipe's load_in_4bit (a FinetuneConfig and its built strategy, or "auto").
+
+    Raises ValueError naming the option and the fix: without LoRA, without bitsandbytes, in a precision
+    the 4-bit layers cannot compute in, under ZeRO-3 or offload. Under strategy="auto" the plan is
+    known only in the worker, which runs `check_4bit_plan` again before anything is built.
+    """
+    if not getattr(config, "load_in_4bit", False):
+        return
+    if not isinstance(config.lora_r, int) or config.lora_r < 1:
+        raise ValueError(
+            f"load_in_4bit=True with lora_r={config.lora_r!r}: the 4-bit base weights are frozen (they "
+            "cannot be trained), so QLoRA trains adapters on top of them. Set lora_r (e.g. 16), or drop "
+            "load_in_4bit for full fine-tuning."
+        )
+    require_bitsandbytes()
+    compute_dtype_for(config.precision)
+    check_4bit_plan(None if isinstance(strategy, str) else strategy.parallel_plan)
 
 
 def is_4bit(model: nn.Module) -> bool:
