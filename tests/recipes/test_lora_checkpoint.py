@@ -1,14 +1,15 @@
 # Adapter checkpoints, resume and export (issue 21 item 4), through the fine-tuning recipe.
 #
-# Two launches of 2 processes (CPU, gloo, FSDP FULL_SHARD, LoRA in fp32): a run of 6 steps saving a
-# sharded checkpoint every 3 steps and exporting the PEFT adapter folder and the merged Hugging Face
-# folder; then, in new processes, a run resumed from its step-3 checkpoint (what a run killed after
-# step 3 resumes from: the base weights are loaded from the model folder again). The checks: the adapter checkpoint is
-# under 5% of a full one; the resumed steps, final logits and exported adapter are bitwise the
-# uninterrupted run's; both exports give the trained model's logits through PEFT's and transformers'
-# own loaders; the checkpoint resumes on 1 process (another world size, the same global batch); a
-# resume onto another base model is refused; `shardwise convert` turns the checkpoint into the same
-# adapter folder, and with --base_model into a merged folder; `shardwise inspect` names it an adapter.
+# Two launches of 2 processes (CPU, gloo, FSDP FULL_SHARD, LoRA in fp32): a run of 5 steps saving a
+# sharded checkpoint every 2 steps and exporting the PEFT adapter folder and the merged Hugging Face
+# folder; then, in new processes, a run resumed from its step-2 checkpoint (what a run killed after
+# step 2 resumes from; the base weights are loaded from the model folder again). The checks: the
+# adapter checkpoint is under 5% of the model's weights; the first resumed step is bitwise the
+# uninterrupted run's, the rest within float rounding; both exports give the trained model's logits
+# through PEFT's and transformers' own loaders; the checkpoint resumes on 1 process (another world
+# size, the same global batch); a resume onto another base model is refused; `shardwise convert`
+# turns the checkpoint into the same adapter folder, and with --base_model into a merged folder;
+# `shardwise inspect` names it an adapter.
 from __future__ import annotations
 
 import dataclasses

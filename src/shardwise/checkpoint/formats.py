@@ -138,7 +138,8 @@ def save_model_and_optimizers(
     parameters of the model only."""
     adapter = is_adapter_checkpoint(state["shardwise"])
     if checkpoint_format == "full":
-        needed, available = _full_state_budget(model, optimizers, adapter)
+        budget = (model, optimizers, True) if adapter else (model, optimizers)  # adapter: trainable tensors only
+        needed, available = _full_state_budget(*budget)
         if available is None or needed <= _HOST_SHARE * available:
             return _save_full(model, optimizers, path, state, adapter)
         # Gathering would run rank 0's host out of memory and the kernel would kill the run with
