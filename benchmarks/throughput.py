@@ -8,7 +8,8 @@ count, compilation and warm-up): tokens/s over all ranks and per device, achieve
 forward with torch.compile before the strategy shards it (torchtitan's order: activation checkpointing,
 compile, sharding); when the Trainer has a `compile` option, it is used instead, so the same command
 measures the Trainer's own compile once it exists. The compiled/eager ratio of tokens/s is taken within
-one invocation, configurations alternating per repeat. The same command runs on GPUs (`--accelerator
+one invocation, configurations alternating per repeat. One-device runs use the CPU threads a rank of the
+distributed runs gets (cores / --devices), so per-device figures compare. The same command runs on GPUs (`--accelerator
 cuda`; `--precision bf16-mixed` for tensor-core peaks). Prints a markdown table.
 
     nice -n 10 python benchmarks/throughput.py [--size tiny|small|gpt2] [--steps 20] [--repeats 1]
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import statistics
 import tempfile
 from typing import Any, Dict, List
@@ -114,6 +116,10 @@ def run_one(args: argparse.Namespace, strategy: str, mode: str, world: int) -> D
 
 def run_all(args: argparse.Namespace, world: int, strategies: List[str]) -> List[Dict[str, Any]]:
     """Every (strategy, mode) of this world size, alternating per repeat; rank 0's rows."""
+    if world == 1 and "OMP_NUM_THREADS" not in os.environ:
+        # The threads a rank of the distributed runs gets (distributed/env.set_cpu_threads), so per-device
+        # figures compare; a whole process's threads against busy cores mostly wait at barriers.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.devices)))
     results: Dict[tuple, List[Dict[str, float]]] = {}
     for _ in range(args.repeats):
         for strategy in strategies:
