@@ -32,6 +32,7 @@ import random
 import sys
 import warnings
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -54,6 +55,7 @@ from shardwise.distributed.env import (
     tune_cpu_allocator,
 )
 from shardwise.precision import Precision, build_precision
+from shardwise.strategies.compile import RecompileWatch, apply_compile, build_compile_options, compile_mode
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
 from shardwise.strategies.parallel import ParallelPlan
 
@@ -114,7 +116,9 @@ class Strategy:
     #: engine takes every step itself
     can_skip_step = True
 
-    def __init__(self, precision: Union[str, Precision, None] = None, timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self, precision: Union[str, Precision, None] = None, timeout_s: float = 1800.0, compile: Any = None
+    ) -> None:
         self._precision_arg = precision
         self.precision: Optional[Precision] = None
         self.timeout_s = timeout_s
@@ -129,12 +133,40 @@ class Strategy:
         # Materialisation mode: None = allocate and initialise (training); a FakeTensorMode =
         # fake tensors of the same shapes and shards under it (planning; setup_fake_environment).
         self.fake_mode: Any = None
+        # torch.compile per block (compile.py): options, the compiled modules' names, the recompile watch.
+        self.compile_options = build_compile_options(compile)
+        self.compiled: List[str] = []
+        self.recompile_watch: Optional[RecompileWatch] = None
 
     @property
     def parallel_plan(self) -> ParallelPlan:
         """This strategy described as a ParallelPlan; `build_strategy(plan)` gives an equivalent strategy
         for the named configurations (strategies/names.py). Subclasses add their engine's options."""
-        return ParallelPlan(engine=self.name, precision=getattr(self._precision_arg, "name", self._precision_arg))
+        precision = getattr(self._precision_arg, "name", self._precision_arg)
+        return ParallelPlan(engine=self.name, precision=precision, compile=compile_mode(self.compile_options))
+
+    def configure_compile(self, value: Any, source: str = "compile") -> None:
+        """Receive `compile=` (the strategy's own, or the Trainer's: `source` names it) before set-up.
+
+        Refused here, before any worker starts, where the engine cannot compile (ParallelPlan's checks) or
+        where the Trainer and the strategy ask for different things."""
+        options = build_compile_options(value, source)
+        if options is None:
+            return
+        if self.compile_options is not None and self.compile_options != options:
+            raise ValueError(
+                f"The strategy was given compile={self.compile_options!r} but {source}={value!r}; set it in one place."
+            )
+        replace(self.parallel_plan, compile=options.mode)  # the plan refuses what the engine cannot compile
+        self.compile_options = options
+
+    def apply_compile(self, module: nn.Module, units: Any = None) -> None:
+        """torch.compile the blocks (or networks) in place: after activation checkpointing, before sharding.
+        Not while planning: the planner traces the eager model under fake tensors."""
+        if self.compile_options is None or self.fake_mode is not None:
+            return
+        self.compiled = apply_compile(module, self.compile_options, units)
+        self.recompile_watch = RecompileWatch(self.compile_options.max_recompiles, rank=self.global_rank)
 
     # ------------------------------------------------------------------ set-up
     def connect(
@@ -341,6 +373,7 @@ class Strategy:
         self.materialize(module)
         if self.fake_mode is None:  # fake tensors are made on root_device and cannot be swapped by .to
             module = module.to(self.root_device)
+        self.apply_compile(module)  # then DDP replicates it (ddp.py)
         self.module = module
         return module
 
@@ -447,6 +480,8 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step; return False when the fp16 scaler skipped it because of inf/nan."""
+        if self.recompile_watch is not None:  # warns once if a compiled block keeps recompiling
+            self.recompile_watch.step()
         if self.grad_scaler is None:
             optimizer.step()
             return True

@@ -31,8 +31,9 @@ class DDPStrategy(Strategy):
         gradient_as_bucket_view: bool = True,
         bucket_cap_mb: Optional[float] = None,
         timeout_s: float = 1800.0,
+        compile: Any = None,
     ) -> None:
-        super().__init__(precision=precision, timeout_s=timeout_s)
+        super().__init__(precision=precision, timeout_s=timeout_s, compile=compile)
         self.ddp_kwargs = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -42,7 +43,7 @@ class DDPStrategy(Strategy):
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = super().setup_module(module)
+        module = super().setup_module(module)  # with compile=True its blocks are compiled there, before DDP
         if self.world_size > 1:
             device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
             module = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)

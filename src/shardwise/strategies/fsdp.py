@@ -3,7 +3,8 @@
 The order of set-up is fixed and matters (torchtitan's order):
 1. `configure_model` builds on the meta device (nothing allocated);
 2. activation checkpointing wraps the selected blocks, so recomputation
-   happens inside each FSDP unit;
+   happens inside each FSDP unit; with compile=True each block is then
+   compiled (compile.py), its FSDP hooks left outside the compiled code;
 3. `fully_shard` each block the wrap policy selects (children first), then
    the root, over a 1-D mesh (FULL_SHARD / SHARD_GRAD_OP) or a 2-D
    (replicate, shard) mesh (HYBRID_SHARD, NO_SHARD);
@@ -266,6 +267,7 @@ class FSDPStrategy(Strategy):
         forward_prefetch: Optional[bool] = None,
         activation_checkpointing_mode: str = "full",
         selective_ac_option: Union[str, int, None] = None,
+        compile: Any = None,
         **_unknown: Any,
     ) -> None:
         # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
@@ -294,14 +296,14 @@ class FSDPStrategy(Strategy):
         ):
             if value is not None:
                 note_accepted(name, value)
-        super().__init__(precision=precision, timeout_s=timeout_s)
+        super().__init__(precision=precision, timeout_s=timeout_s, compile=compile)
         if _unknown:
             raise TypeError(
                 f"FSDPStrategy got unknown argument(s) {sorted(_unknown)}. Valid: auto_wrap_policy, "
                 "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
                 "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
                 "accumulation_sync, optimizer_on_local_shards, activation_checkpointing_mode, "
-                "selective_ac_option, and Lightning's / torch's "
+                "selective_ac_option, compile, and Lightning's / torch's "
                 "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
                 "backward_prefetch, forward_prefetch."
             )
@@ -428,6 +430,8 @@ class FSDPStrategy(Strategy):
                 self.activation_checkpointing_mode,
                 self.selective_ac_option,
             )
+        # Checkpointing, then compile, then sharding (torchtitan's order): the blocks are the wrap units.
+        self.apply_compile(module, self.auto_wrap_policy or self.activation_checkpointing_policy)
         units = select_units(module, self.auto_wrap_policy)
         if self.auto_wrap_policy is not None and not units:
             raise ValueError(

@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 ENGINES = ("single", "ddp", "fsdp", "deepspeed")
 SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")  # least to most sharded, then hybrid
 AC_MODES = ("none", "full", "selective")
+COMPILE_MODES = ("none", "blocks", "model")  # torch.compile per repeated block, or each network whole
 FILL = -1  # a data-parallel degree filled in from the world size
 
 
@@ -60,6 +61,8 @@ class ParallelPlan:
         None when not known yet (then FSDP shards the whole model as one unit).
     offload_params, offload_optimizer: state kept in host memory (FSDP offloads both together).
     precision: None means the Trainer's.
+    compile: torch.compile "none" | "blocks" (each of `blocks` after checkpointing, before sharding:
+        compile.py) | "model"; DeepSpeed refuses it.
     """
 
     engine: str = "single"
@@ -75,6 +78,7 @@ class ParallelPlan:
     offload_params: bool = False
     offload_optimizer: bool = False
     precision: Optional[str] = None
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -88,6 +92,8 @@ class ParallelPlan:
             set_(self, "dp_replicate", 1)
             set_(self, "dp_shard", FILL)
         set_(self, "ac", str(self.ac).lower())
+        spelled = {True: "blocks", False: "none", None: "none"}  # as the Trainer's compile= spells them
+        set_(self, "compile", spelled.get(self.compile, str(self.compile).lower()))
         if self.ac == "selective" and self.selective_ac_option is None:
             set_(self, "selective_ac_option", "op")
         set_(self, "blocks", _as_blocks(self.blocks))
@@ -123,6 +129,8 @@ class ParallelPlan:
             base += " + offload"
         if self.uses_ac:
             base += " + AC"
+        if self.compile != "none":
+            base += " + compile" if self.compile == "blocks" else " + compiled model"
         return base
 
     def code(self, block: str = "Block") -> str:
@@ -160,8 +168,8 @@ class ParallelPlan:
         return self.dp_degrees == (FILL, FILL)
 
     def configuration(self) -> "ParallelPlan":
-        """This plan without what belongs to a run rather than to the configuration (blocks, precision)."""
-        return replace(self, blocks=None, precision=None)
+        """This plan without what belongs to a run rather than to the configuration (blocks, precision, compile)."""
+        return replace(self, blocks=None, precision=None, compile="none")
 
     # ------------------------------------------------------------------ mesh
     def mesh(self, world_size: int, num_nodes: int = 1) -> MeshDims:
@@ -244,6 +252,8 @@ class ParallelPlan:
             kwargs["precision"] = self.precision
         if self.engine == "fsdp" and units:
             kwargs["auto_wrap_policy"] = units
+        if self.compile != "none":
+            kwargs["compile"] = self.compile
         kwargs.update((engine_options or {}).get(self.engine, {}))
         kwargs.update(options)
         if self.uses_ac:
@@ -320,6 +330,14 @@ def _validate(p: ParallelPlan) -> None:
             raise ValueError(f"engine={p.engine!r} has no offload; use FSDP or DeepSpeed for it.")
         if p.dp_degrees[1] != 1:
             raise ValueError(f"engine={p.engine!r} replicates the model: dp_shard must be 1.")
+    if p.compile not in COMPILE_MODES:
+        raise ValueError(f"ParallelPlan(compile={p.compile!r}): use one of {', '.join(COMPILE_MODES)}.")
+    if p.compile != "none" and p.engine == "deepspeed":
+        raise ValueError(
+            "torch.compile is not supported with DeepSpeed here: its engine owns the module's forward and "
+            "ZeRO-3 gathers parameters in hooks inside it. Use strategy='fsdp' (FSDP2, compiled per block) or "
+            "'ddp', or leave compile off."
+        )
     if p.ac not in AC_MODES:
         raise ValueError(f"ParallelPlan(ac={p.ac!r}): use one of {', '.join(AC_MODES)}.")
     if p.ac == "selective":
@@ -330,4 +348,4 @@ def _validate(p: ParallelPlan) -> None:
         raise ValueError("selective_ac_option needs ac='selective'.")
 
 
-__all__ = ["ParallelPlan", "MeshDims", "ENGINES", "SHARDINGS", "AC_MODES", "default_degrees"]
+__all__ = ["ParallelPlan", "MeshDims", "ENGINES", "SHARDINGS", "AC_MODES", "COMPILE_MODES", "default_degrees"]

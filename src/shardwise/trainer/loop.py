@@ -83,6 +83,7 @@ class Trainer(TrainerAttributes):
         limit_predict_batches: Union[int, float, None] = None,
         gpus: Optional[int] = None,
         plugins: Any = None,
+        compile: Any = None,  # torch.compile: True (each repeated block), "model", CompileOptions (options.py)
     ) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
@@ -161,7 +162,7 @@ class Trainer(TrainerAttributes):
         self._resolved_data: Tuple[Any, Any] = (None, None)  # the loaders they gave, in the workers
         self._set_up = False
         options.apply(self, fast_dev_run, num_sanity_val_steps, overfit_batches, max_time, min_epochs, min_steps,
-                      detect_anomaly, limit_test_batches, limit_predict_batches)  # fmt: skip
+                      detect_anomaly, limit_test_batches, limit_predict_batches, compile)  # fmt: skip
 
     # ------------------------------------------------------------ reporting
     @property

@@ -21,6 +21,10 @@
 - `detect_anomaly`: torch.autograd's anomaly detection during training.
 - `estimated_stepping_batches`: the optimizer steps fit will take (the
   OneCycleLR pattern), usable inside configure_optimizers.
+- `compile` (not Lightning's; the strategy's option, strategies/compile.py):
+  True compiles each repeated block after activation checkpointing and
+  before sharding, "model" each network whole; the strategy refuses it
+  where its engine cannot compile, before anything runs.
 """
 
 from __future__ import annotations
@@ -84,8 +88,10 @@ def apply(
     detect_anomaly: bool,
     limit_test_batches: Union[int, float, None],
     limit_predict_batches: Union[int, float, None],
+    compile: Any = None,
 ) -> None:
     """Check the options and set them on the Trainer (fast_dev_run / overfit_batches override the limits)."""
+    trainer.strategy.configure_compile(compile, "Trainer(compile)")
     _check(
         "fast_dev_run",
         fast_dev_run,

@@ -278,6 +278,7 @@ def apply_plan(trainer: Any, decision: Any, train_loader: Any) -> Tuple[Any, Opt
     if decision is None:
         return train_loader, None
     if decision.strategy is not None:
+        decision.strategy.configure_compile(trainer.strategy.compile_options)  # Trainer(compile=) carries over
         trainer.strategy = decision.strategy
     if decision.accumulate_grad_batches is not None:
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
