@@ -5,7 +5,9 @@ anchor, a page missing from the nav or an API entry that does not resolve fails 
 block in README.md and docs/ says whether it runs (docs/WRITING.md: `<!-- run -->`,
 `<!-- run: continue -->`, `<!-- run: replace "A" with "B" -->`, `<!-- no-run: why -->`), and the
 marked blocks run here, scaled down where their page says so. README.md stays a short entry page
-that starts with the two set-up commands `.ci/run` and the fresh-machine check read.
+that starts with the two set-up commands `.ci/run` and the fresh-machine check read. Without running
+anything: every `shardwise <command> --option` shown is a real option, and the tables that mirror the
+code (Trainer arguments, finetune options, SHARDWISE_* variables) have a row for each (WRITING.md).
 """
 
 from __future__ import annotations
@@ -333,6 +335,18 @@ def test_shardwise_commands_in_the_docs_use_real_options():
                 if arg.startswith("--") and option not in known and option.split(".")[0] not in known:
                     wrong.append(f"{where}: `shardwise {name}` has no option {option}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_trainer_signature_on_the_trainer_page_names_every_argument():
+    import inspect
+
+    from shardwise import Trainer
+
+    text = open(os.path.join(ROOT, "docs", "trainer.md"), encoding="utf-8").read()
+    block = text[text.index("Trainer(accelerator=") :]
+    block = block[: block.index("```")]
+    missing = [name for name in inspect.signature(Trainer).parameters if not re.search(rf"\b{name}=", block)]
+    assert not missing, f"docs/trainer.md's Trainer(...) block lacks {missing}: add them, with a line saying where"
 
 
 def test_every_environment_variable_shardwise_reads_is_documented():
