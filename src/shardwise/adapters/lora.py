@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -143,6 +144,8 @@ def apply_lora(model: nn.Module, options: Union[LoraOptions, Any]) -> nn.Module:
 def is_adapter_model(model: Any) -> bool:
     """True for a PeftModel, or a module that holds one (as an attribute or child) or holds PEFT adapter layers."""
     if not isinstance(model, nn.Module):
+        return False
+    if "peft" not in sys.modules:  # a model with PEFT layers was built by PEFT; importing it costs seconds
         return False
     try:
         from peft import PeftModel
