@@ -2,17 +2,18 @@
 
 A NaN that is not caught at its step spreads into every weight, every later
 checkpoint and `last.ckpt`, and weeks later nothing says where it began. The
-Trainer keeps one device-side flag per accumulation window (a non-finite
-micro-batch loss, or a non-finite gradient norm at the step), so the check
-costs no host synchronisation until the step, where the ranks agree on it in
-the same tiny all-reduce as the preemption flag. Only when it fires does the
-slow part run: every rank looks for its first non-finite loss, gradient or
-parameter, and the message names the step, the rank and the tensor.
+Trainer computes one device-side verdict per optimizer step (the window's
+micro-batch losses, one norm per gradient) and the ranks agree on it in the
+same tiny all-reduce as the preemption flag; it is read to the host one step
+later, or at once where values are read anyway, and always before a checkpoint
+is written (trainer/nonfinite.py). Only when it fires does the slow part run:
+every rank looks for its first non-finite loss, gradient or parameter, and the
+message names the step, the rank and the tensor.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,19 +27,6 @@ class NonFiniteError(FloatingPointError):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def nonfinite_norm_flag(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A 0-dim bool tensor on the gradients' device: whether any local gradient element is NaN or inf."""
-    local = [_local(g) for g in grads if g is not None]
-    local = [g for g in local if g.numel()]
-    if not local:
-        return None
-    by_device = {}
-    for g in local:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    flags = [~torch.isfinite(torch.stack(torch._foreach_norm(group)).sum()) for group in by_device.values()]
-    return torch.stack([f.cpu() if f.device != flags[0].device else f for f in flags]).any()
 
 
 def _describe(kind: str, name: str, t: torch.Tensor) -> str:

@@ -160,7 +160,8 @@ def test_a_nan_loss_stops_the_run_at_that_step_and_last_stays_sound(tmp_path, st
     with pytest.raises(
         NonFiniteError,
         match=r"optimizer step 5 .*rank 0: the loss of batch_idx 4 \(nan\).*"
-        r"The step was not taken.*non_finite='skip'",
+        # Step 5 is no log step: its verdict is read before step 6's update (trainer/nonfinite.py).
+        r"Found before step 6's update.*nothing from step 5 on was saved.*non_finite='skip'",
     ):
         fit(tmp_path, 10, strategy, module=NaNAt(5), checkpoint=ModelCheckpoint(every_n_train_steps=2))
     last = os.path.realpath(tmp_path / "checkpoints" / "last.ckpt")
@@ -170,8 +171,8 @@ def test_a_nan_loss_stops_the_run_at_that_step_and_last_stays_sound(tmp_path, st
 def test_an_infinite_gradient_is_named():
     with pytest.raises(
         NonFiniteError,
-        match=r"step 4 .*the gradient of net.0.weight \(1 NaN of 128 elements\)|"
-        r"step 4 .*the gradient of net.0.weight \(1 inf of 128 elements\)",
+        # Read a step late (step 4 is no log step), the gradient is gone: its norm was kept.
+        match=r"step 4 .*the gradient of net.0.weight \(its norm is (nan|inf)\)",
     ):
         trainer(max_steps=6).fit(InfGrad(), loaders()[0])
 

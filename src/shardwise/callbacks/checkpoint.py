@@ -238,6 +238,8 @@ class ModelCheckpoint:
     def _save(self, trainer: Any) -> None:
         if trainer.global_step == self._last_global_step_saved:
             return  # this step is saved already (e.g. a step interval ending with the epoch)
+        if getattr(trainer, "health", None) is not None:  # a health verdict not yet read: first, so that a
+            trainer.health.resolve(trainer)  # non-finite step stops the run (or sets nonfinite_step) unsaved
         bad = getattr(trainer, "nonfinite_step", None)
         if bad is not None and getattr(trainer, "non_finite", "error") == "warn":
             # Trainer(non_finite='warn') took a step with NaN/inf: the weights may be

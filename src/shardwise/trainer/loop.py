@@ -136,6 +136,7 @@ class Trainer(TrainerAttributes):
         # tensor, 'skip' drops the step (as GradScaler does), 'warn' only reports it.
         self.non_finite = arguments.check_non_finite(non_finite, self.strategy)
         self.nonfinite_step: Optional[int] = None  # the first step with a non-finite value (never saved after it)
+        self.health = nonfinite.StepCheck(self.non_finite, self._preemption)  # its verdicts, read when needed
         self._window_losses: List[Tuple[int, torch.Tensor]] = []
         # Set by fit() for a module that defines loss_weight: its summed losses are normalised over the
         # global batch of each step (weighting.py); None keeps the mean loss of each micro-batch.
@@ -281,6 +282,7 @@ class Trainer(TrainerAttributes):
             options.before_training(self)  # the sanity check; max_time's clock; detect_anomaly
             lightning_hooks.call_both(self, "on_train_start")
             self._fit_loop()
+            self.health.resolve(self, "at the end of fit")  # the last step's verdict, before fit ends
             lightning_hooks.call_both(self, "on_train_end")
             lightning_hooks.call_both(self, "on_fit_end")
             setup.finalize_loggers(self.loggers, self.strategy, "success")
@@ -319,6 +321,7 @@ class Trainer(TrainerAttributes):
         """Save everything needed to resume, in the strategy's format; returns the path. Collective: call it on
         every rank; the checkpoint appears at `path` atomically once every rank has written its part. wait=False
         returns the PendingCheckpoint, whose commit() every rank runs later (ModelCheckpoint's async saves)."""
+        self.health.resolve(self)  # a step's health verdict still unread is read first: NaN is never saved
         return save_training_checkpoint(self._states(), path, wait=wait)
 
     def _done(self) -> bool:
@@ -354,6 +357,7 @@ class Trainer(TrainerAttributes):
                 break  # stopped mid-epoch by max_steps; the epoch is not over
             # End of epoch: a partial accumulation window still steps.
             state.in_epoch_end = True  # a checkpoint saved from here on resumes at the next epoch
+            self.health.resolve(self, "at the epoch's end")  # before validation and the epoch's values
             if validation_due_at_epoch_end(self):
                 run_validation(self)
             # on_train_epoch_end, the epoch's metrics, ReduceLROnPlateau on what validation logged.
@@ -416,6 +420,7 @@ class Trainer(TrainerAttributes):
         # Schedulers, on_train_batch_end, then the step's values to the loggers with what it logged.
         lightning_hooks.end_train_batch(self, output, batch, batch_idx, step_logs if log_due else None)
         if self.val_dataloaders is not None and validation_due(self, state.batch_idx):
+            self.health.resolve(self, "before validation")
             run_validation(self)
         if self.is_last_microbatch:
             update_lr_schedulers(self, "step", plateau=True)  # after any validation this step ran, as Lightning
@@ -431,7 +436,8 @@ class Trainer(TrainerAttributes):
         def before_step(i: int, optimizer: torch.optim.Optimizer) -> bool:
             call_callbacks(self, "on_before_optimizer_step", optimizer)
             call_module(self, "on_before_optimizer_step", optimizer)
-            if i == 0 and self.non_finite != "off" and not self._healthy(losses) and self.non_finite == "skip":
+            # The step's health verdict, read a step later unless needed now (nonfinite.py); False: 'skip' it.
+            if i == 0 and self.non_finite != "off" and not self.health.check(self, losses):
                 return False  # skip: every optimizer's gradients are dropped, no step
             automatic.clip(self, optimizer)  # the module's configure_gradient_clipping, with our clip settings
             return True
@@ -439,16 +445,6 @@ class Trainer(TrainerAttributes):
         # Step and zero each optimizer (clipped in before_step): the core the memory planner traces (step.py).
         shared_step.optimizer_update(strategy, self.model, strategy.optimizers, before_step=before_step)
         self.state.global_step += 1
-
-    def _healthy(self, losses: List[Tuple[int, torch.Tensor]]) -> bool:
-        """Whether this step's losses and gradients are finite on every rank; acts on non_finite if not."""
-        # One read-back for the step, in the all-reduce that also agrees on a preemption signal.
-        step = self.global_step + 1
-        healthy = nonfinite.check_step(self.strategy, self.model, losses, self._preemption, self.weighting,
-                                       self.non_finite, step, self.current_epoch)  # fmt: skip
-        if not healthy and self.nonfinite_step is None:
-            self.nonfinite_step = step
-        return healthy
 
     # ------------------------------------------------------- test and predict (evaluation.py)
     def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None) -> List[Dict]:

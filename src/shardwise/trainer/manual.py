@@ -27,7 +27,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
-from shardwise.trainer import nonfinite
 from shardwise.trainer.hooks import call_callbacks, call_module
 
 
@@ -159,25 +158,17 @@ class UserOptimization:
         call_callbacks(trainer, "on_before_optimizer_step", optimizer)
         call_module(trainer, "on_before_optimizer_step", optimizer)
         losses, self._losses = self._losses, []
-        if trainer.non_finite != "off" and not self._finite(losses):
-            if trainer.non_finite == "skip":
-                optimizer.zero_grad(set_to_none=True)
-                return output
+        if trainer.non_finite != "off" and not self._finite(losses):  # non_finite='skip' and not sound
+            optimizer.zero_grad(set_to_none=True)
+            return output
         trainer.strategy.optimizer_step(optimizer)
         trainer.state.global_step += 1
         return output
 
     def _finite(self, losses: List[Any]) -> bool:
-        """The automatic loop's check (nonfinite.py) for a manual step: this step's losses and gradients."""
-        trainer = self.trainer
-        verdicts = nonfinite.agree(trainer.strategy, trainer.model, losses, False)
-        if not verdicts[0]:
-            return True
-        step = trainer.global_step + 1
-        if trainer.nonfinite_step is None:
-            trainer.nonfinite_step = step
-        nonfinite.report(trainer.model, losses, trainer.non_finite, step, trainer.current_epoch)
-        return False
+        """The automatic loop's check (nonfinite.StepCheck) for a manual step: this step's losses and gradients,
+        read a step later unless needed now; False only when non_finite='skip' drops the step."""
+        return self.trainer.health.check(self.trainer, losses)
 
     def clip_gradients(
         self, optimizer: Any, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None

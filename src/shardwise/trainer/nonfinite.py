@@ -1,19 +1,47 @@
-"""The check before every optimizer step: are this step's losses and gradients finite on every rank?
+"""The check of every optimizer step: are its losses and gradients finite, and does it train anything?
 
-One small all-reduce per step carries two verdicts: "some rank saw a NaN/inf"
-and "some rank was sent a preemption signal", so that every rank skips, stops
-or saves at the same step without a second collective; for a module with
-`loss_weight` it also sums the ranks' shares of the step's mean loss
-(weighting.py), which is then known without a collective of its own. What
-happens to a non-finite step is Trainer(non_finite=...): 'error' stops there,
-naming the rank, the step and the tensor; 'skip' drops the step (as
-GradScaler does); 'warn' reports it and takes the step anyway. With fp16
-loss scaling an inf gradient is the scaler's overflow signal, so only the
-loss is checked then. The same read-back also says whether every rank's
-gradients were all zero: a step that trains nothing (a loss multiplied by 0,
-LoRA adapters with A and B both zero, frozen layers in the way) is the
-silent failure of adapter training, and is treated like a non-finite one
-(ZeroGradientError under 'error'), its message saying "zero", not "non-finite".
+One small all-reduce per step carries the verdicts: "some rank saw a NaN/inf",
+"some rank was sent a preemption signal", "some rank holds gradients" and "one
+of them is non-zero", so that every rank skips, stops or saves at the same step
+without a second collective; for a module with `loss_weight` it also sums the
+ranks' shares of the step's mean loss (weighting.py), which is then known
+without a collective of its own. What happens to a non-finite step is
+Trainer(non_finite=...): 'error' stops, naming the rank, the step and the
+tensor; 'skip' drops the step (as GradScaler does); 'warn' reports it and takes
+the step anyway. With fp16 loss scaling an inf gradient is the scaler's overflow
+signal, so only the loss is checked then. A step whose gradients are all zero on
+every rank (a loss multiplied by 0, LoRA adapters with A and B both zero, frozen
+layers in the way) trains nothing, the silent failure of adapter training, and
+is treated like a non-finite one (ZeroGradientError under 'error').
+
+No host synchronisation per step (issue 23). Turning a device value into a
+Python number waits for every kernel queued before it, so a check read at its
+own step would stall the CPU's run-ahead on a GPU at every step. Instead the
+verdict is computed on the device (one norm per gradient, `torch._foreach_norm`,
+and the losses' isfinite), all-reduced in stream order (NCCL does not block the
+host), and copied with `non_blocking=True` into a pinned host buffer behind a
+CUDA event; nothing is read. It is acted on at the next point that needs it,
+which is always one of: step N+1's check, before its update (the event has long
+completed: the device ran step N's backward while the host queued step N+1);
+before a checkpoint is written (Trainer.save_checkpoint and ModelCheckpoint, so
+no non-finite state ever becomes `last` or any saved checkpoint); before
+validation and the epoch's end (they read values); at the end of fit. The same
+schedule on every rank keeps their decisions in lock-step (the preemption vote
+rides along and is acted on one step later too). Where the step's values are read
+anyway -- a log step (the loggers read that step's values after its update; the
+first step is one) -- the verdict is read at its own step, before the update,
+and non_finite='skip' always reads it there: it must decide before the update,
+and making an arbitrary optimizer's update a no-op on the device is not possible
+(zeroed gradients still move Adam's moments, momentum and weight decay), so
+'skip' costs one wait per step and says so in the Trainer's docs. A verdict read
+one step late means step N's update was applied in memory before the run stops;
+the message says so ("found before step N+1's update"), names step N (not the
+step it was found in), and states that nothing from step N on was saved or
+logged. The message then describes what was kept from step N: its losses, and
+one norm per gradient (the first non-finite one by parameter name), since the
+gradients themselves are gone; a verdict read at its own step inspects the live
+gradients and parameters as before (health.first_nonfinite). `agree` is the
+immediate form, for callers that need the verdict at once.
 
 Numbers in shardwise's messages follow one convention (issue 26): "step N"
 is the optimizer step after which trainer.global_step reads N, the step the
@@ -26,6 +54,7 @@ and "epoch e" is trainer.current_epoch.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -34,6 +63,9 @@ from torch import nn
 
 from shardwise import health
 from shardwise.distributed import ops
+
+# Positions in the agreed vector.
+BAD, SIGNALLED, HAS_GRADS, NONZERO, LOSS = range(5)
 
 
 class ZeroGradientError(RuntimeError):
@@ -47,19 +79,75 @@ class Verdict(NamedTuple):
     zero_grads: bool  # gradients exist and every one of them is zero, on every rank
 
 
-def grad_flags(grads: List[Optional[torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """(any element non-finite, any element non-zero) over this rank's gradients, as 0-dim bool tensors on
-    the first gradient's device, from one norm per gradient; None when this rank holds no gradient element."""
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
-    by_device: Dict[Any, List[torch.Tensor]] = {}
-    for g in local:
-        if g.numel():
-            by_device.setdefault((g.device, g.dtype), []).append(g)
-    if not by_device:
-        return None
-    sums = [torch.stack(torch._foreach_norm(group)).float().sum() for group in by_device.values()]
-    total = torch.stack([t.to(sums[0].device) for t in sums]).sum()
-    return ~torch.isfinite(total), total != 0  # a NaN or inf norm is non-zero too
+class GradNorms(NamedTuple):
+    """This rank's gradients at a check: one norm each (on the device), where they sit in the list, counts."""
+
+    norms: Optional[torch.Tensor]  # None when this rank holds no gradient element
+    positions: List[int]  # the index in strategy.gradients(model) of each norm
+    tensors: int  # gradient tensors held (empty shards included)
+    elements: int
+
+
+def grad_norms(grads: List[Optional[torch.Tensor]]) -> GradNorms:
+    """One norm per non-empty local gradient, concatenated on the first gradient's device (no host read)."""
+    by_group: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
+    tensors = elements = 0
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        local = g.to_local() if hasattr(g, "to_local") else g
+        tensors += 1
+        elements += local.numel()
+        if local.numel():
+            by_group.setdefault((local.device, local.dtype), []).append((i, local))
+    if not by_group:
+        return GradNorms(None, [], tensors, elements)
+    groups = list(by_group.values())
+    home = groups[0][0][1].device
+    norms = [torch.stack(torch._foreach_norm([g for _, g in group])).float().to(home) for group in groups]
+    positions = [i for group in groups for i, _ in group]
+    return GradNorms(norms[0] if len(norms) == 1 else torch.cat(norms), positions, tensors, elements)
+
+
+def step_vector(
+    strategy: Any,
+    model: nn.Module,
+    losses: List[Tuple[int, torch.Tensor]],
+    signalled: bool,
+    loss_share: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, GradNorms]:
+    """The step's verdicts as one float vector on the device, all-reduced over the ranks; nothing is read."""
+    grads = grad_norms(strategy.gradients(model))
+    if losses:
+        device = losses[0][1].device
+    else:
+        device = grads.norms.device if grads.norms is not None else strategy.root_device
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    if losses:
+        bad = ~torch.isfinite(torch.stack([t.detach().float().reshape(()).to(device) for _, t in losses])).all()
+    # With fp16 loss scaling an inf gradient is the scaler's overflow signal, not an error.
+    total = grads.norms.sum().to(device) if grads.norms is not None else None
+    if total is not None and getattr(strategy, "grad_scaler", None) is None:
+        bad = bad | ~torch.isfinite(total)
+    # Python numbers become device values by a fill, not a host-to-device copy (which would wait).
+    values = [
+        bad.float(),
+        torch.full((), float(signalled), device=device),
+        torch.full((), float(total is not None), device=device),
+        (total != 0).float() if total is not None else torch.zeros((), device=device),  # NaN counts as non-zero
+    ]
+    if loss_share is not None:
+        values.append(loss_share.detach().float().reshape(()).to(device))
+    vector = torch.stack(values)
+    if strategy.world_size > 1:
+        # The verdicts are 0 or 1, so their sum is positive exactly when their max is; a share is summed.
+        vector = strategy.reduce(vector, "max" if loss_share is None else "sum")
+    return vector, grads
+
+
+def _verdict(numbers: List[float], with_loss: bool) -> Verdict:
+    zero = numbers[HAS_GRADS] > 0 and not numbers[NONZERO] > 0
+    return Verdict(numbers[BAD] > 0 or zero, numbers[SIGNALLED] > 0, numbers[LOSS] if with_loss else None, zero)
 
 
 def agree(
@@ -69,73 +157,127 @@ def agree(
     signalled: bool,
     loss_share: Optional[torch.Tensor] = None,
 ) -> Verdict:
-    """Whether any rank saw a non-finite loss or gradient, or every rank's gradients are all zero; whether
-    any rank was signalled; the sum of the ranks' `loss_share` -- agreed across ranks in one read-back."""
-    flags = [~torch.isfinite(torch.stack([t.float().reshape(()) for _, t in losses])).any()] if losses else []
-    device = flags[0].device if flags else None
-    checked = grad_flags(strategy.gradients(model))
-    has_grads, nonzero = (torch.tensor(False), torch.tensor(False)) if checked is None else (True, checked[1])
-    # With fp16 loss scaling an inf gradient is the scaler's overflow signal, not an error.
-    if checked is not None and getattr(strategy, "grad_scaler", None) is None:
-        flags.append(checked[0].to(device) if device is not None else checked[0])
-    local = torch.stack(flags).any().float() if flags else torch.zeros(())
-    values = [local, torch.tensor(float(signalled), device=local.device)]
-    if loss_share is not None:
-        values.append(loss_share.detach().float().reshape(()).to(local.device))
-    # Folded into the same read-back: "this rank holds gradients" and "one of them is not zero".
-    values += [torch.as_tensor(has_grads).float().to(local.device), nonzero.float().to(local.device)]
-    both = torch.stack(values)
-    if strategy.world_size > 1:
-        # The verdicts are 0 or 1, so their sum is positive exactly when their max is; a share is summed.
-        both = strategy.reduce(both, "max" if loss_share is None else "sum")
-    numbers = both.tolist()
-    zero = numbers[-2] > 0 and not numbers[-1] > 0
-    return Verdict(numbers[0] > 0 or zero, numbers[1] > 0, numbers[2] if loss_share is not None else None, zero)
+    """The verdicts of this step, read at once (one host read): whether any rank saw a non-finite loss or
+    gradient or every rank's gradients are all zero; whether any rank was signalled; the summed shares."""
+    vector, _ = step_vector(strategy, model, losses, signalled, loss_share)
+    return _verdict(vector.tolist(), loss_share is not None)
 
 
-def check_step(
-    strategy: Any,
-    model: nn.Module,
-    losses: List[Tuple[int, torch.Tensor]],
-    preemption: Any,
-    weighting: Any,
-    mode: str,
-    step: int,
-    epoch: int,
-) -> bool:
-    """Whether this step's losses and gradients are finite on every rank; acts on `mode` if not.
-
-    The same read-back carries the preemption vote (the watch takes the agreed answer) and, for a
-    module with loss_weight, the step's global mean loss (the weighting takes it).
-    """
-    share = weighting.local_loss if weighting is not None else None
-    verdict = agree(strategy, model, losses, preemption.signalled, share)
-    preemption.agreed = verdict.signalled
-    if weighting is not None:
-        weighting.step_loss = verdict.loss
-    if verdict.bad:
-        report(model, losses, mode, step, epoch, zero_grads=verdict.zero_grads)
-    return not verdict.bad
+class Pending(NamedTuple):
+    step: int
+    epoch: int
+    losses: List[Tuple[int, torch.Tensor]]
+    grads: GradNorms
+    event: Any  # a CUDA event after the copy to the host buffer, else None
+    with_loss: bool
 
 
-def _zero_grads_here(model: nn.Module) -> str:
-    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    return f"{len(local)} gradient tensor(s), {sum(g.numel() for g in local):,} element(s) held here, all zero"
+class StepCheck:
+    """The Trainer's check of each optimizer step, read when needed (see the module docstring)."""
+
+    def __init__(self, mode: str, preemption: Any = None) -> None:
+        self.mode = mode
+        self.preemption = preemption
+        self.pending: Optional[Pending] = None
+        self.read_at_own_step: List[int] = []  # steps whose verdict was read before their update (tests)
+        self._host: Optional[torch.Tensor] = None
+        self._numbers: Any = None  # a numpy view of _host: read without a torch call, it is host memory
+
+    def check(self, trainer: Any, losses: List[Tuple[int, torch.Tensor]]) -> bool:
+        """At optimizer step N, before its update: act on a verdict still unread, start step N's, and read it
+        now where it is read anyway or needed now (a log step, non_finite='skip'). False: skip the update."""
+        self.resolve(trainer, f"before step {trainer.global_step + 1}'s update")
+        step = trainer.global_step + 1
+        weighting = trainer.weighting
+        share = weighting.local_loss if weighting is not None else None
+        signalled = self.preemption is not None and self.preemption.signalled
+        vector, grads = step_vector(trainer.strategy, trainer.model, losses, signalled, share)
+        if weighting is not None:
+            weighting.step_loss = vector[LOSS]  # a device value: the loggers read it when due
+        event = self._to_host(vector)
+        self.pending = Pending(step, trainer.current_epoch, losses, grads, event, share is not None)
+        if self.mode == "skip" or step == 1 or step % trainer.log_every_n_steps == 0:
+            self.read_at_own_step.append(step)
+            return self.resolve(trainer, None) or self.mode != "skip"
+        return True
+
+    def _to_host(self, vector: torch.Tensor) -> Any:
+        if self._host is None or self._host.shape != vector.shape:
+            self._host = torch.empty(vector.shape, dtype=torch.float32, pin_memory=vector.is_cuda)
+            self._numbers = self._host.numpy()
+        self._host.copy_(vector, non_blocking=True)
+        if not vector.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def resolve(self, trainer: Any, where: Optional[str] = "before a checkpoint is written") -> bool:
+        """Act on the verdict not yet read, waiting for it if it is not there yet; whether that step was sound.
+
+        where: when it is read, for the message ("before step 7's update"); None: at its own step, before
+        its update (then the live gradients are inspected, and 'error' says the step was not taken).
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return True
+        if pending.event is not None:
+            pending.event.synchronize()
+        verdict = _verdict(self._numbers.tolist(), pending.with_loss)
+        if self.preemption is not None:
+            self.preemption.agreed = verdict.signalled
+        if not verdict.bad:
+            return True
+        if trainer.nonfinite_step is None:
+            trainer.nonfinite_step = pending.step
+        report(trainer.model, pending, self.mode, verdict.zero_grads, where, trainer.global_step)
+        return False
+
+
+def _zero_grads_here(grads: GradNorms) -> str:
+    return f"{grads.tensors} gradient tensor(s), {grads.elements:,} element(s) held here, all zero"
+
+
+def _kept_nonfinite(model: nn.Module, pending: Pending) -> Optional[str]:
+    """What a late verdict can still name on this rank: a step's loss, else the first gradient whose norm
+    was not finite (by parameter name when the gradients were one per trainable parameter)."""
+    for batch_idx, loss in pending.losses:
+        value = float(loss)
+        if not math.isfinite(value):
+            return f"the loss of batch_idx {batch_idx} ({value})"
+    if pending.grads.norms is None:
+        return None
+    norms = pending.grads.norms.tolist()
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    for position, norm in sorted(zip(pending.grads.positions, norms)):
+        if not math.isfinite(norm):
+            if len(names) == pending.grads.tensors:
+                return f"the gradient of {names[position]} (its norm is {norm})"
+            return f"gradient tensor {position} of {pending.grads.tensors} held here (its norm is {norm})"
+    return None
 
 
 def report(
     model: nn.Module,
-    losses: List[Tuple[int, torch.Tensor]],
+    pending: Pending,
     mode: str,
-    step: int,
-    epoch: int,
-    zero_grads: bool = False,
+    zero_grads: bool,
+    where: Optional[str],
+    global_step: int,
 ) -> None:
     """Name what was non-finite (or that every gradient was zero) on which rank (collective), then raise
-    (mode 'error') or warn."""
+    (mode 'error') or warn. where None: read at its own step, before its update."""
+    step, epoch = pending.step, pending.epoch
+    if where is None:
+        taken = f"The step was not taken (trainer.global_step stays {step - 1})"
+    else:
+        taken = (
+            f"Found {where}: the check reads each step's verdict one step later so that the run never waits "
+            f"for the device, so step {step}'s update was applied to the weights in memory (trainer.global_step "
+            f"is {global_step}), but nothing from step {step} on was saved or sent to the loggers"
+        )
     if zero_grads:
-        reports = ops.all_gather_object(_zero_grads_here(model))
+        reports = ops.all_gather_object(_zero_grads_here(pending.grads))
         what = "; ".join(f"rank {r}: {text}" for r, text in enumerate(reports))
         causes = (
             "The loss does not depend on any trainable parameter: it was multiplied by 0, no token of the "
@@ -145,23 +287,26 @@ def report(
         message = f"Every trainable gradient is zero at optimizer step {step} (epoch {epoch}): {what}."
         if mode == "error":
             raise ZeroGradientError(
-                f"{message} The step was not taken (trainer.global_step stays {step - 1}): nothing would be "
-                f"trained. {causes} Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
+                f"{message} {taken}: nothing would be trained. {causes} "
+                "Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
             )
         action = "skipped (no update)" if mode == "skip" else "taken anyway (non_finite='warn')"
         warnings.warn(f"{message} The step was {action}. {causes}", stacklevel=3)
         return
-    found = health.first_nonfinite(model, [(i, float(t)) for i, t in losses])
+    if where is None:
+        found = health.first_nonfinite(model, [(i, float(t)) for i, t in pending.losses])
+    else:
+        found = _kept_nonfinite(model, pending)
     reports = ops.all_gather_object(found)
     named = [f"rank {r}: {what}" for r, what in enumerate(reports) if what]
     what = "; ".join(named) or "a non-finite value on another rank"
     if mode == "error":
         raise health.NonFiniteError(
-            f"Non-finite values at optimizer step {step} (epoch {epoch}): {what}. The step was not "
-            f"taken (trainer.global_step stays {step - 1}) and nothing after the last checkpoint was saved. "
+            f"Non-finite values at optimizer step {step} (epoch {epoch}): {what}. {taken}"
+            f"{' and nothing after the last checkpoint was saved' if where is None else ''}. "
             "Lower the learning rate, clip gradients "
             "(gradient_clip_val), check the data of that batch, or use bf16 instead of fp16; "
-            "Trainer(non_finite='skip') skips such steps, 'warn' only reports them."
+            "Trainer(non_finite='skip') skips such steps (checking before each update), 'warn' only reports them."
         )
     action = "skipped (no update)" if mode == "skip" else "taken anyway (non_finite='warn')"
     warnings.warn(f"Non-finite values at optimizer step {step}: {what}. The step was {action}.", stacklevel=3)

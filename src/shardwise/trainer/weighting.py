@@ -55,7 +55,7 @@ class StepWeighting:
         self.loss_scale: Optional[torch.Tensor] = None  # gradient_sum_scale / G, what each loss is multiplied by
         self.inverse: Optional[torch.Tensor] = None  # 1 / G (0 when G is 0: nothing to average)
         self.local_loss: Optional[torch.Tensor] = None  # this rank's summed losses of the step / G
-        self.step_loss: Optional[float] = None  # the step's global mean loss, once the ranks agreed on it
+        self.step_loss: Any = None  # the step's global mean loss (a float, or a device value), once agreed
 
     def batches(
         self, loader_iter: Iterable, state: Any, window: int, num_batches: float, stop: Callable[[], bool]
@@ -110,5 +110,6 @@ class StepWeighting:
             self.step_loss = float(self.strategy.reduce(share, "sum") if self.strategy.world_size > 1 else share)
         if self.step_loss is None:
             return []
-        value = torch.tensor(self.step_loss)
+        # The health check leaves it on the device (read with the step's other values, when logged).
+        value = self.step_loss if isinstance(self.step_loss, torch.Tensor) else torch.tensor(self.step_loss)
         return [LoggedValue(LOSS_METRIC, value, True, True, False, False, "mean", None)]
