@@ -114,6 +114,7 @@ def _llama70b(num_nodes: int, optimizer: str, **kwargs):
         candidates=["fsdp_ac"],
         optimizer=optimizer,
         workers=1,
+        headroom=0.0,  # the published verdict is whether it ran, not advice with a margin
         **kwargs,
     )
     return p.estimates[0]

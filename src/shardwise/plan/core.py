@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from shardwise.plan import analytic
+from shardwise.plan import analytic, variants
 from shardwise.plan.adapters import build_adapters, check_candidates, compute_dtype_name
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
 from shardwise.plan.candidates import Candidate, batch_splits, check_layout, from_strategy, requested_candidates
@@ -44,7 +44,7 @@ from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
-from shardwise.plan.recommend import format_seconds, recommend
+from shardwise.plan.recommend import DEFAULT_HEADROOM, binding_limit, format_seconds, recommend, usable
 from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
 from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.parallel import ParallelPlan
@@ -67,6 +67,8 @@ class Estimate:
     method: str
     fits: Optional[bool] = None
     phase: str = ""  # where the peak is: fwd2.0 / bwd2.0 (forward / backward of micro-batch 0, step 2), opt
+    device_fits: Optional[bool] = None  # reserved <= (1 - headroom) x device memory
+    host_fits: Optional[bool] = None  # host memory per node <= (1 - headroom) x cpu_memory (None: not given)
 
     @property
     def label(self) -> str:
@@ -100,10 +102,14 @@ class Plan:
     optimizer: str = ""  # as traced: name (implementation, paged / 8-bit state)
     allocator: str = ""  # how reserved memory is derived
     assumptions: List[str] = field(default_factory=list)  # printed under the table
+    headroom: float = DEFAULT_HEADROOM  # fraction of device / host memory a fitting row leaves free
+    binding: Optional[str] = None  # when nothing fits: "device", "host" or "both"
+    variants: List[Dict[str, Any]] = field(default_factory=list)  # optimizer variants that change the verdict
 
     @property
     def fits_uses(self) -> str:
-        return self.allocator or f"reserved = allocated x {self.reserved_factor:g}"
+        how = self.allocator or f"reserved = allocated x {self.reserved_factor:g}"
+        return how + (f"; fits = reserved <= {1 - self.headroom:.0%} of device memory" if self.headroom else "")
 
     def to_dict(self) -> Dict[str, Any]:
         skip = ("estimates", "recommended", "block_classes")
@@ -146,6 +152,8 @@ def plan(
     lora_dropout: float = 0.0,
     lora_target_modules: Optional[List[str]] = None,
     load_in_4bit: bool = False,
+    headroom: float = DEFAULT_HEADROOM,
+    optimizer_variants: bool = True,
 ) -> Plan:
     """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
 
@@ -172,8 +180,14 @@ def plan(
         workers: processes tracing in parallel (default: 2 on a machine with 2+ cores, for 4+ traces).
         lora_r, lora_alpha, lora_dropout, lora_target_modules, load_in_4bit: plan LoRA (lora_r > 0) or
             QLoRA (and load_in_4bit) fine-tuning, as the finetune recipe's flags (plan/adapters.py).
+        headroom: fraction of the device (and host) memory a configuration must leave free to fit
+            (default 0.1; 0 judges against the whole device).
+        optimizer_variants: when nothing fits or a faster configuration misses, also plan the 8-bit /
+            paged AdamW variants and report those that change the verdict (plan.variants, plan.notes).
     """
     start = time.perf_counter()
+    if not 0.0 <= headroom < 1.0:
+        raise PlanError(f"headroom={headroom!r}: a fraction of device memory to leave free, 0 <= headroom < 1.")
     spec = resolve_model(model, example_batch)
     adapters = build_adapters(lora_r, lora_alpha, lora_dropout, lora_target_modules, load_in_4bit)
     if adapters is not None:
@@ -209,24 +223,10 @@ def plan(
     opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident, target=accelerator)
     expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
     alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor)
-    planner = _Planner(
-        spec,
-        cands,
-        world=world,
-        num_nodes=num_nodes,
-        precision=precision,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        device_memory=dev_mem,
-        cpu_memory=cpu_mem,
-        allocator=alloc,
-        hw=hw,
-        deepspeed_config=deepspeed_config,
-        optimizer=opt,
-        target=accelerator,
-        all_micro=all_micro_batches,
-        workers=workers,
-    )
+    shared = dict(world=world, num_nodes=num_nodes, precision=precision, seq_len=seq_len, batch_size=batch_size)
+    shared.update(device_memory=dev_mem, cpu_memory=cpu_mem, allocator=alloc, hw=hw, target=accelerator)
+    shared.update(deepspeed_config=deepspeed_config, workers=workers, headroom=headroom)
+    planner = _Planner(spec, cands, optimizer=opt, all_micro=all_micro_batches, **shared)
     planner.notes += adapter_notes
     estimates = planner.run()
     if any(accounting_for(c.plan).analytic_states for c in cands) and (
@@ -236,7 +236,18 @@ def plan(
             f"ZeRO rows use DeepSpeed's own Adam accounting (fp32 moments, its step temporaries), "
             f"not {opt.name}: DeepSpeed builds its optimizer from its config."
         )
-    best, reason = recommend(estimates, dev_mem)
+    best, reason = recommend(estimates, dev_mem, headroom=headroom, cpu_memory=cpu_mem)
+    tried: List[Dict[str, Any]] = []
+    if optimizer_variants and variants.worth_trying(opt.name, estimates, best, spec.kind, adapters):
+
+        def replan(name: str, retry: List[Candidate]) -> Tuple[Optional[Estimate], List[Estimate]]:
+            other = resolve_optimizer(name, paged_resident=paged_resident, target=accelerator)
+            rows = _Planner(spec, retry, optimizer=other, all_micro=all_micro_batches, **shared).run()
+            return recommend(rows, dev_mem, headroom=headroom, cpu_memory=cpu_mem)[0], rows
+
+        retry = variants.candidates_to_retry(estimates, best, lambda c: not accounting_for(c.plan).analytic_states)
+        tried, variant_notes = variants.try_variants(replan, retry, best)
+        planner.notes += variant_notes
     opt_text = (
         opt.describe()
         if spec.kind != "module" or foreach is not None or fused is not None
@@ -274,6 +285,9 @@ def plan(
         optimizer=opt_text,
         allocator=alloc.describe(),
         assumptions=assumptions,
+        headroom=headroom,
+        binding=binding_limit(estimates),
+        variants=tried,
     )
 
 
@@ -298,12 +312,13 @@ class _Planner:
         target: str,
         all_micro: bool,
         workers: Optional[int],
+        headroom: float = DEFAULT_HEADROOM,
     ) -> None:
         self.spec, self.cands, self.world, self.num_nodes = spec, cands, world, num_nodes
         self.precision, self.seq_len, self.batch_size = precision, seq_len, batch_size
         self.device_memory, self.cpu_memory, self.allocator, self.hw = device_memory, cpu_memory, allocator, hw
         self.deepspeed_config = deepspeed_config
-        self.all_micro, self.workers = all_micro, workers
+        self.all_micro, self.workers, self.headroom = all_micro, workers, headroom
         self.setting = Setting(
             world_size=world,
             num_nodes=num_nodes,
@@ -319,13 +334,34 @@ class _Planner:
         self.depths: Tuple[Optional[int], ...] = (3, 4) if spec.kind != "module" and full and full > 4 else (full,)
         if len(self.depths) == 2:
             self.notes.append(f"Traced at 3 and 4 blocks and extrapolated linearly to {full}.")
-        threshold = analytic.zero_settings(deepspeed_config)["stage3_param_persistence_threshold"]
-        self.stats = {d: analytic.spec_param_stats(spec, d, threshold) for d in self.depths}
+        self.threshold = analytic.zero_settings(deepspeed_config)["stage3_param_persistence_threshold"]
+        self.stats = {d: analytic.spec_param_stats(spec, d, self.threshold) for d in self.depths}
         self.full_stats = self._at_full(lambda d: self.stats[d])
         self.params = self.full_stats.total
         self.zero = analytic.zero_settings(deepspeed_config, self.full_stats)
         self.traces: Dict[Tuple[Candidate, str, int, int], Trace] = {}
         self.failed: Optional[str] = None
+
+    def _depths_for(self, traced: Candidate) -> Tuple[Optional[int], ...]:
+        """The depths `traced` is traced at: 3 and 4 blocks, or one whole period apart for every-N-th-block AC.
+
+        Checkpointing every N-th block makes memory periodic in depth: 3 -> 4 blocks adds an
+        un-checkpointed block when N = 2, and extrapolating that slope charges every block as
+        un-checkpointed. Two depths that are multiples of N (at least 3 blocks, for FSDP's
+        prefetch steady state) have the same pattern, so their difference is one period's cost.
+        """
+        option = traced.plan.selective_ac_option if traced.plan.ac == "selective" else None
+        if len(self.depths) < 2 or not isinstance(option, int) or option < 2:
+            return self.depths
+        first = option * -(-3 // option)
+        if first + option > self.spec.depth:
+            return (self.spec.depth,)  # a period as deep as the model: trace it whole
+        return (first, first + option)
+
+    def _stats_at(self, depth: Optional[int]) -> Any:
+        if depth not in self.stats:
+            self.stats[depth] = analytic.spec_param_stats(self.spec, depth, self.threshold)
+        return self.stats[depth]
 
     def _at_full(self, fn: Any) -> Any:
         if len(self.depths) == 1:
@@ -354,7 +390,7 @@ class _Planner:
         for c in self.cands:  # configurations whose model states are accounted, on this trace's activations
             acct = accounting_for(c.plan)
             if acct.analytic_states and self._traced(c) == (traced, precision):
-                terms = acct.terms(c.plan, self.stats[depth], self.world, self.precision, self.zero)
+                terms = acct.terms(c.plan, self._stats_at(depth), self.world, self.precision, self.zero)
                 views.append((_view_key(c), acct.view(c.plan, terms, grad_bytes, self.zero)))
         return tuple(views)
 
@@ -363,7 +399,7 @@ class _Planner:
     ) -> List[TraceJob]:
         return [
             TraceJob(traced, precision, micro, accumulation, d, scales, self._views(traced, precision, d))
-            for d in self.depths
+            for d in self._depths_for(traced)
         ]
 
     def _run(self, groups: List[Tuple[Candidate, str, int, int, Tuple[float, ...]]]) -> None:
@@ -384,6 +420,13 @@ class _Planner:
         full_m = splits[0][0]
         try:
             self._run([(*self._traced(c), full_m, 1, (1.0,)) for c in self.cands])
+            for c in self.cands:
+                depths = self._depths_for(self._traced(c)[0])
+                if len(depths) == 2 and depths != self.depths:
+                    self.notes.append(
+                        f"{c.config_label}: checkpoints one block in {c.plan.selective_ac_option}, so it is "
+                        f"traced at {depths[0]} and {depths[1]} blocks (a whole period apart) and extrapolated."
+                    )
             rows = {
                 c: [self._estimate(c.with_batch(full_m, 1), self.traces[(*self._traced(c), full_m, 1)], 1.0)]
                 for c in self.cands
@@ -414,8 +457,9 @@ class _Planner:
             allocated, phase, breakdown, host, method = self._fsdp_offload(tr, r)
         else:
             allocated, phase, breakdown, host, method = self._traced_estimate(cand, tr, r)
-        if len(self.depths) == 2:
-            method += ", extrapolated from 3-4 blocks"
+        depths = self._depths_for(self._traced(cand)[0])
+        if len(depths) == 2:
+            method += f", extrapolated from {depths[0]}-{depths[1]} blocks"
         return self._finish(cand, allocated, phase, breakdown, host, method, tr.largest_transient)
 
     def _finish(
@@ -447,9 +491,12 @@ class _Planner:
         if not largest_transient:  # no trace (fallback): the largest activation-sized block it counts
             largest_transient = breakdown.get("temporary", 0.0) / 2
         reserved = self.allocator.reserved(allocated, steady, largest_transient)
-        fits = None
+        fits = device_fits = host_fits = None
+        if self.cpu_memory is not None:
+            host_fits = cpu <= usable(self.cpu_memory, self.headroom)
         if self.device_memory is not None:
-            fits = reserved <= self.device_memory and (self.cpu_memory is None or cpu <= self.cpu_memory)
+            device_fits = reserved <= usable(self.device_memory, self.headroom)
+            fits = device_fits and host_fits is not False
         return Estimate(
             candidate=cand,
             allocated=allocated,
@@ -461,6 +508,8 @@ class _Planner:
             method=method,
             fits=fits,
             phase=phase,
+            device_fits=device_fits,
+            host_fits=host_fits,
         )
 
     def _traced_estimate(self, cand: Candidate, tr: Trace, r: float):

@@ -97,6 +97,9 @@ def step_cost(
     tokens_micro = cand.micro_batch * seq_len
     mfu = BASE_MFU * tokens_micro / (tokens_micro + MFU_HALF_TOKENS)
     recompute = 4.0 / 3.0 if cand.activation_checkpointing else 1.0
+    period = cand.plan.selective_ac_option
+    if cand.plan.ac == "selective" and isinstance(period, int) and period > 1:
+        recompute = 1.0 + 1.0 / (3.0 * period)  # one block in `period` is recomputed
     compute = flops_per_token * batch_size * seq_len * recompute / (peak * mfu)
 
     k, w, n = cand.accumulation, max(1, world), float(params)

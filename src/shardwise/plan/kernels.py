@@ -1,4 +1,4 @@
-"""Attention traced with the target's kernels, not the planning machine's.
+"""Attention and dropout traced with the target's kernels, not the planning machine's.
 
 `F.scaled_dot_product_attention` picks its kernel by device, dtype and
 arguments. On CUDA (fp16/bf16: flash; fp32, masks, dropout: memory-efficient)
@@ -12,6 +12,15 @@ flash / memory-efficient kernels: output + logsumexp), so the fake trace holds w
 `flash_attention_2` are built with SDPA (flash-attn need not be installed)
 and traced the same way. An eager attention (a model that computes
 softmax(QK^T) itself) is traced as written: it keeps the matrix on any device.
+
+Dropout differs the same way. On CUDA `F.dropout` runs the fused
+`native_dropout` kernel, which saves a one-byte bool mask; on the CPU it
+multiplies by a noise tensor of the input's dtype and saves that: 4 bytes
+per element in fp32, four times the GPU's, for every dropout of every layer
+(the demo Transformer with Lightning's dropout 0.2 has four per encoder and
+six per decoder layer, one of them FFN-wide). Inside
+`target_attention("cuda")` dropout goes through `native_dropout` (CPU
+kernel, CUDA's saved tensors: the bool mask).
 """
 
 from __future__ import annotations
@@ -57,6 +66,14 @@ def _flash(
 
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
+_ORIGINAL_DROPOUT = F.dropout
+
+
+def _target_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    # CUDA's fused path (what at::dropout takes for 0 < p < 1 on a CUDA tensor): a bool mask is saved.
+    if training and not inplace and 0.0 < p < 1.0 and input.numel() > 0 and input.is_floating_point():
+        return torch.native_dropout(input, p, True)[0]
+    return _ORIGINAL_DROPOUT(input, p, training, inplace)
 
 
 def _target_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -69,7 +86,8 @@ def _target_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 @contextlib.contextmanager
 def target_attention(target: str) -> Iterator[None]:
-    """Inside: SDPA saves what it saves on `target` ("cuda": flash / memory-efficient; "cpu": unchanged).
+    """Inside: SDPA and dropout save what they save on `target` ("cuda": flash / memory-efficient
+    attention, dropout's bool mask; "cpu": unchanged).
 
     The module attribute is swapped (not a TorchFunctionMode): torch.nn.functional's own wrappers
     (multi_head_attention_forward) call SDPA by its module-level name, and a function mode is
@@ -79,11 +97,11 @@ def target_attention(target: str) -> Iterator[None]:
     if target != "cuda" or F.scaled_dot_product_attention is _target_sdpa:
         yield
         return
-    F.scaled_dot_product_attention = _target_sdpa
+    F.scaled_dot_product_attention, F.dropout = _target_sdpa, _target_dropout
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _ORIGINAL_SDPA
+        F.scaled_dot_product_attention, F.dropout = _ORIGINAL_SDPA, _ORIGINAL_DROPOUT
 
 
 def hf_attention_for_trace(config: Any, original: Any = None) -> None:
