@@ -115,6 +115,7 @@ def _llama70b(num_nodes: int, optimizer: str, **kwargs):
         optimizer=optimizer,
         workers=1,
         headroom=0.0,  # the published verdict is whether it ran, not advice with a margin
+        optimizer_variants=False,
         **kwargs,
     )
     return p.estimates[0]

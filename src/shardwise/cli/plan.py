@@ -49,6 +49,8 @@ def plan_command(
     lora_dropout: float = 0.0,
     lora_target_modules: Optional[List[str]] = None,
     load_in_4bit: bool = False,
+    headroom: float = 0.1,
+    optimizer_variants: bool = True,
 ) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
 
@@ -91,6 +93,10 @@ def plan_command(
         lora_target_modules: modules that get adapters, PEFT's names (e.g. q_proj,v_proj, or
             all-linear); default: PEFT's for the model type (q_proj,v_proj for the Llama presets).
         load_in_4bit: QLoRA: the frozen base in NF4 with double quantisation (needs --lora_r).
+        headroom: fraction of device (and host) memory a configuration must leave free to fit (0 to judge
+            against the whole device).
+        optimizer_variants: when nothing fits or a faster configuration misses, also plan 8-bit / paged
+            AdamW and say which changes the verdict.
     """
     from shardwise.plan.core import plan
     from shardwise.plan.presets import PlanError
@@ -134,6 +140,8 @@ def plan_command(
         lora_dropout=lora_dropout,
         lora_target_modules=lora_target_modules,
         load_in_4bit=load_in_4bit,
+        headroom=headroom,
+        optimizer_variants=optimizer_variants,
     )
     if json:
         print(to_json(result))

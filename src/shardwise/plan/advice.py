@@ -37,6 +37,7 @@ from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, from_strategy, parse_candidate
 from shardwise.plan.core import plan
 from shardwise.plan.presets import PlanError
+from shardwise.plan.runcheck import PlanCheck, Prediction
 
 
 @dataclass
@@ -48,6 +49,7 @@ class FitDecision:
     accumulate_grad_batches: Optional[int] = None  # the chosen accumulation (None: keep the Trainer's)
     message: str = ""  # what to tell the user, once, on global rank 0 ("" for nothing)
     plan_choice: Optional[Dict[str, Any]] = None  # the choice the workers apply (LaunchContext.plan_choice)
+    check: Any = None  # a runcheck.PlanCheck for the configuration that runs (None: nothing predicted here)
 
 
 # Device memory the caching allocator never sees, which "auto" leaves free: the CUDA context
@@ -125,6 +127,8 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
             cand = cand.with_batch(int(choice["micro_batch"]), int(choice["accumulation"]))
             _batch_split(decision, trainer, train_dataloaders, cand)
         decision.strategy = _strategy_for(trainer, cand, blocks=tuple(choice.get("blocks") or ()))
+        if choice.get("prediction"):
+            decision.check = PlanCheck(Prediction.from_dict(choice["prediction"]))
         return decision
     env = detect_env()
     launching = env is None and trainer.devices * trainer.num_nodes > 1
@@ -150,11 +154,14 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
             split = _batch_split(decision, trainer, train_dataloaders, c)
             # FSDP policies accept class names; the workers re-batch the same way.
             names = [getattr(b, "__name__", str(b)) for b in result.block_classes]
+            prediction = Prediction.from_estimate(best, trainer.accelerator)
+            decision.check = PlanCheck(prediction)
             decision.plan_choice = {
                 "candidate": c.name,
                 "blocks": names,
                 "micro_batch": c.micro_batch,
                 "accumulation": c.accumulation,
+                "prediction": prediction.to_dict(),
             }
             reason = result.reason.rstrip(".") + split + "." if split else result.reason
             if trainer.device_memory == "auto":
@@ -170,8 +177,11 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
         warnings.warn(f"The memory planner could not plan this run: {exc}", stacklevel=3)
         return None
     mine = next((e for e in result.estimates if e.candidate.micro_batch == micro), None)
-    if mine is None or mine.fits:
-        return None  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
+    if mine is None:
+        return None
+    check = FitDecision(check=PlanCheck(Prediction.from_estimate(mine, trainer.accelerator)))
+    if mine.fits:
+        return check  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
     change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
     warnings.warn(
         f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
@@ -180,7 +190,7 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
         f"{' (' + _auto_note(world) + ')' if trainer.device_memory == 'auto' else ''}. {change}",
         stacklevel=3,
     )
-    return None
+    return check
 
 
 def _plan(trainer: Any, module: Any, batch: Any, batch_size: int, device_memory: int, **kwargs: Any) -> Any:

@@ -3,27 +3,19 @@
 The steps, in order:
 1. resolve the model (preset, config.json, python:module.Class, TrainModule)
    and validate the layout before anything is traced;
-2. trace every FSDP / DDP configuration on fake tensors with the real
-   strategy code (trace.py). Models with repeated blocks are traced at 2 and
-   3 blocks and extrapolated linearly to their depth -- a 70B model costs
-   the same to plan as a 3-block one. What each engine needs traced and how
-   its model states are counted is its accounting (strategies/accounting.py,
-   looked up from the candidate's ParallelPlan): ZeRO stages ride on the DDP
-   trace with the same activation checkpointing, FSDP CPU offload on the
-   FULL_SHARD trace;
+2. trace every FSDP / DDP configuration on fake tensors with the real strategy
+   code (trace.py), at 3 and 4 blocks (one AC period apart for every-N-th-block
+   checkpointing) extrapolated to the depth. Each engine's accounting
+   (strategies/accounting.py) says what is traced: ZeRO rides on the DDP trace,
+   FSDP CPU offload on FULL_SHARD's;
 3. only when the whole per-device batch does not fit, trace once more with
    two micro-batches (gradient accumulation holds gradients between them)
    and read every smaller micro-batch size off that trace's scaled envelopes;
 4. attach a step-time estimate (cost.py) and pick the fastest configuration
-   whose *reserved* memory fits (recommend.py): the allocated peak plus what the caching
-   allocator keeps on top, from allocator.py's model (the largest transient
-   block the trace saw, expandable segments or not), or a flat
-   `reserved_factor` if one is given. On accelerator="cpu" reserved =
-   allocated (no caching allocator).
-The target's kernels and defaults are traced, not the planning machine's:
-on accelerator="cuda" attention runs as SDPA's flash kernel (kernels.py) and
-the optimizer as PyTorch runs it on CUDA (optim.py: foreach unless fused or
-told otherwise; paged / 8-bit bitsandbytes state scaled).
+   whose *reserved* memory (allocator.py's model) fits with headroom (recommend.py);
+   when that leaves something on the table, try the optimizer variants (variants.py).
+The target's kernels and defaults are traced, not the planning machine's (kernels.py:
+attention, dropout; optim.py: the optimizer's implementation, paged / 8-bit state).
 If the model cannot run under fake tensors, every row falls back to the
 analytic per-block estimate and the plan says so.
 """

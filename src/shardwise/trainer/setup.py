@@ -284,5 +284,7 @@ def apply_plan(trainer: Any, decision: Any, train_loader: Any) -> Tuple[Any, Opt
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
     if decision.message and is_global_zero():
         print(decision.message)
+    if getattr(decision, "check", None) is not None:  # the plan checked against this run (plan/runcheck.py)
+        trainer.callbacks.append(decision.check)
     loader = decision.train_dataloader if decision.train_dataloader is not None else train_loader
     return loader, decision.plan_choice
