@@ -1,19 +1,28 @@
 """A training step must not read device values back to the host except where the user asked.
 
 On a GPU, turning a device tensor into a Python number waits for all queued work, which costs
-FSDP its overlap of communication with compute. The loop is run under a torch function mode that
-sees every host read (float(), .item(), .tolist(), bool(), .cpu(), ...), so the test works on CPU.
+FSDP its overlap of communication with compute and the CPU its run-ahead. The loop is run under a
+torch function mode that sees every host read (float(), .item(), .tolist(), bool(), .cpu(), ...),
+so the test works on CPU. The health check's verdict reaches the host by a non-blocking copy into
+host memory and is read from there a step later (trainer/nonfinite.py); the tests below also check
+what that delay must not cost: the step and rank are named, nothing non-finite is ever saved, and
+'skip' still drops the bad update.
 """
 
+import os
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from shardwise import Trainer, TrainModule
+from shardwise import ModelCheckpoint, Trainer, TrainModule
+from shardwise.checkpoint import layout
+from shardwise.health import NonFiniteError
+from shardwise.trainer.nonfinite import ZeroGradientError
 
 _READS = {"__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu"}
 
@@ -118,12 +127,105 @@ def test_steps_between_log_steps_read_nothing_back_without_the_health_check():
     assert all(type(v) is float for v in trainer.callback_metrics.values())
 
 
-def test_the_health_check_costs_one_read_per_optimizer_step_not_per_micro_batch():
+def test_the_health_check_reads_nothing_back_between_log_steps():
     _, off, _ = _fit("off", accumulate=2)
-    _, on, _ = _fit("error", accumulate=2)
-    # 12 micro-batches = 6 optimizer steps, the last micro-batch of each window (1, 3, 5, ...).
+    trainer, on, _ = _fit("error", accumulate=2)
+    # 12 micro-batches = 6 optimizer steps. The verdict of each step is copied to host memory without a
+    # read and acted on a step later (trainer/nonfinite.py): no batch reads more than with the check off.
     extra = {b: on[b] - off.get(b, 0) for b in range(12)}
-    assert extra == {b: (1 if b % 2 == 1 else 0) for b in range(12)}
+    # Warm-up: the first step makes the host buffer (its numpy view is the one counted read).
+    assert extra == {b: 1 if b == 1 else 0 for b in range(12)}
+    # Read before its own update only where the step's values are read anyway: log steps 1 and 4.
+    assert trainer.health.read_at_own_step == [1, 4]
+    skipping, _, _ = _fit("skip", accumulate=2)  # 'skip' must decide before the update: every step
+    assert skipping.health.read_at_own_step == [1, 2, 3, 4, 5, 6]
+
+
+class _Planted(TrainModule):
+    """A NaN loss, an infinite gradient or a loss times 0 at optimizer step `at` (1-based)."""
+
+    def __init__(self, at, how):
+        super().__init__()
+        self.at, self.how = at, how
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).square().mean()
+        if self.trainer.global_step + 1 == self.at:
+            if self.how == "nan":
+                loss = loss * float("nan")
+            elif self.how == "inf_grad":  # sqrt's derivative at 0
+                loss = loss + torch.sqrt(self.net.weight[0, 0] * 0)
+            else:
+                loss = loss * 0.0
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _planted(tmp_path, at, how="nan", non_finite="error", steps=8, every=None):
+    callbacks = [ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=every)] if every else []
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        log_every_n_steps=4,
+        non_finite=non_finite,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=bool(every),
+        default_root_dir=str(tmp_path),
+        callbacks=callbacks,
+    )
+    data = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)))
+    return trainer, lambda: trainer.fit(_Planted(at, how), DataLoader(data, batch_size=2))
+
+
+def _last_step(tmp_path):
+    return layout.read_manifest(os.path.realpath(tmp_path / "last.ckpt"))["global_step"]
+
+
+def test_a_late_verdict_names_its_step_and_stops_before_the_next_update(tmp_path):
+    trainer, fit = _planted(tmp_path, at=5)
+    with pytest.raises(NonFiniteError) as err:
+        fit()
+    message = str(err.value)
+    assert "optimizer step 5 (epoch 0): rank 0: the loss of batch_idx 4 (nan)" in message
+    assert "Found before step 6's update" in message and "trainer.global_step is 5" in message
+    assert trainer.global_step == 5 and trainer.nonfinite_step == 5  # step 6 was not taken
+    # Without the loss to blame, the kept gradient norm names the parameter.
+    _, fit = _planted(tmp_path / "inf", at=3, how="inf_grad")
+    with pytest.raises(NonFiniteError, match=r"step 3 .*the gradient of net.weight \(its norm is (nan|inf)\)"):
+        fit()
+    _, fit = _planted(tmp_path / "zero", at=6, how="zero")
+    with pytest.raises(ZeroGradientError, match=r"zero at optimizer step 6 .*2 gradient tensor\(s\), 10 "):
+        fit()
+
+
+def test_a_late_verdict_is_read_before_a_checkpoint_and_before_fit_ends(tmp_path):
+    # A checkpoint after every step: step 5's verdict is read before step 5 is written.
+    trainer, fit = _planted(tmp_path, at=5, every=1)
+    with pytest.raises(NonFiniteError, match="step 5 .*Found before a checkpoint is written"):
+        fit()
+    assert _last_step(tmp_path) == 4
+    # 'warn' takes the step; ModelCheckpoint then never saves it or a later one.
+    trainer, fit = _planted(tmp_path / "warn", at=5, non_finite="warn", every=1)
+    with pytest.warns(UserWarning, match=r"not saving step 5 or later: non-finite values were seen at step 5"):
+        fit()
+    assert trainer.global_step == 8 and _last_step(tmp_path / "warn") == 4
+    # The last step (7 is no log step) is checked before fit returns.
+    _, fit = _planted(tmp_path / "end", at=7, steps=7)
+    with pytest.raises(NonFiniteError, match="step 7 .*Found at the end of fit"):
+        fit()
+
+
+def test_skip_reads_before_the_update_and_drops_it(tmp_path):
+    trainer, fit = _planted(tmp_path, at=5, non_finite="skip")
+    with pytest.warns(UserWarning, match=r"step 5: rank 0: the loss of batch_idx 4 \(nan\)\. The step was skipped"):
+        fit()
+    assert trainer.global_step == 8  # a skipped step counts, as GradScaler's do
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
 def test_epoch_values_are_the_mean_and_max_of_the_step_values():
