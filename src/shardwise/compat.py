@@ -2,9 +2,9 @@
 
 One table, kept in code so it cannot drift: `tests/unit/test_compat_table.py`
 runs every row's `check` (the spelling is accepted and means what the row
-says) and asserts that README.md carries `render_table()` verbatim between
+says) and asserts that docs/coming-from.md carries `render_table()` verbatim between
 `<!-- compat-table -->` markers. Edit a row here, then paste the output of
-`python -m shardwise.compat` into README.md.
+`python -m shardwise.compat` into docs/coming-from.md.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ agent starts the workers (agent.run); each worker parses it once, on the
 first `current()`, and keeps it. A process no shardwise launcher started
 (torchrun, srun, plain python) gets the defaults. Everything else the
 workers learn from the environment is either torch's (RANK, WORLD_SIZE,
-MASTER_ADDR, ... read by env.py) or a switch the user sets (README,
-"Environment variables").
+MASTER_ADDR, ... read by env.py) or a switch the user sets (docs/launching.md,
+"The environment").
 
 The launching process adds what it knows before it starts the workers: this
 process's own value is replaced with `update(**fields)` (seed_everything

@@ -5,7 +5,7 @@ DeepSpeed: process-group setup, where `configure_model` builds (meta device
 or not), how the model is wrapped, precision, backward, gradient sync during
 accumulation, clipping, the optimizer step and its checkpoint format. The
 Trainer only calls these methods, so a user who prefers a hand-written loop
-can call them too (see README, "Without the Trainer"):
+can call them too (see docs/scaling.md, "Without the Trainer"):
 
     strategy = FSDPStrategy(auto_wrap_policy={Block})
     strategy.setup_environment()

@@ -216,7 +216,7 @@ def build_device_mesh(
 
 
 class FSDPStrategy(Strategy):
-    """Fully sharded data parallel (FSDP2). See README "FSDP" for every knob.
+    """Fully sharded data parallel (FSDP2). See docs/fsdp.md for every knob.
 
     `accumulation_sync` chooses what a non-final micro-batch of a gradient
     accumulation window communicates:

@@ -361,16 +361,16 @@ def leave_validation(trainer: Any, modes: Optional[List[Tuple[torch.nn.Module, b
             module.training = training
 
 
-# ------------------------------------------------------------------------------- README rows
+# ------------------------------------------------------------------------- docs/coming-from.md rows
 def status_word(hook: Hook) -> str:
-    """The README's word for a row: same, different (called, with a note) or refused."""
+    """The docs' word for a row: same, different (called, with a note) or refused."""
     if hook.status == REFUSED:
         return "refused"
     return "different" if hook.note or hook.moved or hook.args_differ else "same"
 
 
 def render_rows(owner: str) -> str:
-    """README.md's rows for `owner`'s hooks ("Coming from Lightning"; test_lightning_hooks keeps them in step)."""
+    """docs/coming-from.md's rows for `owner`'s hooks (test_lightning_hooks keeps them in step)."""
     rows = []
     for hook in HOOKS:
         if hook.owner == owner:
