@@ -28,7 +28,7 @@ import logging
 import os
 import warnings
 from dataclasses import replace
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -420,6 +420,39 @@ class DeepSpeedStrategy(Strategy):
         """
         self.require_engine().set_gradient_accumulation_boundary(not enabled)
         yield
+
+    def gradients(self, model: nn.Module) -> List[torch.Tensor]:
+        """The gradients the engine holds after the window's last backward, before its step (the health check).
+
+        From ZeRO-2 on DeepSpeed clears param.grad once it has reduced a gradient into its partitions, so the
+        base class's answer would be empty and a NaN or all-zero step would pass unseen. ZeRO-1/2: this
+        rank's averaged partition (fp32 `averaged_gradients`; with the optimizer offloaded, the fp32 partition
+        it steps on). ZeRO-3: each trainable parameter's local fp32 partition (DeepSpeed's safe_get_local_grad).
+        """
+        if self.engine is None or self.stage == 0:
+            return super().gradients(model)
+        trainable = [p for p in self.unwrap(model).parameters() if p.requires_grad]
+        optimizer = self.engine.optimizer
+        if self.stage == 3:
+            from deepspeed.utils import safe_get_local_grad
+
+            held = [safe_get_local_grad(p) for p in trainable]
+        elif self.offload_optimizer:
+            held = [group.grad for group in getattr(optimizer, "single_partition_of_fp32_groups", [])]
+        else:
+            held = []
+            for group in getattr(optimizer, "averaged_gradients", {}).values():
+                flat = getattr(group, "flat_partition", None)  # the compact buffer, else a list of tensors
+                held.extend([flat] if flat is not None else list(group or []))
+        held = [g for g in held if g is not None]
+        if trainable and not held:  # never a silently empty check
+            raise RuntimeError(
+                f"Found no gradient in DeepSpeed {importlib.import_module('deepspeed').__version__}'s ZeRO-"
+                f"{self.stage} optimizer ({type(optimizer).__name__}) after the backward: the non-finite and "
+                "zero-gradient checks cannot run. Use Trainer(non_finite='off') with this DeepSpeed version "
+                "(and report it), or the DeepSpeed version shardwise is tested with (see pyproject.toml)."
+            )
+        return held
 
     def clip_gradients(
         self,

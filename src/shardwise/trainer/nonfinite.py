@@ -273,8 +273,9 @@ def report(
     else:
         taken = (
             f"Found {where}: the check reads each step's verdict one step later so that the run never waits "
-            f"for the device, so step {step}'s update was applied to the weights in memory (trainer.global_step "
-            f"is {global_step}), but nothing from step {step} on was saved or sent to the loggers"
+            f"for the device, so the optimizer had already been asked to take step {step}'s update "
+            f"(trainer.global_step is {global_step}), but nothing from step {step} on was saved or sent to the "
+            "loggers"
         )
     if zero_grads:
         reports = ops.all_gather_object(_zero_grads_here(pending.grads))
@@ -294,7 +295,9 @@ def report(
         warnings.warn(f"{message} The step was {action}. {causes}", stacklevel=3)
         return
     if where is None:
+        # param.grad first; an engine keeping gradients elsewhere (DeepSpeed ZeRO-2/3) by the kept norms.
         found = health.first_nonfinite(model, [(i, float(t)) for i, t in pending.losses])
+        found = found or _kept_nonfinite(model, pending)
     else:
         found = _kept_nonfinite(model, pending)
     reports = ops.all_gather_object(found)
