@@ -250,10 +250,11 @@ def _compilation_records() -> List[Any]:
 class RecompileWatch:
     """Counts dynamo's recompilations per function; warns once when one keeps recompiling.
 
-    Call `step()` after each optimizer step. Compilations during the first `warmup_steps` steps (the first
-    forward, backward, a first validation in eval mode) are counted in `total` but never warned about;
-    after that, `recompiles[fn]` counts them and a function above `max_recompiles`, or one dynamo gave up
-    on (`recompile_limit` reached), gets one warning with the guard dynamo names as the cause.
+    Call `step()` after each optimizer step. Compilations up to the first step that compiled anything and
+    during the first `warmup_steps` steps (the first forward and backward; a first step run eagerly under
+    a FLOP counter) are counted in `total` but never warned about; after that, `recompiles[fn]` counts
+    them, and a function above `max_recompiles`, or one dynamo gave up on (`recompile_limit` reached),
+    gets one warning with the guards dynamo names as the cause.
     """
 
     def __init__(self, max_recompiles: int = 4, warmup_steps: int = 1, rank: int = 0) -> None:
@@ -266,6 +267,7 @@ class RecompileWatch:
         self.reasons: Dict[str, str] = {}  # the newest cause per function
         self.gave_up: Set[str] = set()
         self.names: Dict[str, str] = {}  # dynamo's frame id -> "fn (file:line)"
+        self.compiled_at: Optional[int] = None  # the first step in which dynamo compiled something
         self.message: Optional[str] = None
         self.seen = {self._key(r) for r in _compilation_records()}  # earlier compilations are not this run's
 
@@ -276,11 +278,13 @@ class RecompileWatch:
     def step(self) -> Optional[str]:
         """Read dynamo's new records; return (and warn) the message the first time the limit is passed."""
         self.steps += 1
+        compiled_before = self.compiled_at is not None
         for record in _compilation_records():
             key = self._key(record)
             if key in self.seen:
                 continue
             self.seen.add(key)
+            self.compiled_at = self.compiled_at or self.steps
             frame = key[0].split("/")[0]
             if getattr(record, "co_name", None):
                 self.names[frame] = f"{record.co_name} ({record.co_filename}:{record.co_firstlineno})"
@@ -292,7 +296,7 @@ class RecompileWatch:
             self.reasons[fn] = str(reason)
             if "recompile limit" in str(getattr(record, "fail_reason", "") or "").lower():
                 self.gave_up.add(fn)
-            if self.steps > self.warmup_steps:
+            if compiled_before and self.steps > self.warmup_steps:
                 self.recompiles[fn] += 1
         if self.message is None:
             over = [fn for fn, n in self.recompiles.items() if n > self.max_recompiles] + sorted(self.gave_up)
@@ -327,9 +331,10 @@ class RecompileWatch:
             else f"each costs a new compilation; at torch._dynamo.config.recompile_limit={limit} dynamo stops "
             "compiling it and runs it eagerly"
         )
+        warm = max(self.compiled_at or 0, self.warmup_steps)
         return (
             f"torch.compile keeps recompiling {fn} on rank {self.rank}: {self.recompiles[fn] or self.total[fn]} "
-            f"time(s) after the first {self.warmup_steps} optimizer step(s) ({state}). The causes dynamo "
+            f"time(s) after warm-up (optimizer step {warm}; {state}). The causes dynamo "
             f"reports (the guards that failed): {'; '.join(self.causes(fn))}. Usual fixes: batches of one "
             "shape (pad to a fixed length, drop_last=True), a dimension marked dynamic "
             "(CompileOptions(dynamic=None) lets dynamo do it; torch._dynamo.mark_dynamic), no Python value "
