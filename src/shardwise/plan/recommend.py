@@ -43,7 +43,7 @@ def _budget(total: int, headroom: float) -> str:
 
 
 def binding_limit(estimates: List[Any]) -> Optional[str]:
-    """"device", "host" or "both" when nothing fits; None when something does (or nothing was judged)."""
+    """ "device", "host" or "both" when nothing fits; None when something does (or nothing was judged)."""
     judged = [e for e in estimates if e.fits is not None]
     if not judged or any(e.fits for e in judged):
         return None
@@ -117,9 +117,7 @@ def _nothing_fits(estimates: List[Any], device_memory: int, cpu_memory: Optional
             f"{_budget(cpu_memory, headroom)}). Add devices or nodes, or shorten sequences."
         )
     offload = any(e.candidate.offload for e in estimates)
-    hint = "Add devices, shorten sequences or use a smaller micro-batch" + (
-        "" if offload else ", or plan CPU offload"
-    )
+    hint = "Add devices, shorten sequences or use a smaller micro-batch" + ("" if offload else ", or plan CPU offload")
     return f"Nothing fits on the device: {device_text}. {hint}."
 
 
