@@ -91,9 +91,13 @@ def _accumulated_grads(sharding, sync, mesh=None):
     return torch.cat([p.grad.to_local().flatten() for p in model.parameters()]), first
 
 
+# FSDP2's reduce-scatter: dist.reduce_scatter_single from torch 2.13, dist.reduce_scatter_tensor before it.
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 @contextlib.contextmanager
 def _counting(counts):
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", REDUCE_SCATTER)}
 
     def counted(name):
         def call(*args, **kwargs):
@@ -162,7 +166,7 @@ def test_both_modes_accumulate_the_same_gradients(measured, layout):
 
 def test_first_micro_batch_reduce_scatters_and_defers_only_the_replica_all_reduce(measured):
     first = {k: v[1] for k, v in measured[1].items()}
-    assert first["full_rs"].get("reduce_scatter_single", 0) > 0, first  # sharded now, not at the end
+    assert first["full_rs"].get(REDUCE_SCATTER, 0) > 0, first  # sharded now, not at the end
     assert first["full_none"] == {}, first  # the opt-in mode communicates nothing
     # (2, 1) mesh: the shard group has one rank (no reduce-scatter call); the all-reduce waits.
     assert first["replicate_rs"].get("all_reduce", 0) == 0 and first["replicate_none"] == {}, first

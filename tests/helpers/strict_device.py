@@ -25,6 +25,7 @@ spawned worker processes can import it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Dict, Iterator
 
 import torch
@@ -121,6 +122,10 @@ class _FactoriesOnFakeCuda(TorchFunctionMode):
 
 def _strict(name: str, original, calls: Dict[str, int]):
     def collective(tensor, *args, **kwargs):
+        # FSDP2's own all-gather goes through dist.all_gather_into_tensor before torch 2.13 (all_gather_single
+        # from 2.13 on): model-internal, like its reduce-scatter, so it is left unchecked on every version.
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("torch.distributed.fsdp"):
+            return original(tensor, *args, **kwargs)
         tensors = [tensor] + [a for a in args if isinstance(a, torch.Tensor)]
         for t in tensors:
             if t.device.type != "cuda":

@@ -382,8 +382,10 @@ def root_cause(outcomes: List[Outcome]) -> Optional[Outcome]:
 
 
 def _trim_stack(stack: str, lines: int = 14) -> str:
-    # faulthandler lists the current thread first, innermost frame first; keep that thread
-    block = stack.split("\n\n")[0].splitlines()
+    # faulthandler lists the threads newest first, innermost frame first; keep the first one running
+    # Python (torch 2.11's CUDA build adds a thread with a Python state but no frame ahead of the main one)
+    blocks = stack.split("\n\n")
+    block = next((b for b in blocks if "<no Python frame>" not in b), blocks[0]).splitlines()
     return "\n".join("    " + line for line in block[:lines])
 
 
