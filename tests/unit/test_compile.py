@@ -102,6 +102,13 @@ def test_the_blocks_are_found_in_each_kind_of_model():
             super().__init__(4, 4)
 
     assert [n for n, _ in find_blocks(Decoder())] == ["layers.0", "layers.1"]
+    from transformers import LlamaConfig, LlamaForCausalLM  # the recipe's models: their decoder layers
+
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(
+            LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+        )
+    assert [n for n, _ in find_blocks(llama)] == ["model.layers.0", "model.layers.1"]
     assert [n for n, _ in find_blocks(gpt, blocks="MLP")] == ["blocks.0.mlp", "blocks.1.mlp"]
     # A checkpointed block is compiled with its checkpoint wrapper (recomputation inside the graph).
     from shardwise.strategies.fsdp import apply_activation_checkpointing

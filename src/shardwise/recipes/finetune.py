@@ -139,6 +139,7 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
         timeout_s: collective timeout in seconds
         peak_tflops: the device's dense peak TFLOP/s for MFU (default: the built-in table by GPU name)
         profile_steps: START END: torch.profiler traces of these optimizer steps in <output_dir>/profiles
+        torch_compile: torch.compile each decoder layer (after checkpointing, before sharding; not DeepSpeed)
         lora_r: LoRA rank through PEFT (0: full fine-tuning, every weight trained)
         lora_alpha: LoRA scaling numerator (PEFT's lora_alpha)
         lora_dropout: dropout on the LoRA path
@@ -193,6 +194,7 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
     timeout_s: float = 1800.0
     peak_tflops: Optional[float] = None
     profile_steps: Optional[Tuple[int, int]] = None
+    torch_compile: bool = False
     # Adapters (LoRA / QLoRA through PEFT and bitsandbytes)
     lora_r: int = 0
     lora_alpha: int = 16
@@ -371,12 +373,10 @@ def _strategy_options(cfg: FinetuneConfig, cls: Any, owned: Dict[str, str], fixe
 def _build_strategy(cfg: FinetuneConfig, folder: Any) -> Any:
     """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front).
 
-    The name is a ParallelPlan (strategies/names.py); the recipe's own options
-    fill in what the name leaves open -- sharding_strategy and cpu_offload for
-    FSDP, gradient_checkpointing (full, on the model's blocks) -- and the plan
-    builds the strategy, with strategy_options as further constructor arguments.
+    The name is a ParallelPlan (strategies/names.py); the recipe's own options fill in what the name leaves
+    open -- sharding_strategy and cpu_offload for FSDP, gradient_checkpointing (full, on the model's blocks)
+    -- and the plan builds the strategy, with strategy_options as further constructor arguments.
     """
-
     if cfg.strategy.lower().strip() == "auto":
         plan, key = None, "auto"
     else:
@@ -507,10 +507,10 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         default_root_dir=cfg.output_dir,
         peak_tflops=cfg.peak_tflops,
         profile_steps=cfg.profile_steps,
+        compile=cfg.torch_compile,
     )
-    # The Trainer joins the process group (strategy.setup_environment), runs
-    # the data module's prepare_data (the tokenisation: rank 0 writes the
-    # cache) behind a barrier, then its setup on every rank.
+    # The Trainer joins the process group (strategy.setup_environment), runs the data module's prepare_data
+    # (the tokenisation: rank 0 writes the cache) behind a barrier, then its setup on every rank.
     tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
     data = FinetuneData(
         cfg.data,
