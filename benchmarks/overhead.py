@@ -1,15 +1,16 @@
-"""Trainer overhead: shardwise's Trainer vs a hand-written FSDP2 loop, same model, same run.
+"""Trainer overhead: shardwise's Trainer vs a hand-written DDP (or FSDP2) loop, same model, same run.
 
-Both train the seed Transformer with FSDP2 (fully_shard per encoder/decoder
-layer, then the root) on 2 local processes for the same number of steps on
-the same data. The Trainer runs with its defaults (progress bar, CSV logger,
+Both train the seed Transformer with DDP (`--strategy ddp`, the default:
+DistributedDataParallel around the model) or FSDP2 (`--strategy fsdp`:
+fully_shard per encoder/decoder layer, then the root) on 2 local processes for
+the same number of steps on the same data. The Trainer runs with its defaults (progress bar, CSV logger,
 logging every 50 steps; checkpointing off, since the hand loop saves nothing).
 Runs alternate (hand, Trainer, hand, Trainer, ...) so machine noise hits both
 alike; the result is the median ratio of steps/second. Prints a markdown row.
 `--health` instead compares the Trainer with its per-step health check
 (non_finite="error", the default) against the same Trainer with it off.
 
-    python benchmarks/overhead.py [--steps 40] [--repeats 3] [--tiny] [--health]
+    python benchmarks/overhead.py [--steps 40] [--repeats 3] [--tiny] [--health] [--strategy ddp|fsdp]
 """
 
 from __future__ import annotations
@@ -37,16 +38,20 @@ def _data():
     return PythonDocsText(block_size=64)
 
 
-def hand_loop(steps: int, size: dict) -> float:
-    """What a user writes with FSDP2 directly: meta init, fully_shard, to_empty, init, loop."""
+def hand_loop(steps: int, size: dict, strategy: str = "fsdp") -> float:
+    """What a user writes with FSDP2 directly (meta init, fully_shard, to_empty, init, loop), or with DDP."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     data = _data()
+    if strategy == "ddp":
+        model = DistributedDataParallel(Transformer(vocab_size=data.vocab_size, **size))
+        return _timed(model, data, steps)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with torch.device("meta"):
         model = Transformer(vocab_size=data.vocab_size, **size)
@@ -61,6 +66,10 @@ def hand_loop(steps: int, size: dict) -> float:
                 module.reset_parameters()
             elif isinstance(module, nn.MultiheadAttention):
                 module._reset_parameters()
+    return _timed(model, data, steps)
+
+
+def _timed(model: nn.Module, data, steps: int):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=8, sampler=sampler)
@@ -90,7 +99,7 @@ class _Clock:
         self.rate = (steps / (time.perf_counter() - self.start), steps / (time.process_time() - self.cpu_start))
 
 
-def trainer_loop(steps: int, size: dict, non_finite: str = "error") -> float:
+def trainer_loop(steps: int, size: dict, non_finite: str = "error", strategy: str = "fsdp") -> float:
     shardwise.seed_everything(0)
     data = _data()
     clock = _Clock()
@@ -98,7 +107,7 @@ def trainer_loop(steps: int, size: dict, non_finite: str = "error") -> float:
         trainer = Trainer(
             accelerator="cpu",
             devices=2,
-            strategy=FSDPStrategy(auto_wrap_policy=set(LAYERS)),
+            strategy="ddp" if strategy == "ddp" else FSDPStrategy(auto_wrap_policy=set(LAYERS)),
             max_steps=steps,
             callbacks=[clock],
             enable_checkpointing=False,
@@ -109,7 +118,7 @@ def trainer_loop(steps: int, size: dict, non_finite: str = "error") -> float:
     return clock.rate
 
 
-def alternate(steps: int, repeats: int, size: dict, health: bool = False):
+def alternate(steps: int, repeats: int, size: dict, health: bool = False, strategy: str = "ddp"):
     # The Trainer's strategy tunes glibc's allocator on CPU (see distributed/env.py);
     # give the hand-written loop the same process settings so only the loops differ.
     from shardwise.distributed.env import tune_cpu_allocator
@@ -117,8 +126,11 @@ def alternate(steps: int, repeats: int, size: dict, health: bool = False):
     tune_cpu_allocator()
     rows = []
     for _ in range(repeats):
-        hand = trainer_loop(steps, size, non_finite="off") if health else hand_loop(steps, size)
-        ours = trainer_loop(steps, size)
+        if health:
+            hand = trainer_loop(steps, size, non_finite="off", strategy=strategy)
+        else:
+            hand = hand_loop(steps, size, strategy)
+        ours = trainer_loop(steps, size, strategy=strategy)
         rows.append((hand, ours))
     return rows
 
@@ -138,13 +150,16 @@ def main() -> None:
         action="store_true",
         help="compare the Trainer with its per-step NaN/inf check against the Trainer without it",
     )
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     args = parser.parse_args()
     size = dict(nlayers=1, nhid=32, ninp=16, nhead=2) if args.tiny else SIZE
-    rows = shardwise.launch(alternate, args.steps, args.repeats, size, args.health, devices=2)[0]
+    rows = shardwise.launch(alternate, args.steps, args.repeats, size, args.health, args.strategy, devices=2)[0]
     if args.health:
         print("(reference = the Trainer with non_finite='off'; compared = the default, non_finite='error')")
     ref, ours_name = (
-        ("Trainer, health off", "Trainer, health on") if args.health else ("hand-written FSDP2", "shardwise Trainer")
+        ("Trainer, health off", "Trainer, health on")
+        if args.health
+        else (f"hand-written {'DDP' if args.strategy == 'ddp' else 'FSDP2'}", "shardwise Trainer")
     )
     for i, ((hw, hc), (ow, oc)) in enumerate(rows):
         print(

@@ -27,7 +27,8 @@ before a checkpoint is written (Trainer.save_checkpoint and ModelCheckpoint, so
 no non-finite state ever becomes `last` or any saved checkpoint); before
 validation and the epoch's end (they read values); at the end of fit. The same
 schedule on every rank keeps their decisions in lock-step (the preemption vote
-rides along and is acted on one step later too). Where the step's values are read
+rides along and, with several ranks, is acted on one step later too: a signal
+stops the run after the next step; one process reads its own flag at once). Where the step's values are read
 anyway -- a log step (the loggers read that step's values after its update; the
 first step is one) -- the verdict is read at its own step, before the update,
 and non_finite='skip' always reads it there: it must decide before the update,
@@ -224,7 +225,7 @@ class StepCheck:
         if pending.event is not None:
             pending.event.synchronize()
         verdict = _verdict(self._numbers.tolist(), pending.with_loss)
-        if self.preemption is not None:
+        if self.preemption is not None and trainer.strategy.world_size > 1:  # one process reads its own flag
             self.preemption.agreed = verdict.signalled
         if not verdict.bad:
             return True
