@@ -12,7 +12,9 @@ the step anyway. With fp16 loss scaling an inf gradient is the scaler's overflow
 signal, so only the loss is checked then. A step whose gradients are all zero on
 every rank (a loss multiplied by 0, LoRA adapters with A and B both zero, frozen
 layers in the way) trains nothing, the silent failure of adapter training, and
-is treated like a non-finite one (ZeroGradientError under 'error').
+is treated like a non-finite one (ZeroGradientError under 'error'), unless the
+module's `loss_weight` sums to 0 over the step's global batch: a step with no
+target at all (every label masked) has zero gradients by design.
 
 No host synchronisation per step (issue 23). Turning a device value into a
 Python number waits for every kernel queued before it, so a check read at its
@@ -116,8 +118,13 @@ def step_vector(
     losses: List[Tuple[int, torch.Tensor]],
     signalled: bool,
     loss_share: Optional[torch.Tensor] = None,
+    step_weight: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, GradNorms]:
-    """The step's verdicts as one float vector on the device, all-reduced over the ranks; nothing is read."""
+    """The step's verdicts as one float vector on the device, all-reduced over the ranks; nothing is read.
+
+    `step_weight`: the step's global loss weight (trainer.step_weight). A step whose weight is 0 has
+    nothing to learn from (every label masked): its gradients are zero by design, which is not a failure.
+    """
     grads = grad_norms(strategy.gradients(model))
     if losses:
         device = losses[0][1].device
@@ -134,7 +141,8 @@ def step_vector(
     values = [
         bad.float(),
         torch.full((), float(signalled), device=device),
-        torch.full((), float(total is not None), device=device),
+        torch.full((), float(total is not None), device=device)
+        * (1.0 if step_weight is None else (step_weight.to(device) > 0).float()),
         (total != 0).float() if total is not None else torch.zeros((), device=device),  # NaN counts as non-zero
     ]
     if loss_share is not None:
@@ -192,7 +200,8 @@ class StepCheck:
         weighting = trainer.weighting
         share = weighting.local_loss if weighting is not None else None
         signalled = self.preemption is not None and self.preemption.signalled
-        vector, grads = step_vector(trainer.strategy, trainer.model, losses, signalled, share)
+        weight = weighting.total if weighting is not None else None
+        vector, grads = step_vector(trainer.strategy, trainer.model, losses, signalled, share, weight)
         if weighting is not None:
             weighting.step_loss = vector[LOSS]  # a device value: the loggers read it when due
         event = self._to_host(vector)
