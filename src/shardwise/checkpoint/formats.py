@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
+import weakref
 from concurrent.futures import Future
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -68,7 +69,8 @@ from shardwise.distributed import ops
 BUILTIN_FORMATS = ("full", "sharded")
 _DCP_METADATA = ".metadata"
 _MODEL, _OPTIMIZERS = "model", "optimizers"
-_async_group: Optional[Any] = None
+# (weak reference to the default group, weak reference to its checkpoint group): see checkpoint_group.
+_async_group: Optional[Tuple[Any, Any]] = None
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -259,12 +261,19 @@ def checkpoint_group() -> Any:
     of minutes for a large model), which the training timeout must not cut short;
     a rank that dies meanwhile is still caught by the launcher. Created once per
     default process group (collectively, at the first use, which every rank reaches).
+
+    Held by weak reference only, so that it dies with its default group (its sockets
+    closed) rather than living on here into the next fit's process group.
     """
     global _async_group
     world = dist.group.WORLD
-    if _async_group is None or _async_group[0] is not world:
-        _async_group = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6)))
-    return _async_group[1]
+    group = None
+    if _async_group is not None and _async_group[0]() is world:
+        group = _async_group[1]()
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
+        _async_group = (weakref.ref(world), weakref.ref(group))
+    return group
 
 
 def _save_sharded(

@@ -94,6 +94,25 @@ def _leave_process_group(failing: bool = False) -> None:
         dist.destroy_process_group()
 
 
+def generation_store(env: DistEnv, timeout_s: float) -> dist.Store:
+    """The rendezvous store of `env` (torch's tcp:// rendezvous: the elastic agent's store, or one rank 0
+    serves) under a prefix of its own for each process group this rank creates on it.
+
+    The agent's store outlives a process group: a second fit in the same worker processes
+    creates its groups under the same names as the first's (torch numbers them from 0 again
+    after destroy_process_group), and gloo's rendezvous read the first generation's stale
+    peer addresses, connecting to closed or still-open old listeners: a hang in the second
+    fit's init_process_group, first barrier or checkpoint group. Each rank counts its own
+    generations in the store (a restarted worker continues the count), so every rank of one
+    generation agrees on the prefix and no key of an earlier one is ever read.
+    """
+    url = f"tcp://{env.master_addr}:{env.master_port}?rank={env.global_rank}&world_size={env.world_size}"
+    store, _, _ = next(dist.rendezvous(url, timeout=datetime.timedelta(seconds=timeout_s)))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    generation = store.add(f"shardwise/generations/rank{env.global_rank}", 1)
+    return dist.PrefixStore(f"shardwise/generation{generation}", store)
+
+
 def _destroy_process_group() -> None:
     """At exit. Python sets sys.last_value before the atexit handlers after an uncaught exception."""
     _leave_process_group(failing=getattr(sys, "last_value", None) is not None)
@@ -238,7 +257,7 @@ class Strategy:
                 self._init_process_group(
                     self.env.global_rank,
                     self.env.world_size,
-                    init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
+                    store=generation_store(self.env, self.timeout_s),
                 )
             elif self.needs_process_group:
                 # A world of one rendezvous with itself: an in-process store, no port. (A tcp://
