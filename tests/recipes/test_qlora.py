@@ -159,6 +159,12 @@ def test_qlora_trains_sharded_and_matches_one_process(qlora):
     # LoRA r=8 on q, k, v, o, gate, up, down of 2 layers (hidden 64, kv 32, intermediate 128).
     per_layer = 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
     assert fsdp.parameters["trainable"] == 2 * per_layer
+    # The total counts each 4-bit weight as its out x in weights, not its packed codes (a quarter as many
+    # float32 entries): the base model's own count plus the adapters.
+    from transformers import AutoModelForCausalLM
+
+    base_total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(qlora["model_dir"]).parameters())
+    assert fsdp.parameters["total"] == base_total + 2 * per_layer, (fsdp.parameters, base_total)
     facts = fsdp.extra
     assert facts["layers"] == 14 and facts["sharded"] and all(facts["state_shapes"])
     assert [2 * r for r in facts["local_rows"]] == facts["full_rows"]  # half the packed codes on each rank

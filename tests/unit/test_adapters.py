@@ -160,3 +160,36 @@ def test_cli_takes_peft_target_module_spellings(value, expected):
     argv = ["--model_path", "m", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.05"]
     ns = parser().parse_args(translate([*argv, "--lora_target_modules", value]))
     assert (ns.lora_r, ns.lora_alpha, ns.lora_dropout, ns.lora_target_modules) == (16, 32, 0.05, expected)
+
+
+def test_export_adapter_of_checkpoint_wrapped_layers_and_its_refusal(tmp_path, monkeypatch):
+    """Activation checkpointing renames the LoRA layers' parameters (`_checkpoint_wrapped_module.`); PEFT finds
+    adapter keys by the model's own module names, so the export must hand it those (it wrote 0 tensors), and
+    an export that would write fewer tensors than the model has LoRA matrices is refused, not written."""
+    from peft import PeftModel
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from shardwise.adapters import export
+
+    torch.manual_seed(0)
+    base = mlp()
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    model = apply_lora(base, LoraConfig(r=2, target_modules=["0", "2"], init_lora_weights=False))  # B non-zero
+    inner = model.get_base_model()
+    inner[0], inner[2] = checkpoint_wrapper(inner[0]), checkpoint_wrapper(inner[2])
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    export.export_adapter(model, str(tmp_path / "adapter"))
+    fresh = mlp()
+    fresh.load_state_dict(base_state)
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter"))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=1e-6)
+        with loaded.disable_adapter():
+            assert not torch.allclose(loaded(x), model(x), atol=1e-3)  # the adapter matters: it was loaded
+    # The old naming (wrapper prefix stripped before PEFT's selection) matches none of the 4 matrices: refused.
+    stripped = [(export.canonical_name(n), p) for n, p in export._adapter_tensors(model)]
+    monkeypatch.setattr(export, "_adapter_tensors", lambda peft_model: stripped)
+    with pytest.raises(ValueError, match="has 4 LoRA matrices, but only 0"):
+        export.export_adapter(model, str(tmp_path / "refused"))
+    assert not (tmp_path / "refused" / "adapter_model.safetensors").exists()

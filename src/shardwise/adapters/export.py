@@ -51,14 +51,51 @@ def find_peft_model(model: nn.Module) -> Any:
 
 
 def _adapter_tensors(peft_model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    """(name in peft_model.state_dict(), tensor) of everything PEFT may save: adapter matrices and
-    whatever trains (modules_to_save, LoRA biases). PEFT's save_pretrained picks its own from these."""
+    """(name in peft_model.named_parameters(), tensor) of everything PEFT may save: adapter matrices and
+    whatever trains (modules_to_save, LoRA biases). PEFT's get_peft_model_state_dict picks its own from
+    these. The names are the model's own, wrapper prefixes (activation checkpointing) included: PEFT
+    finds the adapter keys by walking the model's modules, so a stripped name matches nothing."""
     out = []
     for name, param in peft_model.named_parameters():
-        name = canonical_name(name)
-        if param.requires_grad or base_weight_name(name) is None or ".modules_to_save." in name:
+        canonical = canonical_name(name)
+        if param.requires_grad or base_weight_name(canonical) is None or ".modules_to_save." in canonical:
             out.append((name, param))
     return out
+
+
+def lora_matrix_count(peft_model: nn.Module, adapter: str) -> int:
+    """How many LoRA matrices (A and B of every targeted layer) `adapter` has in the model."""
+    return 2 * sum(1 for _, _, name in lora_layers(peft_model) if name == adapter)
+
+
+def _write_adapter(peft_model: Any, folder: str, state: Dict[str, torch.Tensor]) -> None:
+    """PEFT's selection of `state` (keys as the model names its parameters) for each adapter, keyed as PEFT's
+    own files are (wrapper prefixes removed), written with its config: what PEFT's save_pretrained writes.
+    Refuses (ValueError) to write fewer tensors than the adapter has LoRA matrices: PEFT's loader only
+    warns about missing keys, and the folder would hold an untrained adapter."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    for adapter, config in peft_model.peft_config.items():
+        selected = get_peft_model_state_dict(
+            peft_model, state_dict=state, adapter_name=adapter, save_embedding_layers=False
+        )
+        selected = {canonical_name(k): v.contiguous() for k, v in selected.items()}
+        matrices = lora_matrix_count(peft_model, adapter)
+        lora_keys = [k for k in selected if ".lora_A." in k or ".lora_B." in k]
+        if len(lora_keys) < matrices:
+            raise ValueError(
+                f"export_adapter: adapter {adapter!r} has {matrices} LoRA matrices, but only {len(lora_keys)} "
+                f"of them matched PEFT's adapter keys ({len(state)} tensors gathered): the folder would load as an "
+                "untrained adapter. This is a bug in shardwise's export (a module wrapper renaming the "
+                "parameters); please report it with the model's wrapping (FSDP, activation checkpointing)."
+            )
+        out = folder if adapter == "default" else os.path.join(folder, adapter)
+        os.makedirs(out, exist_ok=True)
+        config = copy.copy(config)
+        config.inference_mode = True
+        config.save_pretrained(out)
+        save_file(selected, os.path.join(out, ADAPTER_FILES[1]), metadata={"format": "pt"})
 
 
 @torch.no_grad()
@@ -66,7 +103,9 @@ def export_adapter(model: nn.Module, folder: str) -> str:
     """Write the PEFT adapter folder of `model` (a PeftModel, or a module holding one) to `folder`.
 
     Collective: every rank calls it; global rank 0 writes. The tensors keep the
-    dtype they were trained in. Returns `folder` on every rank.
+    dtype they were trained in. Returns `folder` on every rank. Raises
+    ValueError, on every rank, rather than write an adapter with fewer tensors
+    than the model has LoRA matrices.
     """
     peft_model = find_peft_model(model)
     rank0 = ops.rank() == 0
@@ -75,12 +114,16 @@ def export_adapter(model: nn.Module, folder: str) -> str:
         with gathered(tensor) as full:  # a collective: every rank, same order
             if rank0:
                 state[name] = full.detach().to("cpu").clone()
+    error = None
     if rank0:
-        os.makedirs(folder, exist_ok=True)
-        # PEFT's own writer: its key names, its config file, its model card. The base embedding is not
-        # saved beside the adapter (the vocabulary is the base model's).
-        peft_model.save_pretrained(folder, state_dict=state, safe_serialization=True, save_embedding_layers=False)
-    ops.barrier()
+        try:
+            # The base embedding is not saved beside the adapter (the vocabulary is the base model's).
+            _write_adapter(peft_model, folder, state)
+        except ValueError as exc:
+            error = str(exc)
+    error = ops.broadcast_object(error)  # every rank raises, none waits in a later collective
+    if error:
+        raise ValueError(error)
     return folder
 
 

@@ -168,10 +168,15 @@ def full_numel(p: torch.Tensor) -> int:
 
 def count_parameters(module: nn.Module) -> Tuple[int, int]:
     """(trainable, total) parameter elements, at full size whether sharded (FSDP, ZeRO-3) or not; tied
-    parameters once."""
+    parameters once. A 4-bit weight (QLoRA) counts its layer's out x in weights, not its packed codes
+    (two a byte, in a column of the storage dtype), sharded or not."""
+    from shardwise.adapters.quantize import fourbit_layers
+
+    fourbit = fourbit_layers(module)
     trainable = total = 0
     for p in module.parameters():
-        n = full_numel(p)
+        layer = fourbit.get(id(p))
+        n = layer.out_features * layer.in_features if layer is not None else full_numel(p)
         total += n
         if p.requires_grad:
             trainable += n
