@@ -1,15 +1,18 @@
 # Adapter checkpoints, resume and export (issue 21 item 4), through the fine-tuning recipe.
 #
-# Two launches of 2 processes (CPU, gloo, FSDP FULL_SHARD, LoRA in fp32): a run of 5 steps saving a
-# sharded checkpoint every 2 steps and exporting the PEFT adapter folder and the merged Hugging Face
-# folder; then, in new processes, a run resumed from its step-2 checkpoint (what a run killed after
-# step 2 resumes from; the base weights are loaded from the model folder again). The checks: the
-# adapter checkpoint is under 5% of the model's weights; the first resumed step is bitwise the
-# uninterrupted run's, the rest within float rounding; both exports give the trained model's logits
-# through PEFT's and transformers' own loaders; the checkpoint resumes on 1 process (another world
-# size, the same global batch); a resume onto another base model is refused; `shardwise convert`
-# turns the checkpoint into the same adapter folder, and with --base_model into a merged folder;
-# `shardwise inspect` names it an adapter.
+# One launch of 2 processes (CPU, gloo, FSDP FULL_SHARD, LoRA in fp32, activation checkpointing on) runs two
+# fits: 4 steps saving a sharded checkpoint every 2 steps and exporting the PEFT adapter folder and the
+# merged Hugging Face folder; then a run resumed from its step-2 checkpoint (what a run killed after step 2
+# resumes from; the base weights are loaded from the model folder again; a fit of its own, with a process
+# group of its own, as in new processes). The checks: the adapter checkpoint is under 5% of the model's
+# weights; the resumed run computes step 3 bitwise as the uninterrupted run did, and step 4 (the restored
+# optimizer state and schedule at work) within float rounding, bitwise once the FLOP count no longer changes
+# the counted step's kernels (an expected failure until then, see below); both exports give the trained
+# model's logits through PEFT's and transformers' own loaders (the adapter export under activation
+# checkpointing once wrote no tensor at all); the checkpoint resumes on 1 process (another world size, the
+# same global batch) within 1e-5; a resume onto another base model is refused; `shardwise convert` turns
+# the checkpoint into the same adapter folder, and with --base_model into a merged folder; `shardwise
+# inspect` names it an adapter.
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +28,7 @@ from shardwise.recipes.finetune import FinetuneConfig, finetune
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
-STEPS, SAVE_EVERY = 5, 2
+STEPS, SAVE_EVERY = 4, 2
 PROBE = torch.tensor([[2, 7, 11, 5, 9, 14, 3, 8]])
 
 
@@ -61,6 +64,7 @@ def _config(model_dir, data, root, **overrides):
                 lora_alpha=4,
                 lora_dropout=0.0,  # so that 1 process computes what 2 did (dropout would draw per rank)
                 lora_target_modules=["q_proj", "v_proj"],
+                gradient_checkpointing=True,  # the export must see through the checkpoint wrappers
                 merge=True,
                 cache_dir=os.path.join(root, "cache"),
             ),
@@ -75,16 +79,12 @@ def step_checkpoint(output_dir, step):
     return found[0]
 
 
-def _first(model_dir, data, root):
-    return finetune(_config(model_dir, data, root, output_dir=os.path.join(root, "a")), after_fit=trained_logits)
-
-
-def _resumed(model_dir, data, root):
-    # A launch of its own: two checkpointing runs in one job would meet a torch limit (the second run's
-    # checkpoint process group rendezvous on the store keys of the first's).
+def _both(model_dir, data, root):
+    """In the launched workers: the uninterrupted run, then a run resumed from its step-2 checkpoint."""
+    first = finetune(_config(model_dir, data, root, output_dir=os.path.join(root, "a")), after_fit=trained_logits)
     ckpt = step_checkpoint(os.path.join(root, "a"), SAVE_EVERY)
     cfg = _config(model_dir, data, root, output_dir=os.path.join(root, "b"), resume_from_checkpoint=ckpt, merge=False)
-    return finetune(cfg, after_fit=trained_logits)
+    return first, finetune(cfg, after_fit=trained_logits)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +101,7 @@ def assets(tmp_path_factory):
 def runs(assets):
     import shardwise
 
-    first = shardwise.launch(_first, *assets, devices=2)[0]
-    return first, shardwise.launch(_resumed, *assets, devices=2)[0]
+    return shardwise.launch(_both, *assets, devices=2)[0]
 
 
 def _dir_bytes(path):
@@ -126,7 +125,7 @@ def _hf_logits(folder):
 
 
 @pytest.mark.slow
-def test_adapter_checkpoint_is_small_and_resumes_bitwise(runs, assets):
+def test_adapter_checkpoint_is_small_and_resumes(runs, assets):
     from safetensors.torch import load_file
 
     from shardwise.checkpoint import layout
@@ -143,17 +142,30 @@ def test_adapter_checkpoint_is_small_and_resumes_bitwise(runs, assets):
     assert [s["step"] for s in first.losses] == list(range(1, STEPS + 1))
     assert [s["step"] for s in resumed.losses] == list(range(1, STEPS + 1))
     assert resumed.losses[:SAVE_EVERY] == first.losses[:SAVE_EVERY]  # from the checkpoint
-    # The first step after the resume is bitwise the uninterrupted run's (the restored weights, optimizer
-    # state, schedule and data position); later steps differ by float rounding (measured 2e-7 in the
-    # loss, 3e-8 in the weights after 3 more steps, cause not found: the recipe's full fine-tuning
-    # resume is compared at rel=1e-5 too, tests/recipes/test_finetune_resume_history.py).
+    # The first step after the resume is bitwise the uninterrupted run's (the restored weights, schedule and
+    # data position); the next within float rounding (the restored optimizer state at work; see below).
     assert resumed.losses[SAVE_EVERY] == first.losses[SAVE_EVERY]
     assert [s["loss"] for s in resumed.losses] == pytest.approx([s["loss"] for s in first.losses], rel=1e-6)
     torch.testing.assert_close(resumed.extra, first.extra, atol=1e-5, rtol=0)
     exported = [load_file(os.path.join(root, run, "adapter_model.safetensors")) for run in ("a", "b")]
-    assert exported[0].keys() == exported[1].keys()
+    assert exported[0].keys() == exported[1].keys() and len(exported[0]) == 3 * 2 * 2  # 3 layers, q and v, A and B
     for key in exported[0]:
         torch.testing.assert_close(exported[0][key], exported[1][key], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="The ThroughputMonitor counts the FLOPs of each fit's first step under torch's FlopCounterMode, "
+    "which decomposes the operators it does not count (silu_backward, ...): that step rounds differently, and "
+    "a resumed run counts step 3 where the uninterrupted run counted step 1. Without the count the resume is "
+    "bitwise at every step (checked by hand with FlopCounter.start/stop as no-ops; 1 and 2 processes). "
+    "Strict: remove this mark when shardwise.flops counts without changing the kernels.",
+)
+def test_adapter_resume_is_bitwise_at_every_step(runs):
+    first, resumed = runs
+    assert [s["loss"] for s in resumed.losses] == [s["loss"] for s in first.losses]
+    assert torch.equal(resumed.extra, first.extra)
 
 
 @pytest.mark.slow
@@ -190,7 +202,7 @@ def test_resume_on_one_process_and_onto_another_base(runs, assets, tmp_path):
     assert resumed.losses[:SAVE_EVERY] == runs[0].losses[:SAVE_EVERY]  # from the checkpoint
     # Another world size: the same samples in each step, summed in another order: close, not bitwise.
     later = [s["loss"] for s in resumed.losses[SAVE_EVERY:]]
-    assert later == pytest.approx([s["loss"] for s in runs[0].losses[SAVE_EVERY:]], abs=1e-4)
+    assert later == pytest.approx([s["loss"] for s in runs[0].losses[SAVE_EVERY:]], abs=1e-5)
     other_base = build_model_folder(str(tmp_path / "other"), chat_records(80), hidden=256, intermediate=512, seed=1)
     with pytest.raises(CheckpointMismatchError, match="another base model"):
         finetune(dataclasses.replace(one, model_path=other_base, output_dir=str(tmp_path / "other-out")))
