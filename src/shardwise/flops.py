@@ -136,6 +136,7 @@ class FlopCounter:
 
     def __init__(self) -> None:
         self._mode: Optional[FlopCounterMode] = None
+        self._stance: Any = None
         self.total: Optional[int] = None
 
     @property
@@ -143,6 +144,11 @@ class FlopCounter:
         return self._mode is not None
 
     def start(self) -> None:
+        # Under a dispatch mode dynamo skips a torch.compile'd function it meets for the first time, and
+        # keeps skipping it for the rest of the run: the counted step runs eagerly by the compiler's own
+        # stance instead, so a user's torch.compile still compiles on the next call.
+        self._stance = torch.compiler.set_stance("force_eager")
+        self._stance.__enter__()
         self._mode = _counter_mode()
         self._mode.__enter__()
 
@@ -150,12 +156,17 @@ class FlopCounter:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
+            self._stance.__exit__(None, None, None)
             self.total = int(mode.get_total_flops())
         return self.total
 
 
 def count_flops(fn: Any, *args: Any, **kwargs: Any) -> int:
     """FLOPs of `fn(*args, **kwargs)` (call it on a forward + backward to count a training step)."""
-    with _counter_mode() as mode:
+    counter = FlopCounter()
+    counter.start()
+    try:
         fn(*args, **kwargs)
-    return int(mode.get_total_flops())
+    finally:
+        total = counter.stop()
+    return int(total or 0)

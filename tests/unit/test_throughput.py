@@ -191,3 +191,29 @@ def flops_fmt(n):
     from shardwise.sysmem import format_bytes
 
     return format_bytes(n)
+
+
+def test_a_users_own_torch_compile_still_compiles_after_the_counted_step():
+    """The first micro-batch runs under the FLOP counter; a torch.compile'd function met there first must
+    not be skipped by dynamo for the rest of the run (it is, without the counter's eager stance)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    class Compiled(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 8)
+            self.forward_fn = torch.compile(lambda x: self.net(x).sin(), backend="eager")
+
+        def training_step(self, batch, batch_idx):
+            return self.forward_fn(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False)
+    trainer.fit(Compiled(), DataLoader(torch.randn(12, 8), batch_size=4))
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    torch._dynamo.reset()
