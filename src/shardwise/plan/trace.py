@@ -179,7 +179,7 @@ def fake_world(world_size: int) -> Iterator[None]:
     # for tests to replace (with a threading.Lock). Ours marks those ops so the tracker skips
     # them; without it the first trace in a process counts two extra parameter-sized lists in a
     # foreach optimizer step (cached schemas are not re-run, so later traces were right).
-    # torch before 2.13 has no such slot: there the method that runs those ops is wrapped instead.
+    # torch before 2.12 has no such slot: there the method that runs those ops is wrapped instead.
     slot = "_fake_mode_lock" if hasattr(ShardingPropagator, "_fake_mode_lock") else None
     previous = getattr(ShardingPropagator, slot or "_propagate_tensor_meta_non_cached")
     if slot:
