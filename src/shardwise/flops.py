@@ -1,7 +1,7 @@
 """FLOPs a training step does, what the device could do, and the ratio between them (MFU).
 
-A step's FLOPs are counted, not modelled: `FlopCounter` runs torch's
-FlopCounterMode over one real forward and backward (the throughput monitor
+A step's FLOPs are counted, not modelled: `FlopCounter` applies torch's FLOP
+formulas (torch.utils.flop_counter) to the operators of one real forward and backward (the throughput monitor
 counts the first micro-batch of a run), so any user model gets a number,
 whatever its layers, including attention through scaled_dot_product_attention.
 The counter sees the matrix products and convolutions that dominate a step;
@@ -18,7 +18,8 @@ import re
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 # Dense TFLOP/s per GPU by the kind of number a matmul multiplies. "tf32" is float32 storage with
 # TF32 tensor-core products (torch's float32_matmul_precision "high"/"medium"); "fp32" is IEEE
@@ -122,20 +123,48 @@ _CUSTOM = {
 }
 
 
-def _counter_mode() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping=dict(_CUSTOM))
+_FORMULAS = {**flop_registry, **{op: shape_wrapper(formula) for op, formula in _CUSTOM.items()}}
+
+
+class _CountingMode(TorchDispatchMode):
+    """Runs every operator as it is and adds up torch's FLOP formulas for the ones that have one.
+
+    Not torch's FlopCounterMode: that one decomposes each operator it has no formula for (silu_backward,
+    for one) into others, which round differently, so the counted step would not be the step the run
+    takes; a resumed run, which counts its own first step, would then drift from the uninterrupted one.
+    The operators it would decompose are elementwise (no formula, no FLOPs counted either way).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FORMULAS.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
+def _counter_mode() -> _CountingMode:
+    return _CountingMode()
 
 
 class FlopCounter:
     """Counts the FLOPs of whatever runs between `start()` and `stop()` (may span several hooks).
 
-    torch's FlopCounterMode is a dispatch mode: entered here, it sees every operator the model, its
+    The counting mode is a dispatch mode: entered here, it sees every operator the model, its
     backward and any collectives run, whichever thread of hooks starts and ends it. `stop()` is safe
     to call twice (an exception path and the normal one).
     """
 
     def __init__(self) -> None:
-        self._mode: Optional[FlopCounterMode] = None
+        self._mode: Optional[_CountingMode] = None
         self._stance: Any = None
         self.total: Optional[int] = None
 

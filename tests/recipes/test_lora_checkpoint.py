@@ -154,14 +154,6 @@ def test_adapter_checkpoint_is_small_and_resumes(runs, assets):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="The ThroughputMonitor counts the FLOPs of each fit's first step under torch's FlopCounterMode, "
-    "which decomposes the operators it does not count (silu_backward, ...): that step rounds differently, and "
-    "a resumed run counts step 3 where the uninterrupted run counted step 1. Without the count the resume is "
-    "bitwise at every step (checked by hand with FlopCounter.start/stop as no-ops; 1 and 2 processes). "
-    "Strict: remove this mark when shardwise.flops counts without changing the kernels.",
-)
 def test_adapter_resume_is_bitwise_at_every_step(runs):
     first, resumed = runs
     assert [s["loss"] for s in resumed.losses] == [s["loss"] for s in first.losses]
