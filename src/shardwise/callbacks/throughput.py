@@ -1,6 +1,6 @@
 # ThroughputMonitor: tokens/s, samples/s, achieved TFLOP/s and MFU of a run, at the log steps. The
 # Trainer adds one unless Trainer(throughput=False). FLOPs are counted once, over the first
-# micro-batch's forward and backward (shardwise.flops, torch's FlopCounterMode), as FLOPs per token
+# micro-batch's forward and backward (shardwise.flops: torch's FLOP formulas), as FLOPs per token
 # (per sample for inputs without token ids) of that micro-batch's padded shape; the run's FLOPs are
 # that times the tokens it trained. Tokens come from the module's `count_tokens(batch)` when it has one
 # (the fine-tuning recipe's counts the attention mask: padding is not trained on), else from the batch:
