@@ -5,9 +5,9 @@
 # merged Hugging Face folder; then a run resumed from its step-2 checkpoint (what a run killed after step 2
 # resumes from; the base weights are loaded from the model folder again; a fit of its own, with a process
 # group of its own, as in new processes). The checks: the adapter checkpoint is under 5% of the model's
-# weights; the resumed run computes step 3 bitwise as the uninterrupted run did, and step 4 (the restored
-# optimizer state and schedule at work) within float rounding, bitwise once the FLOP count no longer changes
-# the counted step's kernels (an expected failure until then, see below); both exports give the trained
+# weights; the resumed run computes steps 3 and 4 (the restored optimizer state and schedule at work) and
+# the trained logits bitwise as the uninterrupted run did (the FLOP count of each fit's first step leaves
+# its kernels alone, or the resumed run's counted step 3 would round differently); both exports give the trained
 # model's logits through PEFT's and transformers' own loaders (the adapter export under activation
 # checkpointing once wrote no tensor at all); the checkpoint resumes on 1 process (another world size, the
 # same global batch) within 1e-5; a resume onto another base model is refused; `shardwise convert` turns
