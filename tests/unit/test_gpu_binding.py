@@ -21,6 +21,7 @@ import torch.distributed as dist
 from shardwise import DDPStrategy
 from shardwise.distributed import faults
 from shardwise.distributed.env import device_for
+from shardwise.strategies import base
 
 
 def fake_gpus(monkeypatch, count):
@@ -65,6 +66,10 @@ def _setup(monkeypatch, accelerator, local_rank, visible):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    # The rendezvous store (a real tcp:// client here, with no rank 0 serving): which address it was made for.
+    monkeypatch.setattr(
+        base, "generation_store", lambda env, timeout_s: calls.append(f"tcp://{env.master_addr}:{env.master_port}")
+    )
     monkeypatch.setattr(faults, "install_worker", lambda **kwargs: None)
     monkeypatch.setattr(faults, "maybe_check_collectives", lambda *args: False)
     strategy = DDPStrategy()
@@ -78,9 +83,9 @@ def _setup(monkeypatch, accelerator, local_rank, visible):
 def test_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch, visible, local_rank, expected):
     strategy, calls = _setup(monkeypatch, "cuda", local_rank, visible)
     assert strategy.root_device == torch.device(expected)
-    assert len(calls) == 1 and calls[0]["backend"] == "nccl"
-    assert calls[0]["device_id"] == torch.device(expected)
-    assert calls[0]["init_method"] == "tcp://127.0.0.1:29999" and calls[0]["rank"] == local_rank
+    store_address, kwargs = calls
+    assert kwargs["backend"] == "nccl" and kwargs["device_id"] == torch.device(expected)
+    assert store_address == "tcp://127.0.0.1:29999" and kwargs["rank"] == local_rank
 
 
 def test_ddp_alone_makes_no_process_group(monkeypatch):
@@ -98,7 +103,7 @@ def test_ddp_alone_makes_no_process_group(monkeypatch):
 
 def test_gloo_process_group_has_no_device_id(monkeypatch):
     strategy, calls = _setup(monkeypatch, "cpu", 1, 0)
-    assert calls[0]["backend"] == "gloo" and calls[0].get("device_id") is None
+    assert calls[1]["backend"] == "gloo" and calls[1].get("device_id") is None
 
 
 def test_inherited_ds_accelerator_cpu_with_a_cuda_model_is_an_error(monkeypatch):
