@@ -53,7 +53,7 @@ from shardwise.strategies.materialize import rng_devices
 
 
 class DeepSpeedStrategy(Strategy):
-    """ZeRO data parallelism through DeepSpeed's engine. See README "DeepSpeed ZeRO" for every knob.
+    """ZeRO data parallelism through DeepSpeed's engine. See docs/deepspeed.md for every knob.
 
     Arguments left as None take the config's value, else the default (stage 2,
     no offload, no activation partitioning); arguments that are set must agree

@@ -78,7 +78,7 @@ class UserOptimization:
                     "return one optimizer (several parameter groups are fine), or optimize manually: set "
                     "`self.automatic_optimization = False` in __init__ and in training_step take "
                     "`opt_a, opt_b = self.optimizers()`, call `self.manual_backward(loss)`, `opt_a.step()` "
-                    "and `opt_a.zero_grad()` yourself (README, 'Manual optimization')."
+                    "and `opt_a.zero_grad()` yourself (docs/trainer.md, 'Manual optimization')."
                 )
             return
         refused = []
