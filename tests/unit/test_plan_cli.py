@@ -283,6 +283,13 @@ def test_auto_strategy_refuses_a_loader_it_cannot_rebatch():
         trainer.fit(_RecordingLM(), loader)
 
 
+@pytest.mark.xfail(
+    torch.version.cuda is not None,
+    strict=True,
+    reason="Known bug on CUDA builds of torch (2.10, 2.11, 2.13+cu130; not the CPU build): after the in-process "
+    "trace's backward under FakeTensorMode, autograd refuses to run in forked children, so the plan under "
+    "track_memory falls back to the analytic estimate (with a note). Found by .ci/torch_matrix.sh.",
+)
 def test_a_module_defined_in_a_script_is_planned_in_workers_and_under_track_memory(tmp_path):
     """The README's example with the module class in the user's own script (pickled by path it failed)."""
     import subprocess
