@@ -71,11 +71,40 @@ def test_mesh_degrees_resolve_for_a_world_and_follow_the_hybrid_rule():
     assert ParallelPlan("ddp", dp_replicate=-1, dp_shard=1) == ParallelPlan("ddp")
 
 
-def test_tensor_and_sequence_degrees_are_refused_until_supported():
-    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
-        ParallelPlan("fsdp", tp=2)
-    with pytest.raises(ValueError, match=r"sequence \(context\) parallelism is not supported yet"):
-        ParallelPlan("fsdp", sp=2)
+def test_tensor_and_sequence_degrees_run_with_fsdp_and_are_refused_elsewhere_by_name():
+    plan = ParallelPlan("fsdp", tp=2, sp=2)
+    assert plan.label == "FSDP FULL_SHARD x sp 2 x tp 2"
+    assert plan.code() == "FSDPStrategy(auto_wrap_policy={Block}, sp_size=2, tp_size=2)"
+    assert plan.mesh(8) == MeshDims(1, 2, tp=2, sp=2)
+    assert build_strategy(plan).parallel_plan.configuration() == plan  # the strategy describes itself the same
+    with pytest.raises(ValueError, match=r"tensor parallel runs with FSDP only \(ZeRO partitions"):
+        ParallelPlan("deepspeed", tp=2)
+    with pytest.raises(ValueError, match=r"sequence parallel runs with FSDP only.*FSDPStrategy\(\.\.\., sp_size=2\)"):
+        ParallelPlan("ddp", sp=2)
+    with pytest.raises(ValueError, match="FSDP2's offload does not support tensor-parallel"):
+        ParallelPlan("fsdp", tp=2, offload_params=True, offload_optimizer=True)
+    with pytest.raises(ValueError, match="torch.compile with sequence parallel"):
+        ParallelPlan("fsdp", sp=2, compile=True)
+    with pytest.raises(ValueError, match="tp x sp = 4 does not divide the world size 6"):
+        plan.mesh(6)
+    with pytest.raises(ValueError, match="tp_size"):
+        FSDPStrategy(tp_size=0)
+
+
+def test_sp_and_tp_meshes_put_tp_neighbours_together_and_fsdp_over_data_parallel_and_sp():
+    from shardwise.plan.trace import fake_world
+    from shardwise.strategies.mesh import build_parallel_meshes
+
+    with fake_world(8):
+        world, fsdp, sp, tp = build_parallel_meshes(ParallelPlan("fsdp", sp=2, tp=2), 8, 1, "cpu")
+        assert world.mesh_dim_names == ("dp_replicate", "dp_shard", "sp", "tp")
+        assert world.mesh.reshape(-1).tolist() == list(range(8))  # row-major: tp varies fastest
+        assert tuple(fsdp.shape) == (4,) and tuple(sp.shape) == (2,) and tuple(tp.shape) == (2,)
+        _, fsdp, sp, tp = build_parallel_meshes(ParallelPlan("fsdp", sharding="HYBRID_SHARD", sp=2), 8, 2, "cpu")
+        assert tuple(fsdp.shape) == (2, 4) and fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_sp") and tp is None
+    strategy = FSDPStrategy(sp_size=2, tp_size=2)
+    strategy.env = type("Env", (), {"world_size": 8, "global_rank": 5})()
+    assert (strategy.data_parallel_size, strategy.data_parallel_rank) == (2, 1)  # ranks 4-7 read share 1
 
 
 def test_contradictions_are_refused_by_name():

@@ -322,6 +322,21 @@ class Strategy:
         return self.env.global_rank == 0
 
     @property
+    def data_parallel_size(self) -> int:
+        """How many ranks read different samples (the sampler's replicas): the world, less the ranks of a
+        sequence- or tensor-parallel group, which read the same samples (FSDPStrategy)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the `data_parallel_size` readers of different samples."""
+        return self.global_rank
+
+    def check_batch(self, batch: Any) -> None:
+        """Called on each epoch's first batch: a strategy whose ranks must read the same samples checks
+        that they do (FSDPStrategy under sp/tp). Every rank reads its own share here: nothing to check."""
+
+    @property
     def gradient_sum_scale(self) -> float:
         """The factor that turns this strategy's gradients into a plain sum over ranks and micro-batches.
 
@@ -402,7 +417,11 @@ class Strategy:
 
     def setup_dataloader(self, dataloader, shuffle: Optional[bool] = None, seed: Optional[int] = None):
         return distribute_dataloader(
-            dataloader, self.world_size, self.global_rank, seed=global_seed() if seed is None else seed, shuffle=shuffle
+            dataloader,
+            self.data_parallel_size,
+            self.data_parallel_rank,
+            seed=global_seed() if seed is None else seed,
+            shuffle=shuffle,
         )
 
     # ------------------------------------------------------------------ steps

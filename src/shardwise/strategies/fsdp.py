@@ -7,7 +7,10 @@ The order of set-up is fixed and matters (torchtitan's order):
    compiled (compile.py), its FSDP hooks left outside the compiled code;
 3. `fully_shard` each block the wrap policy selects (children first), then
    the root, over a 1-D mesh (FULL_SHARD / SHARD_GRAD_OP) or a 2-D
-   (replicate, shard) mesh (HYBRID_SHARD, NO_SHARD);
+   (replicate, shard) mesh (HYBRID_SHARD, NO_SHARD); with tensor or sequence
+   parallel (tp_size / sp_size) the world is one (dp_replicate, dp_shard, sp,
+   tp) mesh: tensor parallel is applied first, then sequence parallel, both
+   before step 2, and FSDP shards over the data-parallel and sp ranks;
 4. materialise only the local shards and initialise them with the same
    sharding-invariant init every strategy uses (materialize.py);
 5. the optimizer is then built on the sharded (DTensor) parameters.
@@ -35,7 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     checkpoint_wrapper,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -51,7 +54,8 @@ from shardwise.strategies.fsdp_compat import (
 )
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 from shardwise.strategies.materialize import has_meta_tensors
-from shardwise.strategies.parallel import FILL, ParallelPlan
+from shardwise.strategies.mesh import build_device_mesh, build_parallel_meshes, check_same_within_groups
+from shardwise.strategies.parallel import ParallelPlan
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
@@ -187,34 +191,6 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = moved[id(buf)]
 
 
-def build_device_mesh(
-    sharding_strategy: str,
-    world_size: int,
-    num_nodes: int,
-    device_type: str,
-    device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None,
-) -> DeviceMesh:
-    """The mesh of the ParallelPlan's data-parallel degrees (parallel.py decides them and refuses what
-    cannot be laid out): 1-D for sharding within the world, 2-D (replicate, shard) for hybrid /
-    replicate-only / an explicit device_mesh=(replicate, shard).
-
-    HYBRID_SHARD replicates across nodes and shards within one. On one node that is a 1 x N mesh:
-    FSDP2 shards over the N ranks and the all-reduce over a replicate dimension of size 1 has
-    nothing to combine, so the run trains like FULL_SHARD (and the same script scales out by
-    num_nodes alone).
-    """
-    if isinstance(device_mesh, DeviceMesh):
-        return device_mesh
-    degrees = {}
-    if device_mesh is not None:
-        degrees["dp_replicate"], degrees["dp_shard"] = device_mesh
-    plan = ParallelPlan("fsdp", sharding=sharding_strategy, **degrees)
-    dims = plan.mesh(world_size, num_nodes)
-    if plan.dp_degrees == (1, FILL):  # sharding only: one dimension
-        return init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("replicate", "shard"))
-
-
 class FSDPStrategy(Strategy):
     """Fully sharded data parallel (FSDP2). See docs/fsdp.md for every knob.
 
@@ -268,6 +244,8 @@ class FSDPStrategy(Strategy):
         activation_checkpointing_mode: str = "full",
         selective_ac_option: Union[str, int, None] = None,
         compile: Any = None,
+        tp_size: int = 1,
+        sp_size: int = 1,
         **_unknown: Any,
     ) -> None:
         # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
@@ -303,7 +281,7 @@ class FSDPStrategy(Strategy):
                 "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
                 "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
                 "accumulation_sync, optimizer_on_local_shards, activation_checkpointing_mode, "
-                "selective_ac_option, compile, and Lightning's / torch's "
+                "selective_ac_option, compile, tp_size, sp_size, and Lightning's / torch's "
                 "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
                 "backward_prefetch, forward_prefetch."
             )
@@ -345,7 +323,22 @@ class FSDPStrategy(Strategy):
         self.reshard_after_forward = (
             sharding_strategy != "SHARD_GRAD_OP" if reshard_after_forward is None else reshard_after_forward
         )
-        self.mesh: Optional[DeviceMesh] = None
+        for name, value in (("tp_size", tp_size), ("sp_size", sp_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"FSDPStrategy({name}={value!r}): use a positive integer (1 switches it off).")
+        self.tp_size, self.sp_size = tp_size, sp_size
+        ParallelPlan(
+            "fsdp",
+            sharding=sharding_strategy,
+            tp=tp_size,
+            sp=sp_size,
+            offload_params=self.cpu_offload,
+            offload_optimizer=self.cpu_offload,
+        )  # refuses degrees and combinations now, named
+        self.mesh: Optional[DeviceMesh] = None  # FSDP2's: the data-parallel (and sp) ranks
+        self.world_mesh: Optional[DeviceMesh] = None  # (dp_replicate, dp_shard, sp, tp), when tp or sp > 1
+        self.tp_mesh: Optional[DeviceMesh] = None
+        self.sp_mesh: Optional[DeviceMesh] = None
         self._manual_units: List[nn.Module] = []
 
     @property
@@ -364,18 +357,40 @@ class FSDPStrategy(Strategy):
             blocks=self.auto_wrap_policy if self.auto_wrap_policy is not None else self.activation_checkpointing_policy,
             offload_params=self.cpu_offload,
             offload_optimizer=self.cpu_offload,
+            tp=self.tp_size,
+            sp=self.sp_size,
         )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tp_size * self.sp_size)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        # The mesh is row-major over (dp_replicate, dp_shard, sp, tp): a group of sp x tp neighbours reads one share.
+        return self.global_rank // (self.tp_size * self.sp_size)
+
+    def check_batch(self, batch: Any) -> None:
+        """Under sp/tp: stop, naming the fix, when the ranks of a group do not hold the same batch.
+
+        One all-gather of three numbers per rank, once an epoch: a sampler of the user's own that splits
+        by global rank would otherwise train each rank's shard of a different sample, silently."""
+        if self.world_mesh is None or self.fake_mode is not None:
+            return
+        found = check_same_within_groups(batch, self.tp_size * self.sp_size)
+        if found is not None:
+            raise ValueError(
+                f"Ranks {found} are one sequence/tensor-parallel group (sp_size={self.sp_size}, "
+                f"tp_size={self.tp_size}) but hold different batches. Every rank of such a group must read the "
+                f"same samples: let shardwise distribute the DataLoader (a plain DataLoader; its sampler then "
+                f"splits by data-parallel rank), or split your own sampler by strategy.data_parallel_rank over "
+                f"strategy.data_parallel_size ({self.data_parallel_size}), not by global rank."
+            )
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.mesh = build_device_mesh(
-            self.sharding_strategy,
-            dist.get_world_size(),
-            getattr(self, "num_nodes", 1) or 1,
-            self.root_device.type,
-            self.device_mesh_arg,
-        )
+        self._build_meshes(dist.get_world_size())
         if self.precision.needs_grad_scaler:  # CUDA fp16: inf checks must agree across shards
             self.grad_scaler = ShardedGradScaler()
         if self.cpu_offload and self.root_device.type == "cpu":
@@ -388,13 +403,17 @@ class FSDPStrategy(Strategy):
     def setup_fake_environment(self, env: Any, fake_mode: Any) -> None:
         """Planning (base.Strategy.setup_fake_environment): the mesh of `env`'s world on the existing fake group."""
         super().setup_fake_environment(env, fake_mode)
-        self.mesh = build_device_mesh(
-            self.sharding_strategy,
-            env.world_size,
-            getattr(self, "num_nodes", 1) or 1,
-            self.root_device.type,
-            self.device_mesh_arg,
-        )
+        self._build_meshes(env.world_size)
+
+    def _build_meshes(self, world_size: int) -> None:
+        nodes = getattr(self, "num_nodes", 1) or 1
+        if self.tp_size * self.sp_size == 1:
+            self.mesh = build_device_mesh(
+                self.sharding_strategy, world_size, nodes, self.root_device.type, self.device_mesh_arg
+            )
+            return
+        meshes = build_parallel_meshes(self.parallel_plan, world_size, nodes, self.root_device.type)
+        self.world_mesh, self.mesh, self.sp_mesh, self.tp_mesh = meshes
 
     def _fsdp_kwargs(self) -> dict:
         kwargs: dict = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
@@ -423,6 +442,16 @@ class FSDPStrategy(Strategy):
         # under the init context already has the dtype).
         if self.precision.casts_module and not has_meta_tensors(module):
             module = module.to(self.precision.param_dtype)
+        # Tensor parallel, then sequence parallel, on the unsharded (meta) model: both swap modules or
+        # their forward, which checkpointing, compile and fully_shard then wrap as they are.
+        if self.tp_mesh is not None:
+            from shardwise.strategies.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(module, self.tp_mesh)
+        if self.sp_mesh is not None:
+            from shardwise.strategies.sequence_parallel import apply_sequence_parallel
+
+            apply_sequence_parallel(module, self.sp_mesh)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(
                 module,

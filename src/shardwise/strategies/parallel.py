@@ -1,18 +1,17 @@
 """`ParallelPlan`: the one value that says how a model is parallelised.
 
 A plan names the engine ("single", "ddp", "fsdp", "deepspeed"), the mesh
-degrees (data-parallel replicate and shard; tensor and sequence degrees have
-their fields but are refused until they are implemented), FSDP's sharding or
+degrees (data-parallel replicate and shard, sequence parallel `sp` and tensor
+parallel `tp`: the last two with FSDP2 only, on one DeviceMesh), FSDP's sharding or
 DeepSpeed's ZeRO stage, activation checkpointing (which blocks, full or
 selective), offload and precision. Everything that used to translate "what a
 strategy is" goes through it: the names table (names.py) maps each name to a
 plan, `build()` turns a plan into the strategy object, every strategy
 describes itself as one (`Strategy.parallel_plan`), and a planner candidate
 is a plan plus a batch split. Each engine's memory and time accounting is
-looked up from `engine` (accounting.py). Adding a dimension (tensor or
-sequence parallel, adapters next) means a field here, its check in
-`_validate`, its part of `build()` and its accounting -- not edits across the
-Trainer, recipe and planner. Imports no torch: the CLI and the recipe's config
+looked up from `engine` (accounting.py). Adding a dimension means a field here, its check
+in `_validate`, its part of `build()` and its accounting -- not edits across
+the Trainer, recipe and planner (sp and tp came in that way). Imports no torch: the CLI and the recipe's config
 checks read it cheaply; `build()` imports the strategy classes when called.
 """
 
@@ -52,7 +51,9 @@ class ParallelPlan:
         NO_SHARD replicate (-1, 1), FSDP FULL_SHARD / SHARD_GRAD_OP and ZeRO shard (1, -1),
         HYBRID_SHARD replicates across nodes and shards inside one (-1, -1). Degrees equal to
         that layout are stored as the default, so equal configurations compare equal.
-    tp, sp: tensor and sequence (context) parallel degrees; only 1 today.
+    tp, sp: tensor and sequence parallel degrees (FSDP only). The world is a (dp_replicate, dp_shard,
+        sp, tp) mesh, tp varying fastest; the ranks of an sp or tp group read the same samples, FSDP
+        shards over the data-parallel and sp ranks together (docs/parallelism.md).
     sharding: FSDP's sharding ("" means FULL_SHARD for FSDP; other engines have none).
     zero_stage: DeepSpeed's ZeRO stage (None: the strategy's default, 2, or the user's config).
     ac: activation checkpointing of `blocks`: "none" | "full" | "selective" (selective_ac.py;
@@ -125,6 +126,9 @@ class ParallelPlan:
             base = f"FSDP {self.sharding}"
         else:
             base = "DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
+        for degree, short in ((self.sp, "sp"), (self.tp, "tp")):
+            if degree > 1:
+                base += f" x {short} {degree}"
         if self.offload_optimizer:  # (FSDP offloads both; ZeRO's parameter offload rides on it)
             base += " + offload"
         if self.uses_ac:
@@ -141,7 +145,8 @@ class ParallelPlan:
         if self.engine == "fsdp":
             extra = "" if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
             off = ", cpu_offload=True" if self.offload else ""
-            return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{ac}{off})"
+            dims = "".join(f", {n}_size={d}" for n, d in (("sp", self.sp), ("tp", self.tp)) if d > 1)
+            return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{dims}{ac}{off})"
         off = (", offload_optimizer=True" if self.offload_optimizer else "") + (
             ", offload_parameters=True" if self.offload_params else ""
         )
@@ -219,6 +224,10 @@ class ParallelPlan:
                 out["cpu_offload"] = True
             if (self.dp_replicate, self.dp_shard) != (1, FILL):
                 out["device_mesh"] = (self.dp_replicate, self.dp_shard)
+            if self.tp > 1:
+                out["tp_size"] = self.tp
+            if self.sp > 1:
+                out["sp_size"] = self.sp
         elif self.engine == "deepspeed":
             if self.zero_stage is not None:
                 out["stage"] = self.zero_stage
@@ -299,10 +308,17 @@ def _validate(p: ParallelPlan) -> None:
         value = getattr(p, field_name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"ParallelPlan({field_name}={value!r}): use a positive integer.")
-        if value > 1:
-            what = "tensor" if field_name == "tp" else "sequence (context)"
+        if value > 1 and p.engine != "fsdp":
+            what = "tensor" if field_name == "tp" else "sequence"
+            why = (
+                "ZeRO partitions over the whole world and has no mesh to put it on"
+                if p.engine == "deepspeed"
+                else "it is a dimension of FSDP2's DeviceMesh"
+            )
             raise ValueError(
-                f"ParallelPlan({field_name}={value}): {what} parallelism is not supported yet; use {field_name}=1."
+                f"ParallelPlan(engine={p.engine!r}, {field_name}={value}): {what} parallel runs with FSDP only "
+                f"({why}). Use strategy=FSDPStrategy(..., {field_name}_size={value}) "
+                "(shardwise finetune: --strategy fsdp)."
             )
     for field_name in ("dp_replicate", "dp_shard"):
         value = getattr(p, field_name)
@@ -330,6 +346,16 @@ def _validate(p: ParallelPlan) -> None:
             raise ValueError(f"engine={p.engine!r} has no offload; use FSDP or DeepSpeed for it.")
         if p.dp_degrees[1] != 1:
             raise ValueError(f"engine={p.engine!r} replicates the model: dp_shard must be 1.")
+    if p.tp > 1 and p.offload:
+        raise ValueError(
+            f"ParallelPlan(tp={p.tp}) with CPU offload: FSDP2's offload does not support tensor-parallel "
+            "(2-D) parameters. Drop cpu_offload, or use sequence parallel (sp_size) or more FSDP ranks instead of tp."
+        )
+    if (p.tp > 1 or p.sp > 1) and p.compile != "none":
+        raise ValueError(
+            f"torch.compile with {'tensor' if p.tp > 1 else 'sequence'} parallel is not supported here yet: its "
+            "collectives inside each block are not compiled and tested. Leave compile off with tp_size/sp_size > 1."
+        )
     if p.compile not in COMPILE_MODES:
         raise ValueError(f"ParallelPlan(compile={p.compile!r}): use one of {', '.join(COMPILE_MODES)}.")
     if p.compile != "none" and p.engine == "deepspeed":

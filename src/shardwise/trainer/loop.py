@@ -372,6 +372,8 @@ class Trainer(TrainerAttributes):
     def _train_batch(self, batch: Any, pass_idx: bool) -> None:
         strategy, state, module = self.strategy, self.state, self.module
         batch_idx = state.batch_idx
+        if batch_idx == 0:  # ranks that must read the same samples (sp/tp groups) do: checked once an epoch
+            strategy.check_batch(batch)
         batch = lightning_hooks.transfer_batch(self, strategy.precision.convert_input(batch))
         call_callbacks(self, "on_train_batch_start", batch, batch_idx)
         if call_module(self, "on_train_batch_start", batch, batch_idx) == -1:
