@@ -37,7 +37,8 @@ from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.recommend import DEFAULT_HEADROOM, binding_limit, format_seconds, recommend, usable
-from shardwise.plan.trace import DDP_SEPARATE_BUCKETS_VIEW, DDP_VIEW, IDENTITY, Trace, TraceFailed, extrapolate
+from shardwise.plan.rows import fsdp_offload_row, identity_view, split_breakdown, view_key
+from shardwise.plan.trace import Trace, TraceFailed, extrapolate
 from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.parallel import ParallelPlan
 
@@ -377,13 +378,13 @@ class _Planner:
 
     def _views(self, traced: Candidate, precision: str, depth: Optional[int]) -> Tuple[Tuple[str, Any], ...]:
         # One process: DDPStrategy does not wrap, so there are no buckets to outlive zero_grad.
-        views = [("identity", _identity_view(traced, self.world))]
+        views = [("identity", identity_view(traced, self.world))]
         grad_bytes = 2.0 if precision in ("bf16-true", "16-true") else 4.0
         for c in self.cands:  # configurations whose model states are accounted, on this trace's activations
             acct = accounting_for(c.plan)
             if acct.analytic_states and self._traced(c) == (traced, precision):
                 terms = acct.terms(c.plan, self._stats_at(depth), self.world, self.precision, self.zero)
-                views.append((_view_key(c), acct.view(c.plan, terms, grad_bytes, self.zero)))
+                views.append((view_key(c), acct.view(c.plan, terms, grad_bytes, self.zero)))
         return tuple(views)
 
     def _jobs(
@@ -446,7 +447,7 @@ class _Planner:
         if accounting_for(cand.plan).analytic_states:
             allocated, phase, breakdown, host, method = self._zero(cand, tr, r)
         elif cand.offload:
-            allocated, phase, breakdown, host, method = self._fsdp_offload(tr, r)
+            allocated, phase, breakdown, host, method = fsdp_offload_row(self.spec, tr, r)
         else:
             allocated, phase, breakdown, host, method = self._traced_estimate(cand, tr, r)
         depths = self._depths_for(self._traced(cand)[0])
@@ -507,51 +508,29 @@ class _Planner:
     def _traced_estimate(self, cand: Candidate, tr: Trace, r: float):
         value, phase, parts = tr.peak("identity", r)
         p, g, o, b, a = parts
-        breakdown = _split(
+        breakdown = split_breakdown(
             value, params=min(p, tr.params) + b, grads=min(g, tr.grads), opt=min(o, tr.optimizer), acts=r * a
         )
         return value, phase, breakdown, 0.0, "traced"
-
-    def _fsdp_offload(self, tr: Trace, r: float):
-        """FULL_SHARD + CPUOffloadPolicy from the FULL_SHARD trace (offload is CUDA-only, so never traced).
-
-        On the host: the sharded fp32 parameters, their gradients (each
-        reduce-scattered shard is copied out as it is produced) and the
-        optimizer state, which also steps there. On the device stays what the
-        trace shows minus those: gathered parameters, activations, and the
-        unsharded gradients of the unit(s) being reduced, capped at two units.
-        """
-        counts = self.spec.param_counts()
-        unit = max(counts["per_block"], counts["largest_layer"]) if counts["per_block"] else counts["largest_layer"]
-        grad_cap = 2 * unit * 4.0
-        best = (0.0, "", (0.0,) * 5)
-        for (phase, view, scale), (value, parts) in tr.envelope.items():
-            if view == "identity" and scale == r and phase != "opt":
-                p, g, o, b, a = parts
-                on_device = value - min(p, tr.params) - o - g + min(g, grad_cap)
-                if on_device > best[0]:
-                    best = (on_device, phase, parts)
-        value, phase, (p, g, o, b, a) = best
-        breakdown = _split(value, params=b, grads=min(g, grad_cap), opt=0.0, acts=r * a)
-        host = tr.params + tr.grads + tr.optimizer
-        return value, phase, breakdown, host, "FULL_SHARD trace, sharded states on host (modelled)"
 
     def _zero(self, cand: Candidate, tr: Trace, r: float):
         acct = accounting_for(cand.plan)
         terms = acct.terms(cand.plan, self.full_stats, self.world, self.precision, self.zero)
         best = (0.0, "", (0.0,) * 5)
         for (phase, view, scale), (value, parts) in tr.envelope.items():
-            if view == _view_key(cand) and scale == r and phase != "opt" and value > best[0]:
+            if view == view_key(cand) and scale == r and phase != "opt" and value > best[0]:
                 best = (value, phase, parts)
         value, phase, (p, g, o, b, a) = best
         value += acct.unviewed_bytes(cand.plan, terms)
         traced_grad_bytes = 2.0 if self._traced(cand)[1] in ("bf16-true", "16-true") else 4.0
         grads = acct.held_gradients(cand.plan, terms, g, traced_grad_bytes)
-        breakdown = _split(value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer, acts=r * a)
+        breakdown = split_breakdown(
+            value, params=terms.weights + terms.master + b, grads=grads, opt=terms.optimizer, acts=r * a
+        )
         step = acct.step_bytes(cand.plan, terms) + tr.buffers
         if step > value:
             value, phase = step, "opt"
-            breakdown = _split(
+            breakdown = split_breakdown(
                 step,
                 params=terms.weights + terms.master + tr.buffers,
                 grads=terms.step_grads,
@@ -574,25 +553,6 @@ class _Planner:
             breakdown = {k2: breakdown.get(k2, 0.0) for k2 in CATEGORIES}
             rows.append(self._finish(cand.with_batch(m, k), value, "", breakdown, host, "analytic per-block fallback"))
         return rows
-
-
-def _identity_view(traced: Candidate, world: int) -> Any:
-    """DDP's gradient buckets: views of them (ours) or beside the .grad tensors (torch's / Lightning's default)."""
-    if not accounting_for(traced.plan).grad_buckets(world):
-        return IDENTITY
-    kwargs = getattr(traced.strategy, "ddp_kwargs", None) or {}
-    return DDP_VIEW if kwargs.get("gradient_as_bucket_view", True) else DDP_SEPARATE_BUCKETS_VIEW
-
-
-def _view_key(cand: Candidate) -> str:
-    return f"{cand.plan.label} view"
-
-
-def _split(total: float, *, params: float, grads: float, opt: float, acts: float) -> Dict[str, float]:
-    """Breakdown whose parts add up to `total`: what is not a model state or an activation is temporary."""
-    parts = dict(parameters=params, gradients=grads, optimizer=opt, activations=acts)
-    parts["temporary"] = max(0.0, total - sum(parts.values()))
-    return parts
 
 
 __all__ = ["plan", "Plan", "Estimate", "RESERVED_FACTOR", "format_seconds"]
