@@ -19,6 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwise.strategies.sequence_parallel import (
+    check_heads_divisible,
+    document_ids_from_positions,
+    gather_sequence,
+    group_size,
+    split_sequence,
+    ulysses_attention,
+)
+
 __all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "gpt_config"]
 
 # GPT-2's init: N(0, 0.02) everywhere, residual output projections scaled down
@@ -165,7 +174,9 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
-    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
+    def forward(self, seq_len: int, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if position_ids is not None:  # (B, T) -> tables (B, 1, T, head_dim), broadcast over heads
+            return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
         return self.cos[:seq_len], self.sin[:seq_len]
 
 
@@ -186,17 +197,25 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = _Linear(d, kv_dim, bias=config.bias)
         self.v_proj = _Linear(d, kv_dim, bias=config.bias)
         self.o_proj = _Linear(d, d, bias=config.bias, std=residual_std)
+        # Set by GPT.enable_sequence_parallel: x then holds this rank's chunk of the sequence.
+        self.sp_group: object | None = None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, document_ids: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallel each rank's projections hold only its share of the heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = _apply_rotary(q, *rope), _apply_rotary(k, *rope)
-        # enable_gqa lets SDPA broadcast the shared k/v heads itself instead of
-        # us materialising n_head/n_kv_head copies with repeat_interleave.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        if self.sp_group is not None or document_ids is not None:
+            # All-to-all to whole heads over the full sequence and back (sp), and/or packed documents
+            # kept apart by a block-diagonal causal mask.
+            y = ulysses_attention(q, k, v, self.sp_group, document_ids=document_ids)
+        else:
+            # enable_gqa lets SDPA broadcast the shared k/v heads itself instead of
+            # us materialising n_head/n_kv_head copies with repeat_interleave.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -235,13 +254,20 @@ class Block(nn.Module):
         self.mlp_norm = _build_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, document_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
     """Decoder-only language model: `forward(idx: (B, T) long) -> logits (B, T, vocab)`.
+
+    `forward(idx, position_ids=...)` trains on packed sequences: position ids restart at 0 at each
+    document, positions (learned or rotary) follow them, and no token attends across documents.
+    `enable_sequence_parallel(group)` (called by `apply_sequence_parallel`) splits the sequence
+    over an sp group inside the model: it still takes the full batch and returns full logits.
 
     No dropout: large-model pretraining (Llama) does not use it, and without
     it every strategy computes the same loss for the same seed.
@@ -261,17 +287,38 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = _build_norm(config)
         self.lm_head = None if config.tie_embeddings else _Linear(config.n_embd, config.vocab_size, bias=False)
+        self.sp_group: object | None = None
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def enable_sequence_parallel(self, group: object) -> None:
+        """Split the sequence over `group` (a 1-D DeviceMesh or process group) from the next forward on."""
+        check_heads_divisible(self.config.n_head, self.config.kv_heads, group_size(group))
+        self.sp_group = group
+        for block in self.blocks:
+            block.attn.sp_group = group
+
+    def forward(self, idx: Tensor, position_ids: Tensor | None = None) -> Tensor:
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        if position_ids is not None and position_ids.shape != idx.shape:
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of idx {tuple(idx.shape)}")
         x = self.wte(idx)
+        positions = torch.arange(T, device=idx.device) if position_ids is None else position_ids
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
-        rope = self.rotary(T) if self.rotary is not None else None
+            x = x + self.wpe(positions)
+        rope = self.rotary(T, position_ids) if self.rotary is not None else None
+        # The whole sequence's documents: every sp rank's attention sees all of them after its all-to-all.
+        document_ids = None if position_ids is None else document_ids_from_positions(position_ids)
+        if self.sp_group is not None:
+            # From here to the gather each rank holds its chunk of the sequence: activations / sp.
+            x = split_sequence(x, self.sp_group, dim=1)
+            if rope is not None:
+                rope = tuple(split_sequence(t, self.sp_group, dim=-2) for t in rope)
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope, document_ids)
+        if self.sp_group is not None:
+            # Backward is a reduce-scatter SUM: see strategies/sequence_parallel.py for why not a slice.
+            x = gather_sequence(x, self.sp_group, dim=1)
         x = self.norm(x)
         if self.lm_head is not None:
             return self.lm_head(x)
