@@ -1,0 +1,311 @@
+"""Tensor parallel: split each layer's weights over the ranks of the "tp" mesh dimension.
+
+`apply_tensor_parallel(module, tp_mesh)` runs first in FSDPStrategy.setup_module, on the
+meta-device model, before sequence parallel, activation checkpointing and `fully_shard`
+(torchtitan's order): FSDP2 then shards the tensor-parallel DTensors again over the
+data-parallel mesh, giving 2-D (dp x tp) parameters. The plan comes from the model:
+- a module with a `tensor_parallel_plan` attribute (a dict of module-path pattern ->
+  torch ParallelStyle, or one of the Hugging Face style names below) gets exactly that;
+- the bundled GPT (models/gpt.py) gets a Megatron / torchtitan plan: q/k/v and gate/up
+  column-wise, o/down row-wise, the norms sequence-parallel (the residual stream between
+  layers is split along the sequence), the token embedding row-wise and the head
+  column-wise with its output gathered, so the loss sees whole logits on every rank;
+- a Hugging Face model gets its own plan (`model.tp_plan`, or `_tp_plan` plus
+  `config.base_model_tp_plan`), each style name translated to a torch ParallelStyle, and
+  a name we have no translation for refused by name.
+Everything is checked before anything is allocated: head and key/value-head counts and
+every split dimension must divide by the degree, every plan entry must match a module,
+and tied input/output embeddings are refused (the two layers would split the one weight
+along different dimensions). Parameters no plan names stay whole on every tp rank; their
+gradients are equal there because the layers around them produce replicated activations.
+"""
+
+from __future__ import annotations
+
+import inspect
+from fnmatch import fnmatch
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from shardwise.models.gpt import GPT
+
+__all__ = ["apply_tensor_parallel", "gpt_plan", "hf_plan", "translate_hf_style", "HF_STYLES"]
+
+Plan = Dict[str, ParallelStyle]
+
+# Hugging Face's tp_plan vocabulary (transformers.distributed.tensor_parallel) -> torch styles.
+# Only styles with the same meaning in torch are here; the rest are refused by name.
+HF_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "replicate": lambda: None,  # the whole weight on every rank: nothing to do
+}
+
+
+def translate_hf_style(name: str, where: str) -> Optional[ParallelStyle]:
+    """The torch ParallelStyle for one Hugging Face tp_plan style name (None: leave the module whole)."""
+    if not isinstance(name, str) or name not in HF_STYLES:
+        raise ValueError(
+            f"tensor parallel: the plan entry {where!r} has style {name!r}, which shardwise does not translate. "
+            f"Supported Hugging Face styles: {', '.join(sorted(HF_STYLES))}. Give the model a "
+            "`tensor_parallel_plan` attribute (module-path pattern -> torch ParallelStyle) instead, or train "
+            "without tp (tp_size=1)."
+        )
+    return HF_STYLES[name]()
+
+
+# ------------------------------------------------------------------ plans
+def gpt_plan(model: nn.Module, tp: int) -> Plan:
+    """The bundled GPT's plan (paths relative to the GPT module), after checking the degree fits its shape."""
+    cfg = model.config
+    if cfg.tie_embeddings:
+        raise ValueError(
+            "tensor parallel: GPT(tie_embeddings=True) shares one weight between the token embedding (split "
+            "by vocabulary rows) and the output head (split by output columns), which tensor parallel cannot "
+            "lay out as one parameter. Build the model with tie_embeddings=False (gpt_config(name, "
+            "tie_embeddings=False)), or train without tp."
+        )
+    check_heads(cfg.n_head, cfg.kv_heads, tp, "GPTConfig(n_head, n_kv_head)")
+    # The residual stream between the layers is split along the sequence (dim 1): each norm runs on
+    # its rank's tokens, and each attention / MLP gathers the sequence first (torchtitan's layout).
+    plan: Plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
+    if model.wpe is not None:  # learned positions: (T, D), the sequence is dim 0
+        plan["wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    mlp_in = ["up_proj"] + (["gate_proj"] if cfg.mlp == "swiglu" else [])
+    # The attention's extra positional arguments (rotary tables, document ids) pass through untouched.
+    extra = (None,) * (_positional_args(model.blocks[0].attn) - 1) if len(model.blocks) else ()
+    plan.update(
+        {
+            "blocks.*.attn_norm": SequenceParallel(),
+            "blocks.*.attn": PrepareModuleInput(
+                input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra)
+            ),
+            "blocks.*.attn.q_proj": ColwiseParallel(),
+            "blocks.*.attn.k_proj": ColwiseParallel(),
+            "blocks.*.attn.v_proj": ColwiseParallel(),
+            "blocks.*.attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "blocks.*.mlp_norm": SequenceParallel(),
+            "blocks.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            **{f"blocks.*.mlp.{name}": ColwiseParallel() for name in mlp_in},
+            "blocks.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            # Gathered logits: the user's loss sees the whole vocabulary on every rank.
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    )
+    return plan
+
+
+def _positional_args(module: nn.Module) -> int:
+    params = inspect.signature(type(module).forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) - 1  # less self
+
+
+def hf_style_names(model: nn.Module) -> Dict[str, str]:
+    """A Hugging Face model's own tp_plan (full module paths -> style names); empty when it has none."""
+    plan = getattr(model, "tp_plan", None)  # transformers >= 5: the merged, prefixed plan
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    merged = dict(getattr(model, "_tp_plan", None) or {})
+    base_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    for key, style in base_plan.items():
+        merged.setdefault(f"{prefix}.{key}" if has_base else key, style)
+    return merged
+
+
+def hf_plan(model: nn.Module, tp: int) -> Plan:
+    """A Hugging Face model's own plan as torch styles, after checking heads and tied embeddings."""
+    names = hf_style_names(model)
+    if not names:
+        raise ValueError(
+            f"tensor parallel: {type(model).__name__} has no tensor-parallel plan (no tp_plan, _tp_plan or "
+            "config.base_model_tp_plan). Give it a `tensor_parallel_plan` attribute (module-path pattern -> "
+            "torch ParallelStyle), or train without tp."
+        )
+    config = model.config
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is not None:
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        check_heads(heads, kv, tp, f"{type(config).__name__}(num_attention_heads, num_key_value_heads)")
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is not None and outputs is not None and outputs.weight is inputs.weight:
+        raise ValueError(
+            f"tensor parallel: {type(model).__name__} ties its output head to its input embedding "
+            "(config.tie_word_embeddings=True), and the two layers split that one weight along different "
+            "dimensions. Train it without tp (FSDP or sequence parallel), or untie the weights."
+        )
+    plan: Plan = {}
+    for key, name in names.items():
+        style = translate_hf_style(name, key)
+        if style is not None:
+            plan[key] = style
+    return plan
+
+
+def check_heads(heads: int, kv_heads: int, tp: int, what: str) -> None:
+    if heads % tp or kv_heads % tp:
+        raise ValueError(
+            f"tensor parallel degree {tp} must divide the attention heads ({heads}) and the key/value heads "
+            f"({kv_heads}) of {what}: each rank computes whole heads. Choose a tp_size that divides "
+            f"{_gcd(heads, kv_heads)}."
+        )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+# ------------------------------------------------------------------ applying
+def find_plans(module: nn.Module, tp: int) -> List[Tuple[str, nn.Module, Plan]]:
+    """(path, submodule, plan) for each part of `module` that has a plan, outermost first."""
+    found: List[Tuple[str, nn.Module, Plan]] = []
+    for path, sub in module.named_modules():
+        if any(path == p or path.startswith(p + ".") for p, _, _ in found if p):
+            continue
+        if found and found[0][0] == "":
+            break  # the root's own plan covers everything
+        own = getattr(type(sub), "tensor_parallel_plan", None) is not None or "tensor_parallel_plan" in vars(sub)
+        if own:
+            found.append((path, sub, user_plan(sub)))
+        elif isinstance(sub, GPT):
+            found.append((path, sub, gpt_plan(sub, tp)))
+        elif _is_hf_model(sub) and hf_style_names(sub):
+            found.append((path, sub, hf_plan(sub, tp)))
+    return found
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return hasattr(module, "config") and callable(getattr(module, "get_input_embeddings", None))
+
+
+def user_plan(module: nn.Module) -> Plan:
+    """A module's own `tensor_parallel_plan` (a dict, or a method returning one): torch styles or HF names."""
+    raw = module.tensor_parallel_plan
+    if callable(raw) and not isinstance(raw, Mapping):
+        raw = raw()
+    if not isinstance(raw, Mapping) or not raw:
+        raise TypeError(
+            f"{type(module).__name__}.tensor_parallel_plan must be a non-empty dict of module-path pattern -> "
+            f"torch ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...), got {raw!r}."
+        )
+    plan: Plan = {}
+    for key, style in raw.items():
+        if isinstance(style, str):
+            style = translate_hf_style(style, key)
+            if style is None:
+                continue
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"{type(module).__name__}.tensor_parallel_plan[{key!r}] is {style!r}; expected a torch "
+                "ParallelStyle (torch.distributed.tensor.parallel.ColwiseParallel(), RowwiseParallel(), ...)."
+            )
+        plan[key] = style
+    return plan
+
+
+def matching_modules(module: nn.Module, pattern: str) -> List[str]:
+    """Paths of the submodules a plan key selects (fnmatch per path element, as parallelize_module)."""
+    if pattern == "":
+        return [""]
+    parts = pattern.split(".")
+    hits = []
+    for path, _ in module.named_modules():
+        names = path.split(".") if path else []
+        if len(names) == len(parts) and all(fnmatch(n, p) for n, p in zip(names, parts)):
+            hits.append(path)
+    return hits
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split the model's layers over `tp_mesh` (1-D) in place, by the model's own plan (see the file's top).
+
+    Raises ValueError naming the fix when no part of the model has a plan, a plan entry matches
+    no module, or the degree does not divide a head count or a split dimension.
+    """
+    tp = tp_mesh.size()
+    plans = find_plans(module, tp)
+    if not plans:
+        raise ValueError(
+            f"tensor parallel: {type(module).__name__} contains no model with a tensor-parallel plan (shardwise "
+            "knows the bundled GPT and Hugging Face models with a tp_plan). Give your model a "
+            "`tensor_parallel_plan` attribute: a dict of module-path pattern -> torch ParallelStyle, e.g. "
+            "{'layers.*.attn.qkv': ColwiseParallel(), 'layers.*.attn.out': RowwiseParallel()}; or set tp_size=1."
+        )
+    for path, sub, plan in plans:
+        unmatched = [key for key in plan if not matching_modules(sub, key)]
+        if unmatched:
+            raise ValueError(
+                f"tensor parallel: plan entr{'y' if len(unmatched) == 1 else 'ies'} {unmatched} of "
+                f"{type(sub).__name__}{f' ({path})' if path else ''} match no submodule. Fix the module paths "
+                "in the plan (patterns use '*' for one path element, e.g. 'layers.*.mlp.up_proj')."
+            )
+    for _, sub, plan in plans:
+        parallelize_module(sub, tp_mesh, plan)
+    check_divisible(module, tp_mesh)
+    for _, sub, _ in plans:
+        if isinstance(sub, GPT):
+            sub.register_forward_pre_hook(_SequenceCheck(tp))
+
+
+def check_divisible(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Every dimension the plan split must divide by the degree (uneven shards are not laid out here)."""
+    tp, bad = tp_mesh.size(), []
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor) or p.device_mesh != tp_mesh:
+            continue
+        for placement in p.placements:
+            if isinstance(placement, Shard) and p.shape[placement.dim] % tp:
+                bad.append(f"{name} {tuple(p.shape)} (dim {placement.dim})")
+    if bad:
+        raise ValueError(
+            f"tensor parallel degree {tp} does not divide these split dimensions: {', '.join(bad[:6])}"
+            f"{' ...' if len(bad) > 6 else ''}. Choose a tp_size that divides them (e.g. pad the vocabulary to a "
+            "multiple of it)."
+        )
+
+
+class _SequenceCheck:
+    """GPT forward pre-hook: the sequence-parallel norms split the sequence evenly over the tp ranks."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        idx = args[0] if args else None
+        if idx is not None and idx.dim() >= 2 and idx.size(1) % self.tp:
+            raise ValueError(
+                f"tensor parallel: the sequence length {idx.size(1)} must be a multiple of tp_size={self.tp} "
+                "(the norms between layers work on an equal share of the tokens on each rank). Pad or crop the "
+                "sequences to a multiple of it."
+            )
+
+
+def describe_split(module: nn.Module) -> Dict[str, Union[str, List[str]]]:
+    """Which parameters the applied plan split and which stayed whole (for messages and the planner)."""
+    split, whole = [], []
+    for name, p in module.named_parameters():
+        placements = p.placements if isinstance(p, DTensor) else ()
+        (split if any(isinstance(x, Shard) for x in placements) else whole).append(name)
+    return {"split": split, "whole": whole}
