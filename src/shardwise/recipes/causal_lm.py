@@ -20,6 +20,15 @@ warm-up, then cosine / linear / constant; it holds only the parameters that
 require gradients, so with LoRA (`lora_r` > 0: PEFT wraps the meta model in
 `configure_model`, adapters/lora.py) the frozen base weights have no
 optimizer state under any strategy.
+
+Under sequence parallel (the strategy's `sp_mesh`) every rank of an sp group
+receives the same full batch and keeps its slice of the sequence
+(sequence_parallel_hf.split_batch): the labels move to the next token
+before the split, the model runs the slice with the whole sequence's
+document boundaries, and `training_step`, `loss_weight` and `count_tokens`
+count the slice only, so over the sp group each target token is counted
+once and the step is the one-device step. Validation sums the slices over
+the sp group and reports the same eval_loss and val_loss as one device.
 """
 
 from __future__ import annotations
@@ -34,8 +43,9 @@ import torch.nn.functional as F
 from shardwise.adapters.lora import apply_lora, count_parameters, describe_parameters, init_lora_weights, options_from
 from shardwise.adapters.quantize import check_4bit_plan, compute_dtype_for, quantize_to_4bit
 from shardwise.distributed import ops
-from shardwise.module import TrainModule
+from shardwise.module import TrainModule, attached_trainer
 from shardwise.recipes import hf_model
+from shardwise.strategies.sequence_parallel_hf import split_batch
 
 HISTORY_KEY = "finetune_history"  # the module's losses so far, in every checkpoint's trainer state
 
@@ -103,15 +113,34 @@ class CausalLMModule(TrainModule):
         hf_model.recompute_buffers(self.model)
         init_lora_weights(self.model, self.cfg.seed)
 
+    def _sp_mesh(self) -> Any:
+        """The strategy's sequence-parallel mesh, or None (no sp, or no Trainer attached)."""
+        trainer = attached_trainer(self)
+        return getattr(trainer.strategy, "sp_mesh", None) if trainer is not None else None
+
+    def _sp_split(self, batch: Dict[str, torch.Tensor]) -> Any:
+        """Under sp: (this rank's model inputs, its slice's next-token targets); else None."""
+        mesh = self._sp_mesh()
+        return None if mesh is None else split_batch(batch, mesh.get_local_rank(), mesh.size())
+
     def loss_weight(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Target tokens: the positions whose next token has a label (the Trainer sums these per step)."""
+        """Target tokens: the positions whose next token has a label (the Trainer sums these per step).
+        Under sp, only this rank's slice's: the Trainer sums them over every rank, the sp ranks included."""
+        split = self._sp_split(batch)
+        if split is not None:
+            return (split[1] != -100).sum()
         return (batch["labels"][:, 1:] != -100).sum()
 
     def count_tokens(self, batch: Dict[str, torch.Tensor]) -> Any:
         """Tokens trained on, for tokens/s and MFU (callbacks/throughput.py): padding (attention 0) is not;
-        a packed block has none. A device sum, read back only at log steps."""
-        mask = batch.get("attention_mask")
-        return mask.sum() if mask is not None else batch["input_ids"].numel()
+        a packed block has none; under sp, this rank's slice. A device sum, read back only at log steps."""
+        mask, ids = batch.get("attention_mask"), batch["input_ids"]
+        mesh = self._sp_mesh()
+        if mesh is not None:
+            chunk = -(-ids.shape[1] // mesh.size())  # split_batch pads a padded batch up to a multiple
+            part = slice(mesh.get_local_rank() * chunk, (mesh.get_local_rank() + 1) * chunk)
+            mask, ids = (mask[:, part] if mask is not None else None), ids[:, part]
+        return mask.sum() if mask is not None else ids.numel()
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's own loss: the mean over the batch's target tokens."""
@@ -120,11 +149,16 @@ class CausalLMModule(TrainModule):
         return self.model(**batch, use_cache=False).loss
 
     def _summed_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Cross-entropy of each token's prediction of the next, summed over the target tokens."""
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        """Cross-entropy of each token's prediction of the next, summed over the target tokens
+        (under sp: over this rank's slice of the sequence)."""
+        split = self._sp_split(batch)
+        if split is not None:
+            inputs, targets = split
+        else:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            # The model's own shift, without copying the logits: the labels move left by one instead.
+            targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         logits = self.model(**inputs, use_cache=False).logits
-        # The model's own shift, without copying the logits: the labels move left by one instead.
-        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         return F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum"
         )
@@ -141,11 +175,27 @@ class CausalLMModule(TrainModule):
         return self._summed_loss(batch)
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        mesh = self._sp_mesh()
+        if mesh is not None:
+            self._sp_validation_step(batch, mesh)
+            return
         loss, tokens = self._loss(batch).detach().float(), self.loss_weight(batch)
         self._eval_sum = self._eval_sum.to(loss.device)
         self._eval_sum += torch.stack([loss * tokens, tokens.to(loss.dtype)])  # eval_loss: per target token
         # The epoch's val_loss too: each batch's mean weighted by its target tokens, across ranks.
         self.log("val_loss", loss, sync_dist=True, batch_size=max(int(tokens), 1))
+
+    def _sp_validation_step(self, batch: Dict[str, torch.Tensor], mesh: Any) -> None:
+        """validation_step under sp: each rank scores its slice; the sp group's sum is the batch's."""
+        summed, tokens = self._summed_loss(batch).detach().float(), self.loss_weight(batch)
+        pair = torch.stack([summed, tokens.to(summed.dtype)])
+        self._eval_sum = self._eval_sum.to(pair.device)
+        self._eval_sum += pair  # the slices: over all ranks, each target token once
+        # val_loss: the whole batch's mean weighted by its target tokens, as on one device. Every sp rank
+        # logs the same pair, which weighs each batch sp times in the cross-rank mean: the mean is unchanged.
+        torch.distributed.all_reduce(pair, group=mesh.get_group())
+        whole = int(pair[1])
+        self.log("val_loss", pair[0] / max(whole, 1), sync_dist=True, batch_size=max(whole, 1))
 
     def on_validation_epoch_start(self) -> None:
         self._eval_sum = torch.zeros(2)
