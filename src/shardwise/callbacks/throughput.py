@@ -168,7 +168,8 @@ class ThroughputMonitor:
         if self._device_tokens is not None:
             counts[0] += self._device_tokens.to(device=device, dtype=torch.float64)
         if strategy.world_size > 1:
-            counts = strategy.reduce(counts, "sum")
+            # The ranks of a sequence/tensor-parallel group count the same samples: count them once.
+            counts = strategy.reduce(counts, "sum") * (strategy.data_parallel_size / strategy.world_size)
         tokens, samples = counts.tolist()  # the log step's read-back
         has_tokens = self._has_tokens
         seconds = None if self._clock is None else now - self._clock - self._paused

@@ -168,7 +168,8 @@ def collect_state(states: TrainingStates) -> Dict[str, Any]:
             **({adapters.ADAPTER_KEY: adapter} if (adapter := adapters.record(module)) else {}),
         },
         "train_state": {**position, "run_id": train_state.run_id},
-        "data": {"batch_size": getattr(loader, "batch_size", None), "world_size": strategy.world_size},
+        # The sampler's replicas: ranks of a sequence/tensor-parallel group read the same samples.
+        "data": {"batch_size": getattr(loader, "batch_size", None), "data_parallel_size": strategy.data_parallel_size},
         "sampler": sampler.state_dict() if sampler is not None else None,
         "rng_states": _gather_rng(rng),
         "lr_schedulers": [entry["scheduler"].state_dict() for entry in strategy.lr_schedulers],
@@ -245,11 +246,11 @@ def _restore_position(states: TrainingStates, state: Dict[str, Any]) -> None:
     sampler = find_sampler(loader)
     saved = state.get("data", {})
     batch_size = getattr(loader, "batch_size", None)
-    old = (saved.get("batch_size"), saved.get("world_size"))
-    new = (batch_size, states.strategy.world_size)
+    old = (saved.get("batch_size"), saved.get("data_parallel_size", saved.get("world_size")))  # (older: world)
+    new = (batch_size, states.strategy.data_parallel_size)
     if position["batch_idx"] and None not in old + new and old != new:
-        # Ranks take interleaved slices of one permutation, so the samples
-        # consumed so far are its first batch_idx * batch_size * world_size
+        # Data-parallel ranks take interleaved slices of one permutation, so the
+        # samples consumed so far are its first batch_idx * batch_size * dp
         # entries, whatever the layout: continue after the same count.
         consumed = position["batch_idx"] * old[0] * old[1]
         position["batch_idx"] = consumed // (new[0] * new[1])

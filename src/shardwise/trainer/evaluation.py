@@ -69,7 +69,8 @@ def split_for_predict(loader: Any, strategy: Any) -> Any:
     )
     if not plain:
         return strategy.setup_dataloader(loader, shuffle=False)
-    return rebuild(loader, sampler=RankShare(len(loader.dataset), strategy.world_size, strategy.global_rank))
+    share = RankShare(len(loader.dataset), strategy.data_parallel_size, strategy.data_parallel_rank)
+    return rebuild(loader, sampler=share)
 
 
 def as_list(loaders: Any) -> List[Any]:

@@ -242,7 +242,7 @@ def estimated_stepping_batches(trainer: Any, loader: Any) -> Union[int, float]:
     """
     batches = float("inf")
     if loader is not None:
-        world = trainer.strategy.world_size
+        world = trainer.strategy.data_parallel_size  # the sampler's replicas (sp/tp groups share a sample)
         dataset = getattr(loader, "dataset", None)
         if (
             world > 1
