@@ -136,6 +136,10 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
         peak_tflops: the device's dense peak TFLOP/s for MFU (default: the built-in table by GPU name)
         profile_steps: START END: torch.profiler traces of these optimizer steps in <output_dir>/profiles
         torch_compile: torch.compile each decoder layer (after checkpointing, before sharding; not DeepSpeed)
+        tp_size: tensor-parallel degree: each decoder layer's projections split over this many ranks by
+            the model's own tp_plan (FSDP; divides the attention and key/value heads)
+        sp_size: sequence-parallel degree (Ulysses): each sample's sequence split over this many ranks
+            (FSDP; divides the attention and key/value heads and max_seq_len)
         lora_r: LoRA rank through PEFT (0: full fine-tuning, every weight trained)
         lora_alpha: LoRA scaling numerator (PEFT's lora_alpha)
         lora_dropout: dropout on the LoRA path
@@ -191,6 +195,8 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
     peak_tflops: Optional[float] = None
     profile_steps: Optional[Tuple[int, int]] = None
     torch_compile: bool = False
+    tp_size: int = 1
+    sp_size: int = 1
     # Adapters (LoRA / QLoRA through PEFT and bitsandbytes)
     lora_r: int = 0
     lora_alpha: int = 16
@@ -386,12 +392,13 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         cache_dir=cfg.data.cache_dir or os.path.join(cfg.output_dir, "tokenized"),
         evaluate=bool(cfg.eval_steps),
     )
-    world = trainer.devices * trainer.num_nodes
+    # Samples are split over the data-parallel ranks only: the ranks of a tp or sp group read the same ones.
+    data_parallel = trainer.devices * trainer.num_nodes // (cfg.tp_size * cfg.sp_size)
 
     def total_steps() -> int:  # the schedule's length: known once the data is set up
         if cfg.max_steps > 0:
             return cfg.max_steps
-        return cfg.num_train_epochs * _steps_per_epoch(len(data.prepared.train), world, cfg)
+        return cfg.num_train_epochs * _steps_per_epoch(len(data.prepared.train), data_parallel, cfg)
 
     module = build_module(cfg, folder, total_steps)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from_checkpoint)

@@ -8,6 +8,13 @@ validate_config runs it in the process the user started, so an unknown name,
 an option the strategy's class does not take, or two flags that contradict
 each other fail before any worker or weight exists. The config is the
 recipe's FinetuneConfig (finetune.py), read by field name only.
+
+`tp_size` / `sp_size` become the plan's tensor and sequence degrees (FSDP2 on
+one DeviceMesh with them). `check_parallel` refuses, each with its fix, what
+those degrees cannot run with: a world size they do not divide, attention
+heads, key/value heads or a sequence length they do not split evenly, ZeRO,
+offload or adapters beside tensor parallel, torch.compile, and flash-attn's
+own kernels under sequence parallel.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import dataclasses
 import inspect
 from typing import Any, Dict
 
+from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.recipes.hf_model import model_block_names
 from shardwise.strategies import CLASSES, build_strategy
 from shardwise.strategies.fsdp_compat import sharding_strategy_name
@@ -69,12 +77,105 @@ def check_strategy_options(cfg: Any, cls: Any, owned: Dict[str, str], fixed: Dic
     return options
 
 
+def recipe_world_size(cfg: Any) -> int:
+    """Ranks the run will have: the launcher's world size inside a worker, else devices x num_nodes."""
+    env = detect_env()
+    if env is not None:
+        return env.world_size
+    return resolve_devices(cfg.devices, resolve_accelerator(cfg.accelerator)) * max(int(cfg.num_nodes or 1), 1)
+
+
+def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
+    """Refuse a tp_size / sp_size the run cannot honour, before any worker starts; each message names the fix.
+
+    `engine`: the strategy name's engine ("auto" when the name is auto).
+    """
+    tp, sp = cfg.tp_size, cfg.sp_size
+    for name, value in (("tp_size", tp), ("sp_size", sp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: use a positive integer (1: no {name[:2]} dimension).")
+    if tp * sp == 1:
+        return
+    both = " x ".join(f"{n}={v}" for n, v in (("tp_size", tp), ("sp_size", sp)) if v > 1)
+    if engine == "deepspeed":
+        raise ValueError(
+            f"{both} with strategy={cfg.strategy!r}: ZeRO partitions over the whole world and does not "
+            "compose with tensor or sequence parallel here. Use strategy='fsdp' (FSDP2 shards over the "
+            "data-parallel and sp ranks on one DeviceMesh with tp), or drop tp_size / sp_size."
+        )
+    if engine != "fsdp":
+        raise ValueError(
+            f"{both} with strategy={cfg.strategy!r}: tensor and sequence parallel are dimensions of the "
+            "FSDP strategy's mesh. Use strategy='fsdp' (sharding_strategy NO_SHARD replicates the rest, "
+            "HYBRID_SHARD shards inside a node)."
+        )
+    world = recipe_world_size(cfg)
+    if world % (tp * sp):
+        raise ValueError(
+            f"{both}: tp_size x sp_size = {tp * sp} does not divide the {world} processes "
+            f"(devices x num_nodes). Use devices a multiple of {tp * sp} per node, or smaller degrees."
+        )
+    config = folder.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, degree in (("tp_size", tp), ("sp_size", sp)):
+        if degree == 1:
+            continue
+        # tp gives each rank whole heads of q/k/v's column shards; Ulysses' all-to-all hands each sp rank
+        # whole heads of the full sequence: both need the head counts to split evenly.
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+            if count is not None and count % degree:
+                fits = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+                raise ValueError(
+                    f"{name}={degree} does not divide the model's {count} {what} ({type(config).__name__} in "
+                    f"{cfg.model_path}/config.json): each rank must hold whole heads. Use {name} in {fits}."
+                )
+    seq = cfg.data.max_seq_len
+    if sp > 1 and seq % sp:
+        raise ValueError(
+            f"sp_size={sp} does not divide max_seq_len={seq}: each sp rank takes an equal slice of the "
+            f"sequence. Use max_seq_len={seq - seq % sp or sp} (a multiple of {sp})."
+        )
+    if tp > 1:
+        if getattr(config, "base_model_tp_plan", None) is None:
+            raise ValueError(
+                f"tp_size={tp}: {type(config).__name__} ({cfg.model_path}) declares no tensor-parallel plan "
+                "(base_model_tp_plan in transformers), so there is no column/row split to apply. Use sp_size "
+                "or more FSDP ranks instead, or a model type that has one (Llama, Mistral, Qwen2, ...)."
+            )
+        if cfg.cpu_offload or "offload" in str(cfg.strategy).lower():
+            raise ValueError(
+                f"tp_size={tp} with cpu_offload: FSDP2's CPU offload does not take tensor-parallel "
+                "(DTensor on tp) parameters here. Drop cpu_offload, or use sp_size / more FSDP ranks, which "
+                "divide the memory without offload."
+            )
+        if cfg.lora_r or cfg.load_in_4bit:
+            what = "load_in_4bit (QLoRA)" if cfg.load_in_4bit else f"lora_r={cfg.lora_r} (LoRA)"
+            raise ValueError(
+                f"tp_size={tp} with {what}: the tensor-parallel plan splits the base model's Linear "
+                "layers, and PEFT's adapter layers (and bitsandbytes' 4-bit weights) are not split by "
+                "it. Use sp_size or FSDP alone with adapters, or full fine-tuning with tp_size."
+            )
+    if cfg.torch_compile:
+        raise ValueError(
+            f"torch_compile with {both}: compiling tensor- or sequence-parallel layers is not supported "
+            "yet. Drop torch_compile, or the tp / sp degree."
+        )
+    if sp > 1 and cfg.attn_implementation == "flash_attention_2":
+        raise ValueError(
+            f"sp_size={sp} with attn_implementation='flash_attention_2': sequence parallel goes through "
+            "the sdpa / eager attention of transformers' attention interface here. Use "
+            "attn_implementation='sdpa' (it dispatches to flash kernels on GPUs that have them)."
+        )
+
+
 def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
     """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front).
 
     The name is a ParallelPlan (strategies/names.py); the recipe's own options fill in what the name leaves
     open -- sharding_strategy and cpu_offload for FSDP, gradient_checkpointing (full, on the model's blocks)
-    -- and the plan builds the strategy, with strategy_options as further constructor arguments.
+    -- and the plan builds the strategy, with strategy_options as further constructor arguments. tp_size and
+    sp_size are the plan's tp / sp degrees (check_parallel refuses what they cannot run with first).
     """
     if cfg.strategy.lower().strip() == "auto":
         plan, key = None, "auto"
@@ -86,6 +187,7 @@ def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
             raise ValueError(
                 f"strategy={cfg.strategy!r} is not a fine-tuning strategy. Valid: {', '.join(recipe_strategies())}."
             ) from None
+    check_parallel(cfg, folder, "auto" if plan is None else plan.engine)
     blocks = list(cfg.auto_wrap_policy or model_block_names(folder.config))
     owned = {"precision": "precision", "timeout_s": "timeout_s"}
     if cfg.gradient_checkpointing:
@@ -151,5 +253,8 @@ def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
         # DeepSpeed's own cpu_offload: the optimizer, and the parameters too when the stage (which
         # may come from the user's DeepSpeed config, unknown here) is 3.
         extra["cpu_offload"] = True if cfg.cpu_offload else None
+    owned.update(tp_size="tp_size", sp_size="sp_size")
+    if cfg.tp_size * cfg.sp_size > 1:  # fsdp only (check_parallel); the plan lays out the mesh
+        plan = dataclasses.replace(plan, tp=cfg.tp_size, sp=cfg.sp_size)
     options = check_strategy_options(cfg, CLASSES[plan.engine], owned, implied)
     return build_strategy(plan, blocks=blocks, **{**extra, **options})
