@@ -2,6 +2,7 @@
 
     shardwise plan --model llama-2-70b --devices 8 --num-nodes 2 --device-memory 80GiB \\
         --precision bf16-mixed --batch-size 1 --seq-len 2048 [--cpu-memory 1TiB] [--json] [--plot plan.png]
+    shardwise plan --model llama-3-8b --devices 8 --device-memory 80GiB --seq-len 131072 [--sp_size 8 --tp_size 1]
 
 The signature of `plan_command` is the option schema (its docstring gives the
 help texts). Mistakes the user can fix -- an unknown preset, a config.json that
@@ -51,6 +52,8 @@ def plan_command(
     load_in_4bit: bool = False,
     headroom: float = 0.1,
     optimizer_variants: bool = True,
+    sp_size: Optional[int] = None,
+    tp_size: Optional[int] = None,
 ) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
 
@@ -97,6 +100,10 @@ def plan_command(
             against the whole device).
         optimizer_variants: when nothing fits or a faster configuration misses, also plan 8-bit / paged
             AdamW and say which changes the verdict.
+        sp_size: plan the FSDP configurations with sequence parallel of this degree (Ulysses; 1: off).
+            With neither --sp_size nor --tp_size, the full comparison also searches the degrees that
+            divide the devices per node, the attention heads and the sequence length.
+        tp_size: plan the FSDP configurations with tensor parallel of this degree (1: off).
     """
     from shardwise.plan.core import plan
     from shardwise.plan.presets import PlanError
@@ -142,6 +149,8 @@ def plan_command(
         load_in_4bit=load_in_4bit,
         headroom=headroom,
         optimizer_variants=optimizer_variants,
+        tp_size=tp_size,
+        sp_size=sp_size,
     )
     if json:
         print(to_json(result))

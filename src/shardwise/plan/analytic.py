@@ -159,6 +159,7 @@ def fallback_estimate(
     acts = depth * block_activation_bytes(spec, micro_batch, seq_len, act_bytes, cand.activation_checkpointing, mixed)
     if cand.activation_checkpointing:  # one block is recomputed at a time
         acts += block_activation_bytes(spec, micro_batch, seq_len, act_bytes, False, mixed)
+    acts /= cand.plan.tp * cand.plan.sp  # a tp x sp group splits its blocks' activations (not the logits)
     copies = acct.autocast_copies(n, precision)
     if copies:
         acts += copies

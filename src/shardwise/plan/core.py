@@ -35,6 +35,7 @@ from shardwise.plan.cost import Hardware, step_cost
 from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
+from shardwise.plan.parallel import group_batch, layer_shape, with_parallel_degrees
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.recommend import DEFAULT_HEADROOM, binding_limit, format_seconds, recommend, usable
 from shardwise.plan.rows import fsdp_offload_row, identity_view, split_breakdown, view_key
@@ -147,6 +148,8 @@ def plan(
     load_in_4bit: bool = False,
     headroom: float = DEFAULT_HEADROOM,
     optimizer_variants: bool = True,
+    tp_size: Optional[int] = None,
+    sp_size: Optional[int] = None,
 ) -> Plan:
     """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
 
@@ -177,6 +180,8 @@ def plan(
             (default 0.1; 0 judges against the whole device).
         optimizer_variants: when nothing fits or a faster configuration misses, also plan the 8-bit /
             paged AdamW variants and report those that change the verdict (plan.variants, plan.notes).
+        tp_size, sp_size: plan the FSDP configurations at these tensor / sequence parallel degrees (1 turns
+            one off); neither given, the default comparison also searches the degrees (plan/parallel.py).
     """
     start = time.perf_counter()
     if not 0.0 <= headroom < 1.0:
@@ -212,7 +217,11 @@ def plan(
             # Offload moves state from device to host memory; on a CPU both are the same memory
             # (FSDPStrategy says so and does nothing): it saves nothing, so it is never a choice.
             cands = [c for c in cands if not c.offload]
-    cands, adapter_notes = check_candidates(adapters, cands, requested=candidates is not None or strategy is not None)
+    requested = candidates is not None or strategy is not None
+    cands, parallel_notes = with_parallel_degrees(
+        cands, spec, seq_len, world, num_nodes, tp_size, sp_size, requested=requested
+    )
+    cands, adapter_notes = check_candidates(adapters, cands, requested=requested)
     opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident, target=accelerator)
     expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
     alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor)
@@ -220,7 +229,7 @@ def plan(
     shared.update(device_memory=dev_mem, cpu_memory=cpu_mem, allocator=alloc, hw=hw, target=accelerator)
     shared.update(deepspeed_config=deepspeed_config, workers=workers, headroom=headroom)
     planner = _Planner(spec, cands, optimizer=opt, all_micro=all_micro_batches, **shared)
-    planner.notes += adapter_notes
+    planner.notes += adapter_notes + parallel_notes
     estimates = planner.run()
     if any(accounting_for(c.plan).analytic_states for c in cands) and (
         opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"
@@ -409,10 +418,10 @@ class _Planner:
 
     # ---------------------------------------------------------- estimates
     def run(self) -> List[Estimate]:
-        splits = batch_splits(self.batch_size)
-        full_m = splits[0][0]
+        # A tp x sp group's data-parallel rank takes the group's sequences (plan/parallel.py).
+        splits = {c: batch_splits(group_batch(c.plan, self.batch_size)) for c in self.cands}
         try:
-            self._run([(*self._traced(c), full_m, 1, (1.0,)) for c in self.cands])
+            self._run([(*self._traced(c), splits[c][0][0], 1, (1.0,)) for c in self.cands])
             for c in self.cands:
                 depths = self._depths_for(self._traced(c)[0])
                 if len(depths) == 2 and depths != self.depths:
@@ -420,20 +429,19 @@ class _Planner:
                         f"{c.config_label}: checkpoints one block in {c.plan.selective_ac_option}, so it is "
                         f"traced at {depths[0]} and {depths[1]} blocks (a whole period apart) and extrapolated."
                     )
+            full = {c: splits[c][0][0] for c in self.cands}
             rows = {
-                c: [self._estimate(c.with_batch(full_m, 1), self.traces[(*self._traced(c), full_m, 1)], 1.0)]
+                c: [self._estimate(c.with_batch(full[c], 1), self.traces[(*self._traced(c), full[c], 1)], 1.0)]
                 for c in self.cands
             }
-            if len(splits) > 1:
-                # Smaller micro-batches only where the whole batch does not fit: one more trace with
-                # two micro-batches (accumulation keeps gradients between them) answers every size.
-                m1, smaller = splits[1][0], [m for m, _ in splits[1:]]
-                scales = tuple(m / m1 for m in smaller)
-                need = [c for c in self.cands if self.all_micro or rows[c][0].fits is False]
-                self._run([(*self._traced(c), m1, 2, scales) for c in need])
-                for c in need:
-                    tr = self.traces[(*self._traced(c), m1, 2)]
-                    rows[c] += [self._estimate(c.with_batch(m, k), tr, m / m1) for m, k in splits[1:]]
+            # Smaller micro-batches only where the whole batch does not fit: one more trace with
+            # two micro-batches (accumulation keeps gradients between them) answers every size.
+            need = [c for c in self.cands if len(splits[c]) > 1 and (self.all_micro or rows[c][0].fits is False)]
+            m1 = {c: splits[c][1][0] for c in need}
+            self._run([(*self._traced(c), m1[c], 2, tuple(m / m1[c] for m, _ in splits[c][1:])) for c in need])
+            for c in need:
+                tr = self.traces[(*self._traced(c), m1[c], 2)]
+                rows[c] += [self._estimate(c.with_batch(m, k), tr, m / m1[c]) for m, k in splits[c][1:]]
             return [e for c in self.cands for e in rows[c]]
         except TraceFailed as exc:
             self.failed = str(exc)
@@ -441,7 +449,7 @@ class _Planner:
                 f"The model does not run under fake tensors ({exc}); every row is the analytic "
                 "per-block estimate instead of a trace."
             )
-            return [e for cand in self.cands for e in self._fallback_for(cand, splits)]
+            return [e for cand in self.cands for e in self._fallback_for(cand, splits[cand])]
 
     def _estimate(self, cand: Candidate, tr: Trace, r: float) -> Estimate:
         if accounting_for(cand.plan).analytic_states:
@@ -477,6 +485,7 @@ class _Planner:
             num_nodes=self.num_nodes,
             precision=self.precision,
             accumulation_sync=sync,
+            shape=layer_shape(self.spec),
         )
         load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
         cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading

@@ -8,7 +8,10 @@ bytes each rank sends per optimizer step with ring collectives, per engine
 (the table in strategies/accounting.py, beside the strategies), over the
 named interconnect (inside a node) or network (across nodes; a ring that
 spans nodes runs at the slower of the two). A fraction OVERLAP of the
-compute time hides communication (prefetching / bucketed all-reduce). CPU
+compute time hides communication (prefetching / bucketed all-reduce).
+Sequence and tensor parallel add collectives over activations inside every
+layer (Ulysses' all-to-alls, tp's all-gathers and reduce-scatters), on the
+intra-node link and not hidden: the next matmul waits for them. CPU
 offload adds host<->device copies over PCIe and the optimizer step on the
 host. Every constant is a named, documented assumption; `--interconnect`,
 `--network` and `--gpu` pick among them.
@@ -17,7 +20,7 @@ host. Every constant is a named, documented assumption; `--interconnect`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import PlanError
@@ -90,11 +93,17 @@ def step_cost(
     num_nodes: int,
     precision: str,
     accumulation_sync: str = "reduce_scatter",
+    shape: Optional[Tuple[int, int, int]] = None,
 ) -> StepCost:
-    """Modelled seconds per optimizer step for one device's `batch_size` sequences."""
+    """Modelled seconds per optimizer step for one device's `batch_size` sequences.
+
+    shape: (hidden, key/value width, layers) of the model, for the activation collectives of
+    sequence / tensor parallel; a tp x sp group's micro-batch (cand.micro_batch sequences) is split
+    over its devices, so each computes as much as a device without them.
+    """
     half = precision not in ("32-true", "64-true")
     peak = GPUS[hw.gpu]["half" if half else "single"]
-    tokens_micro = cand.micro_batch * seq_len
+    tokens_micro = cand.micro_batch * seq_len / cand.plan.sp  # a rank's rows in each matmul
     mfu = BASE_MFU * tokens_micro / (tokens_micro + MFU_HALF_TOKENS)
     recompute = 4.0 / 3.0 if cand.activation_checkpointing else 1.0
     period = cand.plan.selective_ac_option
@@ -106,7 +115,7 @@ def step_cost(
     acct = accounting_for(cand.plan)
     intra, inter = INTERCONNECTS[hw.interconnect], NETWORKS[hw.network]
     flat_bw = intra if num_nodes <= 1 else min(intra, inter)
-    comm_bytes, comm = 0.0, 0.0
+    comm_bytes, comm, parallel_bytes = 0.0, 0.0, 0.0
     if w > 1:
         ring_bytes, intra_bytes, inter_bytes = acct.comm_bytes(
             cand.plan, n, w, num_nodes, k, precision, accumulation_sync
@@ -119,7 +128,14 @@ def step_cost(
         offload = acct.host_traffic(cand.plan, shard, k, precision) / HOST_LINK
         per_node_gpus = max(1, w // max(1, num_nodes))
         offload += shard / (CPU_ADAM_PARAMS_PER_S / per_node_gpus)
-    exposed = max(0.0, comm - OVERLAP * compute)
+    if shape is not None:
+        # sp's all-to-alls and tp's gathers sit between a layer's matmuls, which wait for them:
+        # nothing hides them (FSDP's prefetched all-gathers and bucketed reductions overlap).
+        hidden, kv_dim, layers = shape
+        tokens = cand.micro_batch * seq_len
+        parallel_bytes = acct.activation_comm_bytes(cand.plan, tokens, hidden, kv_dim, layers, k, precision)
+    exposed = max(0.0, comm - OVERLAP * compute) + parallel_bytes / intra
+    comm, comm_bytes = comm + parallel_bytes / intra, comm_bytes + parallel_bytes
     return StepCost(
         seconds=compute + exposed + offload, compute=compute, comm=comm, offload=offload, comm_bytes=comm_bytes
     )

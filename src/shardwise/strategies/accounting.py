@@ -72,6 +72,14 @@ def _reduce_bytes(precision: str) -> float:
     return 2.0 if precision in ("bf16-true", "16-true") else 4.0  # gradient reduction dtype
 
 
+def _recomputed(plan: ParallelPlan) -> float:
+    """Fraction of the layers whose forward activation checkpointing runs again ("op": none whole)."""
+    if plan.ac == "full":
+        return 1.0
+    option = plan.selective_ac_option
+    return 1.0 / option if plan.ac == "selective" and isinstance(option, int) else 0.0
+
+
 @dataclass(frozen=True)
 class View:
     """bytes = cp*params + cg*grads + co*optimizer + buffers + r*ca*activations + const, at one moment.
@@ -159,12 +167,13 @@ class Accounting:
         act_bytes = 2 if precision not in ("32-true", "64-true") else 4
         store = 2 if precision in ("bf16-true", "16-true") else (8 if precision == "64-true" else 4)
         shard = self.shard_degree(plan, w, num_nodes)
-        gathered = 0.0 if shard == 1 else 2 * block_params * act_bytes + (n - depth * block_params) * act_bytes
+        unit = block_params / plan.tp  # a gathered block: this rank's tp slice of it
+        gathered = 0.0 if shard == 1 else 2 * unit * act_bytes + (n - depth * block_params) / plan.tp * act_bytes
         states = dict(
             parameters=store * n / shard,
             gradients=store * n / shard,
             optimizer=8 * n / shard,
-            temporary=gathered + (2 * block_params * 4 if shard > 1 else 0),
+            temporary=gathered + (2 * unit * 4 if shard > 1 else 0),
         )
         if plan.offload_optimizer:
             states["parameters"] = 0.0
@@ -196,13 +205,51 @@ class Accounting:
         accumulation_sync: str = "reduce_scatter",
     ) -> Tuple[float, float, float]:
         """Bytes each rank sends per optimizer step: (over the whole ring, inside a node, across nodes)."""
-        ring = (world - 1) / world
+        w = max(1, world // plan.tp)  # replicas of each rank's tp slice
+        ring = (w - 1) / w
         reduces = self.collectives(plan, accumulation, accumulation_sync)["all_reduce/replicate"]
-        return reduces * 2 * ring * n * _reduce_bytes(precision), 0.0, 0.0
+        return reduces * 2 * ring * n / plan.tp * _reduce_bytes(precision), 0.0, 0.0
 
     def host_traffic(self, plan: ParallelPlan, shard: float, accumulation: int, precision: str) -> float:
         """Host <-> device bytes per step when offloaded."""
         return 0.0
+
+    # ---------------------------------------------------------------- sequence / tensor parallel
+    def activation_collectives(self, plan: ParallelPlan, layers: int, accumulation: int) -> Dict[str, float]:
+        """Collectives over activations per optimizer step, keyed "kind/group" (sp / tp mesh dimension).
+
+        Sequence parallel (Ulysses) all-to-alls q, k, v and the attention output in every layer's
+        forward and their gradients in its backward (4 + 4); tensor parallel with sequence-parallel
+        norms all-gathers the inputs of attention and of the MLP and reduce-scatters their outputs in
+        the forward, and the reverse in the backward (2 + 2 each way). Activation checkpointing runs
+        the checkpointed layers' forward again, collectives included.
+        """
+        passes = accumulation * layers * (2 + _recomputed(plan))
+        counts: Dict[str, float] = {}
+        if plan.sp > 1:
+            counts["all_to_all/sp"] = 4 * passes
+        if plan.tp > 1:
+            counts["all_gather/tp"] = counts["reduce_scatter/tp"] = 2 * passes
+        return counts
+
+    def activation_comm_bytes(
+        self, plan: ParallelPlan, tokens: int, hidden: int, kv_dim: int, layers: int, accumulation: int, precision: str
+    ) -> float:
+        """Bytes each rank sends per step in `activation_collectives`; `tokens` per micro-batch of its group.
+
+        A rank's slice of q and the output is tokens/sp x hidden/tp, of k and v tokens/sp x kv_dim/tp,
+        of a layer input tokens/sp x hidden; an all-to-all or a ring collective sends all but 1/n of it.
+        """
+        counts, act = self.activation_collectives(plan, layers, accumulation), _gather_bytes(precision)
+        local = tokens / plan.sp * act
+        out = 0.0
+        if plan.sp > 1:  # per pass: q, k, v and the output
+            qkvo = (2 * hidden + 2 * kv_dim) / plan.tp
+            out += counts["all_to_all/sp"] / 4 * local * qkvo * (plan.sp - 1) / plan.sp
+        if plan.tp > 1:
+            ring = (plan.tp - 1) / plan.tp
+            out += (counts["all_gather/tp"] + counts["reduce_scatter/tp"]) * local * hidden * ring
+        return out
 
 
 class FSDPAccounting(Accounting):
@@ -230,9 +277,10 @@ class FSDPAccounting(Accounting):
         return wrap + ("" if sync == "reduce_scatter" else f", accumulation_sync={sync}")
 
     def shard_degree(self, plan: ParallelPlan, world: int, num_nodes: int) -> int:
+        # tp splits every matrix first; FSDP shards what a rank holds over the rest of the mesh.
         if plan.sharding == "HYBRID_SHARD":
             return world // max(1, num_nodes)
-        return world if plan.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") else 1
+        return world if plan.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") else plan.tp
 
     def autocast_copies(self, params: int, precision: str) -> float:
         return 0.0  # FSDP's MixedPrecisionPolicy casts per unit instead of autocast
@@ -271,7 +319,8 @@ class FSDPAccounting(Accounting):
     ) -> Tuple[float, float, float]:
         if plan.sharding == "NO_SHARD":
             return super().comm_bytes(plan, n, world, num_nodes, accumulation, precision, accumulation_sync)
-        w, wb, rb = world, _gather_bytes(precision), _reduce_bytes(precision)
+        # Under tp FSDP shards each rank's 1/tp of the parameters over the other world / tp ranks.
+        w, n, wb, rb = max(1, world // plan.tp), n / plan.tp, _gather_bytes(precision), _reduce_bytes(precision)
         counts = self.collectives(plan, accumulation, accumulation_sync)
         gathers, scatters = counts["all_gather/shard"], counts["reduce_scatter/shard"]
         if plan.sharding == "HYBRID_SHARD":

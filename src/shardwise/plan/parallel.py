@@ -1,0 +1,188 @@
+"""Sequence and tensor parallel degrees for the planner: which ones a model allows, and the candidates they make.
+
+Sequence parallel (Ulysses: each rank holds 1/sp of every sequence and
+all-to-alls q, k, v and the attention output so that attention runs on 1/sp
+of the heads over the whole sequence) and tensor parallel (column / row-wise
+projections, 1/tp of every matmul) are mesh dimensions of the FSDP engine
+(`ParallelPlan(engine="fsdp", tp=, sp=)`). A tp x sp group reads the same
+sequences and splits their work, so the planner keeps the global batch fixed:
+`batch_size` stays the sequences per device per step, and the data-parallel
+rank of a group of g = tp x sp devices takes g x batch_size sequences per step
+(`group_batch`), in micro-batches when they do not fit. Per-device compute is
+then the same for every configuration and step times compare like for like.
+
+A degree is refused (with the fix) when it cannot run the model: the group
+must fit inside one node (its collectives are priced on the intra-node link),
+and it must divide the attention heads, the key / value heads (each rank
+attends with whole heads) and the sequence length (each sp rank, and each tp
+rank of a sequence-parallel norm, holds an equal slice). `shardwise plan
+--sp_size N --tp_size N` plans the FSDP configurations at those degrees; with
+neither given, the default comparison also searches every degree pair that
+divides the devices per node (FSDP FULL_SHARD, with and without activation
+checkpointing) for models that have the attention hook sp and tp need (the
+bundled GPT / Llama shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import List, Optional, Sequence, Tuple
+
+from shardwise.plan.candidates import Candidate
+from shardwise.plan.presets import ModelSpec, PlanError, divisors
+from shardwise.strategies.parallel import ParallelPlan
+
+# Models whose attention the engines can split (strategies/sequence_parallel.py, tensor_parallel.py).
+PARALLEL_KINDS = ("gpt",)
+
+
+def group_size(plan: ParallelPlan) -> int:
+    """Devices that read the same sequences: tp x sp."""
+    return plan.tp * plan.sp
+
+
+def group_batch(plan: ParallelPlan, batch_size: int) -> int:
+    """Sequences per step on one data-parallel rank of `plan` when every device's share is `batch_size`."""
+    return batch_size * group_size(plan)
+
+
+def degree_problem(spec: ModelSpec, seq_len: int, tp: int, sp: int, per_node: int) -> Optional[str]:
+    """Why tp x sp cannot run `spec` at `seq_len` on nodes of `per_node` devices; None when it can."""
+    g = tp * sp
+    said = " x ".join(f"{k} {v}" for k, v in (("tp", tp), ("sp", sp)) if v > 1) or "tp 1 x sp 1"
+    if g == 1:
+        return None
+    if spec.kind not in PARALLEL_KINDS:
+        return (
+            f"{said}: sequence and tensor parallel need a model with their attention hook (the bundled GPT / "
+            f"Llama presets, or GPTConfig); {spec.name} is a {spec.kind} model. Plan it without --sp_size/--tp_size."
+        )
+    if per_node % g:
+        return (
+            f"{said}: the group of {g} devices must fit inside a node of {per_node} (its collectives run on every "
+            f"layer, on the intra-node link); use degrees whose product divides {per_node}."
+        )
+    heads, kv = spec.heads, spec.kv_heads
+    if heads % g or kv % g:
+        fits = [d for d in divisors(per_node) if heads % d == 0 and kv % d == 0 and d > 1]
+        return (
+            f"{said}: {g} ranks must split {spec.name}'s {heads} attention heads and {kv} key/value heads "
+            f"evenly (each attends with whole heads); tp x sp can be {', '.join(map(str, fits)) or '1 only'}."
+        )
+    if seq_len % g:
+        return (
+            f"{said}: the sequence length {seq_len} must be a multiple of tp x sp = {g} (every rank holds an "
+            f"equal slice of it); use a seq_len divisible by {g}."
+        )
+    return None
+
+
+def searched_degrees(spec: ModelSpec, seq_len: int, per_node: int) -> Tuple[List[Tuple[int, int]], List[str]]:
+    """Every (tp, sp) but (1, 1) that runs `spec` inside a node, and why the others do not (one line each)."""
+    ok, skipped = [], []
+    for g in divisors(per_node)[1:]:
+        for tp in divisors(g):
+            sp = g // tp
+            problem = degree_problem(spec, seq_len, tp, sp, per_node)
+            if problem is None:
+                ok.append((tp, sp))
+            elif spec.kind in PARALLEL_KINDS:
+                skipped.append(problem)
+    return ok, skipped
+
+
+def with_parallel_degrees(
+    cands: List[Candidate],
+    spec: ModelSpec,
+    seq_len: int,
+    world: int,
+    num_nodes: int,
+    tp_size: Optional[int],
+    sp_size: Optional[int],
+    *,
+    requested: bool,
+) -> Tuple[List[Candidate], List[str]]:
+    """The candidates at fixed degrees (tp_size / sp_size given), or plus the searched ones; and notes.
+
+    requested: the user named the configurations (--only, candidates=, strategy=); then a
+    configuration that cannot take the degrees is an error, not dropped. Candidates that
+    already carry degrees (a user's strategy object, a ParallelPlan) are checked, not changed.
+    """
+    per_node = max(1, world // max(1, num_nodes))
+    for size, flag in ((tp_size, "tp_size"), (sp_size, "sp_size")):
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise PlanError(f"{flag}={size!r}: use a positive integer (1 turns it off).")
+    notes: List[str] = []
+    for c in cands:  # degrees the user's own plans or strategy objects carry
+        if group_size(c.plan) > 1 and tp_size is None and sp_size is None:
+            problem = degree_problem(spec, seq_len, c.plan.tp, c.plan.sp, per_node)
+            if problem:
+                raise PlanError(problem)
+    if tp_size is not None or sp_size is not None:
+        tp, sp = tp_size or 1, sp_size or 1
+        problem = degree_problem(spec, seq_len, tp, sp, per_node)
+        if problem:
+            raise PlanError(problem)
+        if tp * sp == 1:
+            return cands, notes
+        return _at_degrees(cands, tp, sp, requested), notes
+    if requested or spec.kind not in PARALLEL_KINDS or per_node == 1:
+        return cands, notes
+    pairs, skipped = searched_degrees(spec, seq_len, per_node)
+    extra = [
+        Candidate(ParallelPlan("fsdp", tp=tp, sp=sp, ac="full" if ac else "none"))
+        for tp, sp in sorted(pairs, key=lambda p: (p[0] * p[1], p[0]))
+        for ac in (False, True)
+    ]
+    if pairs:
+        said = ", ".join(_degrees_label(tp, sp) for tp, sp in pairs)
+        notes.append(
+            f"Searched sequence / tensor parallel degrees inside a node: {said} (FSDP FULL_SHARD, with and "
+            "without AC); a tp x sp group reads the same sequences, so its data-parallel rank takes tp x sp "
+            "times the per-device batch (the global batch is the same in every row)."
+        )
+    notes += [f"Not searched: {s}" for s in skipped]
+    return cands + extra, notes
+
+
+def _at_degrees(cands: Sequence[Candidate], tp: int, sp: int, requested: bool) -> List[Candidate]:
+    out = []
+    for c in cands:
+        if c.strategy is not None:
+            if (c.plan.tp, c.plan.sp) != (tp, sp):
+                raise PlanError(
+                    f"Your strategy object runs tp {c.plan.tp} x sp {c.plan.sp}, but --tp_size/--sp_size ask for tp "
+                    f"{tp} x sp {sp}: give the degrees to the strategy (FSDPStrategy(tp_size=, sp_size=)) only."
+                )
+            out.append(c)
+            continue
+        try:
+            plan = replace(c.plan, tp=tp, sp=sp)
+        except ValueError as exc:
+            if requested:
+                raise PlanError(f"{c.config_label} at {_degrees_label(tp, sp)}: {exc}") from None
+            continue  # a default configuration the degrees do not combine with (DDP, ZeRO, offload)
+        out.append(replace(c, plan=plan))
+    if not out:
+        raise PlanError(f"No configuration runs {_degrees_label(tp, sp)}: sequence and tensor parallel are FSDP's.")
+    return out
+
+
+def _degrees_label(tp: int, sp: int) -> str:
+    return " x ".join(f"{k} {v}" for k, v in (("tp", tp), ("sp", sp)) if v > 1) or "tp 1 x sp 1"
+
+
+def layer_shape(spec: ModelSpec) -> Tuple[int, int, int]:
+    """(hidden, key/value width, layers): what sequence / tensor parallel's collectives move per token."""
+    return spec.hidden, spec.hidden * spec.kv_heads // max(1, spec.heads), spec.depth or 0
+
+
+__all__ = [
+    "PARALLEL_KINDS",
+    "group_size",
+    "group_batch",
+    "degree_problem",
+    "searched_degrees",
+    "with_parallel_degrees",
+    "layer_shape",
+]
