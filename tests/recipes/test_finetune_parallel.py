@@ -13,20 +13,34 @@ import pytest
 
 from shardwise.recipes.finetune import FinetuneConfig, validate_config
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
+from helpers.hf import build_model_folder, build_tokenizer, chat_records, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("ft-parallel")
     records = chat_records(64)
+    words = len(build_tokenizer([m["content"] for r in records for m in r["messages"]]))
     return {
         "root": root,
         "records": records,
-        # 4 attention heads, 2 key/value heads: tp / sp 2 split them, 4 does not split the kv heads
-        "model": build_model_folder(str(root / "model"), records, max_positions=64),
+        # 4 attention heads, 2 key/value heads: tp / sp 2 split them, 4 does not split the kv heads;
+        # the vocabulary padded to a multiple of 4 (tensor parallel splits the output head by it)
+        "model": build_model_folder(str(root / "model"), records, max_positions=64, vocab_pad=-words % 4),
         "data": write_jsonl(str(root / "chat.jsonl"), records),
     }
+
+
+def _edited_model(assets, path, **config_changes):
+    """A copy of the model folder whose config.json says something else (the refusals read only it)."""
+    import json
+    import shutil
+
+    shutil.copytree(assets["model"], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
 
 
 def _cfg(assets, **changes):
@@ -98,14 +112,17 @@ def test_flash_attention_under_sp_is_refused(assets):
         check_parallel(cfg, folder)
 
 
-def test_a_model_without_a_tp_plan_is_refused(assets, tmp_path):
-    import json
-    import shutil
-
-    folder_path = tmp_path / "no-tp-plan"
-    shutil.copytree(assets["model"], folder_path)
-    config = json.loads((folder_path / "config.json").read_text())
-    config["base_model_tp_plan"] = None
-    (folder_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"declares no tensor-parallel plan.*Use sp_size"):
-        validate_config(_cfg(assets, model_path=str(folder_path), tp_size=2))
+@pytest.mark.parametrize(
+    "config_changes,changes,message",
+    [
+        (dict(base_model_tp_plan=None), dict(tp_size=2), r"declares no tensor-parallel plan.*Use sp_size"),
+        (dict(tie_word_embeddings=True), dict(tp_size=2), r"ties its output head.*Use sp_size or FSDP alone"),
+        (dict(intermediate_size=129), dict(tp_size=2), r"tp_size=2 does not divide the model's intermediate_size=129"),
+        (dict(vocab_size=101), dict(tp_size=2), r"vocab_size=101.*pad the vocabulary"),
+        (dict(attention_dropout=0.1), dict(sp_size=2), r"attention_dropout=0.1.*attention_dropout=0"),
+    ],
+)
+def test_what_the_model_folder_cannot_split_is_refused(assets, tmp_path, config_changes, changes, message):
+    model = _edited_model(assets, tmp_path / "edited", **config_changes)
+    with pytest.raises(ValueError, match=message):
+        validate_config(_cfg(assets, model_path=model, **changes))

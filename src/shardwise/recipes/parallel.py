@@ -136,6 +136,10 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
             f"sp_size={sp} does not divide max_seq_len={seq}: each sp rank takes an equal slice of the "
             f"sequence. Use max_seq_len={seq - seq % sp or sp} (a multiple of {sp})."
         )
+    if sp > 1:  # what the Hugging Face attention hook cannot honour: dropout, soft-capping, bidirectional
+        from shardwise.strategies.sequence_parallel_hf import check_hf_sequence_parallel
+
+        check_hf_sequence_parallel(config, sp, type(config).__name__)
     if tp > 1:
         if getattr(config, "base_model_tp_plan", None) is None:
             raise ValueError(
@@ -143,6 +147,26 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
                 "(base_model_tp_plan in transformers), so there is no column/row split to apply. Use sp_size "
                 "or more FSDP ranks instead, or a model type that has one (Llama, Mistral, Qwen2, ...)."
             )
+        if getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                f"tp_size={tp}: {type(config).__name__} ties its output head to its input embedding "
+                "(tie_word_embeddings in config.json), and tensor parallel splits the two along different "
+                "dimensions. Use sp_size or FSDP alone for this model."
+            )
+        for what, size in (("intermediate_size", "intermediate_size"), ("vocabulary", "vocab_size")):
+            value = getattr(config, size, None)
+            if what == "vocabulary" and "lm_head" not in _causal_lm_tp_plan(config):
+                continue
+            if isinstance(value, int) and value % tp:
+                raise ValueError(
+                    f"tp_size={tp} does not divide the model's {size}={value}: the tensor-parallel plan splits "
+                    f"that dimension into equal shares. Use a tp_size that divides {value}"
+                    + (
+                        ", or pad the vocabulary (resize_token_embeddings) to a multiple of it."
+                        if size == "vocab_size"
+                        else "."
+                    )
+                )
         if cfg.cpu_offload or "offload" in str(cfg.strategy).lower():
             raise ValueError(
                 f"tp_size={tp} with cpu_offload: FSDP2's CPU offload does not take tensor-parallel "
@@ -167,6 +191,16 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
             "the sdpa / eager attention of transformers' attention interface here. Use "
             "attn_implementation='sdpa' (it dispatches to flash kernels on GPUs that have them)."
         )
+
+
+def _causal_lm_tp_plan(config: Any) -> Dict[str, str]:
+    """The causal-LM class's own tp_plan entries (its head: Llama's lm_head is split column-wise)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return dict(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_tp_plan", None) or {})
+    except KeyError:
+        return {}
 
 
 def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
