@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.adapters.lora import base_weight_name, is_adapter_model
 from shardwise.adapters.quantize import fourbit_layers, place_4bit
 from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from shardwise.strategies.materialize import canonical_name
+from shardwise.strategies.materialize import canonical_name, mesh_coordinate, mesh_copies, mesh_key, shard_slices
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -195,33 +195,6 @@ def recompute_buffers(model: nn.Module) -> List[str]:
 
 
 # ------------------------------------------------------------------ slicing
-def _mesh_coordinate(mesh: Any, rank: int) -> Optional[List[int]]:
-    hits = (mesh.mesh == rank).nonzero()
-    return hits[0].tolist() if len(hits) else None
-
-
-def shard_slices(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Any]
-) -> Tuple[slice, ...]:
-    """The slice of the full tensor that mesh coordinate `coord` holds (Shard / Replicate placements).
-
-    Shard(d) splits like torch.chunk: ceil(n / k) rows per rank, the last ones
-    shorter or empty -- what DTensor and FSDP2 do.
-    """
-    bounds = [[0, n] for n in global_shape]
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate):
-            continue
-        if type(placement) is not Shard:  # _StridedShard (FSDP + TP) and Partial are not plain slices
-            raise NotImplementedError(f"rank-0 loading supports Shard/Replicate placements, got {placement}")
-        start, stop = bounds[placement.dim]
-        length = stop - start
-        chunk = -(-length // mesh_shape[mesh_dim]) if length else 0
-        lo = min(start + coord[mesh_dim] * chunk, stop)
-        bounds[placement.dim] = [lo, min(lo + chunk, stop)]
-    return tuple(slice(a, b) for a, b in bounds)
-
-
 def is_zero3_param(t: torch.Tensor) -> bool:
     """A parameter partitioned by DeepSpeed ZeRO-3 (built under deepspeed.zero.Init)."""
     return hasattr(t, "ds_id")
@@ -315,6 +288,7 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     position = {key: i for i, (_, key, _) in enumerate(plan)}
     order.sort(key=lambda item: position[item[1]])  # file by file, in file order: sequential reads
 
+    copies = mesh_copies([tensor for _, _, tensor in order])
     current_file, handle, stack, scratch = None, None, contextlib.ExitStack(), _Scratch()
     with stack:
         for fname, key, tensor in order:
@@ -328,9 +302,9 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
                 full = handle.get_tensor(key)
                 report.bytes_read += full.numel() * full.element_size()
             if id(tensor) in quantized:  # quantised on rank 0; the packed codes travel like any weight
-                place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch))
+                place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch, copies))
             else:
-                _place(tensor, full, rank, scratch)
+                _place(tensor, full, rank, scratch, copies)
             del full
             report.tensors += 1
     report.peak_growth = peak_rss_bytes() - report.rss_before
@@ -373,7 +347,9 @@ class _Scratch:
         return buf[:n].view(list(shape))
 
 
-def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratch: _Scratch) -> None:
+def _place(
+    tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratch: _Scratch, copies: Optional[Dict] = None
+) -> None:
     """Rank 0 holds `full`; every rank ends with its own part of it in `tensor`.
 
     For a DTensor, rank 0 sends slices only to the first replica (mesh
@@ -390,20 +366,43 @@ def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratc
     instead (`GatheredParameters(modifier_rank=0)`) would put the whole
     parameter on every rank (twice over with gloo's all-gather), which for a
     large vocabulary is the biggest tensor in the model.
+
+    A DTensor whose mesh is one of several copies (`mesh_copies`) is filled in the copy holding
+    rank 0 as above, then each member sends its part to the members at its place in the other copies.
     """
     if is_zero3_param(tensor):
         _place_zero3(tensor, full, scratch)
+        return
+    group_copies = (copies or {}).get(mesh_key(tensor.device_mesh)) if isinstance(tensor, DTensor) else None
+    if group_copies is not None:
+        first = next(c for c in group_copies if 0 in c)
+        mine = next(c for c in group_copies if rank in c)
+        local, place = tensor._local_tensor, mine.index(rank)
+        if mine is first:
+            _place(tensor, full, rank, scratch)
+        for other in group_copies:
+            if other is first or local.numel() == 0 or rank not in (first[place], other[place]):
+                continue
+            for rows in _row_chunks(local.shape, local.element_size()):
+                if rank == first[place]:
+                    dist.send(local[rows].contiguous().to(ops.collective_device()), dst=other[place])
+                else:
+                    piece = scratch.get(
+                        [rows.stop - rows.start, *local.shape[1:]], local.dtype, ops.collective_device()
+                    )
+                    dist.recv(piece, src=first[place])
+                    local[rows].copy_(piece)
         return
     if isinstance(tensor, DTensor):
         local = tensor._local_tensor
         mesh, placements = tensor.device_mesh, tensor.placements
         replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
-        coord = _mesh_coordinate(mesh, rank)
+        coord = mesh_coordinate(mesh, rank)
         shape = [s.stop - s.start for s in shard_slices(tensor.shape, mesh.shape, coord, placements)]
         if rank == 0:
             full = full.to(dtype=local.dtype)
             for dst in mesh.mesh.flatten().tolist():
-                dst_coord = _mesh_coordinate(mesh, dst)
+                dst_coord = mesh_coordinate(mesh, dst)
                 if any(dst_coord[d] != 0 for d in replicated):
                     continue
                 part = full[shard_slices(tensor.shape, mesh.shape, dst_coord, placements)]

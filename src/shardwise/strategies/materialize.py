@@ -22,15 +22,18 @@ children-first, matching eager construction, where a parent's own init code
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import zlib
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor  # what FSDP2 parameters are
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Replicate, Shard  # DTensor: what FSDP2 parameters are
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp dimension over tp
+
+from shardwise.distributed import ops
 
 # Wrapper names that must not change a module's identity (and so its seed).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -86,10 +89,72 @@ def _fill_sentinel(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).max)
 
 
+def mesh_coordinate(mesh: Any, rank: int) -> Optional[List[int]]:
+    """Where global `rank` sits in `mesh` (None when it is not a member)."""
+    hits = (mesh.mesh == rank).nonzero()
+    return hits[0].tolist() if len(hits) else None
+
+
+def shard_slices(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Any]
+) -> Tuple[slice, ...]:
+    """The slice of the full tensor that mesh coordinate `coord` holds (Shard / Replicate placements).
+
+    Shard(d) splits like torch.chunk: ceil(n / k) rows per rank, the last ones shorter or empty --
+    what DTensor and FSDP2 do. FSDP2 over tensor-parallel parameters (2-D, dp x tp) marks the dp
+    dimension _StridedShard: that split happened after the tp split to its right, so it is applied
+    last (a rank's rows are then still one contiguous block). Other strided layouts are refused.
+    """
+    strided = [d for d, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    order = [d for d, p in enumerate(placements) if d not in strided] + strided
+    bounds = [[0, n] for n in global_shape]
+    for mesh_dim in order:
+        placement = placements[mesh_dim]
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)):  # Partial holds no slice of anything
+            raise NotImplementedError(f"slicing supports Shard/Replicate placements, got {placement}")
+        if mesh_dim in strided:
+            later = [e for e in range(mesh_dim + 1, len(placements)) if _shards(placements[e], placement.dim)]
+            if placement.split_factor != math.prod(mesh_shape[e] for e in later) or any(e in strided for e in later):
+                raise NotImplementedError(f"slicing supports FSDP2's dp x tp layout, got placements {placements}")
+        start, stop = bounds[placement.dim]
+        length = stop - start
+        chunk = -(-length // mesh_shape[mesh_dim]) if length else 0
+        lo = min(start + coord[mesh_dim] * chunk, stop)
+        bounds[placement.dim] = [lo, min(lo + chunk, stop)]
+    return tuple(slice(a, b) for a, b in bounds)
+
+
+def mesh_key(mesh: Any) -> Tuple[Any, ...]:
+    return (mesh.mesh_dim_names, tuple(mesh.shape))
+
+
+def mesh_copies(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[Any, ...], List[List[int]]]:
+    """The rank lists of every copy of each DTensor mesh that does not span the world (a collective).
+
+    Under dp x tp, parameters no tp plan splits are sharded by FSDP over one dp mesh per tp rank:
+    each such mesh is one copy of the tensor, and only the copy holding rank 0 hears from it.
+    """
+    meshes: Dict[Tuple[Any, ...], Any] = {}
+    for t in tensors:
+        if isinstance(t, DTensor) and t.device_mesh.size() < ops.world_size():
+            meshes.setdefault(mesh_key(t.device_mesh), t.device_mesh)
+    if not meshes:
+        return {}
+    everyone = ops.all_gather_object([m.mesh.flatten().tolist() for m in meshes.values()])
+    return {
+        key: [list(r) for r in dict.fromkeys(tuple(lists[i]) for lists in everyone)] for i, key in enumerate(meshes)
+    }
+
+
+def _shards(placement: Any, dim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim == dim
+
+
 def _slice_for(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index]
+    mesh = dt.device_mesh
+    return full[shard_slices(dt.shape, mesh.shape, mesh.get_coordinate(), dt.placements)]
 
 
 def rng_devices(device: Optional[torch.device] = None) -> List[torch.device]:
