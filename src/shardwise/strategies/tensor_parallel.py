@@ -86,8 +86,8 @@ def gpt_plan(model: nn.Module, tp: int) -> Plan:
     # The residual stream between the layers is split along the sequence (dim 1): each norm runs on
     # its rank's tokens, and each attention / MLP gathers the sequence first (torchtitan's layout).
     plan: Plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
-    if model.wpe is not None:  # learned positions: (T, D), the sequence is dim 0
-        plan["wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    if model.wpe is not None:  # learned positions: (T, D), or (B, T, D) from position ids
+        plan["wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2))
     mlp_in = ["up_proj"] + (["gate_proj"] if cfg.mlp == "swiglu" else [])
     # The attention's extra positional arguments (rotary tables, document ids) pass through untouched.
     extra = (None,) * (_positional_args(model.blocks[0].attn) - 1) if len(model.blocks) else ()
