@@ -4,6 +4,11 @@ One 2-rank launch checks the primitives (outputs and input gradients of `ulysses
 without packed-document masks, and the gather whose backward is a reduce-scatter SUM) and the bundled
 GPT with its sequence split in the model (logits, and parameter gradients averaged over the sp group
 as FSDP does), all against the same computation on one process, within 1e-6.
+
+Then the Trainer: a Llama-shaped GPT (rotary, grouped-query attention, untied head), fp32, 5 steps of
+the same global batch, on one process and under FSDPStrategy(sp_size=2) (2 processes) and dp 2 x sp 2
+(4 processes): a mean loss, and a summed loss over packed documents normalised by `loss_weight`
+(global target tokens), with activation checkpointing of Block. Per-step losses within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise
-from shardwise.models import GPT, gpt_config
+from shardwise import Trainer, TrainModule
+from shardwise.models import GPT, Block, gpt_config
+from shardwise.strategies import FSDPStrategy
 from shardwise.strategies.sequence_parallel import (
     apply_sequence_parallel,
     check_heads_divisible,
@@ -86,8 +93,14 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return shardwise.launch(_worker, devices=2)
+def two_rank_launch():
+    # One launch for the primitives and the 2-process Trainer runs: process start-up dominates.
+    return shardwise.launch(_two_rank_worker, devices=2)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_launch):
+    return [r["primitives"] for r in two_rank_launch]
 
 
 @pytest.mark.parametrize("key", ["causal", "documents"])
@@ -155,3 +168,129 @@ def test_without_a_group_it_is_plain_causal_attention():
     q, k, v, _ = _qkv_and_grad()
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(ulysses_attention(q, k, v, None), ref)
+
+
+# ------------------------------------------------------------------ the Trainer, 1 process vs sp
+STEPS, GLOBAL_BATCH, SEQ = 5, 4, 16
+TRAIN_LLAMA = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+
+def _packed_data(n: int = GLOBAL_BATCH * STEPS):
+    """Rows of SEQ + 1 tokens counting upwards, each holding 2 or 3 packed documents (position ids restart)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = (torch.randint(0, 64, (n, 1), generator=g) + torch.arange(SEQ + 1)) % 64
+    positions = torch.empty_like(tokens)
+    for row in positions:
+        n_cuts = int(torch.randint(1, 3, (1,), generator=g))
+        starts = [0, *sorted((torch.randperm(SEQ - 1, generator=g)[:n_cuts] + 1).tolist())]
+        for a, b in zip(starts, [*starts[1:], SEQ + 1]):
+            row[a:b] = torch.arange(b - a)
+    return torch.utils.data.TensorDataset(tokens, positions)
+
+
+class MeanLlama(TrainModule):
+    """The bundled GPT, Llama-shaped, on unpacked rows: the mean loss over every next token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPT(gpt_config("llama-tiny", **TRAIN_LLAMA))
+
+    def training_step(self, batch):
+        tokens, _ = batch
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
+
+
+class PackedLlama(MeanLlama):
+    """Packed documents (position ids restart at 0): the loss SUMMED over target tokens (a document's first
+    token is not one), normalised by the Trainer over the global count that `loss_weight` gives."""
+
+    @staticmethod
+    def _targets(batch):
+        tokens, positions = batch
+        return tokens[:, 1:].masked_fill(positions[:, 1:] == 0, -100)
+
+    def loss_weight(self, batch):
+        return (self._targets(batch) != -100).sum()
+
+    def training_step(self, batch):
+        tokens, positions = batch
+        logits = self.model(tokens[:, :-1], positions[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), self._targets(batch).flatten(), reduction="sum")
+
+
+class _Losses:
+    """Per step: the Trainer's global mean loss (weighted modules), or the loss averaged over ranks."""
+
+    def __init__(self) -> None:
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.weighting is not None:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        else:
+            self.losses.append(float(trainer.strategy.reduce(outputs.detach(), "mean")))
+
+
+def _fit(packed: bool, world: int, sp: int = 1, ac: bool = False):
+    shardwise.seed_everything(1234)
+    if world == 1:
+        strategy = "single"
+    else:
+        checkpointed = {Block} if ac else None
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=checkpointed, sp_size=sp)
+    recorder = _Losses()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[recorder],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    # The same global batch: ranks of an sp group read the same rows, so each loader holds GLOBAL_BATCH / dp.
+    loader = torch.utils.data.DataLoader(_packed_data(), batch_size=GLOBAL_BATCH * sp // world)
+    trainer.fit(PackedLlama() if packed else MeanLlama(), loader)
+    return recorder.losses
+
+
+def _fit_many(configs):
+    return {key: _fit(**c) for key, c in configs.items()}
+
+
+TRAINER_RUNS = {
+    1: {"mean": dict(packed=False, world=1), "packed": dict(packed=True, world=1)},
+    2: {"mean": dict(packed=False, world=2, sp=2), "packed": dict(packed=True, world=2, sp=2, ac=True)},
+    4: {"packed": dict(packed=True, world=4, sp=2, ac=True)},
+}
+
+
+def _two_rank_worker():
+    return {"primitives": _worker(), "trainer": _fit_many(TRAINER_RUNS[2])}
+
+
+@pytest.fixture(scope="module")
+def trainer_losses(two_rank_launch):
+    return {
+        1: _fit_many(TRAINER_RUNS[1]),  # in this process: one launch fewer
+        2: two_rank_launch[0]["trainer"],
+        4: shardwise.launch(_fit_many, TRAINER_RUNS[4], devices=4)[0],
+    }
+
+
+@pytest.mark.parametrize("world,key", [(2, "mean"), (2, "packed"), (4, "packed")])
+def test_trainer_with_sequence_parallel_matches_one_process(trainer_losses, world, key):
+    reference, got = trainer_losses[1][key], trainer_losses[world][key]
+    assert len(reference) == len(got) == STEPS
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
+    assert rel < 1e-5, (world, key, got, reference)
+    assert reference[-1] < reference[0]
