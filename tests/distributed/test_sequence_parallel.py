@@ -88,6 +88,10 @@ def _worker():
             dist.all_reduce(g)
             g /= dist.get_world_size()
         out[name] = (logits, grads)
+    try:
+        model(torch.zeros(1, 7, dtype=torch.long))
+    except ValueError as e:
+        out["odd_length"] = str(e)
     dist.destroy_process_group()
     return out
 
@@ -147,6 +151,10 @@ def test_head_counts_the_degree_does_not_divide_are_refused(two_ranks):
     assert "sp_size=2 must divide the number of attention heads (3)" in two_ranks[0]["odd_heads"]
     with pytest.raises(ValueError, match=r"Choose sp_size among \[1, 2\]"):
         check_heads_divisible(4, 2, 4)
+
+
+def test_a_sequence_length_the_degree_does_not_divide_is_refused(two_ranks):
+    assert "sequence length 7 is not divisible by the sequence parallel degree sp_size=2" in two_ranks[0]["odd_length"]
 
 
 def test_a_model_without_an_attention_hook_is_refused():
