@@ -25,9 +25,9 @@ Under sequence parallel (the strategy's `sp_mesh`) every rank of an sp group
 receives the same full batch and keeps its slice of the sequence
 (sequence_parallel_hf.split_batch): the labels move to the next token
 before the split, the model runs the slice with the whole sequence's
-document boundaries, and `training_step`, `loss_weight` and `count_tokens`
-count the slice only, so over the sp group each target token is counted
-once and the step is the one-device step. Validation sums the slices over
+document boundaries, and `training_step` and `loss_weight` count the slice
+only, so over the sp group each target token is counted once and the step
+is the one-device step. Validation sums the slices over
 the sp group and reports the same eval_loss and val_loss as one device.
 """
 
@@ -133,14 +133,10 @@ class CausalLMModule(TrainModule):
 
     def count_tokens(self, batch: Dict[str, torch.Tensor]) -> Any:
         """Tokens trained on, for tokens/s and MFU (callbacks/throughput.py): padding (attention 0) is not;
-        a packed block has none; under sp, this rank's slice. A device sum, read back only at log steps."""
-        mask, ids = batch.get("attention_mask"), batch["input_ids"]
-        mesh = self._sp_mesh()
-        if mesh is not None:
-            chunk = -(-ids.shape[1] // mesh.size())  # split_batch pads a padded batch up to a multiple
-            part = slice(mesh.get_local_rank() * chunk, (mesh.get_local_rank() + 1) * chunk)
-            mask, ids = (mask[:, part] if mask is not None else None), ids[:, part]
-        return mask.sum() if mask is not None else ids.numel()
+        a packed block has none. Under sp the whole sample's, as every rank of the group counts it (the
+        monitor counts a sequence-parallel group once). A device sum, read back only at log steps."""
+        mask = batch.get("attention_mask")
+        return mask.sum() if mask is not None else batch["input_ids"].numel()
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's own loss: the mean over the batch's target tokens."""
