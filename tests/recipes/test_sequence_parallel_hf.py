@@ -82,6 +82,8 @@ def _reference(batch):
     model = _model()
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, use_cache=False).logits
+    if "labels" not in batch:
+        return logits.detach(), None, None
     loss = _summed(logits, F.pad(batch["labels"][:, 1:], (0, 1), value=-100))
     loss.backward()
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -118,6 +120,7 @@ def _worker():
         out["plain_changed"] = run(_packed(changed=True), drop_documents=True)[0]
         logits, targets = run(_padded())
         out["padded"] = (logits, _summed(logits, targets))
+        out["one_document"] = run({"input_ids": _packed()["input_ids"]})[0]  # no mask built: plain causal
         for key, call in (
             ("no_documents", lambda: model(input_ids=_packed()["input_ids"][:, :8], use_cache=False)),
             ("full_batch", lambda: model(**split_batch(_packed(), 0, 1)[0], use_cache=False)),
@@ -157,6 +160,11 @@ def test_a_padded_batch_sp_does_not_divide_equals_one_process_on_its_real_tokens
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], logits[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(sum(r["padded"][1] for r in two_ranks), loss, atol=1e-5, rtol=1e-6)
+
+
+def test_rows_without_position_ids_are_one_document_as_on_one_process(two_ranks):
+    logits, _, _ = _reference({"input_ids": _packed()["input_ids"]})
+    torch.testing.assert_close(_joined(two_ranks, "one_document"), logits, atol=1e-5, rtol=0)
 
 
 def _other_documents_unchanged(before, after):
@@ -211,6 +219,6 @@ def test_split_batch_shifts_labels_before_slicing_and_keeps_whole_documents():
     docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
     torch.testing.assert_close(first[DOCUMENT_IDS], docs)
     torch.testing.assert_close(document_ids(batch["position_ids"]), docs)
-    # Without position ids the block is one document, as Hugging Face attends to it on one device.
+    # Without position ids the block is one document, as Hugging Face attends to it on one device: no mask.
     plain, _ = split_batch({"input_ids": batch["input_ids"]}, 1, 2)
-    assert plain[DOCUMENT_IDS].eq(0).all() and plain["position_ids"][0].tolist() == list(range(8, 16))
+    assert plain[DOCUMENT_IDS] is None and plain["position_ids"][0].tolist() == list(range(8, 16))

@@ -175,8 +175,7 @@ def ulysses_hf_attention(
             "apply_hf_sequence_parallel (no sp group known for it). Call it on the model that owns this layer."
         )
     _, group, sp = entry
-    documents = kwargs.get(DOCUMENT_IDS)
-    if documents is None:
+    if DOCUMENT_IDS not in kwargs:
         raise ValueError(
             f"sequence parallel (sp={sp}): the model was called without `{DOCUMENT_IDS}`. Each sp rank runs a slice "
             "of the sequence and the attention needs the whole sequence's document boundaries: split the full "
@@ -197,7 +196,8 @@ def ulysses_hf_attention(
             "call the model with use_cache=False."
         )
     full = local * sp
-    if tuple(documents.shape) != (batch, full):
+    documents = kwargs[DOCUMENT_IDS]  # None: each row is one document (plain causal, no mask to build)
+    if documents is not None and tuple(documents.shape) != (batch, full):
         raise ValueError(
             f"sequence parallel: `{DOCUMENT_IDS}` has shape {tuple(documents.shape)} but the model's slice of "
             f"{local} tokens x sp {sp} means {(batch, full)}. Call the model with split_batch's inputs, "
@@ -213,7 +213,7 @@ def ulysses_hf_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def document_ids(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def document_ids(position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, S] document index of each token, matching what Hugging Face attends to on one device.
 
     Without a padding mask: a new document wherever the position ids do not go up by one (transformers'
@@ -236,7 +236,8 @@ def split_batch(
 
     The labels move to the next token before the split, so the last token of a slice is scored against
     the first of the next one. The inputs are the slice's input_ids and position_ids (made as 0..S-1
-    when the batch has none, as Hugging Face does) and the whole sequence's `sp_document_ids`. A padded
+    when the batch has none, as Hugging Face does) and the whole sequence's `sp_document_ids` (None
+    when the batch has neither position ids nor padding: one document per row). A padded
     batch (attention_mask) whose length the degree does not divide is padded further (label -100, a
     document per padding token); a batch without padding must already divide, which the recipe checks
     before training (max_seq_len a multiple of sp_size)."""
@@ -261,11 +262,15 @@ def split_batch(
         labels = F.pad(labels, (0, extra), value=-100) if labels is not None else None
         positions = F.pad(positions, (0, extra), value=0) if positions is not None else None
         seq += extra
+    # Neither position ids nor padding: one document per row, and the attention needs no mask (an
+    # [S, S] mask per row would cost S^2 bytes at every layer and keep SDPA off its flash kernel).
+    documents = None if positions is None and mask is None else document_ids(positions, mask)
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(rows, seq)
     elif positions.shape[0] != rows:
         positions = positions.expand(rows, seq)
-    documents = document_ids(positions, mask)
+    if documents is not None and documents.shape[0] != rows:
+        documents = documents.expand(rows, seq)
     chunk = seq // sp_size
     part = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
     inputs = {"input_ids": ids[:, part], "position_ids": positions[:, part], DOCUMENT_IDS: documents}
