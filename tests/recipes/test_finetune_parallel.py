@@ -2,16 +2,20 @@
 
 The refusals run in this process, as validate_config does before any worker
 starts: each names the fix. The acceptance run fine-tunes a tiny local Llama
-on packed chat data in fp32 for 5 steps with the same global batch on 1
-process, on 2 with sp_size 2, on 2 with tp_size 2 and on 4 as FSDP x sp 2:
-the per-step losses agree within 1e-4 relative.
+on packed chat data in fp32 for 5 steps with the same global batch (4
+blocks of 32 tokens) on 1 process, then on 2 with sp_size 2 and on 2 with
+tp_size 2 (one launch, two runs): the per-step losses agree with one
+process's within 1e-4 relative. The fourth layout of the acceptance, 4
+processes as FSDP x sp 2, shares its launch with the resume test
+(tests/distributed/test_parallel_resume.py), which compares it with one
+process the same way.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from shardwise.recipes.finetune import FinetuneConfig, validate_config
+from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
 
 from helpers.hf import build_model_folder, build_tokenizer, chat_records, write_jsonl
 
@@ -126,3 +130,53 @@ def test_what_the_model_folder_cannot_split_is_refused(assets, tmp_path, config_
     model = _edited_model(assets, tmp_path / "edited", **config_changes)
     with pytest.raises(ValueError, match=message):
         validate_config(_cfg(assets, model_path=model, **changes))
+
+
+# ------------------------------------------------------------------ the same losses at every layout
+STEPS = 5
+GLOBAL_BATCH = 4  # packed 32-token blocks per optimizer step, at every layout
+
+
+def _run_config(assets, name, **changes):
+    """fp32, constant LR, the default clipping (max_grad_norm 1.0): only the layout changes between runs."""
+    return _cfg(
+        assets,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        eval_split_ratio=0.0,
+        logging_steps=1,
+        seed=3,
+        cache_dir=str(assets["root"] / "tokenized"),
+        output_dir=str(assets["root"] / name),
+        **changes,
+    )
+
+
+def _losses_at_two_layouts(configs):
+    """In 2 launched processes: one run per config, in turn; rank 0's per-step losses of each."""
+    out = {}
+    for name, cfg in configs:
+        out[name] = [s["loss"] for s in finetune(cfg).losses]
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(assets):
+    import shardwise
+
+    one = finetune(_run_config(assets, "one", devices=1, per_device_train_batch_size=GLOBAL_BATCH))
+    configs = [
+        ("sp2", _run_config(assets, "sp2", devices=2, sp_size=2, per_device_train_batch_size=GLOBAL_BATCH)),
+        ("tp2", _run_config(assets, "tp2", devices=2, tp_size=2, per_device_train_batch_size=GLOBAL_BATCH)),
+    ]
+    two = shardwise.launch(_losses_at_two_layouts, configs, devices=2)[0]
+    return {"one": [s["loss"] for s in one.losses], **two}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["sp2", "tp2"])
+def test_per_step_losses_match_one_process(layouts, layout):
+    one = layouts["one"]
+    assert len(one) == STEPS and one[-1] < one[0]  # it trains
+    assert layouts[layout] == pytest.approx(one, rel=1e-4), layout
