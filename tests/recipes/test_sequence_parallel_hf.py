@@ -209,6 +209,13 @@ def test_models_the_attention_cannot_split_are_refused(overrides, message):
         check_hf_sequence_parallel(_config(**overrides), 2)
 
 
+def test_a_sliding_window_shorter_than_the_sequence_is_refused():
+    mistral = transformers.MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=64)
+    check_hf_sequence_parallel(mistral, 2, max_seq_len=64)  # within the window: causal attention
+    with pytest.raises(ValueError, match="sliding window of 64 tokens.*Use max_seq_len <= 64"):
+        check_hf_sequence_parallel(mistral, 2, max_seq_len=128)
+
+
 def test_split_batch_shifts_labels_before_slicing_and_keeps_whole_documents():
     batch = _packed()
     first, t0 = split_batch(batch, 0, 2)

@@ -55,10 +55,13 @@ def _configs(models: list) -> list:
     return list(seen.values())
 
 
-def check_hf_sequence_parallel(config: Any, sp: int, name: str = "the model") -> None:
+def check_hf_sequence_parallel(
+    config: Any, sp: int, name: str = "the model", max_seq_len: Optional[int] = None
+) -> None:
     """Raise naming the fix when the model's attention cannot run split over `sp` ranks.
 
-    Usable before any worker starts (the recipe's checks call it with the folder's config)."""
+    Usable before any worker starts (the recipe's checks call it with the folder's config); with
+    `max_seq_len`, a sliding window shorter than the sequences is refused there too."""
     requested = getattr(config, "_attn_implementation", None) or "sdpa"
     if requested.startswith(("flash_attention", "flex_attention", "paged")) or "/" in requested:
         raise ValueError(
@@ -88,6 +91,14 @@ def check_hf_sequence_parallel(config: Any, sp: int, name: str = "the model") ->
         raise ValueError(
             f"sp_size={sp}: {name} soft-caps its attention logits, which scaled_dot_product_attention cannot do. "
             "Use sp_size 1 (and more FSDP or tensor parallel) for this model."
+        )
+    window = getattr(config, "sliding_window", None)
+    windowed = window and (not getattr(config, "layer_types", None) or "sliding_attention" in config.layer_types)
+    if windowed and max_seq_len is not None and max_seq_len > window:
+        raise ValueError(
+            f"sp_size={sp} with max_seq_len={max_seq_len}: {name} attends within a sliding window of {window} "
+            "tokens, which sequence parallel does not implement. Use max_seq_len <= "
+            f"{window} (attention is then the same as causal), or sp_size 1."
         )
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"sp_size={sp}: {name} is configured for bidirectional attention; sp supports causal LMs.")
