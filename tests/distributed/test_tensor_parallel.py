@@ -30,7 +30,7 @@ import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.distributed import ops
 from shardwise.models import GPT, Block, gpt_config
-from shardwise.strategies.tensor_parallel import apply_tensor_parallel
+from shardwise.strategies.tensor_parallel import apply_tensor_parallel, total_norm
 
 from helpers.hf import build_model_folder, chat_records
 from helpers.lm import StepLosses, token_data
@@ -89,6 +89,8 @@ def hf_forward_backward(model: nn.Module) -> Dict[str, Any]:
         "logits": out.logits.detach(),
         "weights": {n: ops.full_tensor(p.detach()) for n, p in model.named_parameters()},
         "grads": {n: ops.full_tensor(p.grad) for n, p in model.named_parameters()},
+        # What clipping needs: one norm over gradients on the (dp, tp) mesh and on the dp mesh (the norms).
+        "norm": total_norm([p.grad for p in model.parameters()]),
     }
 
 
@@ -156,6 +158,7 @@ def _check_hf(got: Dict[str, Any], ref: Dict[str, Any]) -> None:
     torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(got["norm"], ref["norm"], rtol=1e-5, atol=0)
     # The plan split the projections, the embedding and the head; the norms stayed whole on every tp rank.
     assert "model.layers.0.self_attn.q_proj.weight" in got["split"] and "lm_head.weight" in got["split"]
     assert "model.embed_tokens.weight" in got["split"] and "model.norm.weight" not in got["split"]

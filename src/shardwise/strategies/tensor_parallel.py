@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import inspect
 from fnmatch import fnmatch
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,9 +39,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardwise.distributed import ops
 from shardwise.models.gpt import GPT
 
-__all__ = ["apply_tensor_parallel", "gpt_plan", "hf_plan", "translate_hf_style", "HF_STYLES"]
+__all__ = ["apply_tensor_parallel", "gpt_plan", "hf_plan", "translate_hf_style", "total_norm", "HF_STYLES"]
 
 Plan = Dict[str, ParallelStyle]
 
@@ -300,6 +302,24 @@ class _SequenceCheck:
                 "(the norms between layers work on an equal share of the tokens on each rank). Pad or crop the "
                 "sequences to a multiple of it."
             )
+
+
+def total_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all `tensors` together (gradients), when they are DTensors on different meshes.
+
+    Under tensor parallel the split layers' gradients live on the (dp, tp) mesh and those of the
+    layers left whole (a Hugging Face model's norms) on the dp mesh only; torch's get_total_norm
+    stacks their norms and refuses mixed meshes. Each mesh's norm is reduced over its own ranks
+    (ops.full_tensor), then the per-mesh norms combine as plain tensors. Every rank visits the
+    groups in the same order (its parameters'), so the reductions pair up.
+    """
+    groups: Dict[Any, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    norms = [ops.full_tensor(torch.nn.utils.get_total_norm(group, norm_type)) for group in groups.values()]
+    if len(norms) <= 1:
+        return norms[0] if norms else torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 
 def describe_split(module: nn.Module) -> Dict[str, Union[str, List[str]]]:
