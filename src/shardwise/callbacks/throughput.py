@@ -130,7 +130,9 @@ class ThroughputMonitor:
         if self._counter.running:
             total = self._counter.stop()
             if total and self._count_units:
-                self.flops_per_unit = total / self._count_units
+                # Under sp/tp each rank of a group computes its share of the same sample's FLOPs.
+                share = trainer.strategy.world_size / trainer.strategy.data_parallel_size
+                self.flops_per_unit = total * share / self._count_units
         if not getattr(trainer, "is_last_microbatch", True):
             return
         step = trainer.global_step
