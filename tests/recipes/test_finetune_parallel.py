@@ -180,3 +180,58 @@ def test_per_step_losses_match_one_process(layouts, layout):
     one = layouts["one"]
     assert len(one) == STEPS and one[-1] < one[0]  # it trains
     assert layouts[layout] == pytest.approx(one, rel=1e-4), layout
+
+
+# ------------------------------------------------------------------ spellings: CLI, Accelerate, shardwise fit
+def test_cli_flags_reach_the_config(assets):
+    from shardwise.cli import finetune as cli
+
+    argv = cli.translate(["--model_path", assets["model"], "--dataset", assets["data"], "--tp_size", "2"])
+    cfg = cli.parser().parse_args(argv + ["--sp_size", "2"])
+    assert (cfg.tp_size, cfg.sp_size) == (2, 2)
+
+
+def test_accelerate_parallelism_config_is_read(tmp_path):
+    from shardwise.recipes.hf_args import read_accelerate_config, translate_argv
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(
+        "distributed_type: FSDP\nnum_processes: 8\nfsdp_config: {fsdp_version: 2}\n"
+        "parallelism_config:\n  parallelism_config_dp_replicate_size: 1\n  parallelism_config_dp_shard_size: 2\n"
+        "  parallelism_config_tp_size: 2\n  parallelism_config_cp_size: 2\n"
+        "  parallelism_config_cp_comm_strategy: alltoall\n"
+    )
+    values, notes = read_accelerate_config(str(path))
+    assert values["tp_size"] == 2 and values["sp_size"] == 2 and values["strategy"] == "fsdp"
+    assert any("cp_size=2 (torch context parallel) runs as sp_size=2" in n for n in notes)
+    assert any("cp_comm_strategy=alltoall has nothing to do here" in n for n in notes)
+    argv, notes = translate_argv(["--parallelism_config_sp_size", "4", "--parallelism_config_dp_replicate_size", "2"])
+    assert argv[argv.index("--sp_size") + 1] == "4"
+    assert argv[argv.index("--sharding_strategy") + 1] == "HYBRID_SHARD"
+    with pytest.raises(ValueError, match="both sp_size=2 and cp_size=2"):
+        translate_argv(["--parallelism_config_sp_size", "2", "--parallelism_config_cp_size", "2"])
+
+
+def test_shardwise_fit_reaches_the_degrees_through_the_strategy_class():
+    # `shardwise fit` takes every Trainer argument; a strategy object is given by its class and arguments.
+    from shardwise.cli import fit
+
+    cfg = fit.parser().parse_args(
+        [
+            "--model",
+            "shardwise.demos.LanguageModel",
+            "--model.vocab_size",
+            "32",
+            "--data",
+            "shardwise.demos.PythonDocsText",
+            "--trainer.strategy",
+            "shardwise.strategies.FSDPStrategy",
+            "--trainer.strategy.tp_size",
+            "2",
+            "--trainer.strategy.sp_size",
+            "2",
+        ]
+    )
+    strategy = cfg.trainer.strategy
+    assert strategy.class_path.endswith("FSDPStrategy")
+    assert (strategy.init_args.tp_size, strategy.init_args.sp_size) == (2, 2)

@@ -105,6 +105,7 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     ours = {f.name for f in dataclasses.fields(FinetuneConfig)} | set(DATA_OPTIONS)  # the data options' flat names
     values: List[Tuple[str, Any]] = []  # (our field, value), later ones win
     notes: List[str] = []
+    parallelism: Dict[str, Any] = {}  # accelerate launch's --parallelism_config_* flags
     pairs = _pairs(argv)
     # The config file first, so the command line overrides it (as accelerate launch does).
     for name, value in pairs:
@@ -153,6 +154,9 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
             file_values, file_notes = _fsdp_flag(value or "")
             values += list(file_values.items())
             notes += file_notes
+        elif flag.startswith(PARALLELISM_PREFIX) or flag == "use_parallelism_config":
+            if flag != "use_parallelism_config":
+                parallelism[flag] = value
         elif flag == "num_processes":
             values.append(("_num_processes", value))
         elif flag == "num_machines":
@@ -166,6 +170,10 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
             )
         else:
             values.append((flag, value))  # unknown: jsonargparse names it and lists the valid options
+    if parallelism:
+        mapped, mapped_notes = map_parallelism_config(parallelism, "--parallelism_config_*")
+        values += list(mapped.items())
+        notes += mapped_notes
     return _emit(values), notes
 
 
@@ -285,6 +293,11 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
         top.pop(key, None)
     for key in ("fsdp_version",):
         top.pop(key, None)
+    if "parallelism_config" in top:
+        mapped, mapped_notes = map_parallelism_config(top.pop("parallelism_config") or {}, source)
+        options.update(mapped.pop("strategy_options", {}))
+        out.update(mapped)
+        notes += mapped_notes
     for key in sorted(top):
         notes.append(f"{source}: {key} is not understood by shardwise finetune; ignored.")
     # The fsdp_config section, with or without the fsdp_ prefix.
@@ -345,6 +358,63 @@ def map_accelerate_config(raw: Dict[str, Any], source: str = "config") -> Tuple[
         notes.append(f"{source}: fsdp_{key} is not understood by shardwise finetune; ignored.")
     if options:
         out["strategy_options"] = options
+    return out, notes
+
+
+PARALLELISM_PREFIX = "parallelism_config_"
+
+
+def map_parallelism_config(raw: Dict[str, Any], source: str) -> Tuple[Dict[str, Any], List[str]]:
+    """Accelerate's ParallelismConfig (yaml `parallelism_config:` or `--parallelism_config_*`) as our options.
+
+    tp_size and sp_size (Accelerate's DeepSpeed ALST Ulysses) are ours; cp_size (torch's context parallel,
+    ring attention) becomes sp_size with a note: the same split of the sequence, computed with Ulysses'
+    all-to-all. The data-parallel sizes follow from the process count; dp_replicate_size > 1 is
+    HYBRID_SHARD over a (replicate, shard) mesh.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: parallelism_config must be a mapping of parallelism_config_* settings.")
+    sizes = {(k[len(PARALLELISM_PREFIX) :] if k.startswith(PARALLELISM_PREFIX) else k): v for k, v in raw.items()}
+    out: Dict[str, Any] = {}
+    notes: List[str] = []
+
+    def size(key: str) -> int:
+        value = sizes.pop(key, None)
+        return 1 if value in (None, "") else int(value)
+
+    tp, sp, cp = size("tp_size"), size("sp_size"), size("cp_size")
+    replicate, shard = size("dp_replicate_size"), size("dp_shard_size")
+    if sp > 1 and cp > 1:
+        raise ValueError(
+            f"{source}: parallelism_config has both sp_size={sp} and cp_size={cp}; shardwise splits the sequence "
+            "once (sp_size). Set one of them."
+        )
+    if cp > 1:
+        notes.append(
+            f"{source}: cp_size={cp} (torch context parallel) runs as sp_size={cp}: shardwise splits the sequence "
+            "with Ulysses' all-to-all around attention, keeping packed documents apart; same losses, other collectives."
+        )
+        sp = cp
+    for key, ours in (("tp_size", tp), ("sp_size", sp)):
+        if ours > 1:
+            out[key] = ours
+    if replicate > 1:
+        out["sharding_strategy"] = "HYBRID_SHARD"
+        out["strategy_options"] = {"device_mesh": [replicate, shard]}
+    backend = str(sizes.pop("sp_backend", "deepspeed") or "deepspeed")
+    if sp > 1 and backend != "deepspeed":
+        notes.append(f"{source}: sp_backend={backend}: shardwise's own Ulysses runs instead.")
+    for key in ("cp_backend", "cp_comm_strategy", "sp_seq_length", "sp_seq_length_is_variable"):
+        if key in sizes:
+            notes.append(
+                f"{source}: {PARALLELISM_PREFIX}{key}={sizes.pop(key)} has nothing to do here: shardwise's sequence "
+                "parallel is Ulysses (all-to-all) on every batch length the degree divides."
+            )
+    attn = sizes.pop("sp_attn_implementation", None)
+    if attn is not None:
+        out["attn_implementation"] = attn
+    for key in sorted(sizes):
+        notes.append(f"{source}: {PARALLELISM_PREFIX}{key} is not understood by shardwise finetune; ignored.")
     return out, notes
 
 
