@@ -6,9 +6,10 @@ GPT with its sequence split in the model (logits, and parameter gradients averag
 as FSDP does), all against the same computation on one process, within 1e-6.
 
 Then the Trainer: a Llama-shaped GPT (rotary, grouped-query attention, untied head), fp32, 5 steps of
-the same global batch, on one process and under FSDPStrategy(sp_size=2) (2 processes) and dp 2 x sp 2
-(4 processes): a mean loss, and a summed loss over packed documents normalised by `loss_weight`
-(global target tokens), with activation checkpointing of Block. Per-step losses within 1e-5 relative.
+the same global batch, on one process and under FSDPStrategy(sp_size=2) (2 processes), dp 2 x sp 2 and
+tp 2 x sp 2 (4 processes; the sequence split nested around tensor parallel's): a mean loss, and a
+summed loss over packed documents normalised by `loss_weight` (global target tokens), with activation
+checkpointing of Block. Per-step losses within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def test_without_a_group_it_is_plain_causal_attention():
 
 # ------------------------------------------------------------------ the Trainer, 1 process vs sp
 STEPS, GLOBAL_BATCH, SEQ = 5, 4, 16
-TRAIN_LLAMA = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+# 8 query and 4 key/value heads: whole heads for every rank of tp 2 x sp 2.
+TRAIN_LLAMA = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=8, n_kv_head=4, n_embd=32)
 
 
 def _packed_data(n: int = GLOBAL_BATCH * STEPS):
@@ -247,13 +249,15 @@ class _Losses:
             self.losses.append(float(trainer.strategy.reduce(outputs.detach(), "mean")))
 
 
-def _fit(packed: bool, world: int, sp: int = 1, ac: bool = False):
+def _fit(packed: bool, world: int, sp: int = 1, tp: int = 1, ac: bool = False):
     shardwise.seed_everything(1234)
     if world == 1:
         strategy = "single"
     else:
         checkpointed = {Block} if ac else None
-        strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=checkpointed, sp_size=sp)
+        strategy = FSDPStrategy(
+            auto_wrap_policy={Block}, activation_checkpointing_policy=checkpointed, sp_size=sp, tp_size=tp
+        )
     recorder = _Losses()
     trainer = Trainer(
         accelerator="cpu",
@@ -265,8 +269,8 @@ def _fit(packed: bool, world: int, sp: int = 1, ac: bool = False):
         logger=False,
         enable_checkpointing=False,
     )
-    # The same global batch: ranks of an sp group read the same rows, so each loader holds GLOBAL_BATCH / dp.
-    loader = torch.utils.data.DataLoader(_packed_data(), batch_size=GLOBAL_BATCH * sp // world)
+    # The same global batch: ranks of an sp / tp group read the same rows, so each loader holds GLOBAL_BATCH / dp.
+    loader = torch.utils.data.DataLoader(_packed_data(), batch_size=GLOBAL_BATCH * sp * tp // world)
     trainer.fit(PackedLlama() if packed else MeanLlama(), loader)
     return recorder.losses
 
@@ -278,7 +282,7 @@ def _fit_many(configs):
 TRAINER_RUNS = {
     1: {"mean": dict(packed=False, world=1), "packed": dict(packed=True, world=1)},
     2: {"mean": dict(packed=False, world=2, sp=2), "packed": dict(packed=True, world=2, sp=2, ac=True)},
-    4: {"packed": dict(packed=True, world=4, sp=2, ac=True)},
+    4: {"packed": dict(packed=True, world=4, sp=2, ac=True), "tp x sp": dict(packed=True, world=4, sp=2, tp=2)},
 }
 
 
@@ -295,9 +299,9 @@ def trainer_losses(two_rank_launch):
     }
 
 
-@pytest.mark.parametrize("world,key", [(2, "mean"), (2, "packed"), (4, "packed")])
+@pytest.mark.parametrize("world,key", [(2, "mean"), (2, "packed"), (4, "packed"), (4, "tp x sp")])
 def test_trainer_with_sequence_parallel_matches_one_process(trainer_losses, world, key):
-    reference, got = trainer_losses[1][key], trainer_losses[world][key]
+    reference, got = trainer_losses[1][key.replace("tp x sp", "packed")], trainer_losses[world][key]
     assert len(reference) == len(got) == STEPS
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
     assert rel < 1e-5, (world, key, got, reference)

@@ -288,11 +288,23 @@ class GPT(nn.Module):
         self.norm = _build_norm(config)
         self.lm_head = None if config.tie_embeddings else _Linear(config.n_embd, config.vocab_size, bias=False)
         self.sp_group: object | None = None
+        self.sp_tensor_parallel = 1  # the tp degree the sequence split composes with (set with sp_group)
 
     def enable_sequence_parallel(self, group: object) -> None:
-        """Split the sequence over `group` (a 1-D DeviceMesh or process group) from the next forward on."""
-        check_heads_divisible(self.config.n_head, self.config.kv_heads, group_size(group))
-        self.sp_group = group
+        """Split the sequence over `group` (a 1-D DeviceMesh or process group) from the next forward on.
+
+        After tensor parallel (which splits the heads, and the residual stream along the sequence over
+        the tp ranks), each tp rank's heads are divided again over the sp ranks.
+        """
+        # Tensor parallel, when applied (before this, and before fully_shard), made the embedding a
+        # DTensor on the strategy's "tp" mesh.
+        mesh = getattr(self.wte.weight, "device_mesh", None)
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        tp = mesh.size(names.index("tp")) if "tp" in names else 1
+        check_heads_divisible(
+            self.config.n_head // tp, self.config.kv_heads // tp, group_size(group), tensor_parallel=tp
+        )
+        self.sp_group, self.sp_tensor_parallel = group, tp
         for block in self.blocks:
             block.attn.sp_group = group
 
@@ -302,26 +314,39 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         if position_ids is not None and position_ids.shape != idx.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of idx {tuple(idx.shape)}")
-        x = self.wte(idx)
         positions = torch.arange(T, device=idx.device) if position_ids is None else position_ids
-        if self.wpe is not None:
-            x = x + self.wpe(positions)
         rope = self.rotary(T, position_ids) if self.rotary is not None else None
         # The whole sequence's documents: every sp rank's attention sees all of them after its all-to-all.
         document_ids = None if position_ids is None else document_ids_from_positions(position_ids)
-        if self.sp_group is not None:
-            # From here to the gather each rank holds its chunk of the sequence: activations / sp.
-            x = split_sequence(x, self.sp_group, dim=1)
+        sp = self.sp_group
+        if sp is not None:
+            # From here to the gather each rank holds its contiguous chunk of the sequence: activations / sp.
+            # Split before the embedding, so that tensor parallel's own split of the residual stream (over
+            # the tp ranks, along the sequence) subdivides this chunk and its gathers restore it in order.
+            tp = self.sp_tensor_parallel
+            if tp > 1 and T % (group_size(sp) * tp):
+                raise ValueError(
+                    f"sequence length {T} is not divisible by sp_size x tp_size = {group_size(sp)} x {tp}: pad "
+                    f"or pack the sequences to a multiple of {group_size(sp) * tp}"
+                )
+            idx, positions = split_sequence(idx, sp, dim=1), split_sequence(positions, sp, dim=-1)
             if rope is not None:
-                rope = tuple(split_sequence(t, self.sp_group, dim=-2) for t in rope)
+                rope = tuple(split_sequence(t, sp, dim=-2) for t in rope)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
         for block in self.blocks:
             x = block(x, rope, document_ids)
-        if self.sp_group is not None:
+        if sp is not None and self.sp_tensor_parallel == 1:
             # Backward is a reduce-scatter SUM: see strategies/sequence_parallel.py for why not a slice.
-            x = gather_sequence(x, self.sp_group, dim=1)
+            x = gather_sequence(x, sp, dim=1)
+            sp = None
         x = self.norm(x)
         if self.lm_head is not None:
-            return self.lm_head(x)
+            logits = self.lm_head(x)
+            # With tp the head's input is split over the tp ranks inside this rank's sp chunk: gather the
+            # (tp-gathered) logits over sp instead, in sequence order.
+            return logits if sp is None else gather_sequence(logits, sp, dim=1)
         return F.linear(x, self.wte.weight)
 
     def num_params(self, non_embedding: bool = False) -> int:

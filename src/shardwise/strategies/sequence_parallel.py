@@ -66,14 +66,16 @@ def _rank(group: Group) -> int:
     return 0 if pg is None else dist.get_rank(pg)
 
 
-def check_heads_divisible(n_head: int, n_kv_head: int, degree: int) -> None:
-    """Raise a ValueError naming the fix when the sp degree does not divide both head counts."""
+def check_heads_divisible(n_head: int, n_kv_head: int, degree: int, tensor_parallel: int = 1) -> None:
+    """Raise a ValueError naming the fix when the sp degree does not divide both head counts (the
+    counts each tensor-parallel rank holds, when `tensor_parallel` > 1)."""
     if n_head % degree == 0 and n_kv_head % degree == 0:
         return
     fits = [d for d in range(1, n_kv_head + 1) if n_head % d == 0 and n_kv_head % d == 0]
+    per = f" per tensor-parallel rank (tp_size={tensor_parallel})" if tensor_parallel > 1 else ""
     raise ValueError(
         f"sequence parallel degree sp_size={degree} must divide the number of attention heads ({n_head}) and "
-        f"of key/value heads ({n_kv_head}): Ulysses attention gives each sp rank whole heads. Choose sp_size "
+        f"of key/value heads ({n_kv_head}){per}: Ulysses attention gives each sp rank whole heads. Choose sp_size "
         f"among {fits}, or split the model further with FSDP (more dp_shard) or tensor parallel instead."
     )
 
