@@ -20,7 +20,10 @@ rank of a sequence-parallel norm, holds an equal slice). `shardwise plan
 neither given, the default comparison also searches every degree pair that
 divides the devices per node (FSDP FULL_SHARD, with and without activation
 checkpointing) for models that have the attention hook sp and tp need (the
-bundled GPT / Llama shapes).
+bundled GPT / Llama shapes, Hugging Face causal LMs). A bundled GPT gathers
+the sequence before its head, so every sp rank computes the whole sequence's
+logits; a Hugging Face model is planned as the finetune recipe runs it: each
+sp rank computes and scores its own slice.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from shardwise.plan.presets import ModelSpec, PlanError, divisors
 from shardwise.strategies.parallel import ParallelPlan
 
 # Models whose attention the engines can split (strategies/sequence_parallel.py, tensor_parallel.py).
-PARALLEL_KINDS = ("gpt",)
+PARALLEL_KINDS = ("gpt", "hf")
 
 
 def group_size(plan: ParallelPlan) -> int:
@@ -55,7 +58,8 @@ def degree_problem(spec: ModelSpec, seq_len: int, tp: int, sp: int, per_node: in
     if spec.kind not in PARALLEL_KINDS:
         return (
             f"{said}: sequence and tensor parallel need a model with their attention hook (the bundled GPT / "
-            f"Llama presets, or GPTConfig); {spec.name} is a {spec.kind} model. Plan it without --sp_size/--tp_size."
+            f"Llama presets, a GPTConfig, a Hugging Face causal LM); {spec.name} is a {spec.kind} model. Plan it "
+            "without --sp_size/--tp_size."
         )
     if per_node % g:
         return (
@@ -68,6 +72,13 @@ def degree_problem(spec: ModelSpec, seq_len: int, tp: int, sp: int, per_node: in
         return (
             f"{said}: {g} ranks must split {spec.name}'s {heads} attention heads and {kv} key/value heads "
             f"evenly (each attends with whole heads); tp x sp can be {', '.join(map(str, fits)) or '1 only'}."
+        )
+    tied = spec.config.tie_embeddings if spec.kind == "gpt" else getattr(spec.config, "tie_word_embeddings", False)
+    if tp > 1 and tied:
+        return (
+            f"{said}: {spec.name} ties its output head to the token embedding, and tensor parallel splits them "
+            "differently (vocabulary rows, output columns); build it with untied embeddings "
+            "(tie_embeddings=False), or use sequence parallel."
         )
     if seq_len % g:
         return (

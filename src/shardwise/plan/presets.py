@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models import PRESETS, Block, GPTConfig
-from shardwise.module import TrainModule
+from shardwise.module import TrainModule, attached_trainer
 
 
 class PlanError(ValueError):
@@ -57,8 +57,24 @@ _ALIASES = {
 }
 
 
+# Hugging Face Llama 3.1 (LlamaForCausalLM, what `shardwise finetune` trains): the Llama 3 shapes with a
+# 131072-token context, built from the published config values on meta (no download).
+HF_PRESETS: Dict[str, Dict[str, Any]] = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+}
+_LLAMA_31 = dict(
+    vocab_size=128256,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
 def preset_names() -> List[str]:
-    return sorted(PRESETS) + sorted(TRANSFORMER_PRESETS)
+    return sorted(PRESETS) + sorted(TRANSFORMER_PRESETS) + sorted(HF_PRESETS)
 
 
 @dataclass
@@ -217,6 +233,7 @@ class LMModule(TrainModule):
         self.spec, self.depth, self.lr, self.foreach, self.optimizer_name = spec, depth, lr, foreach, optimizer
         self.fused = fused
         self.model: Optional[nn.Module] = None
+        self.sp_mesh: Any = None  # the planner's trace sets it; a Trainer run reads its strategy's
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -233,11 +250,28 @@ class LMModule(TrainModule):
             return F.nll_loss(self.model(inputs, target), target.view(-1))
         (tokens,) = batch
         inputs, target = tokens[:, :-1], tokens[:, 1:]
-        if self.spec.kind == "hf":
+        mesh = self._sp_mesh()
+        if self.spec.kind == "hf" and mesh is not None:
+            # Sequence parallel the recipe's way (sequence_parallel_hf.split_batch): each sp rank runs
+            # and scores its slice of the sequence, whose targets are shifted before the split.
+            from shardwise.strategies.sequence_parallel_hf import split_batch
+
+            model_inputs, target = split_batch(
+                {"input_ids": inputs, "labels": inputs}, mesh.get_local_rank(), mesh.size()
+            )
+            logits = self.model(**model_inputs, use_cache=False).logits
+        elif self.spec.kind == "hf":
             logits = self.model(input_ids=inputs, use_cache=False).logits
         else:
             logits = self.model(inputs)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100)
+
+    def _sp_mesh(self) -> Any:
+        """The sequence-parallel mesh: the one the planner's trace set, else the Trainer's strategy's."""
+        if self.sp_mesh is not None:
+            return self.sp_mesh
+        trainer = attached_trainer(self)
+        return getattr(trainer.strategy, "sp_mesh", None) if trainer is not None else None
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Only what trains: a LoRA model's frozen base is not the optimizer's (all of it otherwise).
@@ -286,6 +320,12 @@ def preset_spec(name: str) -> ModelSpec:
         return gpt_spec(key, PRESETS[key])
     if key in TRANSFORMER_PRESETS:
         return transformer_spec(key, TRANSFORMER_PRESETS[key])
+    if key in HF_PRESETS:
+        try:
+            from transformers import LlamaConfig
+        except ImportError as exc:  # pragma: no cover - the extra is missing
+            raise PlanError(f"The {key} preset is a Hugging Face model: pip install 'shardwise[hf]'.") from exc
+        return hf_config_spec(key, LlamaConfig(**_LLAMA_31, **HF_PRESETS[key]))
     raise PlanError(
         f"Unknown model preset {name!r}. Presets: {', '.join(preset_names())}; or give a path to a "
         "Hugging Face config.json, or python:module.Class."
@@ -420,13 +460,19 @@ def hf_spec(path: str) -> ModelSpec:
         cfg = AutoConfig.for_model(**raw)
     except Exception as exc:
         raise PlanError(f"{file}: transformers cannot build a config from it ({exc}).") from exc
+    return hf_config_spec(os.path.basename(os.path.dirname(os.path.abspath(file))) or file, cfg, file)
+
+
+def hf_config_spec(name: str, cfg: Any, file: str = "") -> ModelSpec:
+    """A Hugging Face causal LM from its (transformers) config object."""
+    file = file or name
     depth = _get(cfg, *_DEPTH_KEYS)
     hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
     if depth is None or hidden is None:
         raise PlanError(f"{file}: no layer count / hidden size found (num_hidden_layers, hidden_size).")
     heads = _get(cfg, "num_attention_heads", "n_head", default=1)
     spec = ModelSpec(
-        name=os.path.basename(os.path.dirname(os.path.abspath(file))) or file,
+        name=name,
         kind="hf",
         config=cfg,
         depth=int(depth),

@@ -319,7 +319,16 @@ def trace(
     try:
         # FSDP shards on meta outside the fake mode (faster); DDP's set-up runs inside it.
         with contextlib.nullcontext() if acct.shards_on_meta else fake:
-            model = strategy.setup_module(module)
+            try:
+                model = strategy.setup_module(module)
+            except ValueError as exc:
+                if traced.plan.tp * traced.plan.sp == 1:
+                    raise
+                # tensor / sequence parallel refuse a model they cannot split, naming the fix: the
+                # configuration cannot run, which no estimate hides.
+                raise PlanError(f"{traced.config_label}: {exc}") from exc
+        if hasattr(module, "sp_mesh"):  # the planner's LMModule: a Hugging Face model splits its batch itself
+            module.sp_mesh = getattr(strategy, "sp_mesh", None)
         quant_state = _fill_quant_states(spec, model, fake)
         with fake, target_attention(target):
             opt_config = module.configure_optimizers()
