@@ -13,7 +13,7 @@ import pytest
 from shardwise.models import GPTConfig
 from shardwise.plan import Candidate, PlanError, plan
 from shardwise.plan.cost import Hardware, step_cost
-from shardwise.plan.parallel import degree_problem, searched_degrees, with_parallel_degrees
+from shardwise.plan.parallel import degree_problem, search_parallel, searched_degrees, with_parallel_degrees
 from shardwise.plan.presets import gpt_spec, preset_spec
 from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.parallel import ParallelPlan
@@ -34,16 +34,17 @@ def test_the_search_keeps_degrees_that_divide_the_node_the_heads_and_the_sequenc
     odd, _ = searched_degrees(GQA, 254, per_node=8)  # 254 = 2 x 127: only groups of two
     assert sorted(odd) == [(1, 2), (2, 1)]
 
+    # Searched when nothing else fits: one dimension at a time, sp also with offload + AC.
+    extra, notes = search_parallel(GQA, 256, 8, 1, offload=True)
+    labels = [c.config_label for c in extra]
+    sp2 = "FSDP FULL_SHARD x sp 2"
+    assert labels[:3] == [sp2, sp2 + " + AC", sp2 + " + offload + AC"]
+    assert len(labels) == 2 * 3 + 2 * 2 and "FSDP FULL_SHARD x tp 4 + AC" in labels and "x sp 2 x tp 2" not in notes[0]
+    assert search_parallel(GQA, 256, 8, 8, offload=True) == ([], [])  # one device per node
+    assert search_parallel(preset_spec("transformer-1b"), 35, 8, 1, offload=True) == ([], [])  # no hook
+    # Named configurations without flags are planned as named.
     base = [Candidate("ddp"), Candidate("fsdp", sharding="FULL_SHARD")]
-    cands, notes = with_parallel_degrees(base, GQA, 256, 8, 1, None, None, requested=False)
-    added = [c.config_label for c in cands[2:]]
-    assert cands[:2] == base and len(added) == 10  # five degree pairs, with and without AC
-    assert "FSDP FULL_SHARD x sp 2" in added and "FSDP FULL_SHARD x sp 2 x tp 2 + AC" in added
-    assert "Searched sequence / tensor parallel degrees" in notes[0]
-    # Named configurations, one device per node, or a model without the hook: no search.
-    for args in ((base, GQA, 256, 8, 1), (base, GQA, 256, 8, 8), (base, preset_spec("transformer-1b"), 35, 8, 1)):
-        requested = args[3] == 8 and args[4] == 1 and args[1] is GQA
-        assert with_parallel_degrees(*args, None, None, requested=requested)[0] == base
+    assert with_parallel_degrees(base, GQA, 256, 8, 1, None, None, requested=True)[0] == base
 
 
 def test_fixed_degrees_apply_to_the_fsdp_configurations_and_refuse_what_cannot_run():

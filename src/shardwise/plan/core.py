@@ -35,7 +35,7 @@ from shardwise.plan.cost import Hardware, step_cost
 from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
-from shardwise.plan.parallel import group_batch, layer_shape, with_parallel_degrees
+from shardwise.plan.parallel import group_batch, layer_shape, search_parallel, with_parallel_degrees
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.recommend import DEFAULT_HEADROOM, binding_limit, format_seconds, recommend, usable
 from shardwise.plan.rows import fsdp_offload_row, identity_view, split_breakdown, view_key
@@ -181,7 +181,8 @@ def plan(
         optimizer_variants: when nothing fits or a faster configuration misses, also plan the 8-bit /
             paged AdamW variants and report those that change the verdict (plan.variants, plan.notes).
         tp_size, sp_size: plan the FSDP configurations at these tensor / sequence parallel degrees (1 turns
-            one off); neither given, the default comparison also searches the degrees (plan/parallel.py).
+            one off); neither given, when nothing in the default comparison fits, the degrees are searched
+            (plan/parallel.py).
     """
     start = time.perf_counter()
     if not 0.0 <= headroom < 1.0:
@@ -239,6 +240,14 @@ def plan(
             f"not {opt.name}: DeepSpeed builds its optimizer from its config."
         )
     best, reason = recommend(estimates, dev_mem, headroom=headroom, cpu_memory=cpu_mem)
+    if best is None and dev_mem is not None and not requested and (tp_size, sp_size, adapters) == (None,) * 3:
+        # Nothing fits: at long sequences activations decide that, and sequence / tensor parallel split them.
+        extra, search_notes = search_parallel(spec, seq_len, world, num_nodes, offload=accelerator == "cuda")
+        if extra:
+            more = _Planner(spec, extra, optimizer=opt, all_micro=all_micro_batches, **shared)
+            estimates += more.run()
+            planner.notes += search_notes + [n for n in more.notes if n not in planner.notes]
+            best, reason = recommend(estimates, dev_mem, headroom=headroom, cpu_memory=cpu_mem)
     tried: List[Dict[str, Any]] = []
     if optimizer_variants and variants.worth_trying(opt.name, estimates, best, spec.kind, adapters):
 

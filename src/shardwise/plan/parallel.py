@@ -16,10 +16,12 @@ must fit inside one node (its collectives are priced on the intra-node link),
 and it must divide the attention heads, the key / value heads (each rank
 attends with whole heads) and the sequence length (each sp rank, and each tp
 rank of a sequence-parallel norm, holds an equal slice). `shardwise plan
---sp_size N --tp_size N` plans the FSDP configurations at those degrees; with
-neither given, the default comparison also searches every degree pair that
-divides the devices per node (FSDP FULL_SHARD, with and without activation
-checkpointing) for models that have the attention hook sp and tp need (the
+--sp_size N --tp_size N` plans the FSDP configurations at those degrees. With
+neither given, when nothing in the default comparison fits the device (at
+long sequences activations, not weights, decide that), the planner searches
+each degree alone that divides the devices per node (FSDP FULL_SHARD with and
+without activation checkpointing; sequence parallel also with CPU offload),
+for models that have the attention hook sp and tp need (the
 bundled GPT / Llama shapes, Hugging Face causal LMs). A bundled GPT gathers
 the sequence before its head, so every sp rank computes the whole sequence's
 logits; a Hugging Face model is planned as the finetune recipe runs it: each
@@ -137,23 +139,42 @@ def with_parallel_degrees(
         if tp * sp == 1:
             return cands, notes
         return _at_degrees(cands, tp, sp, requested), notes
-    if requested or spec.kind not in PARALLEL_KINDS or per_node == 1:
-        return cands, notes
+    return cands, notes
+
+
+def search_parallel(
+    spec: ModelSpec, seq_len: int, world: int, num_nodes: int, offload: bool
+) -> Tuple[List[Candidate], List[str]]:
+    """The sequence / tensor parallel candidates to try when nothing else fits, and what the search did.
+
+    One dimension at a time (2-D groups only when asked for with both flags): FSDP FULL_SHARD with and
+    without activation checkpointing at every degree that runs the model inside a node, and with
+    sequence parallel also FULL_SHARD + CPU offload + AC (`offload`: when the target has offload).
+    """
+    per_node = max(1, world // max(1, num_nodes))
+    if spec.kind not in PARALLEL_KINDS or per_node == 1:
+        return [], []
     pairs, skipped = searched_degrees(spec, seq_len, per_node)
-    extra = [
-        Candidate(ParallelPlan("fsdp", tp=tp, sp=sp, ac="full" if ac else "none"))
-        for tp, sp in sorted(pairs, key=lambda p: (p[0] * p[1], p[0]))
-        for ac in (False, True)
-    ]
+    pairs = [p for p in pairs if 1 in p]
+    extra = []
+    for tp, sp in sorted(pairs, key=lambda p: (p[0] > 1, p[0] * p[1])):
+        for ac in (False, True):
+            extra.append(Candidate(ParallelPlan("fsdp", tp=tp, sp=sp, ac="full" if ac else "none")))
+        if offload and tp == 1:
+            both = dict(offload_params=True, offload_optimizer=True)
+            extra.append(Candidate(ParallelPlan("fsdp", sp=sp, ac="full", **both)))
+    notes = []
     if pairs:
         said = ", ".join(_degrees_label(tp, sp) for tp, sp in pairs)
         notes.append(
-            f"Searched sequence / tensor parallel degrees inside a node: {said} (FSDP FULL_SHARD, with and "
-            "without AC); a tp x sp group reads the same sequences, so its data-parallel rank takes tp x sp "
-            "times the per-device batch (the global batch is the same in every row)."
+            f"Nothing fit without sequence / tensor parallel, so these degrees were searched inside a node: {said} "
+            "(FSDP FULL_SHARD with and without AC, sp also with offload + AC). A tp x sp group reads the same "
+            "sequences: its data-parallel rank takes tp x sp times the per-device batch, so the global batch is "
+            "the same in every row. --sp_size / --tp_size plan other degrees (2-D with both)."
         )
-    notes += [f"Not searched: {s}" for s in skipped]
-    return cands + extra, notes
+    elif skipped:
+        notes.append(f"No sequence / tensor parallel degree runs this model inside a node: {skipped[0]}")
+    return extra, notes
 
 
 def _at_degrees(cands: Sequence[Candidate], tp: int, sp: int, requested: bool) -> List[Candidate]:
@@ -195,5 +216,6 @@ __all__ = [
     "degree_problem",
     "searched_degrees",
     "with_parallel_degrees",
+    "search_parallel",
     "layer_shape",
 ]
