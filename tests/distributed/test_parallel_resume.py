@@ -15,8 +15,9 @@ checkpoint every 3 steps, the same global batch of 4 blocks at every layout):
    run matches per step within 1e-4 relative (the fourth layout of
    tests/recipes/test_finetune_parallel.py's acceptance, sharing this launch).
 4. The Hugging Face folder the resumed dp2 x sp2 run exported loads with
-   AutoModelForCausalLM, holds exactly the weights that run trained, and
-   gives the one-process run's logits.
+   AutoModelForCausalLM, holds exactly the weights that run trained (as does
+   `shardwise convert` of its last checkpoint), and gives the one-process
+   run's logits.
 """
 
 from __future__ import annotations
@@ -139,6 +140,18 @@ def test_the_export_loads_with_transformers_and_gives_the_trained_logits(runs):
     assert not torch.equal(
         original["model.layers.0.self_attn.q_proj.weight"], state["model.layers.0.self_attn.q_proj.weight"]
     )
+    # `shardwise convert` of the run's last checkpoint (step 6, dp2 x sp2) writes the same weights
+    from safetensors.torch import load_file
+
+    from shardwise.checkpoint.convert import convert
+
+    last = layout.latest_checkpoint(os.path.join(runs["root"], "run", "checkpoints"))
+    assert layout.read_manifest(last)["global_step"] == STEPS
+    converted = os.path.join(runs["root"], "converted.safetensors")
+    convert(last, converted)
+    weights = load_file(converted)
+    for name, value in trained.items():
+        assert torch.equal(weights[name], value), name
     one = AutoModelForCausalLM.from_pretrained(os.path.join(runs["root"], "one-resumed"))
     ids = torch.tensor([[2, 5, 9, 12, 3, 7, 11, 4]])
     with torch.no_grad():
