@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader
 
@@ -30,7 +31,7 @@ import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.distributed import ops
 from shardwise.models import GPT, Block, gpt_config
-from shardwise.strategies.tensor_parallel import apply_tensor_parallel, total_norm
+from shardwise.strategies.tensor_parallel import apply_tensor_parallel
 
 from helpers.hf import build_model_folder, chat_records
 from helpers.lm import StepLosses, token_data
@@ -89,8 +90,8 @@ def hf_forward_backward(model: nn.Module) -> Dict[str, Any]:
         "logits": out.logits.detach(),
         "weights": {n: ops.full_tensor(p.detach()) for n, p in model.named_parameters()},
         "grads": {n: ops.full_tensor(p.grad) for n, p in model.named_parameters()},
-        # What clipping needs: one norm over gradients on the (dp, tp) mesh and on the dp mesh (the norms).
-        "norm": total_norm([p.grad for p in model.parameters()]),
+        # Clipping's norm (Strategy.clip_gradients): one foreach over all gradients, so one mesh for all.
+        "norm": ops.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])),
     }
 
 
@@ -120,7 +121,9 @@ def hf_tensor_parallel(path: str, dp: int, tp: int) -> Dict[str, Any]:
 
         materialize_module(model, torch.device("cpu"), 0, load)
         result = hf_forward_backward(model)
-        result["split"] = sorted(n for n, p in model.named_parameters() if "tp" in (p.device_mesh.mesh_dim_names or ()))
+        tp_dim = lambda p: p.device_mesh.mesh_dim_names.index("tp")  # noqa: E731
+        result["split"] = sorted(n for n, p in model.named_parameters() if isinstance(p.placements[tp_dim(p)], Shard))
+        result["meshes"] = {p.device_mesh.mesh_dim_names for p in model.parameters()}
         return result
     finally:
         if own_group:
@@ -162,6 +165,7 @@ def _check_hf(got: Dict[str, Any], ref: Dict[str, Any]) -> None:
     # The plan split the projections, the embedding and the head; the norms stayed whole on every tp rank.
     assert "model.layers.0.self_attn.q_proj.weight" in got["split"] and "lm_head.weight" in got["split"]
     assert "model.embed_tokens.weight" in got["split"] and "model.norm.weight" not in got["split"]
+    assert got["meshes"] == {("dp", "tp")}  # the whole ones too (ReplicateParallel): one mesh for foreach kernels
 
 
 @pytest.mark.parametrize("dp, tp", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)], ids=["tp2", "dp2xtp2"])

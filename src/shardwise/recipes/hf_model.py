@@ -34,7 +34,7 @@ from shardwise.adapters.quantize import fourbit_layers, place_4bit
 from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from shardwise.strategies.materialize import canonical_name, mesh_coordinate, mesh_copies, mesh_key, shard_slices
+from shardwise.strategies.materialize import canonical_name, mesh_coordinate, shard_slices
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -288,7 +288,6 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     position = {key: i for i, (_, key, _) in enumerate(plan)}
     order.sort(key=lambda item: position[item[1]])  # file by file, in file order: sequential reads
 
-    copies = mesh_copies([tensor for _, _, tensor in order])
     current_file, handle, stack, scratch = None, None, contextlib.ExitStack(), _Scratch()
     with stack:
         for fname, key, tensor in order:
@@ -302,9 +301,9 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
                 full = handle.get_tensor(key)
                 report.bytes_read += full.numel() * full.element_size()
             if id(tensor) in quantized:  # quantised on rank 0; the packed codes travel like any weight
-                place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch, copies))
+                place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch))
             else:
-                _place(tensor, full, rank, scratch, copies)
+                _place(tensor, full, rank, scratch)
             del full
             report.tensors += 1
     report.peak_growth = peak_rss_bytes() - report.rss_before
@@ -347,9 +346,7 @@ class _Scratch:
         return buf[:n].view(list(shape))
 
 
-def _place(
-    tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratch: _Scratch, copies: Optional[Dict] = None
-) -> None:
+def _place(tensor: torch.Tensor, full: Optional[torch.Tensor], rank: int, scratch: _Scratch) -> None:
     """Rank 0 holds `full`; every rank ends with its own part of it in `tensor`.
 
     For a DTensor, rank 0 sends slices only to the first replica (mesh
@@ -367,31 +364,11 @@ def _place(
     parameter on every rank (twice over with gloo's all-gather), which for a
     large vocabulary is the biggest tensor in the model.
 
-    A DTensor whose mesh is one of several copies (`mesh_copies`) is filled in the copy holding
-    rank 0 as above, then each member sends its part to the members at its place in the other copies.
+    Under dp x tp every parameter is a 2-D DTensor (tensor_parallel.py keeps even the layers it
+    leaves whole on the tp mesh), and shard_slices follows FSDP2's strided dp-over-tp layout.
     """
     if is_zero3_param(tensor):
         _place_zero3(tensor, full, scratch)
-        return
-    group_copies = (copies or {}).get(mesh_key(tensor.device_mesh)) if isinstance(tensor, DTensor) else None
-    if group_copies is not None:
-        first = next(c for c in group_copies if 0 in c)
-        mine = next(c for c in group_copies if rank in c)
-        local, place = tensor._local_tensor, mine.index(rank)
-        if mine is first:
-            _place(tensor, full, rank, scratch)
-        for other in group_copies:
-            if other is first or local.numel() == 0 or rank not in (first[place], other[place]):
-                continue
-            for rows in _row_chunks(local.shape, local.element_size()):
-                if rank == first[place]:
-                    dist.send(local[rows].contiguous().to(ops.collective_device()), dst=other[place])
-                else:
-                    piece = scratch.get(
-                        [rows.stop - rows.start, *local.shape[1:]], local.dtype, ops.collective_device()
-                    )
-                    dist.recv(piece, src=first[place])
-                    local[rows].copy_(piece)
         return
     if isinstance(tensor, DTensor):
         local = tensor._local_tensor

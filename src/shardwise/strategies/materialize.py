@@ -33,8 +33,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard  # DTensor: what FSDP2 parameters are
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp dimension over tp
 
-from shardwise.distributed import ops
-
 # Wrapper names that must not change a module's identity (and so its seed).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -124,28 +122,6 @@ def shard_slices(
         lo = min(start + coord[mesh_dim] * chunk, stop)
         bounds[placement.dim] = [lo, min(lo + chunk, stop)]
     return tuple(slice(a, b) for a, b in bounds)
-
-
-def mesh_key(mesh: Any) -> Tuple[Any, ...]:
-    return (mesh.mesh_dim_names, tuple(mesh.shape))
-
-
-def mesh_copies(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[Any, ...], List[List[int]]]:
-    """The rank lists of every copy of each DTensor mesh that does not span the world (a collective).
-
-    Under dp x tp, parameters no tp plan splits are sharded by FSDP over one dp mesh per tp rank:
-    each such mesh is one copy of the tensor, and only the copy holding rank 0 hears from it.
-    """
-    meshes: Dict[Tuple[Any, ...], Any] = {}
-    for t in tensors:
-        if isinstance(t, DTensor) and t.device_mesh.size() < ops.world_size():
-            meshes.setdefault(mesh_key(t.device_mesh), t.device_mesh)
-    if not meshes:
-        return {}
-    everyone = ops.all_gather_object([m.mesh.flatten().tolist() for m in meshes.values()])
-    return {
-        key: [list(r) for r in dict.fromkeys(tuple(lists[i]) for lists in everyone)] for i, key in enumerate(meshes)
-    }
 
 
 def _shards(placement: Any, dim: int) -> bool:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import inspect
 from fnmatch import fnmatch
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -39,10 +39,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardwise.distributed import ops
 from shardwise.models.gpt import GPT
 
-__all__ = ["apply_tensor_parallel", "gpt_plan", "hf_plan", "translate_hf_style", "total_norm", "HF_STYLES"]
+__all__ = ["apply_tensor_parallel", "gpt_plan", "hf_plan", "translate_hf_style", "ReplicateParallel", "HF_STYLES"]
 
 Plan = Dict[str, ParallelStyle]
 
@@ -71,6 +70,54 @@ def translate_hf_style(name: str, where: str) -> Optional[ParallelStyle]:
             "without tp (tp_size=1)."
         )
     return HF_STYLES[name]()
+
+
+class ReplicateParallel(ParallelStyle):
+    """A layer left whole on every tp rank, its own parameters made Replicate DTensors on the tp mesh.
+
+    A plan splits only some layers (Hugging Face plans leave the norms whole). If the rest stayed
+    plain tensors, FSDP2 would put them on the dp mesh and the split ones on (dp, tp), and every
+    foreach kernel over all gradients (clipping's norm and scaling, the optimizers' foreach steps on
+    GPUs) refuses tensors on different meshes. As Replicate DTensors they share the split layers'
+    mesh; their inputs arrive replicated (every tp rank holds the same activations there) and their
+    outputs leave as plain tensors, so the model's code around them is unchanged.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def own_params(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+            if sub is not module:
+                return
+            for key, p in list(sub._parameters.items()):
+                if p is not None and not isinstance(p, DTensor):
+                    replicated = distribute_tensor(p, mesh, [Replicate()], src_data_rank=None)
+                    sub._parameters[key] = nn.Parameter(replicated, requires_grad=p.requires_grad)
+
+        def inputs(sub: nn.Module, args: Any, mesh: DeviceMesh) -> Any:
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.is_floating_point()
+                else a
+                for a in args
+            )
+
+        def outputs(sub: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            if isinstance(out, DTensor):
+                return out.to_local()
+            if isinstance(out, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
+            return out
+
+        return distribute_module(module, device_mesh, own_params, inputs, outputs)
+
+
+def replicate_the_rest(module: nn.Module, tp_mesh: DeviceMesh) -> List[str]:
+    """ReplicateParallel on every module that still owns plain parameters after the plans; their names."""
+    done = []
+    for path, sub in list(module.named_modules()):
+        if any(p is not None and not isinstance(p, DTensor) for p in sub._parameters.values()):
+            parallelize_module(sub, tp_mesh, ReplicateParallel())
+            done.append(path)
+    return done
 
 
 # ------------------------------------------------------------------ plans
@@ -265,6 +312,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             )
     for _, sub, plan in plans:
         parallelize_module(sub, tp_mesh, plan)
+    replicate_the_rest(module, tp_mesh)
     check_divisible(module, tp_mesh)
     for _, sub, _ in plans:
         if isinstance(sub, GPT):
@@ -302,24 +350,6 @@ class _SequenceCheck:
                 "(the norms between layers work on an equal share of the tokens on each rank). Pad or crop the "
                 "sequences to a multiple of it."
             )
-
-
-def total_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all `tensors` together (gradients), when they are DTensors on different meshes.
-
-    Under tensor parallel the split layers' gradients live on the (dp, tp) mesh and those of the
-    layers left whole (a Hugging Face model's norms) on the dp mesh only; torch's get_total_norm
-    stacks their norms and refuses mixed meshes. Each mesh's norm is reduced over its own ranks
-    (ops.full_tensor), then the per-mesh norms combine as plain tensors. Every rank visits the
-    groups in the same order (its parameters'), so the reductions pair up.
-    """
-    groups: Dict[Any, List[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
-    norms = [ops.full_tensor(torch.nn.utils.get_total_norm(group, norm_type)) for group in groups.values()]
-    if len(norms) <= 1:
-        return norms[0] if norms else torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 
 def describe_split(module: nn.Module) -> Dict[str, Union[str, List[str]]]:
