@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.presets import ModelSpec
+from shardwise.strategies.parallel import ParallelPlan
 
 
 class _Tokens(Dataset):
@@ -175,6 +176,10 @@ ACCURACY_CONFIGURATIONS = (
 )
 
 
+# Sequence and tensor parallel (issue 22), each of degree 2 on 2 processes; FSDP shards over the rest.
+PARALLEL_CONFIGURATIONS = (ParallelPlan("fsdp", sp=2), ParallelPlan("fsdp", tp=2))
+
+
 def accuracy_models() -> Dict[str, Any]:
     from shardwise.models import GPTConfig
     from shardwise.plan.presets import gpt_spec, transformer_spec
@@ -215,7 +220,7 @@ def compare(
     spec: ModelSpec,
     seq_len: int,
     devices: int,
-    candidates: Sequence[str],
+    candidates: Sequence[Any],
     batch_size: int = 4,
     precision: str = "32-true",
     deepspeed_config: Optional[Dict[str, Any]] = None,
@@ -223,6 +228,8 @@ def compare(
     adapters: Optional[Dict[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """Predicted (plan) and measured (real CPU runs) peak tracked bytes per rank for each candidate.
+
+    candidates: strategy names or ParallelPlans (sp / tp degrees: PARALLEL_CONFIGURATIONS).
 
     adapters: the planner's LoRA / QLoRA keywords (lora_r=8, load_in_4bit=True, ...); the real
     runs train the same adapter model (the planned spec's LMModule).

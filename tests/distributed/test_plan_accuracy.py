@@ -8,13 +8,20 @@ cases cover DDP, FSDP with and without activation checkpointing and ZeRO
 1/2/3 across both models and both world sizes; the full matrix (every
 configuration x model x world size, the table in BENCHMARKS.md) is marked
 slow. Models are 6 blocks deep, so every prediction is extrapolated from the
-planner's 3- and 4-block traces.
+planner's 3- and 4-block traces. Sequence parallel 2 and tensor parallel 2
+(FSDP on a 2-rank mesh, the real Ulysses all-to-alls and DTensor projections
+on gloo) are held to 5%, in the quick subset.
 """
 
 from __future__ import annotations
 
 import pytest
-from plan_measure import ACCURACY_CONFIGURATIONS, accuracy_models, compare  # benchmarks/, on pytest's pythonpath
+from plan_measure import (  # benchmarks/, on pytest's pythonpath
+    ACCURACY_CONFIGURATIONS,
+    PARALLEL_CONFIGURATIONS,
+    accuracy_models,
+    compare,
+)
 
 TOLERANCE = 0.10
 QUICK = {
@@ -80,3 +87,18 @@ def test_adapter_peak_within_5_percent(kind, devices):
     rows = compare(spec, 64, devices, ADAPTER_CASES[(kind, devices)], precision="bf16-mixed", adapters=adapters)
     bad = [r for r in rows if abs(r["error"]) > ADAPTER_TOLERANCE]
     assert not bad, f"{kind} predictions off by more than {ADAPTER_TOLERANCE:.0%}: {bad}"
+
+
+PARALLEL_TOLERANCE = 0.05
+
+
+def test_sp_and_tp_peaks_within_5_percent():
+    # Issue 22's acceptance: the accuracy GPT (6 blocks, untied) at sp 2 and at tp 2 on 2 processes,
+    # planned through the real apply_sequence_parallel / apply_tensor_parallel on the fake group
+    # and trained for real in one launch (measured: -0.02% and +3.0%, BENCHMARKS.md).
+    spec, seq = accuracy_models()["gpt"]
+    rows = compare(spec, seq, 2, PARALLEL_CONFIGURATIONS)
+    assert [r["config"] for r in rows] == ["FSDP FULL_SHARD x sp 2", "FSDP FULL_SHARD x tp 2"]
+    assert all(r["method"].startswith("traced") for r in rows)
+    bad = [r for r in rows if abs(r["error"]) > PARALLEL_TOLERANCE]
+    assert not bad, f"sp / tp predictions off by more than {PARALLEL_TOLERANCE:.0%}: {bad}"
