@@ -13,7 +13,13 @@ import pytest
 from shardwise.models import GPTConfig
 from shardwise.plan import Candidate, PlanError, plan
 from shardwise.plan.cost import Hardware, step_cost
-from shardwise.plan.parallel import degree_problem, search_parallel, searched_degrees, with_parallel_degrees
+from shardwise.plan.parallel import (
+    degree_problem,
+    replicated_flops,
+    search_parallel,
+    searched_degrees,
+    with_parallel_degrees,
+)
 from shardwise.plan.presets import gpt_spec, preset_spec
 from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.parallel import ParallelPlan
@@ -97,6 +103,13 @@ def test_activation_collectives_count_and_price_the_layers():
     a2a_step = acct.activation_comm_bytes(sp, 4 * tokens, h, kv, 32, 1, "bf16-mixed")
     assert with_sp.comm_bytes == pytest.approx(fsdp_bytes + a2a_step)
     assert with_sp.seconds == pytest.approx(plain.seconds + a2a_step / 200e9)
+    # The bundled GPT gathers the sequence before its head: each sp rank repeats the head for its group.
+    assert replicated_flops(GQA, ParallelPlan("fsdp", sp=4)) == 3 * 6 * 128 * 64
+    assert replicated_flops(GQA, ParallelPlan("fsdp", tp=2)) == 0.0
+    repeated = step_cost(
+        Candidate(sp, micro_batch=4), Hardware(), precision="bf16-mixed", replicated_flops_per_token=5e9, **kw
+    )
+    assert repeated.compute == pytest.approx(plain.compute * 1.1)
     tp_bytes = acct.comm_bytes(tp, 8e9, 8, 1, 1, "bf16-mixed")[0]
     assert tp_bytes == pytest.approx(fsdp_bytes / 2 * (3 / 4) / (7 / 8))  # 4 FSDP ranks, half the elements
 

@@ -35,7 +35,7 @@ from shardwise.plan.cost import Hardware, step_cost
 from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
-from shardwise.plan.parallel import group_batch, layer_shape, search_parallel, with_parallel_degrees
+from shardwise.plan.parallel import group_batch, layer_shape, replicated_flops, search_parallel, with_parallel_degrees
 from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
 from shardwise.plan.recommend import DEFAULT_HEADROOM, binding_limit, format_seconds, recommend, usable
 from shardwise.plan.rows import fsdp_offload_row, identity_view, split_breakdown, view_key
@@ -495,6 +495,7 @@ class _Planner:
             precision=self.precision,
             accumulation_sync=sync,
             shape=layer_shape(self.spec),
+            replicated_flops_per_token=replicated_flops(self.spec, cand.plan),
         )
         load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
         cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading

@@ -94,12 +94,14 @@ def step_cost(
     precision: str,
     accumulation_sync: str = "reduce_scatter",
     shape: Optional[Tuple[int, int, int]] = None,
+    replicated_flops_per_token: float = 0.0,
 ) -> StepCost:
     """Modelled seconds per optimizer step for one device's `batch_size` sequences.
 
     shape: (hidden, key/value width, layers) of the model, for the activation collectives of
     sequence / tensor parallel; a tp x sp group's micro-batch (cand.micro_batch sequences) is split
-    over its devices, so each computes as much as a device without them.
+    over its devices, so each computes as much as a device without them, plus what it repeats for its
+    group (replicated_flops_per_token: a bundled GPT's head under sp, plan/parallel.py).
     """
     half = precision not in ("32-true", "64-true")
     peak = GPUS[hw.gpu]["half" if half else "single"]
@@ -109,7 +111,7 @@ def step_cost(
     period = cand.plan.selective_ac_option
     if cand.plan.ac == "selective" and isinstance(period, int) and period > 1:
         recompute = 1.0 + 1.0 / (3.0 * period)  # one block in `period` is recomputed
-    compute = flops_per_token * batch_size * seq_len * recompute / (peak * mfu)
+    compute = (flops_per_token * recompute + replicated_flops_per_token) * batch_size * seq_len / (peak * mfu)
 
     k, w, n = cand.accumulation, max(1, world), float(params)
     acct = accounting_for(cand.plan)

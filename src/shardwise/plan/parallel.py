@@ -204,6 +204,15 @@ def _degrees_label(tp: int, sp: int) -> str:
     return " x ".join(f"{k} {v}" for k, v in (("tp", tp), ("sp", sp)) if v > 1) or "tp 1 x sp 1"
 
 
+def replicated_flops(spec: ModelSpec, plan: ParallelPlan) -> float:
+    """Training FLOPs per token a device repeats for its sp group: the bundled GPT gathers the sequence
+    before its head, so each of the sp ranks computes the head and the loss of the group's every token
+    (the Hugging Face path scores only its slice)."""
+    if spec.kind != "gpt" or plan.sp == 1:
+        return 0.0
+    return (plan.sp - 1) * 6.0 * spec.hidden * spec.vocab_size / plan.tp
+
+
 def layer_shape(spec: ModelSpec) -> Tuple[int, int, int]:
     """(hidden, key/value width, layers): what sequence / tensor parallel's collectives move per token."""
     return spec.hidden, spec.hidden * spec.kv_heads // max(1, spec.heads), spec.depth or 0
@@ -218,4 +227,5 @@ __all__ = [
     "with_parallel_degrees",
     "search_parallel",
     "layer_shape",
+    "replicated_flops",
 ]
