@@ -77,6 +77,8 @@ def test_tp_and_sp_build_one_fsdp_strategy(assets):
         assert isinstance(strategy, FSDPStrategy)
         assert (strategy.tp_size, strategy.sp_size) == dims
         assert (strategy.parallel_plan.tp, strategy.parallel_plan.sp) == dims
+    # unpacked batches are padded up to a multiple of sp_size: any max_seq_len works
+    validate_config(_cfg(assets, sp_size=2, max_seq_len=31, packing=False))
     with pytest.raises(ValueError, match=r"strategy_options\['sp_size'\].*set sp_size: 2"):
         build_recipe_strategy(_cfg(assets, strategy_options={"sp_size": 2}), folder)
 
@@ -124,6 +126,7 @@ def test_flash_attention_under_sp_is_refused(assets):
         (dict(intermediate_size=129), dict(tp_size=2), r"tp_size=2 does not divide the model's intermediate_size=129"),
         (dict(vocab_size=101), dict(tp_size=2), r"vocab_size=101.*pad the vocabulary"),
         (dict(attention_dropout=0.1), dict(sp_size=2), r"attention_dropout=0.1.*attention_dropout=0"),
+        (dict(sliding_window=16), dict(sp_size=2), r"max_seq_len=32: .* sliding window of 16"),
     ],
 )
 def test_what_the_model_folder_cannot_split_is_refused(assets, tmp_path, config_changes, changes, message):

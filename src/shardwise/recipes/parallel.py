@@ -131,15 +131,15 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
                     f"{cfg.model_path}/config.json): each rank must hold whole heads. Use {name} in {fits}."
                 )
     seq = cfg.data.max_seq_len
-    if sp > 1 and seq % sp:
+    if sp > 1 and seq % sp and cfg.data.packing:  # unpacked batches are padded up to a multiple of sp
         raise ValueError(
-            f"sp_size={sp} does not divide max_seq_len={seq}: each sp rank takes an equal slice of the "
-            f"sequence. Use max_seq_len={seq - seq % sp or sp} (a multiple of {sp})."
+            f"sp_size={sp} does not divide max_seq_len={seq}: each sp rank takes an equal slice of a packed "
+            f"block. Use max_seq_len={seq - seq % sp or sp} (a multiple of {sp})."
         )
-    if sp > 1:  # what the Hugging Face attention hook cannot honour: dropout, soft-capping, bidirectional
+    if sp > 1:  # what the Hugging Face attention hook cannot honour: dropout, soft-capping, a short window
         from shardwise.strategies.sequence_parallel_hf import check_hf_sequence_parallel
 
-        check_hf_sequence_parallel(config, sp, type(config).__name__)
+        check_hf_sequence_parallel(config, sp, type(config).__name__, max_seq_len=seq)
     if tp > 1:
         if getattr(config, "base_model_tp_plan", None) is None:
             raise ValueError(
