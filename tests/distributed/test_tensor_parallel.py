@@ -102,38 +102,85 @@ def hf_tensor_parallel(path: str, dp: int, tp: int) -> Dict[str, Any]:
     from shardwise.recipes import hf_model
     from shardwise.strategies.materialize import materialize_module
 
-    own_group = not dist.is_initialized()  # the Trainer's run before may leave its group up
-    if own_group:
+    if not dist.is_initialized():  # the Trainer's run before leaves its group up, for the launch's end
         dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    folder = hf_model.inspect_model_folder(path)
+    with torch.device("meta"):
+        model = hf_model.build_meta_model(folder)
+    apply_tensor_parallel(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+    def load() -> None:
+        hf_model.load_rank0_and_distribute(model, folder.path, folder.weight_files)
+        hf_model.recompute_buffers(model)
+
+    materialize_module(model, torch.device("cpu"), 0, load)
+    result = hf_forward_backward(model)
+    tp_dim = lambda p: p.device_mesh.mesh_dim_names.index("tp")  # noqa: E731
+    result["split"] = sorted(n for n, p in model.named_parameters() if isinstance(p.placements[tp_dim(p)], Shard))
+    result["meshes"] = {p.device_mesh.mesh_dim_names for p in model.parameters()}
+    return result
+
+
+class OwnPlan(nn.Module):
+    """A model of the user's own with a tensor_parallel_plan; its norm is left whole (ReplicateParallel)."""
+
+    tensor_parallel_plan = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(d, 4 * d), "down": nn.Linear(4 * d, d)}) for _ in range(2)
+        )
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["down"](F.gelu(block["up"](x)))
+        return self.norm(x)
+
+
+def own_plan_and_sequence_check(tp: int) -> Dict[str, Any]:
+    """A user's plan applied to real (not meta) weights against an unsplit copy; the GPT's sequence check."""
+    import copy
+
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    whole = OwnPlan()
+    split = copy.deepcopy(whole)
+    apply_tensor_parallel(split, mesh)
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(2))
+    whole(x).square().sum().backward()
+    y = split(x)
+    y.square().sum().backward()
+    grads = {
+        n: (ops.full_tensor(p.grad) - dict(whole.named_parameters())[n].grad).abs().max()
+        for n, p in split.named_parameters()
+    }
+    gpt = _meta_gpt()
+    apply_tensor_parallel(gpt, mesh)
     try:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        folder = hf_model.inspect_model_folder(path)
-        with torch.device("meta"):
-            model = hf_model.build_meta_model(folder)
-        apply_tensor_parallel(model, mesh["tp"])
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-
-        def load() -> None:
-            hf_model.load_rank0_and_distribute(model, folder.path, folder.weight_files)
-            hf_model.recompute_buffers(model)
-
-        materialize_module(model, torch.device("cpu"), 0, load)
-        result = hf_forward_backward(model)
-        tp_dim = lambda p: p.device_mesh.mesh_dim_names.index("tp")  # noqa: E731
-        result["split"] = sorted(n for n, p in model.named_parameters() if isinstance(p.placements[tp_dim(p)], Shard))
-        result["meshes"] = {p.device_mesh.mesh_dim_names for p in model.parameters()}
-        return result
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+        gpt(torch.zeros(1, 2 * tp + 1, dtype=torch.long, device="meta"))
+        sequence_error = None
+    except ValueError as exc:
+        sequence_error = str(exc)
+    return {
+        "out": float((y - whole(x)).abs().max()),
+        "grads": max(grads.values()).item(),
+        "sequence_error": sequence_error,
+    }
 
 
 def run_configuration(path: str, dp: int, tp: int) -> Dict[str, Any]:
     """One launch: the Trainer's GPT run, then the Hugging Face check on the same mesh shape."""
     losses = train(dp * tp, tp)
-    return {"losses": losses, "hf": hf_tensor_parallel(path, dp, tp)}
+    result = {"losses": losses, "hf": hf_tensor_parallel(path, dp, tp)}
+    if dp == 1:
+        result["own"] = own_plan_and_sequence_check(tp)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +224,9 @@ def test_tensor_parallel_matches_one_process(reference, hf_folder, dp, tp):
     assert reference["losses"][-1] < reference["losses"][0]
     for rank in ranks:
         _check_hf(rank["hf"], reference["hf"])
+        if "own" in rank:  # tp only: a user's own plan on real weights, and the GPT's sequence check
+            assert rank["own"]["out"] < 1e-6 and rank["own"]["grads"] < 1e-5, rank["own"]
+            assert "sequence length 5 must be a multiple of tp_size=2" in rank["own"]["sequence_error"]
 
 
 # ------------------------------------------------------------------ refusals (one process, a fake mesh)
