@@ -149,9 +149,11 @@ def test_the_export_loads_with_transformers_and_gives_the_trained_logits(runs):
     assert layout.read_manifest(last)["global_step"] == STEPS
     converted = os.path.join(runs["root"], "converted.safetensors")
     convert(last, converted)
-    weights = load_file(converted)
+    weights = load_file(converted)  # named as the TrainModule holds them: the recipe's module keeps the model in .model
+    prefix = next(k[: -len("lm_head.weight")] for k in weights if k.endswith("lm_head.weight"))
+    assert set(weights) == {prefix + name for name in trained}
     for name, value in trained.items():
-        assert torch.equal(weights[name], value), name
+        assert torch.equal(weights[prefix + name], value), name
     one = AutoModelForCausalLM.from_pretrained(os.path.join(runs["root"], "one-resumed"))
     ids = torch.tensor([[2, 5, 9, 12, 3, 7, 11, 4]])
     with torch.no_grad():
