@@ -470,7 +470,17 @@ class _Planner:
         depths = self._depths_for(self._traced(cand)[0])
         if len(depths) == 2:
             method += f", extrapolated from {depths[0]}-{depths[1]} blocks"
-        return self._finish(cand, allocated, phase, breakdown, host, method, tr.largest_transient)
+        return self._finish(cand, allocated, phase, breakdown, host, method, self._transient(cand, tr, r))
+
+    def _transient(self, cand: Candidate, tr: Trace, r: float) -> float:
+        """The largest transient block at activation scale r (a smaller micro-batch read off a larger one's
+        trace): a batch-sized block (logits) shrinks with the batch, none below a parameter-sized one (a
+        gathered unit, an optimizer temporary: at most a block's or the largest layer's fp32 bytes)."""
+        if r >= 1:
+            return tr.largest_transient
+        counts = self.spec.param_counts()
+        state = 4.0 * max(counts["per_block"], counts["largest_layer"]) / cand.plan.tp
+        return min(tr.largest_transient, max(r * tr.largest_transient, state))
 
     def _finish(
         self,
