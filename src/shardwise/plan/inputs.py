@@ -52,7 +52,8 @@ def validate_inputs(
     if not isinstance(seq_len, int) or seq_len < 1:
         raise PlanError(f"seq_len={seq_len!r}: use a positive integer.")
     if spec.kind == "gpt" and seq_len > spec.config.block_size:
-        raise PlanError(f"seq_len={seq_len} exceeds {spec.name}'s context length {spec.config.block_size}.")
+        longer = " The presets llama-3.1-8b / llama-3.1-70b have 131072." if spec.name.startswith("llama-3") else ""
+        raise PlanError(f"seq_len={seq_len} exceeds {spec.name}'s context length {spec.config.block_size}.{longer}")
     if reserved_factor is not None and not reserved_factor >= 1.0:
         raise PlanError(
             f"reserved_factor={reserved_factor!r}: the allocator reserves at least what is allocated (>= 1)."
