@@ -123,6 +123,11 @@ def test_flash_attention_under_sp_is_refused(assets):
     [
         (dict(base_model_tp_plan=None), dict(tp_size=2), r"declares no tensor-parallel plan.*Use sp_size"),
         (dict(tie_word_embeddings=True), dict(tp_size=2), r"ties its output head.*Use sp_size or FSDP alone"),
+        (
+            dict(base_model_tp_plan={"layers.*.mlp.up_proj": "local_colwise"}),
+            dict(tp_size=2),
+            r"styles shardwise does not translate \(layers.\*.mlp.up_proj: local_colwise",
+        ),
         (dict(intermediate_size=129), dict(tp_size=2), r"tp_size=2 does not divide the model's intermediate_size=129"),
         (dict(vocab_size=101), dict(tp_size=2), r"vocab_size=101.*pad the vocabulary"),
         (dict(attention_dropout=0.1), dict(sp_size=2), r"attention_dropout=0.1.*attention_dropout=0"),

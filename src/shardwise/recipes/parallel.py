@@ -147,6 +147,16 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
                 "(base_model_tp_plan in transformers), so there is no column/row split to apply. Use sp_size "
                 "or more FSDP ranks instead, or a model type that has one (Llama, Mistral, Qwen2, ...)."
             )
+        from shardwise.strategies.tensor_parallel import HF_STYLES
+
+        plan = {**(config.base_model_tp_plan or {}), **_causal_lm_tp_plan(config)}
+        unknown = sorted({f"{key}: {style}" for key, style in plan.items() if style not in HF_STYLES})
+        if unknown:
+            raise ValueError(
+                f"tp_size={tp}: {type(config).__name__}'s tp_plan uses styles shardwise does not translate "
+                f"({', '.join(unknown)}; known: {', '.join(sorted(HF_STYLES))}). Use sp_size or FSDP alone "
+                "for this model."
+            )
         if getattr(config, "tie_word_embeddings", False):
             raise ValueError(
                 f"tp_size={tp}: {type(config).__name__} ties its output head to its input embedding "
