@@ -4,9 +4,10 @@ The refusals run in this process, as validate_config does before any worker
 starts: each names the fix. The acceptance run fine-tunes a tiny local Llama
 on packed chat data in fp32 for 5 steps with the same global batch (4
 blocks of 32 tokens) on 1 process, then on 2 with sp_size 2 and on 2 with
-tp_size 2 (one launch, two runs): the per-step losses agree with one
-process's within 1e-4 relative. The fourth layout of the acceptance, 4
-processes as FSDP x sp 2, shares its launch with the resume test
+tp_size 2 (one launch): the per-step losses agree with one process's within
+1e-4 relative. In the same launch the tp 2 run's step-3 checkpoint resumes
+as 2-way FSDP within 1e-5. The fourth layout of the acceptance, 4 processes
+as FSDP x sp 2, shares its launch with the resume test
 (tests/distributed/test_parallel_resume.py), which compares it with one
 process the same way.
 """
@@ -161,12 +162,26 @@ def _run_config(assets, name, **changes):
     )
 
 
-def _losses_at_two_layouts(configs):
-    """In 2 launched processes: one run per config, in turn; rank 0's per-step losses of each."""
-    out = {}
-    for name, cfg in configs:
-        out[name] = [s["loss"] for s in finetune(cfg).losses]
-    return out
+def _losses_at_two_layouts(sp2, tp2):
+    """In 2 launched processes, in turn: sp 2, tp 2 (a checkpoint at step 3), and that checkpoint resumed as
+    2-way FSDP; rank 0's per-step losses of each."""
+    import dataclasses
+    import os
+
+    from shardwise.checkpoint import layout
+
+    out = {"sp2": finetune(sp2).losses, "tp2": finetune(tp2).losses}
+    step3 = layout.latest_checkpoint(os.path.join(tp2.output_dir, "checkpoints"))
+    as_fsdp = dataclasses.replace(
+        tp2,
+        tp_size=1,
+        per_device_train_batch_size=GLOBAL_BATCH // 2,
+        save_steps=None,
+        output_dir=tp2.output_dir + "-as-fsdp",
+        resume_from_checkpoint=step3,
+    )
+    out["tp2_resumed_as_fsdp"] = finetune(as_fsdp).losses
+    return {name: [s["loss"] for s in losses] for name, losses in out.items()}
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +189,9 @@ def layouts(assets):
     import shardwise
 
     one = finetune(_run_config(assets, "one", devices=1, per_device_train_batch_size=GLOBAL_BATCH))
-    configs = [
-        ("sp2", _run_config(assets, "sp2", devices=2, sp_size=2, per_device_train_batch_size=GLOBAL_BATCH)),
-        ("tp2", _run_config(assets, "tp2", devices=2, tp_size=2, per_device_train_batch_size=GLOBAL_BATCH)),
-    ]
-    two = shardwise.launch(_losses_at_two_layouts, configs, devices=2)[0]
+    sp2 = _run_config(assets, "sp2", devices=2, sp_size=2, per_device_train_batch_size=GLOBAL_BATCH)
+    tp2 = _run_config(assets, "tp2", devices=2, tp_size=2, per_device_train_batch_size=GLOBAL_BATCH, save_steps=3)
+    two = shardwise.launch(_losses_at_two_layouts, sp2, tp2, devices=2)[0]
     return {"one": [s["loss"] for s in one.losses], **two}
 
 
@@ -188,6 +201,14 @@ def test_per_step_losses_match_one_process(layouts, layout):
     one = layouts["one"]
     assert len(one) == STEPS and one[-1] < one[0]  # it trains
     assert layouts[layout] == pytest.approx(one, rel=1e-4), layout
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_resumes_as_fsdp(layouts):
+    # DCP reads the (dp, tp) DTensor shards into 2-way FSDP's; steps 1-3 travel in the checkpoint
+    tp2, resumed = layouts["tp2"], layouts["tp2_resumed_as_fsdp"]
+    assert resumed[:3] == tp2[:3]
+    assert resumed[3:] == pytest.approx(tp2[3:], rel=1e-5, abs=1e-5)
 
 
 # ------------------------------------------------------------------ spellings: CLI, Accelerate, shardwise fit
