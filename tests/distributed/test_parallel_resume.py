@@ -96,7 +96,8 @@ def runs(tmp_path_factory):
     assert killed.returncode != 0, f"the run was supposed to be killed:\n{killed.stderr[-3000:]}"
     last = layout.latest_checkpoint(os.path.join(root, "run", "checkpoints"))
     assert last is not None, killed.stderr[-3000:]
-    assert layout.read_manifest(last)["global_step"] == LAST_SAVED
+    manifest = layout.read_manifest(last)
+    assert manifest["global_step"] == LAST_SAVED and manifest["layout"] == "FSDP FULL_SHARD x sp 2"  # for inspect
 
     out = shardwise.launch(_four_process_runs, root, model, data, last, devices=4)[0]
     one = recipe_config(root, model, data, "one-resumed", devices=1, sp_size=1, per_device_train_batch_size=4)

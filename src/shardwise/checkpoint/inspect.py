@@ -193,7 +193,8 @@ def render(summary: Dict[str, Any], limit: int = 50) -> str:
     lines = [
         f"checkpoint   {summary['path']}",
         f"format       {m.get('checkpoint_format')} (layout version {m.get('format_version')}), written by "
-        f"strategy {m.get('strategy')!r} on {m.get('world_size')} process(es)",
+        f"strategy {m.get('strategy')!r}{f' ({lay})' if (lay := m.get('layout')) else ''} on {m.get('world_size')} "
+        "process(es)",
         f"progress     epoch {m.get('epoch')}, global step {m.get('global_step')}, {m.get('batch_idx')} "
         "batch(es) of the epoch done",
         f"written      {m.get('created')} (shardwise {m.get('shardwise_version')}, torch {m.get('torch_version')}), "

@@ -149,6 +149,14 @@ def _gather_rng(rng: Dict[str, Any]) -> List[Dict[str, Any]]:
     ]
 
 
+def _layout_label(strategy: Any) -> Optional[str]:
+    """The strategy's parallel layout in words, or None for a strategy that cannot describe itself."""
+    try:
+        return strategy.parallel_plan.label
+    except (AttributeError, TypeError, ValueError):  # a user's strategy without a plan: the checkpoint needs none
+        return None
+
+
 def collect_state(states: TrainingStates) -> Dict[str, Any]:
     """Everything but the model and optimizers, identical on every rank (collective: gathers RNG states)."""
     strategy, module, train_state = states.strategy, states.module, states.train_state
@@ -163,6 +171,8 @@ def collect_state(states: TrainingStates) -> Dict[str, Any]:
                 strategy.checkpoint_format, getattr(strategy, "name", "?"), strategy.world_size, position
             ),
             "optimizers": [type(opt).__name__ for opt in strategy.optimizers],
+            # What `shardwise inspect` shows: "FSDP FULL_SHARD x sp 2"; loading reads no layout from it.
+            "layout": _layout_label(strategy),
             "run_id": train_state.run_id,
             # An adapter model saves its trainable weights only, and names its base (adapters.py).
             **({adapters.ADAPTER_KEY: adapter} if (adapter := adapters.record(module)) else {}),
