@@ -129,6 +129,7 @@ def test_traced_sp_and_tp_halve_activations_per_sequence_and_tp_halves_replicate
     plain, sp = rows[("FSDP FULL_SHARD", 1)], rows[("FSDP FULL_SHARD x sp 2", 2)]
     one, tp = rows[("FSDP NO_SHARD", 1)], rows[("FSDP NO_SHARD x tp 2", 2)]
     assert all(e.method == "traced" for e in rows.values())
+    assert (sp.candidate.to_dict()["sp"], tp.candidate.to_dict()["tp"]) == (2, 2)  # in --json too
     for split, whole in ((sp, plain), (tp, one)):
         ratio = split.breakdown["activations"] / whole.breakdown["activations"]
         assert 0.95 < ratio < 1.1, (split.label, ratio)  # 2.0 if the sequences were not split

@@ -3,8 +3,8 @@
 A `Candidate` is what a user would try, from the least to the most sharded: DDP;
 FSDP NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, each with and
 without activation checkpointing; FULL_SHARD with CPU offload; DeepSpeed
-ZeRO-1/2/3 and ZeRO-3 offload; each at a micro-batch size with gradient
-accumulation that keeps the global batch. What the configuration *is* is its
+ZeRO-1/2/3 and ZeRO-3 offload (sequence / tensor parallel degrees: parallel.py);
+each at a micro-batch size with gradient accumulation that keeps the global batch. What the configuration *is* is its
 `plan` (strategies/parallel.py); `build_strategy` is the only place a
 candidate turns into a strategy, and both the planner's fake-tensor trace and
 the accuracy benchmark's real runs call it, so what is predicted and what is
@@ -128,6 +128,8 @@ class Candidate:
             stage=self.stage,
             activation_checkpointing=self.activation_checkpointing,
             offload=self.offload,
+            tp=self.plan.tp,
+            sp=self.plan.sp,
             micro_batch=self.micro_batch,
             accumulation=self.accumulation,
             custom=self.custom,
