@@ -90,6 +90,10 @@ def _run_one(
 
     shardwise.seed_everything(0)
     module = spec.training_module(optimizer=optimizer)
+    if spec.kind == "hf":
+        # Built on meta; Hugging Face's own per-module initialisation (weights, norms, rotary tables)
+        # on the materialised, sharded model: the values do not matter, only that every tensor exists.
+        module.init_weights = lambda: [module.model._init_weights(m) for m in module.model.modules()]
     probe = _Probe()
     strategy = cand.build_strategy(spec.block_classes, deepspeed_config=deepspeed_config)
     trainer = Trainer(
