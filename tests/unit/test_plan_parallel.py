@@ -136,3 +136,28 @@ def test_traced_sp_and_tp_halve_activations_per_sequence_and_tp_halves_replicate
     # Replicated (NO_SHARD): under tp 2 each rank holds half of every matrix.
     for part in ("parameters", "optimizer"):
         assert 0.5 <= tp.breakdown[part] / one.breakdown[part] < 0.52
+
+
+def test_a_hugging_face_model_under_sp_is_traced_scoring_its_slice():
+    # As `shardwise finetune` runs it (sequence_parallel_hf.split_batch): each sp rank runs its slice and
+    # scores it, so the logits are split too; with a large vocabulary sp 2 holds about half per sequence.
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from shardwise.plan.presets import hf_config_spec
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    rows = _rows(hf_config_spec("tiny-hf-llama", cfg), ["fsdp", ParallelPlan("fsdp", sp=2)], batch_size=1)
+    plain, sp = rows[("FSDP FULL_SHARD", 1)], rows[("FSDP FULL_SHARD x sp 2", 2)]
+    assert plain.method == sp.method == "traced"
+    ratio = sp.breakdown["activations"] / plain.breakdown["activations"]
+    assert 0.9 < ratio < 1.1, ratio  # two sequences over two ranks: one sequence's worth (2.0 unsplit)
