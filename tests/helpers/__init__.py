@@ -10,4 +10,5 @@ by name from a worker, so nothing here imports one.
   seeds          the seed documents' stand-in data
   collective_counts  the collectives per optimizer step per strategy (counted in training, priced by the planner)
   trainers       quiet_trainer: a one-process CPU Trainer without logger, progress bar or checkpoints
+  selection      the selected parameters of a module's tests, for fixtures that run them in one launch
 """

@@ -1,6 +1,8 @@
 """trainer.test / trainer.predict (issue 24, item 2): test_step / predict_step, their loader hooks and the
 DataModule's, Lightning's return values, hooks and setup / teardown stages, under every strategy."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ import shardwise
 from shardwise import DataModule, FSDPStrategy, Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
 
+from helpers.selection import selected_params
 from helpers.trainers import quiet_trainer as _trainer
 
 
@@ -344,13 +347,34 @@ def evaluate_on_ranks(strategy_name, n_predict):
     return results, predictions, {k: v.clone() for k, v in state.items()}, list(module.stages)
 
 
+def evaluate_each(strategy_names, n_predict):
+    """One worker: evaluate_on_ranks for each strategy in turn, in the same processes."""
+    return {name: evaluate_on_ranks(name, n_predict) for name in strategy_names}
+
+
+PREDICT_SAMPLES = 5  # rank 0 predicts samples 0, 2, 4 (two batches), rank 1 samples 1, 3 (one batch)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request):
+    """The selected strategies of test_test_and_predict_on_two_ranks, one after another in one launch of 2
+    ranks (start-up costs more than these runs): strategy -> each rank's result. DeepSpeed runs last, and only
+    where it is installed."""
+    names = selected_params(request, "strategy", ["test_test_and_predict_on_two_ranks"])
+    names = sorted(names, key=lambda n: n.startswith("deepspeed"))
+    if any(n.startswith("deepspeed") for n in names) and importlib.util.find_spec("deepspeed") is None:
+        names = [n for n in names if not n.startswith("deepspeed")]
+    ranks = shardwise.launch(evaluate_each, names, PREDICT_SAMPLES, devices=2)
+    return {name: [rank[name] for rank in ranks] for name in names}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])
-def test_test_and_predict_on_two_ranks(strategy):
+def test_test_and_predict_on_two_ranks(strategy, two_rank_runs):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-    n = 5  # rank 0 predicts samples 0, 2, 4 (two batches), rank 1 samples 1, 3 (one batch)
-    ranks = shardwise.launch(evaluate_on_ranks, strategy, n, devices=2)
+    n = PREDICT_SAMPLES
+    ranks = two_rank_runs[strategy]
     seen = sorted(i for _, predictions, _, _ in ranks for batch in predictions for i in batch)
     assert seen == list(range(n))  # each sample predicted exactly once across the ranks
     assert [i for batch in ranks[0][1] for i in batch] == [0, 2, 4]
