@@ -19,6 +19,7 @@ import shardwise
 from shardwise import FSDPStrategy, TrainModule
 from shardwise.health import NonFiniteError
 
+from helpers.selection import selected_params
 from helpers.trainers import quiet_trainer as _trainer
 
 STEPS = 6  # batches; each takes one discriminator and one generator step
@@ -245,11 +246,26 @@ def gan_run(strategy_name, world, steps):
     return module.history, {k: v.clone() for k, v in state.items()}, trainer.global_step
 
 
+def gan_runs(strategy_names, world, steps):
+    """One worker: gan_run for each strategy in turn, in the same processes."""
+    return {name: gan_run(name, world, steps) for name in strategy_names}
+
+
+@pytest.fixture(scope="module")
+def gan_on_two_ranks(request):
+    """The one-device reference and the selected strategies of test_gan_trains_under_two_processes_like_one,
+    one after another in one launch of 2 ranks (start-up costs more than these runs)."""
+    names = selected_params(request, "strategy", ["test_gan_trains_under_two_processes_like_one"])
+    reference = shardwise.launch(gan_run, "single", 1, STEPS, devices=1)[0]
+    ranks = shardwise.launch(gan_runs, names, 2, STEPS, devices=2)
+    return reference, {name: [rank[name] for rank in ranks] for name in names}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_gan_trains_under_two_processes_like_one(strategy):
-    (reference, ref_state, _), *_ = shardwise.launch(gan_run, "single", 1, STEPS, devices=1)
-    ranks = shardwise.launch(gan_run, strategy, 2, STEPS, devices=2)
+def test_gan_trains_under_two_processes_like_one(strategy, gan_on_two_ranks):
+    (reference, ref_state, _), by_strategy = gan_on_two_ranks
+    ranks = by_strategy[strategy]
     for history, state, global_step in ranks:
         assert global_step == 2 * STEPS
         # The losses logged per rank are of each rank's half; the weights, from averaged gradients,
@@ -322,12 +338,16 @@ def manual_regression(strategy):
     return {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.model).items()}, trainer.global_step
 
 
+def manual_regressions(strategies):
+    return [manual_regression(strategy) for strategy in strategies]
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_manual_optimization_under_deepspeed():
     pytest.importorskip("deepspeed")
-    reference, _ = shardwise.launch(manual_regression, "single", devices=1)[0]
-    state, steps = shardwise.launch(manual_regression, "deepspeed_stage_2", devices=1)[0]
+    # Both in one process, the reference first: a fresh process each would only add start-up.
+    (reference, _), (state, steps) = shardwise.launch(manual_regressions, ["single", "deepspeed_stage_2"], devices=1)[0]
     assert steps == 4
     for name, value in reference.items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
