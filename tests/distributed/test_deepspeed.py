@@ -241,13 +241,18 @@ def two_rank_runs(parts: List[str], root: str) -> Dict[str, Any]:
         out["bf16"] = bf16_runs(BF16_NAMES)
     if "checkpoints" in parts:
         out["checkpoints"] = checkpoint_runs(CHECKPOINT_NAMES, root)
+    if "inspect" in parts:
+        os.makedirs(os.path.join(root, "inspect"), exist_ok=True)
+        out["inspect"] = inspect_checkpoints(os.path.join(root, "inspect"))
     if "offload" in parts:  # last: it swaps in DeepSpeedCPUAdam
         out["offload"] = offload_run()
     return out
 
 
-def one_rank_runs(parts: List[str], root: str) -> Dict[str, Any]:
+def one_rank_runs(parts: List[str], root: str, two_rank_root: Optional[str]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
+    if "resume" in parts:  # the 2-rank launch's checkpoints, resumed on 1 rank
+        out["resume"] = resume_on_one_process(CHECKPOINT_NAMES, two_rank_root)
     if "teardown" in parts:
         out["teardown"] = fit_twice_with_teardown()
     if "zero3" in parts:  # after: it makes DeepSpeed's accelerator report no fp16
@@ -276,6 +281,7 @@ def two_ranks(request, tmp_path_factory):
             "test_zero_stages_follow_ddp_loss_curve": "curves",
             "test_bf16_maps_to_deepspeed_bf16_and_follows_ddp": "bf16",
             "test_checkpoint_round_trip_convert_and_resume_at_another_world_size": "checkpoints",
+            "test_inspect_sizes_deepspeed_optimizer_state": "inspect",
             "test_zero3_with_optimizer_and_parameter_offload_trains": "offload",
         },
     )
@@ -290,9 +296,13 @@ def one_rank(request, tmp_path_factory):
         {
             "test_a_second_run_in_the_same_process_after_teardown": "teardown",
             "test_zero3_weights_equal_ddp_in_fp32_whatever_the_accelerator_supports": "zero3",
+            "test_checkpoint_round_trip_convert_and_resume_at_another_world_size": "resume",
         },
     )
-    return shardwise.launch(one_rank_runs, parts, str(tmp_path_factory.mktemp("deepspeed-1")), devices=1)[0]
+    # The resume reads the 2-rank launch's checkpoints, so that launch comes first when it is selected.
+    two_rank_root = str(request.getfixturevalue("two_ranks")[0]) if "resume" in parts else None
+    root = str(tmp_path_factory.mktemp("deepspeed-1"))
+    return shardwise.launch(one_rank_runs, parts, root, two_rank_root, devices=1)[0]
 
 
 def test_a_second_run_in_the_same_process_after_teardown(one_rank):
@@ -337,7 +347,7 @@ def test_bf16_maps_to_deepspeed_bf16_and_follows_ddp(two_ranks):
 
 
 @pytest.mark.slow
-def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(two_ranks):
+def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(two_ranks, one_rank):
     root, ranks = two_ranks
     results = ranks[0]["checkpoints"]
     for name in CHECKPOINT_NAMES:
@@ -351,7 +361,7 @@ def test_checkpoint_round_trip_convert_and_resume_at_another_world_size(two_rank
         assert manifest["checkpoint_format"] == "deepspeed" and manifest["world_size"] == 2
     # Saved by 2 ranks, resumed on 1 through DeepSpeed's universal checkpoint (stage 2 needed
     # DeepSpeed's universal_checkpoint_info injected; found by the chaos harness).
-    resumed = shardwise.launch(resume_on_one_process, CHECKPOINT_NAMES, str(root), devices=1)[0]
+    resumed = one_rank["resume"]
     for name in CHECKPOINT_NAMES:
         assert _rel(resumed[name], results[name]["first"][6:]) < 1e-5, (name, resumed[name])
         assert (root / f"{name}.ckpt" / "universal").is_dir()
@@ -404,18 +414,20 @@ def inspect_checkpoints(root: str) -> Dict[str, int]:
     return {"numel": sum(p.numel() for p in reference.parameters()), "tensors": len(list(reference.parameters()))}
 
 
-def test_inspect_sizes_deepspeed_optimizer_state(tmp_path):
+def test_inspect_sizes_deepspeed_optimizer_state(two_ranks):
     # `shardwise inspect` said "optimizer 0 B" for every DeepSpeed checkpoint (issue 26).
     from shardwise.checkpoint.inspect import describe, render
 
-    counts = shardwise.launch(inspect_checkpoints, str(tmp_path), devices=2)[0]
+    root, ranks = two_ranks
+    counts = ranks[0]["inspect"]
+    folder = root / "inspect"
     numel, tensors = counts["numel"], counts["tensors"]
     moments = 2 * 4 * numel  # AdamW's exp_avg and exp_avg_sq, fp32
     # Without ZeRO: torch's AdamW state as it is, one scalar step per parameter tensor.
-    stage0 = describe(str(tmp_path / "stage0.ckpt"))
+    stage0 = describe(str(folder / "stage0.ckpt"))
     assert stage0["ok"] and stage0["optimizer_bytes"] == moments + 4 * tensors, stage0["optimizer_bytes"]
     for name in ("stage2", "stage3"):
-        summary = describe(str(tmp_path / f"{name}.ckpt"))
+        summary = describe(str(folder / f"{name}.ckpt"))
         # ZeRO: each rank's partition of the moments and of the fp32 master weights (padded to the world
         # size at most), plus a scalar step per rank and parameter group.
         assert summary["ok"], name
