@@ -25,16 +25,35 @@ def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def test_two_process_strategies_match_single_device(reference):
-    # Strategy-table names, FSDP wrapping the Transformer's layers; and "fsdp" as one unit, as a bare
-    # Trainer(strategy="fsdp") shards a model without a wrap policy.
-    configs = [
-        dict(name=n, devices=2, batch_size=4, steps=STEPS)
-        for n in ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_ac")
-    ]
-    configs.append(dict(key="fsdp, one unit", name="fsdp", wrap=False, devices=2, batch_size=4, steps=STEPS))
-    names = [c.get("key", c["name"]) for c in configs]
-    results = shardwise.launch(train_many, configs, devices=2)
+# Strategy-table names, FSDP wrapping the Transformer's layers; and "fsdp" as one unit, as a bare
+# Trainer(strategy="fsdp") shards a model without a wrap policy.
+PARITY = [
+    dict(name=n, devices=2, batch_size=4, steps=STEPS)
+    for n in ("ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_ac")
+] + [dict(key="fsdp, one unit", name="fsdp", wrap=False, devices=2, batch_size=4, steps=STEPS)]
+BF16 = [
+    dict(key=p, name="fsdp", devices=2, batch_size=4, steps=12, precision=p, lr=3e-3)
+    for p in ("bf16-mixed", "bf16-true")
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request):
+    """The 2-rank runs of the selected tests below, one after another in one launch (start-up costs more than
+    these runs): run key -> each rank's losses."""
+    wanted = {item.originalname for item in request.session.items if item.module is request.module}
+    configs = []
+    if "test_two_process_strategies_match_single_device" in wanted:
+        configs += PARITY
+    if "test_bf16_mixed_and_true_train" in wanted:
+        configs += BF16
+    ranks = shardwise.launch(train_many, [dict(c) for c in configs], devices=2)
+    return {key: [rank[key] for rank in ranks] for key in ranks[0]}
+
+
+def test_two_process_strategies_match_single_device(reference, two_ranks):
+    names = [c.get("key", c["name"]) for c in PARITY]
+    results = [{name: two_ranks[name][rank] for name in names} for rank in range(2)]
     for rank_result in results:  # every rank saw the same reduced curve
         assert rank_result == results[0]
     assert len(reference) == STEPS
@@ -52,12 +71,8 @@ def test_hybrid_shard_2x2_matches_single_device(reference):
     assert _rel(losses, reference) < 1e-4, (losses, reference)
 
 
-def test_bf16_mixed_and_true_train():
-    configs = [
-        dict(key=p, name="fsdp", devices=2, batch_size=4, steps=12, precision=p, lr=3e-3)
-        for p in ("bf16-mixed", "bf16-true")
-    ]
-    results = shardwise.launch(train_many, configs, devices=2)[0]
+def test_bf16_mixed_and_true_train(two_ranks):
+    results = {c["key"]: two_ranks[c["key"]][0] for c in BF16}
     for precision, losses in results.items():
         head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
         assert tail < head * 0.95, (precision, losses)
