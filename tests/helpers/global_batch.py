@@ -141,23 +141,33 @@ def run_two_rank_layouts(configs: List[Any]) -> List[Dict[str, Any]]:
 
 def run_layouts(model_dir: str, data: str, root: str, packing: bool, **changes: Any) -> Dict[str, Dict[str, Any]]:
     """Every layout of LAYOUTS on the same data: name -> losses, sequences seen per step (all ranks), export."""
+    return run_layouts_packed_and_not(model_dir, data, root, [packing], **changes)[packing]
+
+
+def run_layouts_packed_and_not(
+    model_dir: str, data: str, root: str, packings: List[bool], **changes: Any
+) -> Dict[bool, Dict[str, Dict[str, Any]]]:
+    """run_layouts for each packing setting, the 2-rank layouts of all of them in one launch (start-up costs
+    more than these runs): packing -> layout name -> results."""
     import shardwise
 
-    out = {}
+    out: Dict[bool, Dict[str, Dict[str, Any]]] = {packing: {} for packing in packings}
     two_rank = []
-    for name, (devices, *_rest) in LAYOUTS.items():
-        cfg = config(model_dir, data, os.path.join(root, name.replace(" ", "_")), name, packing, **changes)
-        if devices == 1:
-            out[name] = run(cfg)
-        else:
-            two_rank.append((name, cfg))
-    ranks = shardwise.launch(run_two_rank_layouts, [c for _, c in two_rank], devices=2)
-    for i, (name, _) in enumerate(two_rank):
+    for packing in packings:
+        runs = os.path.join(root, f"packing-{packing}")
+        for name, (devices, *_rest) in LAYOUTS.items():
+            cfg = config(model_dir, data, os.path.join(runs, name.replace(" ", "_")), name, packing, **changes)
+            if devices == 1:
+                out[packing][name] = run(cfg)
+            else:
+                two_rank.append((packing, name, cfg))
+    ranks = shardwise.launch(run_two_rank_layouts, [c for *_, c in two_rank], devices=2)
+    for i, (packing, name, _) in enumerate(two_rank):
         merged: Dict[int, List[Any]] = {}
         for rank_results in ranks:
             for step, rows in rank_results[i]["seen"].items():
                 merged.setdefault(step, []).extend(rows)
-        out[name] = {**ranks[0][i], "seen": merged}
+        out[packing][name] = {**ranks[0][i], "seen": merged}
     return out
 
 

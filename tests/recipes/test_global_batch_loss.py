@@ -22,7 +22,8 @@ import os
 import pytest
 import torch
 
-from helpers.global_batch import REFERENCE, build_assets, compare, run_layouts
+from helpers.global_batch import REFERENCE, build_assets, compare, run_layouts_packed_and_not
+from helpers.selection import selected_params
 
 
 def _hf_loss_of_first_step(model_dir, sequences):
@@ -37,11 +38,23 @@ def _hf_loss_of_first_step(model_dir, sequences):
         return float(model(**batch, use_cache=False).loss)
 
 
+@pytest.fixture(scope="module")
+def layouts(request, tmp_path_factory):
+    """The selected packing settings' runs: one model and data, the 2-rank layouts of both settings in one
+    launch (start-up costs more than these runs); packing -> layout name -> results."""
+    packings = selected_params(
+        request, "packing", ["test_one_global_batch_in_five_layouts_gives_the_same_steps_and_weights"]
+    )
+    root = str(tmp_path_factory.mktemp("global-batch"))
+    model_dir, data = build_assets(root)
+    return model_dir, run_layouts_packed_and_not(model_dir, data, os.path.join(root, "runs"), packings)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
-def test_one_global_batch_in_five_layouts_gives_the_same_steps_and_weights(tmp_path, packing):
-    model_dir, data = build_assets(str(tmp_path))
-    results = run_layouts(model_dir, data, os.path.join(str(tmp_path), "runs"), packing)
+def test_one_global_batch_in_five_layouts_gives_the_same_steps_and_weights(layouts, packing):
+    model_dir, by_packing = layouts
+    results = by_packing[packing]
     report = compare(results)
     assert len(report) == 5
     for name, gap in report.items():
