@@ -16,7 +16,11 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-# Keyed by schema name so no distributed module has to be imported.
+# Keyed by schema name so no distributed module has to be imported. Only the in-place c10d ops
+# FSDP2, DDP and DeepSpeed issue: DTensor's redistributions (tensor parallel's all-gathers of
+# activations and logits, its reduce-scatters and backward all-reduces of activation gradients) run
+# as _c10d_functional ops and are activations like any other op's output; naming them parameters
+# or gradients overstated a tp plan's parameters by the gathered logits.
 PARAM_OPS = frozenset(
     {
         "fsdp::all_gather_copy_in",
@@ -24,8 +28,6 @@ PARAM_OPS = frozenset(
         "c10d::_allgather_base_",
         "c10d::allgather_",
         "c10d::allgather_into_tensor_coalesced_",
-        "_c10d_functional::all_gather_into_tensor",
-        "_c10d_functional::all_gather_into_tensor_coalesced",
     }
 )
 GRAD_OPS = frozenset(
@@ -34,11 +36,9 @@ GRAD_OPS = frozenset(
         "c10d::_reduce_scatter_base_",
         "c10d::reduce_scatter_",
         "c10d::reduce_scatter_tensor_coalesced_",
-        "_c10d_functional::reduce_scatter_tensor",
-        "_c10d_functional::reduce_scatter_tensor_coalesced",
     }
 )
-BACKWARD_GRAD_OPS = frozenset({"c10d::allreduce_", "_c10d_functional::all_reduce"})
+BACKWARD_GRAD_OPS = frozenset({"c10d::allreduce_"})
 
 
 def op_info(func) -> tuple[str | None, bool]:
