@@ -90,9 +90,32 @@ def _no_leftover_process_group():
         dist.destroy_process_group()
 
 
-def test_every_format_resumes_under_every_strategy_and_optimizer(tmp_path):
-    root = str(tmp_path)
-    saved, resumed = shardwise.launch(write_and_resume, root, devices=2)[0]
+def two_rank_parts(parts, root):
+    """One launch of 2 ranks for the selected tests below (start-up, DeepSpeed's most of all, costs more than
+    these runs): the formats first, DeepSpeed's engine last."""
+    out = {}
+    if "formats" in parts:
+        out["formats"] = write_and_resume(os.path.join(root, "formats"))
+    if "deepspeed" in parts:
+        out["deepspeed"] = deepspeed_save(os.path.join(root, "deepspeed"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    by_test = {
+        "test_every_format_resumes_under_every_strategy_and_optimizer": "formats",
+        "test_deepspeed_checkpoint_checksums_refusals_and_conversion": "deepspeed",
+    }
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    parts = sorted(part for test, part in by_test.items() if test in selected)
+    root = tmp_path_factory.mktemp("formats-and-deepspeed")
+    return root, shardwise.launch(two_rank_parts, parts, str(root), devices=2)[0]
+
+
+def test_every_format_resumes_under_every_strategy_and_optimizer(two_ranks):
+    root = str(two_ranks[0] / "formats")
+    saved, resumed = two_ranks[1]["formats"]
     resumed.update(resume(root, ["single", "fsdp"], 1))  # this process: one device
     assert len(resumed) == 3 * (3 * 2 + 1) + 3 * 3 * 2  # 39 resumes
     for (opt, fmt, strategy), got in resumed.items():
@@ -120,14 +143,14 @@ def deepspeed_save(root):
 
 
 @pytest.mark.slow  # DeepSpeed's engine start-up on 2 processes: ~35 s on 2 cores
-def test_deepspeed_checkpoint_checksums_refusals_and_conversion(tmp_path, capsys):
+def test_deepspeed_checkpoint_checksums_refusals_and_conversion(two_ranks, capsys):
     from shardwise.checkpoint import layout
     from shardwise.checkpoint.errors import CheckpointFormatError, ChecksumMismatchError, UnsafeCheckpointError
     from shardwise.checkpoint.reader import open_checkpoint
     from shardwise.cli import main as cli_main
 
-    root = str(tmp_path)
-    assert shardwise.launch(deepspeed_save, root, devices=2)[0] == STEPS
+    root = str(two_ranks[0] / "deepspeed")
+    assert two_ranks[1]["deepspeed"] == STEPS
     ckpt = os.path.join(root, "ds.ckpt")
     sums = layout.read_manifest(ckpt)["checksums"]
     engine = sorted(f for f in sums if f.startswith("engine/"))
