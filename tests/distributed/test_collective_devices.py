@@ -90,13 +90,32 @@ def run_finetune(model_dir, data, out):
     return result.losses, result.eval_losses, dict(calls)
 
 
+def run_both(finetune_args):
+    """One worker: the Trainer's metrics, then (when its test is selected) the recipe in the same processes."""
+    return run_metrics(), run_finetune(*finetune_args) if finetune_args else None
+
+
 @pytest.fixture(scope="module")
-def metrics():
-    return shardwise.launch(run_metrics, devices=2)
+def two_ranks(request, tmp_path_factory):
+    """Both tests' runs in one launch of 2 ranks (start-up costs more than these runs); the recipe's only when
+    its test is selected."""
+    finetune_args = None
+    if any(
+        item.originalname == "test_finetune_loss_reductions_run_on_the_collective_device"
+        for item in request.session.items
+        if item.module is request.module
+    ):
+        from helpers.hf import build_model_folder, chat_records, write_jsonl
+
+        root = tmp_path_factory.mktemp("finetune")
+        records = chat_records(64)
+        model_dir = build_model_folder(str(root / "tiny-llama"), records)
+        finetune_args = (model_dir, write_jsonl(str(root / "chat.jsonl"), records), str(root / "out"))
+    return shardwise.launch(run_both, finetune_args, devices=2)
 
 
-def test_sync_dist_metrics_reduce_on_the_collective_device(metrics):
-    (logged, calls, direct), other = metrics
+def test_sync_dist_metrics_reduce_on_the_collective_device(two_ranks):
+    (logged, calls, direct), other = [metrics for metrics, _ in two_ranks]
     assert calls.get("all_reduce", 0) >= 4, calls  # step and epoch reductions all went through the check
     assert logged["rank_mean"] == pytest.approx(1.5) and other[0]["rank_mean"] == pytest.approx(1.5)
     assert logged["rank_max"] == pytest.approx(2.0)
@@ -106,13 +125,8 @@ def test_sync_dist_metrics_reduce_on_the_collective_device(metrics):
 
 
 @pytest.mark.slow
-def test_finetune_loss_reductions_run_on_the_collective_device(tmp_path):
-    from helpers.hf import build_model_folder, chat_records, write_jsonl
-
-    records = chat_records(64)
-    model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
-    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
-    ranks = shardwise.launch(run_finetune, model_dir, data, str(tmp_path / "out"), devices=2)
+def test_finetune_loss_reductions_run_on_the_collective_device(two_ranks):
+    ranks = [finetune for _, finetune in two_ranks]
     losses, eval_losses, calls = ranks[0]
     assert len(losses) == 2 and len(eval_losses) == 2, (losses, eval_losses)
     assert ranks[1][0] == losses  # every rank reports the same global mean
