@@ -18,6 +18,7 @@ CPU tensor, exactly as under offload on a GPU.
 
 import os
 
+import pytest
 import torch
 
 import shardwise
@@ -50,15 +51,39 @@ def run_recipe(model_dir, data, out):
     return result.output_dir, dict(calls)
 
 
-def test_fsdp_offload_recipe_loads_and_exports_through_the_collective_device(tmp_path):
+def run_both(full_tensors, recipe_args):
+    """One worker: the ZeRO-3 placement (its own process group, destroyed after), then the recipe (a group of
+    its own); each only when its test is selected."""
+    zero3 = run_zero3_partitions(full_tensors) if full_tensors is not None else None
+    return zero3, run_recipe(*recipe_args) if recipe_args is not None else None
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """Both tests' runs in one launch of 2 ranks (start-up costs more than these runs)."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    full = recipe_args = None
+    if "test_zero3_offload_partitions_arrive_through_the_collective_device" in selected:
+        torch.manual_seed(0)
+        full = [torch.randn(5, 3), torch.randn(7)]
+    if "test_fsdp_offload_recipe_loads_and_exports_through_the_collective_device" in selected:
+        from helpers.hf import build_model_folder, chat_records, write_jsonl
+
+        root = tmp_path_factory.mktemp("offload")
+        records = chat_records(32)
+        model_dir = build_model_folder(str(root / "tiny-llama"), records)
+        recipe_args = (model_dir, write_jsonl(str(root / "chat.jsonl"), records), str(root / "out"))
+    ranks = shardwise.launch(run_both, full, recipe_args, devices=2)
+    return {
+        "zero3": (full, [zero3 for zero3, _ in ranks]),
+        "recipe": (recipe_args and recipe_args[0], [recipe for _, recipe in ranks]),
+    }
+
+
+def test_fsdp_offload_recipe_loads_and_exports_through_the_collective_device(two_ranks):
     from safetensors.torch import load_file
 
-    from helpers.hf import build_model_folder, chat_records, write_jsonl
-
-    records = chat_records(32)
-    model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
-    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
-    ranks = shardwise.launch(run_recipe, model_dir, data, str(tmp_path / "out"), devices=2)
+    model_dir, ranks = two_ranks["recipe"]
     out, calls = ranks[0]
     # rank 0 sent slices, rank 1 received them, export gathered every tensor, clipping reduced its norm:
     # all on (fake) cuda:0.
@@ -93,10 +118,8 @@ def run_zero3_partitions(full_tensors):
     return [p.ds_tensor.clone() for p in params], dict(calls)
 
 
-def test_zero3_offload_partitions_arrive_through_the_collective_device():
-    torch.manual_seed(0)
-    full = [torch.randn(5, 3), torch.randn(7)]
-    ranks = shardwise.launch(run_zero3_partitions, full, devices=2)
+def test_zero3_offload_partitions_arrive_through_the_collective_device(two_ranks):
+    full, ranks = two_ranks["zero3"]
     assert ranks[0][1].get("send", 0) == 2 and ranks[1][1].get("recv", 0) == 2, ranks
     for i, tensor in enumerate(full):
         flat = tensor.reshape(-1)
