@@ -65,7 +65,12 @@ def forward_backward(
         if loss is not None:
             if before_backward is not None:
                 before_backward(loss)
-            strategy.backward(loss / window if loss_scale is None else loss * loss_scale, model)
+            backpropagated = loss
+            if loss_scale is not None:
+                backpropagated = loss * loss_scale
+            elif window > 1:  # x / 1 is x: no extra operation in the graph of a step without accumulation
+                backpropagated = loss / window
+            strategy.backward(backpropagated, model)
     return output, loss
 
 

@@ -45,7 +45,11 @@ def token_ids(batch: Any) -> Optional[torch.Tensor]:
 def count_tokens(module: Any, batch: Any) -> Any:
     """Trained tokens in a batch (an int, a device tensor, or None when it has no tokens); padding excluded
     where the batch says which positions are padding (an attention mask)."""
-    own = getattr(module, "count_tokens", None)
+    return _count(getattr(module, "count_tokens", None), batch)
+
+
+def _count(own: Any, batch: Any) -> Any:
+    """count_tokens with the module's own method (or None) already looked up."""
     if callable(own):
         return own(batch)
     if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
@@ -89,6 +93,7 @@ class ThroughputMonitor:
         self._clock: Optional[float] = None  # perf_counter at the last log point; None before step 1's
         self._paused_at: Optional[float] = None
         self._last_point = -1
+        self._own_count: Any = None  # the module's count_tokens, if it has one (on_train_start)
 
     def _reset_interval(self) -> None:
         self._host_tokens = 0
@@ -105,9 +110,11 @@ class ThroughputMonitor:
         )
         self._clock, self._last_point = None, trainer.global_step
         self._reset_interval()
+        # Looked up once per fit: on an nn.Module a missing attribute costs a raised AttributeError each time.
+        self._own_count = getattr(module, "count_tokens", None)
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-        tokens = count_tokens(module, batch)
+        tokens = _count(self._own_count, batch)
         if tokens is not None:
             self._has_tokens = True
             if isinstance(tokens, torch.Tensor):

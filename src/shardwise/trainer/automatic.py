@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from shardwise.distributed.progress import mark as mark_progress
+from shardwise.module_hooks import ModuleHooks
 from shardwise.trainer.hooks import call_callbacks, call_module
 
 
@@ -100,14 +101,34 @@ def check_trainable(loss: torch.Tensor, global_step: int, batch_idx: int) -> Non
 def before_backward(trainer: Any, loss: torch.Tensor, batch_idx: int, window: int, scale: Any = None) -> None:
     """The hooks before a backward: zero-grad ones on a window's first micro-batch, then on_before_backward
     with the loss as it is backpropagated (divided by the window, or scaled to the global batch)."""
+    module = trainer.module
     if batch_idx % window == 0:
         for optimizer in trainer.strategy.optimizers:
             call_callbacks(trainer, "on_before_zero_grad", optimizer)
             call_module(trainer, "on_before_zero_grad", optimizer)
-            call_module(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
-    backpropagated = loss / window if scale is None else loss * scale
-    call_callbacks(trainer, "on_before_backward", backpropagated)
-    call_module(trainer, "on_before_backward", backpropagated)
+            if _overrides(module, "optimizer_zero_grad") or _may_hold_gradients(optimizer):
+                call_module(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+    # The loss as backpropagated is a tensor operation of its own: made only when some hook receives it.
+    if _overrides(module, "on_before_backward") or any(
+        callable(getattr(callback, "on_before_backward", None)) for callback in trainer.callbacks
+    ):
+        backpropagated = loss / window if scale is None else loss * scale
+        call_callbacks(trainer, "on_before_backward", backpropagated)
+        call_module(trainer, "on_before_backward", backpropagated)
+
+
+def _overrides(module: Any, hook: str) -> bool:
+    """Whether the module's `hook` is its own, not ModuleHooks' default."""
+    return getattr(type(module), hook, None) is not getattr(ModuleHooks, hook)
+
+
+def _may_hold_gradients(optimizer: Any) -> bool:
+    """False only when the default optimizer_zero_grad would do nothing: a torch optimizer whose zero_grad is
+    torch's own and none of whose parameters holds a gradient (the loop sets them to None after each step).
+    An engine's optimizer (DeepSpeed's keeps gradients elsewhere) or an overridden zero_grad is always called."""
+    if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+        return True
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def after_backward(trainer: Any, loss: Optional[torch.Tensor]) -> None:

@@ -14,15 +14,18 @@ docstring). Which hook runs where is listed in lightning_hooks.py.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import warnings
-from typing import Any, Optional
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from shardwise.callbacks import EarlyStopping, ModelCheckpoint
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.module import enter_hook
+from shardwise.module_hooks import ModuleHooks
 
 # Callbacks whose decision reads a metric: at the end of a training epoch they run after the
 # module's on_train_epoch_end, so they can monitor what it logged (Lightning's hard-coded pair).
@@ -34,32 +37,84 @@ def call_callbacks(trainer: Any, hook: str, *args: Any, monitoring: Optional[boo
 
     monitoring: None for every callback; True / False for only those that do / do not monitor a metric.
     """
+    defining = _defining(trainer.callbacks, hook)
+    if not defining:  # most hooks of most steps: no callback has them, nothing to announce
+        return
     module = trainer.module
     previous = enter_hook(module, hook) if module is not None else None  # a callback's pl_module.log
     try:
-        for callback in trainer.callbacks:
+        for callback, fn in defining:
             if monitoring is not None and isinstance(callback, MONITORING) != monitoring:
                 continue
-            fn = getattr(callback, hook, None)
-            if callable(fn):
-                fn(trainer, module, *args, **kwargs)
+            fn(trainer, module, *args, **kwargs)
     finally:
         if previous is not None:
             enter_hook(module, previous)
+
+
+# Which callbacks define which hook, looked up once per list of callbacks instead of at every call (several
+# calls a step). Keyed by the list; valid while it holds the same objects in the same order.
+_TABLES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+class _Table:
+    def __init__(self, callbacks: List[Any]) -> None:
+        self.snapshot = tuple(callbacks)
+        self.hooks: Dict[str, List[Tuple[Any, Any]]] = {}
+
+
+def _defining(callbacks: List[Any], hook: str) -> List[Tuple[Any, Any]]:
+    """(callback, bound hook) for every callback that defines `hook`, in order."""
+    try:
+        table = _TABLES.get(callbacks)
+    except TypeError:  # not weakly referable (a tuple): look up every time
+        table = None
+    if (
+        table is None
+        or len(table.snapshot) != len(callbacks)
+        or any(a is not b for a, b in zip(table.snapshot, callbacks))
+    ):
+        table = _Table(callbacks)
+        try:
+            _TABLES[callbacks] = table
+        except TypeError:
+            pass
+    found = table.hooks.get(hook)
+    if found is None:
+        pairs = ((callback, getattr(callback, hook, None)) for callback in table.snapshot)
+        found = table.hooks[hook] = [(callback, fn) for callback, fn in pairs if callable(fn)]
+    return found
 
 
 def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
     """Call the module's `hook(*args, **kwargs)` if it defines one; return what it returns."""
     module = trainer.module
     fn = getattr(module, hook, None)
-    if not callable(fn):
-        return None
+    if not callable(fn) or getattr(fn, "__func__", None) is _EMPTY_DEFAULTS.get(hook):
+        return None  # ModuleHooks' empty default: nothing would run (several a step)
     previous = enter_hook(module, hook)
     mark_progress(hook, trainer.state.global_step)  # what this rank does, if it ever hangs
     try:
         return fn(*args, **kwargs)
     finally:
         enter_hook(module, previous)  # self.log after it takes the enclosing hook's defaults again
+
+
+def _does_nothing(fn: Any) -> bool:
+    """Whether a function's body only returns None (a docstring, `...` or `pass`), read from its bytecode."""
+    for ins in dis.get_instructions(fn):
+        if ins.opname in ("RESUME", "NOP", "RETURN_VALUE", "CACHE"):
+            continue
+        if ins.opname in ("LOAD_CONST", "RETURN_CONST") and ins.argval is None:
+            continue
+        return False
+    return True
+
+
+# The hooks whose ModuleHooks default does nothing and returns None, found by their code rather than listed.
+_EMPTY_DEFAULTS: Dict[str, Any] = {
+    name: fn for name, fn in vars(ModuleHooks).items() if inspect.isfunction(fn) and _does_nothing(fn)
+}
 
 
 def call_datamodule(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:

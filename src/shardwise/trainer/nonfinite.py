@@ -19,10 +19,16 @@ target at all (every label masked) has zero gradients by design.
 No host synchronisation per step (issue 23). Turning a device value into a
 Python number waits for every kernel queued before it, so a check read at its
 own step would stall the CPU's run-ahead on a GPU at every step. Instead the
-verdict is computed on the device (one norm per gradient, `torch._foreach_norm`,
-and the losses' isfinite), all-reduced in stream order (NCCL does not block the
-host), and copied with `non_blocking=True` into a pinned host buffer behind a
-CUDA event; nothing is read. It is acted on at the next point that needs it,
+verdict's inputs are put on the device as one small vector (the step's losses
+summed, one norm per gradient summed, the preemption vote, whether gradients
+exist), summed over the ranks in stream order (NCCL does not block the host; on
+CPU/gloo the all-reduce is left in flight and waited for when the verdict is
+read, so no rank waits here for the slowest one), and copied with
+`non_blocking=True` into a pinned host buffer behind a CUDA event; nothing is
+read. The verdicts come from the sums on the host: a non-finite sum means some
+rank saw a NaN/inf, a zero sum of norms that every gradient was zero. The check
+is kept to a handful of operations, since on a small, overhead-bound step each
+one shows. It is acted on at the next point that needs it,
 which is always one of: step N+1's check, before its update (the event has long
 completed: the device ran step N's backward while the host queued step N+1);
 before a checkpoint is written (Trainer.save_checkpoint and ModelCheckpoint, so
@@ -62,13 +68,18 @@ import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise import health
 from shardwise.distributed import ops
 
-# Positions in the agreed vector.
-BAD, SIGNALLED, HAS_GRADS, NONZERO, LOSS = range(5)
+# Positions in the agreed vector, each summed over the ranks: a sum of finite numbers is finite and a
+# non-finite one makes it non-finite (NaN and inf propagate), norms are never negative (their sum is 0
+# exactly when every one is), and a 0/1 flag's sum is positive exactly when some rank set it. So the
+# per-rank values go into the all-reduce as they are and the verdicts are read from the sums on the host.
+LOSSES, NORMS, SIGNALLED, HAS_GRADS, LOSS = range(5)
 
 
 class ZeroGradientError(RuntimeError):
@@ -92,24 +103,29 @@ class GradNorms(NamedTuple):
 
 
 def grad_norms(grads: List[Optional[torch.Tensor]]) -> GradNorms:
-    """One norm per non-empty local gradient, concatenated on the first gradient's device (no host read)."""
-    by_group: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
-    tensors = elements = 0
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        local = g.to_local() if hasattr(g, "to_local") else g
-        tensors += 1
-        elements += local.numel()
-        if local.numel():
-            by_group.setdefault((local.device, local.dtype), []).append((i, local))
-    if not by_group:
-        return GradNorms(None, [], tensors, elements)
-    groups = list(by_group.values())
-    home = groups[0][0][1].device
-    norms = [torch.stack(torch._foreach_norm([g for _, g in group])).float().to(home) for group in groups]
+    """One norm per non-empty local gradient, concatenated on the first gradient's device (no host read).
+
+    Per step on every rank: kept to one pass over the list and one foreach call in the usual case (every
+    gradient on one device), since on an overhead-bound step each Python-level operation shows."""
+    held = [(i, g.to_local() if isinstance(g, DTensor) else g) for i, g in enumerate(grads) if g is not None]
+    sizes = [t.numel() for _, t in held]
+    elements = sum(sizes)
+    if not elements:
+        return GradNorms(None, [], len(held), 0)
+    if not all(sizes):  # empty shards (FSDP on a rank holding none of a parameter) have no norm
+        held = [item for item, size in zip(held, sizes) if size]
+    home = held[0][1].device
+    try:  # mixed dtypes are promoted by stack; mixed devices (partial offload) raise here
+        groups = [held]
+        norms = torch.stack(torch._foreach_norm([t for _, t in held]))
+    except RuntimeError:
+        by_device: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
+        for i, t in held:
+            by_device.setdefault(t.device, []).append((i, t))
+        groups = list(by_device.values())
+        norms = torch.cat([torch.stack(torch._foreach_norm([t for _, t in g])).float().to(home) for g in groups])
     positions = [i for group in groups for i, _ in group]
-    return GradNorms(norms[0] if len(norms) == 1 else torch.cat(norms), positions, tensors, elements)
+    return GradNorms(norms.float(), positions, len(sizes), elements)
 
 
 def step_vector(
@@ -119,9 +135,13 @@ def step_vector(
     signalled: bool,
     loss_share: Optional[torch.Tensor] = None,
     step_weight: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, GradNorms]:
-    """The step's verdicts as one float vector on the device, all-reduced over the ranks; nothing is read.
+    wait: bool = True,
+) -> Tuple[torch.Tensor, GradNorms, Any]:
+    """The step's values as one float vector on the device, all-reduced (summed) over the ranks; nothing is read.
 
+    Returns (vector, norms, work): `work` is the all-reduce still in flight when `wait` is False and the
+    vector is a CPU tensor (gloo), else None; the vector holds the sums only once `work.wait()` returned.
+    On a GPU the all-reduce is ordered on the device's stream, so it never blocks the host (work is None).
     `step_weight`: the step's global loss weight (trainer.step_weight). A step whose weight is 0 has
     nothing to learn from (every label masked): its gradients are zero by design, which is not a failure.
     """
@@ -130,33 +150,49 @@ def step_vector(
         device = losses[0][1].device
     else:
         device = grads.norms.device if grads.norms is not None else strategy.root_device
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    if losses:
-        bad = ~torch.isfinite(torch.stack([t.detach().float().reshape(()).to(device) for _, t in losses])).all()
-    # With fp16 loss scaling an inf gradient is the scaler's overflow signal, not an error.
-    total = grads.norms.sum().to(device) if grads.norms is not None else None
-    if total is not None and getattr(strategy, "grad_scaler", None) is None:
-        bad = bad | ~torch.isfinite(total)
+    # Few small operations: on an overhead-bound step each costs as much as a small kernel.
+    if not losses:
+        loss_sum = torch.zeros((), device=device)
+    elif len(losses) == 1:
+        loss_sum = losses[0][1].detach().float().reshape(())
+    else:
+        loss_sum = torch.stack([t.detach().float().reshape(()).to(device) for _, t in losses]).sum()
+    total = grads.norms.sum().to(device) if grads.norms is not None else torch.zeros((), device=device)
     # Python numbers become device values by a fill, not a host-to-device copy (which would wait).
-    values = [
-        bad.float(),
-        torch.full((), float(signalled), device=device),
-        torch.full((), float(total is not None), device=device)
-        * (1.0 if step_weight is None else (step_weight.to(device) > 0).float()),
-        (total != 0).float() if total is not None else torch.zeros((), device=device),  # NaN counts as non-zero
-    ]
+    has_grads = torch.full((), float(grads.norms is not None), device=device)
+    if step_weight is not None:
+        has_grads = has_grads * (step_weight.to(device) > 0).float()
+    values = [loss_sum, total, torch.full((), float(signalled), device=device), has_grads]
     if loss_share is not None:
         values.append(loss_share.detach().float().reshape(()).to(device))
     vector = torch.stack(values)
+    work = None
     if strategy.world_size > 1:
-        # The verdicts are 0 or 1, so their sum is positive exactly when their max is; a share is summed.
-        vector = strategy.reduce(vector, "max" if loss_share is None else "sum")
-    return vector, grads
+        vector, work = _all_reduce_sum(vector, wait)
+    return vector, grads, work
 
 
-def _verdict(numbers: List[float], with_loss: bool) -> Verdict:
-    zero = numbers[HAS_GRADS] > 0 and not numbers[NONZERO] > 0
-    return Verdict(numbers[BAD] > 0 or zero, numbers[SIGNALLED] > 0, numbers[LOSS] if with_loss else None, zero)
+def _all_reduce_sum(vector: torch.Tensor, wait: bool) -> Tuple[torch.Tensor, Any]:
+    """Sum `vector` over every rank (the world, as strategy.reduce); on gloo, unless `wait`, return the Work
+    in flight instead of waiting for the slowest rank here."""
+    if ops.collective_device() != vector.device:  # e.g. a CPU vector on an NCCL group: the helper moves it
+        return ops.reduce(vector, "sum"), None
+    work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, async_op=True)
+    if wait or vector.device.type != "cpu":
+        work.wait()  # on a GPU: the current stream waits for the collective, the host does not
+        return vector, None
+    return vector, work
+
+
+def _verdict(numbers: List[float], with_loss: bool, check_grads: bool = True) -> Verdict:
+    zero = numbers[HAS_GRADS] > 0 and numbers[NORMS] == 0  # NaN is not 0: a NaN gradient is not "zero"
+    bad = not math.isfinite(numbers[LOSSES]) or (check_grads and not math.isfinite(numbers[NORMS]))
+    return Verdict(bad or zero, numbers[SIGNALLED] > 0, numbers[LOSS] if with_loss else None, zero)
+
+
+def _checks_grads(strategy: Any) -> bool:
+    # With fp16 loss scaling an inf gradient is the scaler's overflow signal, not an error.
+    return getattr(strategy, "grad_scaler", None) is None
 
 
 def agree(
@@ -168,8 +204,8 @@ def agree(
 ) -> Verdict:
     """The verdicts of this step, read at once (one host read): whether any rank saw a non-finite loss or
     gradient or every rank's gradients are all zero; whether any rank was signalled; the summed shares."""
-    vector, _ = step_vector(strategy, model, losses, signalled, loss_share)
-    return _verdict(vector.tolist(), loss_share is not None)
+    vector, _, _ = step_vector(strategy, model, losses, signalled, loss_share)
+    return _verdict(vector.tolist(), loss_share is not None, _checks_grads(strategy))
 
 
 class Pending(NamedTuple):
@@ -179,6 +215,9 @@ class Pending(NamedTuple):
     grads: GradNorms
     event: Any  # a CUDA event after the copy to the host buffer, else None
     with_loss: bool
+    check_grads: bool  # False under fp16 loss scaling: an inf gradient is the scaler's business
+    work: Any = None  # the all-reduce still in flight (gloo), waited for when the verdict is read
+    vector: Optional[torch.Tensor] = None  # what that all-reduce sums into, copied to the host buffer after
 
 
 class StepCheck:
@@ -195,26 +234,49 @@ class StepCheck:
     def check(self, trainer: Any, losses: List[Tuple[int, torch.Tensor]]) -> bool:
         """At optimizer step N, before its update: act on a verdict still unread, start step N's, and read it
         now where it is read anyway or needed now (a log step, non_finite='skip'). False: skip the update."""
+        if self.pending is None and self.preemption is not None and trainer.strategy.world_size > 1:
+            # The last vote was read and acted on at its own step; the next one rides in this step's vector.
+            # Nothing new to agree on now (the same on every rank): no all-reduce of its own (preemption.py).
+            self.preemption.agreed = False
         self.resolve(trainer, f"before step {trainer.global_step + 1}'s update")
         step = trainer.global_step + 1
         weighting = trainer.weighting
         share = weighting.local_loss if weighting is not None else None
         signalled = self.preemption is not None and self.preemption.signalled
         weight = weighting.total if weighting is not None else None
-        vector, grads = step_vector(trainer.strategy, trainer.model, losses, signalled, share, weight)
+        now = self.mode == "skip" or step == 1 or step % trainer.log_every_n_steps == 0
+        # A step's values may be read by anyone once logged (weighting's step_loss goes to the metrics):
+        # then the sums must be complete before the check returns; otherwise they are awaited a step later.
+        strategy = trainer.strategy
+        vector, grads, work = step_vector(
+            strategy, trainer.model, losses, signalled, share, weight, wait=now or share is not None
+        )
         if weighting is not None:
             weighting.step_loss = vector[LOSS]  # a device value: the loggers read it when due
-        event = self._to_host(vector)
-        self.pending = Pending(step, trainer.current_epoch, losses, grads, event, share is not None)
-        if self.mode == "skip" or step == 1 or step % trainer.log_every_n_steps == 0:
+        event = self._to_host(vector, copy=work is None)
+        in_flight = vector if work is not None else None
+        self.pending = Pending(
+            step,
+            trainer.current_epoch,
+            losses,
+            grads,
+            event,
+            share is not None,
+            _checks_grads(strategy),
+            work,
+            in_flight,
+        )
+        if now:
             self.read_at_own_step.append(step)
             return self.resolve(trainer, None) or self.mode != "skip"
         return True
 
-    def _to_host(self, vector: torch.Tensor) -> Any:
+    def _to_host(self, vector: torch.Tensor, copy: bool = True) -> Any:
         if self._host is None or self._host.shape != vector.shape:
             self._host = torch.empty(vector.shape, dtype=torch.float32, pin_memory=vector.is_cuda)
             self._numbers = self._host.numpy()
+        if not copy:  # a CPU all-reduce in flight: copied once it has completed (resolve)
+            return None
         self._host.copy_(vector, non_blocking=True)
         if not vector.is_cuda:
             return None
@@ -231,9 +293,12 @@ class StepCheck:
         pending, self.pending = self.pending, None
         if pending is None:
             return True
+        if pending.work is not None:
+            pending.work.wait()  # on CPU: long done unless a rank is a whole step behind
+            self._host.copy_(pending.vector)
         if pending.event is not None:
             pending.event.synchronize()
-        verdict = _verdict(self._numbers.tolist(), pending.with_loss)
+        verdict = _verdict(self._numbers.tolist(), pending.with_loss, pending.check_grads)
         if self.preemption is not None and trainer.strategy.world_size > 1:  # one process reads its own flag
             self.preemption.agreed = verdict.signalled
         if not verdict.bad:
