@@ -10,6 +10,7 @@ what that delay must not cost: the step and rank are named, nothing non-finite i
 """
 
 import os
+import signal
 from collections import Counter
 
 import pytest
@@ -237,3 +238,77 @@ def test_epoch_values_are_the_mean_and_max_of_the_step_values():
     assert trainer.callback_metrics["peak"] == peaks.max().item()
     assert trainer.logged_metrics["peak"] == trainer.callback_metrics["peak"]
     assert trainer.callback_metrics["acc"] == epoch[0]["acc_epoch"]
+
+
+# ------------------------------------------------------------------ two ranks (gloo)
+# On CPU the step's all-reduce is left in flight and waited for a step later (nonfinite._all_reduce_sum):
+# what one rank sees must still stop every rank at the same step, name that rank, and never be saved.
+class _PlantedOnRank(_Planted):
+    """A NaN loss on global rank 1 only, at optimizer step `at`."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).square().mean()
+        if self.trainer.global_rank == 1 and self.trainer.global_step + 1 == self.at:
+            loss = loss * float("nan")
+        return loss
+
+
+class _SignalledOnRank(_Planted):
+    """Rank 1 alone receives a preemption signal (its handler's flag is set) during optimizer step `at`."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and self.trainer.global_step + 1 == self.at:
+            self.trainer._preemption.flag.signal = signal.SIGUSR1
+        return self.net(batch[0]).square().mean()
+
+
+def _two_ranks(root):
+    import torch.distributed as dist
+
+    data = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)))
+    preempted = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, log_every_n_steps=4,
+                        logger=False, enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    try:
+        preempted.fit(_SignalledOnRank(2, "signal"), DataLoader(data, batch_size=2))
+    except SystemExit as exc:  # the preempted run's exit code, for the job script
+        assert exc.code == 75
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=5,
+        log_every_n_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=root,
+        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=1)],
+    )
+    try:
+        trainer.fit(_PlantedOnRank(3, "nan"), DataLoader(data, batch_size=2))  # step 3 is no log step
+        message = None
+    except NonFiniteError as exc:
+        message = str(exc)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return preempted.global_step, (
+        trainer.global_step,
+        trainer.nonfinite_step,
+        trainer.health.read_at_own_step,
+        message,
+    )
+
+
+def test_two_ranks_agree_on_a_verdict_read_a_step_later(tmp_path):
+    import shardwise
+
+    for preempted_at, (step, bad_step, read_at_own_step, message) in shardwise.launch(
+        _two_ranks, str(tmp_path), devices=2
+    ):
+        # The vote of step 2 (rank 1 signalled) is summed in flight and read before step 3's update: every
+        # rank finishes step 3 and stops there.
+        assert preempted_at == 3
+        assert (step, bad_step, read_at_own_step) == (3, 3, [1])  # every rank stops before step 4's update
+        assert "Non-finite values at optimizer step 3 (epoch 0): " in message
+        assert "rank 1: the loss of batch_idx 2 (nan)" in message  # (DDP spread it to rank 0's gradients)
+        assert "Found before a checkpoint is written" in message
+    assert _last_step(tmp_path) == 2  # step 3 was never saved

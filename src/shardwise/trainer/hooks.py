@@ -37,7 +37,7 @@ def call_callbacks(trainer: Any, hook: str, *args: Any, monitoring: Optional[boo
 
     monitoring: None for every callback; True / False for only those that do / do not monitor a metric.
     """
-    defining = _defining(trainer.callbacks, hook)
+    defining = _defining(trainer, hook)
     if not defining:  # most hooks of most steps: no callback has them, nothing to announce
         return
     module = trainer.module
@@ -52,36 +52,42 @@ def call_callbacks(trainer: Any, hook: str, *args: Any, monitoring: Optional[boo
             enter_hook(module, previous)
 
 
-# Which callbacks define which hook, looked up once per list of callbacks instead of at every call (several
-# calls a step). Keyed by the list; valid while it holds the same objects in the same order.
-_TABLES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# Which callbacks define which hook, looked up once per trainer and list of callbacks instead of at every call
+# (several calls a step): again when trainer.callbacks changes (another object, order or length) and at the
+# start of every fit / validate / test (forget_callbacks), not when a callback's method is replaced mid-run.
+_TABLES: "weakref.WeakKeyDictionary[Any, _Table]" = weakref.WeakKeyDictionary()
 
 
 class _Table:
-    def __init__(self, callbacks: List[Any]) -> None:
-        self.snapshot = tuple(callbacks)
+    def __init__(self, callbacks: Tuple[Any, ...]) -> None:
+        self.snapshot = callbacks
         self.hooks: Dict[str, List[Tuple[Any, Any]]] = {}
 
 
-def _defining(callbacks: List[Any], hook: str) -> List[Tuple[Any, Any]]:
-    """(callback, bound hook) for every callback that defines `hook`, in order."""
+def forget_callbacks(trainer: Any) -> None:
+    """Look the callbacks' hooks up afresh (each fit / validate / test starts with this)."""
     try:
-        table = _TABLES.get(callbacks)
-    except TypeError:  # not weakly referable (a tuple): look up every time
+        _TABLES.pop(trainer, None)
+    except TypeError:
+        pass
+
+
+def _defining(trainer: Any, hook: str) -> List[Tuple[Any, Any]]:
+    """(callback, bound hook) for every callback of the trainer that defines `hook`, in order."""
+    current = tuple(trainer.callbacks)
+    try:
+        table = _TABLES.get(trainer)
+    except TypeError:  # an object without weak references (a test's stand-in): look up every time
         table = None
-    if (
-        table is None
-        or len(table.snapshot) != len(callbacks)
-        or any(a is not b for a, b in zip(table.snapshot, callbacks))
-    ):
-        table = _Table(callbacks)
+    if table is None or table.snapshot != current:  # a tuple compares its items by identity first
+        table = _Table(current)
         try:
-            _TABLES[callbacks] = table
+            _TABLES[trainer] = table
         except TypeError:
             pass
     found = table.hooks.get(hook)
     if found is None:
-        pairs = ((callback, getattr(callback, hook, None)) for callback in table.snapshot)
+        pairs = ((callback, getattr(callback, hook, None)) for callback in current)
         found = table.hooks[hook] = [(callback, fn) for callback, fn in pairs if callable(fn)]
     return found
 

@@ -31,7 +31,13 @@ from shardwise.callbacks.base import Callback
 from shardwise.module import drain_logs
 from shardwise.module_hooks import ModuleHooks
 from shardwise.strategies import Strategy
-from shardwise.trainer.hooks import call_callbacks, call_datamodule, call_module, update_lr_schedulers
+from shardwise.trainer.hooks import (
+    call_callbacks,
+    call_datamodule,
+    call_module,
+    forget_callbacks,
+    update_lr_schedulers,
+)
 
 CALLED, REFUSED = "called", "refused"
 
@@ -231,6 +237,7 @@ def prepare_and_setup(trainer: Any, stage: str) -> None:
     """prepare_data (datamodule's, then module's: once per node, behind a barrier), then setup(stage):
     the datamodule's, the callbacks', the module's. Loaders are requested after this."""
     strategy, module = trainer.strategy, trainer.module
+    forget_callbacks(trainer)  # the callbacks' hooks are looked up afresh for this run (hooks.py)
     for owner in (trainer.datamodule, module):
         if owner is None or not callable(getattr(owner, "prepare_data", None)):
             continue
