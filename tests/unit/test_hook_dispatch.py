@@ -59,3 +59,21 @@ def test_callbacks_added_or_replaced_are_called():
     trainer.max_steps = 6
     trainer.fit(module, data)
     assert calls == [4, 5]
+
+
+def test_a_hook_that_is_not_a_method_of_the_class_is_called():
+    # Set on the instance, a hook is a plain function (no __func__): it runs whether ModuleHooks' default of
+    # that name is empty (on_train_batch_start) or does something (on_test_model_eval puts the model in eval).
+    class Tested(_Net):
+        def test_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+    module, seen = Tested(), []
+    module.on_train_batch_start = lambda batch, batch_idx: seen.append(batch_idx)
+    module.on_test_model_eval = lambda: seen.append("eval")
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False)  # fmt: skip
+    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    trainer.fit(module, data)
+    trainer.test(module, data, verbose=False)
+    assert seen == [0, 1, "eval"]

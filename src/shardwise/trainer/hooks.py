@@ -96,7 +96,8 @@ def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
     """Call the module's `hook(*args, **kwargs)` if it defines one; return what it returns."""
     module = trainer.module
     fn = getattr(module, hook, None)
-    if not callable(fn) or getattr(fn, "__func__", None) is _EMPTY_DEFAULTS.get(hook):
+    empty = _EMPTY_DEFAULTS.get(hook)
+    if not callable(fn) or empty is not None and getattr(fn, "__func__", None) is empty:
         return None  # ModuleHooks' empty default: nothing would run (several a step)
     previous = enter_hook(module, hook)
     mark_progress(hook, trainer.state.global_step)  # what this rank does, if it ever hangs
