@@ -46,19 +46,11 @@ def recipe_config(root: str, model: str, data: str, name: str, **changes) -> Fin
     return FinetuneConfig(**base)
 
 
-class Killer:
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, module, *args) -> None:
-        if trainer.global_step == self.step and trainer.is_global_zero:
-            from checkpoint_kill_script import kill_job
-
-            kill_job()
-
-
 def killed_worker(cfg: FinetuneConfig, kill_at: int) -> None:
-    """One rank: the recipe with a Killer beside its checkpoint callback (the recipe takes no callbacks)."""
+    """One rank: the recipe with checkpoint_kill_script's Killer beside its checkpoint callback (the recipe takes
+    no callbacks)."""
+    from checkpoint_kill_script import Killer
+
     from shardwise.recipes import finetune as recipe
 
     own = recipe._callbacks

@@ -35,27 +35,13 @@ import shardwise
 from shardwise.checkpoint import layout
 from shardwise.recipes.finetune import finetune
 
-from helpers.hf import build_model_folder, build_tokenizer, chat_records, write_jsonl
+from helpers.hf import build_model_folder, build_tokenizer, chat_records, gather_trained_weights, write_jsonl
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "parallel_resume_script.py")
 KILL_AT = 5
 LAST_SAVED = 3
 
 pytestmark = pytest.mark.slow
-
-
-def gather_trained_weights(module):
-    """after_fit (every rank): the trained model's full tensors, on rank 0."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from shardwise.strategies.materialize import canonical_name
-
-    out = {}
-    for name, p in module.model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        out[canonical_name(name)] = full.detach().cpu().clone()
-    return out if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
 def _losses(result):

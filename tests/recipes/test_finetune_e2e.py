@@ -15,21 +15,7 @@ import torch
 
 from shardwise.recipes.finetune import FinetuneConfig, finetune
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
-
-
-def gather_trained_weights(module):
-    """after_fit hook (runs on every rank): the trained model's full tensors, on rank 0."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from shardwise.strategies.materialize import canonical_name
-
-    out = {}
-    for name, p in module.model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        out[canonical_name(name)] = full.detach().cpu().clone()
-    return out if not dist.is_initialized() or dist.get_rank() == 0 else None
+from helpers.hf import build_model_folder, chat_records, gather_trained_weights, write_jsonl
 
 
 @pytest.mark.slow
