@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.distributed import context as launch_context
-from shardwise.distributed import faults
+from shardwise.distributed import faults, forkserver
 from shardwise.distributed.context import LaunchContext
 from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
 
@@ -60,11 +60,22 @@ _DIE_WITH_LAUNCHER = (
 
 
 def die_with_launcher(launcher_pid: int) -> None:
-    """In a function worker (no exec prelude): the same request, for the same reason."""
+    """In a function worker (no exec prelude): the same request, for the same reason. A worker forked from
+    the fork server (forkserver.py) asks it of the server, which exits when the launcher does."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher_pid:  # the launcher died before the request was made
+        if os.getppid() != launcher_pid and not _alive(launcher_pid):  # it died before the request was made
             os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
@@ -111,8 +122,10 @@ def run(
     if isinstance(entrypoint, str):
         pids = _new_sessions()
         entrypoint, args = sys.executable, ["-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), entrypoint, *args]
+        start_method = "spawn"  # not used: a command runs as a subprocess
     else:
         pids = _new_spawned()
+        start_method = forkserver.start_method()  # function workers: forked from a warm server on Linux
     run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
     # Without a log_dir the agent's own files (error files) go in the run directory, not a new /tmp folder.
     logs_specs = DefaultLogsSpecs(
@@ -130,7 +143,7 @@ def run(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         logs_specs=logs_specs,
-        start_method="spawn",
+        start_method=start_method,
         local_addr=addr if nnodes == 1 else None,
         signals_to_handle=",".join(_AGENT_SIGNALS),
     )
@@ -141,7 +154,9 @@ def run(
         with _workers_see(context.replace(preempt_grace_s=grace, run_dir=run_dir)), _torch_logs_to(agent_log):
             with _Forwarder(pids, who, grace) as forwarder:
                 try:
-                    result = Result(0, return_values=elastic_launch(config, entrypoint)(*args))
+                    # A forked worker gets this process's environment as it is now, in the block (forkserver.py).
+                    target, target_args = forkserver.wrap(entrypoint, args, start_method)
+                    result = Result(0, return_values=elastic_launch(config, target)(*target_args))
                 except ChildFailedError as exc:
                     result = _verdict(exc, ranks, run_dir, forwarder, who)
         result.signalled = forwarder.received is not None

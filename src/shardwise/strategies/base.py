@@ -33,7 +33,7 @@ import sys
 import warnings
 from contextvars import ContextVar
 from dataclasses import replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,9 @@ class Strategy:
         self.compile_options = build_compile_options(compile)
         self.compiled: List[str] = []
         self.recompile_watch: Optional[RecompileWatch] = None
+        # (model, its parameters): walked once, since the check of every step lists the gradients and on a
+        # small, overhead-bound step the module tree's walk costs more than the list (see _grads).
+        self._parameters_of: Optional[Tuple[nn.Module, List[nn.Parameter]]] = None
 
     @property
     def parallel_plan(self) -> ParallelPlan:
@@ -412,6 +415,7 @@ class Strategy:
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self._parameters_of = None  # a model being set up (again): its parameters are listed anew
         self.optimizers.append(optimizer)
         return optimizer
 
@@ -487,7 +491,11 @@ class Strategy:
         loss.backward(**kwargs)
 
     def _grads(self, model: nn.Module) -> List[torch.Tensor]:
-        return [p for p in model.parameters() if p.grad is not None]
+        # The parameters of a set-up model are those its optimizers were given: listed once per model and
+        # set-up, not walked at every step (FSDP2 registers the same sharded parameters after each backward).
+        if self._parameters_of is None or self._parameters_of[0] is not model:
+            self._parameters_of = (model, list(model.parameters()))
+        return [p for p in self._parameters_of[1] if p.grad is not None]
 
     def gradients(self, model: nn.Module) -> List[torch.Tensor]:
         """This rank's gradient tensors (its shards, where sharded), e.g. to check them for NaN/inf."""
