@@ -117,15 +117,19 @@ def _timed(model: nn.Module, data, steps: int) -> Tuple[float, float]:
 
 class _Clock:
     """Wall-clock and CPU-time rates over the steps after warm-up (CPU time is what the
-    Trainer's own work adds to; it is also robust to other programs sharing the cores)."""
+    Trainer's own work adds to; it is also robust to other programs sharing the cores).
+
+    Like the hand-written loop's clock, it stops when the last step has ended: what a fit does once at
+    its end is not a cost per step (measured: 1-3 ms wall, about 1 ms CPU, against ~3 s timed)."""
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == WARMUP and trainer.is_last_microbatch:
+        if not trainer.is_last_microbatch:
+            return
+        if trainer.global_step == WARMUP:
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
-
-    def on_train_end(self, trainer, module):
-        steps = trainer.global_step - WARMUP
-        self.rate = (steps / (time.perf_counter() - self.start), steps / (time.process_time() - self.cpu_start))
+        elif trainer.global_step == trainer.max_steps:
+            steps = trainer.global_step - WARMUP
+            self.rate = (steps / (time.perf_counter() - self.start), steps / (time.process_time() - self.cpu_start))
 
 
 def trainer_loop(steps: int, size: dict, non_finite: str = "error", strategy: str = "fsdp") -> float:
