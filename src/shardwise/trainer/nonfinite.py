@@ -158,11 +158,10 @@ def step_vector(
     else:
         loss_sum = torch.stack([t.detach().float().reshape(()).to(device) for _, t in losses]).sum()
     total = grads.norms.sum().to(device) if grads.norms is not None else torch.zeros((), device=device)
-    # Python numbers become device values by a fill, not a host-to-device copy (which would wait).
-    has_grads = torch.full((), float(grads.norms is not None), device=device)
+    has_grads = _flag(grads.norms is not None, device)
     if step_weight is not None:
         has_grads = has_grads * (step_weight.to(device) > 0).float()
-    values = [loss_sum, total, torch.full((), float(signalled), device=device), has_grads]
+    values = [loss_sum, total, _flag(signalled, device), has_grads]
     if loss_share is not None:
         values.append(loss_share.detach().float().reshape(()).to(device))
     vector = torch.stack(values)
@@ -170,6 +169,19 @@ def step_vector(
     if strategy.world_size > 1:
         vector, work = _all_reduce_sum(vector, wait)
     return vector, grads, work
+
+
+# 0-dim 0/1 tensors per device, made once: Python numbers become device values by a fill, not a
+# host-to-device copy (which would wait), and torch.stack copies them, so one of each serves every step.
+_FLAGS: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
+
+
+def _flag(value: bool, device: torch.device) -> torch.Tensor:
+    key = (torch.device(device), bool(value))
+    flag = _FLAGS.get(key)
+    if flag is None:
+        flag = _FLAGS[key] = torch.full((), float(value), device=device)
+    return flag
 
 
 def _all_reduce_sum(vector: torch.Tensor, wait: bool) -> Tuple[torch.Tensor, Any]:
