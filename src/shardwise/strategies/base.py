@@ -95,17 +95,11 @@ def _leave_process_group(failing: bool = False) -> None:
 
 
 def generation_store(env: DistEnv, timeout_s: float) -> dist.Store:
-    """The rendezvous store of `env` (torch's tcp:// rendezvous: the elastic agent's store, or one rank 0
-    serves) under a prefix of its own for each process group this rank creates on it.
-
-    The agent's store outlives a process group: a second fit in the same worker processes
-    creates its groups under the same names as the first's (torch numbers them from 0 again
-    after destroy_process_group), and gloo's rendezvous read the first generation's stale
-    peer addresses, connecting to closed or still-open old listeners: a hang in the second
-    fit's init_process_group, first barrier or checkpoint group. Each rank counts its own
-    generations in the store (a restarted worker continues the count), so every rank of one
-    generation agrees on the prefix and no key of an earlier one is ever read.
-    """
+    """The rendezvous store of `env` (the elastic agent's, or one rank 0 serves) under a prefix of its own for
+    each process group this rank creates on it. The agent's store outlives a process group, and a second fit
+    in the same workers names its groups as the first did (torch counts from 0 again), so gloo read the first
+    generation's stale peer addresses and hung. Each rank counts its generations in the store (a restarted
+    worker continues the count): every rank of one generation agrees on the prefix, no older key is read."""
     url = f"tcp://{env.master_addr}:{env.master_port}?rank={env.global_rank}&world_size={env.world_size}"
     store, _, _ = next(dist.rendezvous(url, timeout=datetime.timedelta(seconds=timeout_s)))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
@@ -156,9 +150,7 @@ class Strategy:
         self.compile_options = build_compile_options(compile)
         self.compiled: List[str] = []
         self.recompile_watch: Optional[RecompileWatch] = None
-        # (model, its parameters): walked once, since the check of every step lists the gradients and on a
-        # small, overhead-bound step the module tree's walk costs more than the list (see _grads).
-        self._parameters_of: Optional[Tuple[nn.Module, List[nn.Parameter]]] = None
+        self._parameters_of: Optional[Tuple[nn.Module, List[nn.Parameter]]] = None  # see _grads
 
     @property
     def parallel_plan(self) -> ParallelPlan:
@@ -491,8 +483,7 @@ class Strategy:
         loss.backward(**kwargs)
 
     def _grads(self, model: nn.Module) -> List[torch.Tensor]:
-        # The parameters of a set-up model are those its optimizers were given: listed once per model and
-        # set-up, not walked at every step (FSDP2 registers the same sharded parameters after each backward).
+        # A set-up model's parameters, listed once per set-up: walking the module tree at every step costs more.
         if self._parameters_of is None or self._parameters_of[0] is not model:
             self._parameters_of = (model, list(model.parameters()))
         return [p for p in self._parameters_of[1] if p.grad is not None]
