@@ -272,6 +272,17 @@ def _two_ranks(root):
         preempted.fit(_SignalledOnRank(2, "signal"), DataLoader(data, batch_size=2))
     except SystemExit as exc:  # the preempted run's exit code, for the job script
         assert exc.code == 75
+    # non_finite='off': no health check, but the ranks still agree on the vote, on the same schedule
+    # (summed in flight, read a step later) and without a host read of its own at every step.
+    reads = _HostReads()
+    unchecked = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=10, log_every_n_steps=4,
+                        logger=False, enable_progress_bar=False, enable_checkpointing=False, non_finite="off",
+                        callbacks=[_Mark(reads)])  # fmt: skip
+    try:
+        with reads:
+            unchecked.fit(_SignalledOnRank(5, "signal"), DataLoader(data, batch_size=2))
+    except SystemExit as exc:
+        assert exc.code == 75
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -290,7 +301,7 @@ def _two_ranks(root):
         message = str(exc)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return preempted.global_step, (
+    return (preempted.global_step, unchecked.global_step, dict(reads.reads)), (
         trainer.global_step,
         trainer.nonfinite_step,
         trainer.health.read_at_own_step,
@@ -301,12 +312,16 @@ def _two_ranks(root):
 def test_two_ranks_agree_on_a_verdict_read_a_step_later(tmp_path):
     import shardwise
 
-    for preempted_at, (step, bad_step, read_at_own_step, message) in shardwise.launch(
+    for (preempted_at, unchecked_at, reads), (step, bad_step, read_at_own_step, message) in shardwise.launch(
         _two_ranks, str(tmp_path), devices=2
     ):
         # The vote of step 2 (rank 1 signalled) is summed in flight and read before step 3's update: every
         # rank finishes step 3 and stops there.
         assert preempted_at == 3
+        # The same under non_finite='off' (signalled in step 5: every rank stops after step 6), and the batches
+        # that log nothing read nothing (batch 0 is step 1, a log step, which also makes the host buffer).
+        assert unchecked_at == 6
+        assert {b: n for b, n in reads.items() if b in (1, 2, 4, 5) and n} == {}, reads
         assert (step, bad_step, read_at_own_step) == (3, 3, [1])  # every rank stops before step 4's update
         assert "Non-finite values at optimizer step 3 (epoch 0): " in message
         assert "rank 1: the loss of batch_idx 2 (nan)" in message  # (DDP spread it to rank 0's gradients)

@@ -439,7 +439,7 @@ class Trainer(TrainerAttributes):
             call_callbacks(self, "on_before_optimizer_step", optimizer)
             call_module(self, "on_before_optimizer_step", optimizer)
             # The step's health verdict, read a step later unless needed now (nonfinite.py); False: 'skip' it.
-            if i == 0 and self.non_finite != "off" and not self.health.check(self, losses):
+            if i == 0 and not self.health.check(self, losses):  # under 'off' the preemption vote alone
                 return False  # skip: every optimizer's gradients are dropped, no step
             automatic.clip(self, optimizer)  # the module's configure_gradient_clipping, with our clip settings
             return True

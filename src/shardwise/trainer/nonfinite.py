@@ -136,6 +136,7 @@ def step_vector(
     loss_share: Optional[torch.Tensor] = None,
     step_weight: Optional[torch.Tensor] = None,
     wait: bool = True,
+    gradients: bool = True,
 ) -> Tuple[torch.Tensor, GradNorms, Any]:
     """The step's values as one float vector on the device, all-reduced (summed) over the ranks; nothing is read.
 
@@ -144,8 +145,9 @@ def step_vector(
     On a GPU the all-reduce is ordered on the device's stream, so it never blocks the host (work is None).
     `step_weight`: the step's global loss weight (trainer.step_weight). A step whose weight is 0 has
     nothing to learn from (every label masked): its gradients are zero by design, which is not a failure.
+    `gradients=False` leaves them out (non_finite='off': only the preemption vote is agreed on).
     """
-    grads = grad_norms(strategy.gradients(model))
+    grads = grad_norms(strategy.gradients(model)) if gradients else GradNorms(None, [], 0, 0)
     if losses:
         device = losses[0][1].device
     else:
@@ -245,7 +247,12 @@ class StepCheck:
 
     def check(self, trainer: Any, losses: List[Tuple[int, torch.Tensor]]) -> bool:
         """At optimizer step N, before its update: act on a verdict still unread, start step N's, and read it
-        now where it is read anyway or needed now (a log step, non_finite='skip'). False: skip the update."""
+        now where it is read anyway or needed now (a log step, non_finite='skip'). False: skip the update.
+        Under non_finite='off' only the ranks' preemption vote is summed (no losses, no gradients), with the
+        same schedule: read a step later, never a host read of its own at every step."""
+        votes = self.preemption is not None and self.preemption.flag is not None and trainer.strategy.world_size > 1
+        if self.mode == "off" and not votes:
+            return True  # one process reads its own flag (preemption.py)
         if self.pending is None and self.preemption is not None and trainer.strategy.world_size > 1:
             # The last vote was read and acted on at its own step; the next one rides in this step's vector.
             # Nothing new to agree on now (the same on every rank): no all-reduce of its own (preemption.py).
@@ -257,13 +264,22 @@ class StepCheck:
         signalled = self.preemption is not None and self.preemption.signalled
         weight = weighting.total if weighting is not None else None
         now = self.mode == "skip" or step == 1 or step % trainer.log_every_n_steps == 0
+        if self.mode == "off":  # the vote alone; the loss weighting reads its own sums when due (weighting.py)
+            losses, share, weight, now = [], None, None, False
         # A step's values may be read by anyone once logged (weighting's step_loss goes to the metrics):
         # then the sums must be complete before the check returns; otherwise they are awaited a step later.
         strategy = trainer.strategy
         vector, grads, work = step_vector(
-            strategy, trainer.model, losses, signalled, share, weight, wait=now or share is not None
+            strategy,
+            trainer.model,
+            losses,
+            signalled,
+            share,
+            weight,
+            wait=now or share is not None,
+            gradients=self.mode != "off",
         )
-        if weighting is not None:
+        if weighting is not None and share is not None:
             weighting.step_loss = vector[LOSS]  # a device value: the loggers read it when due
         event = self._to_host(vector, copy=work is None)
         in_flight = vector if work is not None else None

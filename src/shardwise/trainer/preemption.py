@@ -2,8 +2,9 @@
 
 The signal handler (distributed/preempt.py) only sets a flag on the rank that
 received it. Between optimizer steps the ranks agree whether any of them was
-signalled -- in the step's health check all-reduce when there is one
-(nonfinite.agree), else in their own -- so they all finish the same step,
+signalled -- in the step's health check all-reduce (under non_finite='off'
+a vector of the vote alone, on the same schedule: nonfinite.StepCheck), else,
+where no step was checked, in their own -- so they all finish the same step,
 save it (ModelCheckpoint, in on_train_end) and leave with exit code 75.
 """
 
