@@ -12,6 +12,12 @@ becomes a PEFT adapter folder (`adapter_config.json` +
 given `base_model` (the base's Hugging Face folder), the base with the adapter
 merged in by PEFT, as a Hugging Face folder. A file OUT still gets its raw tensors.
 
+A full checkpoint of the fine-tuning recipe (`shardwise finetune`) becomes the
+Hugging Face folder the recipe's own export writes: names without the recipe
+module's `model.` prefix, tied copies left out, config.json, generation config
+and tokenizer files from the base model folder given as `base_model`
+(checkpoint/recipe_folder.py). A file OUT gets all its tensors, prefix removed.
+
 Tensors are read from the checkpoint one at a time (reader.py; small ones a
 few together) and cast on their own, so a folder's peak memory is about one
 shard plus one tensor. A single file has to be held whole before it is
@@ -27,7 +33,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from shardwise.checkpoint import adapters
+from shardwise.checkpoint import adapters, recipe_folder
 from shardwise.checkpoint.formats import available_host_bytes
 from shardwise.checkpoint.hf_shards import ShardWriter, save_durably
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, open_checkpoint
@@ -117,7 +123,9 @@ def convert(
 ) -> List[str]:
     """Write the model weights of checkpoint `ckpt` to `out`; returns the files written.
 
-    `base_model`: for an adapter checkpoint, the base model's folder: `out` becomes the merged model."""
+    `base_model`: for an adapter checkpoint, the base model's folder: `out` becomes the merged model;
+    for a full checkpoint of the fine-tuning recipe, the folder it fine-tuned: its config and tokenizer
+    files go beside the weights, so `from_pretrained(out)` loads them."""
     cast = cast_dtype(dtype)
     reader = open_checkpoint(ckpt)
     infos = reader.tensors()
@@ -125,16 +133,26 @@ def convert(
     suffix = os.path.splitext(out)[1].lower()
     single_file = suffix in (".safetensors", ".pt", ".pth", ".bin")
     adapter = reader.manifest.get(adapters.ADAPTER_KEY)
-    if base_model is not None and (not adapter or single_file):
+    recipe = not adapter and recipe_folder.is_recipe_checkpoint(reader, infos)
+    if base_model is not None and (not (adapter or recipe) or single_file):
         raise ValueError(
-            "--base_model merges an adapter checkpoint into its base, written as a folder: "
-            + (f"give a folder as OUT, not {out!r}." if adapter else f"{reader.path} is a full checkpoint.")
+            "--base_model merges an adapter checkpoint into its base, or gives a fine-tuning recipe "
+            "checkpoint its config, written as a folder: "
+            + (f"give a folder as OUT, not {out!r}." if adapter or recipe else f"{reader.path} is neither.")
         )
     if adapter and not single_file:
         return _adapter_outputs(reader, infos, adapter, out, cast, max_shard_size, base_model, quiet)
     fmt = fmt or ("torch" if suffix in (".pt", ".pth", ".bin") else "safetensors")
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"--format {fmt!r}: use safetensors or torch.")
+    names = {i.name: i.name for i in infos}  # checkpoint name -> name written
+    config = None
+    if recipe and single_file:
+        names = {i.name: i.name[len(recipe_folder.PREFIX) :] for i in infos}
+    elif recipe:  # refused before anything is written when the folder could not load
+        config = recipe_folder.base_config(reader, base_model)
+        kept = recipe_folder.hf_names(infos, config, base_model)
+        infos, names = [i for i, _ in kept], {i.name: name for i, name in kept}
     total_bytes = sum(_out_info(i, cast).nbytes for i in infos)
     # Small tensors are read in groups (one DCP request each costs a few ms),
     # never more bytes at once than the largest tensor or 4 MiB.
@@ -150,13 +168,18 @@ def convert(
                 "--max-shard-size, one at a time)."
             )
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        save_durably(fmt, dict(read_cast(reader, infos, cast, budget)), out, meta)
+        save_durably(fmt, {names[n]: t for n, t in read_cast(reader, infos, cast, budget)}, out, meta)
         written.append(out)
     else:
         writer = ShardWriter(out, max_bytes, fmt, meta)
         for name, tensor in read_cast(reader, infos, cast, budget):
-            writer.add(name, tensor)
+            writer.add(names[name], tensor)
         written += writer.close()
+        if config is not None:
+            from shardwise.recipes.hf_model import write_model_files
+
+            floating = next((i.dtype for i in infos if i.dtype.is_floating_point), None)
+            written += write_model_files(out, config, cast or floating, source_dir=base_model)
         hparams = reader.trainer_state().get("hyper_parameters") or {}
         if hparams:
             try:
@@ -167,8 +190,9 @@ def convert(
             except (TypeError, ValueError):
                 pass
     if not quiet:
+        kind = f"{reader.format}, fine-tuning recipe" if recipe else reader.format
         print(
-            f"converted {reader.path} ({reader.format}, step {reader.manifest.get('global_step')}) -> "
+            f"converted {reader.path} ({kind}, step {reader.manifest.get('global_step')}) -> "
             f"{len(infos)} tensors, {total_bytes / 1e6:.1f} MB:"
         )
         for path in written:

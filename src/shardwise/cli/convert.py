@@ -3,7 +3,9 @@
 Reads any checkpoint shardwise wrote (full, sharded, DeepSpeed), one tensor at a
 time, so a model larger than host memory converts into a folder of shards. An
 adapter (LoRA) checkpoint becomes a PEFT adapter folder, or with --base_model
-the base model with the adapter merged in.
+the base model with the adapter merged in. A full checkpoint of the fine-tuning
+recipe becomes a Hugging Face folder that from_pretrained loads, its config and
+tokenizer files taken from the base model folder given with --base_model.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ def parser() -> ArgumentParser:
         "--base_model",
         type=Optional[str],
         default=None,
-        help="adapter checkpoints: the base model's Hugging Face folder; OUT becomes the merged model",
+        help=(
+            "the base model's Hugging Face folder: for an adapter checkpoint OUT becomes the merged model; for a "
+            "fine-tuning recipe checkpoint its config and tokenizer files go beside the weights"
+        ),
     )
     return p
 

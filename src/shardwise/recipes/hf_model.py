@@ -545,17 +545,28 @@ def export_hf_folder(
         ops.barrier()
         return None
     writer.close()
-    config = copy.deepcopy(config)
-    if dtype is not None or first_dtype is not None:
-        config.dtype = dtype or first_dtype
-    config.save_pretrained(out_dir)
-    if source_dir and os.path.exists(os.path.join(source_dir, "generation_config.json")):
-        shutil.copy2(os.path.join(source_dir, "generation_config.json"), out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    elif source_dir:
-        for fname in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(source_dir, fname)):
-                shutil.copy2(os.path.join(source_dir, fname), out_dir)
+    write_model_files(out_dir, config, dtype or first_dtype, source_dir, tokenizer)
     ops.barrier()
     return out_dir
+
+
+def write_model_files(
+    out_dir: str, config: Any, dtype: Optional[torch.dtype], source_dir: Optional[str] = None, tokenizer: Any = None
+) -> List[str]:
+    """What `from_pretrained` needs beside the weights: config.json (its dtype the weights' `dtype`),
+    and from `source_dir` generation_config.json and the tokenizer files (or `tokenizer`, saved).
+    The recipe's export and `shardwise convert` of a recipe checkpoint (checkpoint/recipe_folder.py)
+    both write them here. Returns the files written."""
+    config = copy.deepcopy(config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(out_dir)
+    copied = [os.path.join(out_dir, "config.json")]
+    names = ["generation_config.json"] + ([] if tokenizer is not None else list(TOKENIZER_FILES))
+    for fname in names if source_dir else []:
+        if os.path.exists(os.path.join(source_dir, fname)):
+            shutil.copy2(os.path.join(source_dir, fname), out_dir)
+            copied.append(os.path.join(out_dir, fname))
+    if tokenizer is not None:
+        copied += [p for p in tokenizer.save_pretrained(out_dir) if os.path.exists(p)]
+    return copied
