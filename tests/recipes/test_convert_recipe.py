@@ -1,11 +1,11 @@
 # `shardwise convert` of a full fine-tuning recipe checkpoint gives a Hugging Face folder that
 # from_pretrained loads (the recipe module's `model.` prefix removed, the tied lm_head left out, config,
-# generation config and tokenizer files from the base folder given with --base_model) and that computes
-# exactly the logits of the recipe's own export of the same step. Without a usable base folder nothing is
-# written and the error names --base_model; a base folder of another architecture is refused by name and
-# shape; a file OUT gets every tensor under its Hugging Face name; and a plain module that happens to hold
-# its network as `self.model` converts as before, prefix kept (the recipe is recognised by what its module
-# stores in the checkpoint, not by names).
+# generation config and tokenizer files from the base folder the checkpoint records, or --base_model) and
+# that computes exactly the logits of the recipe's own export of the same step. With the base folder moved,
+# nothing is written and the error names the recorded folder and --base_model, which then converts; a base
+# folder of another architecture is refused by name and shape; a file OUT gets every tensor under its
+# Hugging Face name; and a plain module that happens to hold its network as `self.model` converts as before,
+# prefix kept (the recipe is recognised by what its module stores in the checkpoint, not by names).
 from __future__ import annotations
 
 import os
@@ -68,7 +68,7 @@ def test_the_converted_folder_loads_and_gives_the_trained_logits(run, tmp_path, 
 
     base, ckpt, export = run
     out = str(tmp_path / "hf")
-    assert main(["convert", ckpt, out, "--base_model", base]) == 0
+    assert main(["convert", ckpt, out]) == 0  # the base folder the checkpoint records
     assert "fine-tuning recipe" in capsys.readouterr().out
     for fname in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert os.path.exists(os.path.join(out, fname)), fname
@@ -85,10 +85,19 @@ def test_the_converted_folder_loads_and_gives_the_trained_logits(run, tmp_path, 
 
 
 def test_without_a_usable_base_folder_nothing_is_written_and_the_fix_is_named(run, tmp_path):
-    base, ckpt, _ = run
+    base, ckpt, export = run
     out = str(tmp_path / "hf")
-    with pytest.raises(ValueError, match="fine-tuning recipe checkpoint.*--base_model"):
-        convert(ckpt, out, quiet=True)
+    moved = str(tmp_path / "moved")
+    os.rename(base, moved)
+    try:
+        with pytest.raises(ValueError, match="the base model folder the checkpoint records, .*base.*--base_model"):
+            convert(ckpt, out, quiet=True)
+        assert not os.path.exists(out)
+        convert(ckpt, out, base_model=moved, quiet=True)  # the folder where it is now
+        torch.testing.assert_close(logits(out), logits(export), atol=1e-5, rtol=0)
+    finally:
+        os.rename(moved, base)
+    out = str(tmp_path / "hf2")
     gone = str(tmp_path / "gone")
     shutil.copytree(base, gone)
     shutil.rmtree(gone)

@@ -15,8 +15,8 @@ merged in by PEFT, as a Hugging Face folder. A file OUT still gets its raw tenso
 A full checkpoint of the fine-tuning recipe (`shardwise finetune`) becomes the
 Hugging Face folder the recipe's own export writes: names without the recipe
 module's `model.` prefix, tied copies left out, config.json, generation config
-and tokenizer files from the base model folder given as `base_model`
-(checkpoint/recipe_folder.py). A file OUT gets all its tensors, prefix removed.
+and tokenizer files from the base model folder the checkpoint records (or
+`base_model`, which wins; checkpoint/recipe_folder.py). A file OUT gets all its tensors, prefix removed.
 
 Tensors are read from the checkpoint one at a time (reader.py; small ones a
 few together) and cast on their own, so a folder's peak memory is about one
@@ -150,7 +150,7 @@ def convert(
     if recipe and single_file:
         names = {i.name: i.name[len(recipe_folder.PREFIX) :] for i in infos}
     elif recipe:  # refused before anything is written when the folder could not load
-        config = recipe_folder.base_config(reader, base_model)
+        base_model, config = recipe_folder.base_config(reader, base_model)
         kept = recipe_folder.hf_names(infos, config, base_model)
         infos, names = [i for i, _ in kept], {i.name: name for i, name in kept}
     total_bytes = sum(_out_info(i, cast).nbytes for i in infos)

@@ -9,8 +9,10 @@ by the names alone. The names lose the prefix; tied copies (lm_head.weight
 under tie_word_embeddings) are left out as save_pretrained leaves them out
 (hf_model.export_items on the architecture built on the meta device from the
 base config), and every name and shape is checked against that architecture
-before anything is written. The checkpoint does not record the base model
-folder, so its config comes from --base_model; config.json, the generation
+before anything is written. The config comes from the base model folder the
+checkpoint records (the recipe module stores its --model_path), or from
+--base_model, which wins (a moved folder; checkpoints written before the
+folder was recorded); config.json, the generation
 config and tokenizer files are then written as the recipe's own export writes
 them (hf_model.write_model_files).
 """
@@ -36,23 +38,32 @@ def is_recipe_checkpoint(reader: CheckpointReader, infos: List[TensorInfo]) -> b
     return HISTORY_KEY in reader.trainer_state()
 
 
-def base_config(reader: CheckpointReader, base_model: Optional[str]) -> Any:
-    """The config of the model folder the run fine-tuned; an error naming --base_model when there is none."""
+def base_config(reader: CheckpointReader, base_model: Optional[str]) -> Tuple[str, Any]:
+    """(the model folder the run fine-tuned, its config): --base_model, else the folder the checkpoint records;
+    an error naming --base_model when neither holds a config.json."""
+    from shardwise.recipes.causal_lm import HISTORY_KEY
+
+    recorded = (reader.trainer_state().get(HISTORY_KEY) or {}).get("model_path")
     fix = (
         "give the folder the run fine-tuned (its --model_path) with --base_model: convert takes config.json, "
         "generation_config.json and the tokenizer files from there; or give OUT as a .safetensors file for the "
         "weights alone."
     )
-    if base_model is None:
+    folder = base_model or recorded
+    if folder is None:
         raise ValueError(
             f"{reader.path} is a fine-tuning recipe checkpoint: it holds the weights but no config.json, and it "
-            f"does not record its base model folder, so the folder would not load with from_pretrained. {fix}"
+            f"does not record its base model folder (written before shardwise recorded it), so the folder would "
+            f"not load with from_pretrained. {fix}"
         )
-    if not os.path.isfile(os.path.join(base_model, "config.json")):
-        raise ValueError(f"--base_model {base_model!r} has no config.json (missing or moved?). {fix}")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        which = (
+            f"--base_model {folder!r}" if base_model else f"the base model folder the checkpoint records, {folder!r},"
+        )
+        raise ValueError(f"{which} has no config.json (missing or moved?). {fix}")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(base_model)
+    return folder, AutoConfig.from_pretrained(folder)
 
 
 def hf_names(infos: List[TensorInfo], config: Any, base_model: str) -> List[Tuple[TensorInfo, str]]:

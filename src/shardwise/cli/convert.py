@@ -5,7 +5,8 @@ time, so a model larger than host memory converts into a folder of shards. An
 adapter (LoRA) checkpoint becomes a PEFT adapter folder, or with --base_model
 the base model with the adapter merged in. A full checkpoint of the fine-tuning
 recipe becomes a Hugging Face folder that from_pretrained loads, its config and
-tokenizer files taken from the base model folder given with --base_model.
+tokenizer files taken from the base model folder the checkpoint records (or
+--base_model, when it has moved).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def parser() -> ArgumentParser:
         default=None,
         help=(
             "the base model's Hugging Face folder: for an adapter checkpoint OUT becomes the merged model; for a "
-            "fine-tuning recipe checkpoint its config and tokenizer files go beside the weights"
+            "fine-tuning recipe checkpoint its config and tokenizer files go beside the weights (default: the folder "
+            "the checkpoint records)"
         ),
     )
     return p

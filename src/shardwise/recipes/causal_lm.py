@@ -34,6 +34,7 @@ the sp group and reports the same eval_loss and val_loss as one device.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable, Dict, List, Union
 
@@ -214,7 +215,11 @@ class CausalLMModule(TrainModule):
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # Every rank saves together (collective), so the sync is too; the steps so far, the current one included.
         self._sync_history()
-        checkpoint[HISTORY_KEY] = {"history": list(self.history), "eval_history": list(self.eval_history)}
+        checkpoint[HISTORY_KEY] = {
+            "history": list(self.history),
+            "eval_history": list(self.eval_history),
+            "model_path": os.path.abspath(self.folder.path),  # `shardwise convert` takes its config from there
+        }
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # A resumed run continues after the checkpoint's step: its history starts with the saved steps.
