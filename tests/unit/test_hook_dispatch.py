@@ -71,9 +71,12 @@ def test_a_hook_that_is_not_a_method_of_the_class_is_called():
     module, seen = Tested(), []
     module.on_train_batch_start = lambda batch, batch_idx: seen.append(batch_idx)
     module.on_test_model_eval = lambda: seen.append("eval")
+    # Hooks the loop calls only when the module has its own: the instance's count too.
+    module.on_before_backward = lambda loss: seen.append("backward")
+    module.optimizer_zero_grad = lambda epoch, batch_idx, optimizer: seen.append("zero_grad")
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
                       enable_checkpointing=False)  # fmt: skip
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
     trainer.fit(module, data)
     trainer.test(module, data, verbose=False)
-    assert seen == [0, 1, "eval"]
+    assert seen == [0, "zero_grad", "backward", 1, "zero_grad", "backward", "eval"]

@@ -20,8 +20,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from shardwise.distributed.progress import mark as mark_progress
-from shardwise.module_hooks import ModuleHooks
-from shardwise.trainer.hooks import call_callbacks, call_module
+from shardwise.trainer.hooks import call_callbacks, call_module, module_overrides
 
 
 class ClosureOptimizer:
@@ -106,20 +105,15 @@ def before_backward(trainer: Any, loss: torch.Tensor, batch_idx: int, window: in
         for optimizer in trainer.strategy.optimizers:
             call_callbacks(trainer, "on_before_zero_grad", optimizer)
             call_module(trainer, "on_before_zero_grad", optimizer)
-            if _overrides(module, "optimizer_zero_grad") or _may_hold_gradients(optimizer):
+            if module_overrides(module, "optimizer_zero_grad") or _may_hold_gradients(optimizer):
                 call_module(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
     # The loss as backpropagated is a tensor operation of its own: made only when some hook receives it.
-    if _overrides(module, "on_before_backward") or any(
+    if module_overrides(module, "on_before_backward") or any(
         callable(getattr(callback, "on_before_backward", None)) for callback in trainer.callbacks
     ):
         backpropagated = loss / window if scale is None else loss * scale
         call_callbacks(trainer, "on_before_backward", backpropagated)
         call_module(trainer, "on_before_backward", backpropagated)
-
-
-def _overrides(module: Any, hook: str) -> bool:
-    """Whether the module's `hook` is its own, not ModuleHooks' default."""
-    return getattr(type(module), hook, None) is not getattr(ModuleHooks, hook)
 
 
 def _may_hold_gradients(optimizer: Any) -> bool:

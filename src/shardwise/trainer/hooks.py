@@ -107,6 +107,13 @@ def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
         enter_hook(module, previous)  # self.log after it takes the enclosing hook's defaults again
 
 
+def module_overrides(module: Any, hook: str) -> bool:
+    """Whether the module's `hook` is its own (a subclass's method, or a function set on the instance), not
+    ModuleHooks' default: for the hooks the loop prepares work for only when the module has its own."""
+    fn = getattr(module, hook, None)
+    return callable(fn) and getattr(fn, "__func__", None) is not getattr(ModuleHooks, hook, None)
+
+
 def _does_nothing(fn: Any) -> bool:
     """Whether a function's body only returns None (a docstring, `...` or `pass`), read from its bytecode."""
     for ins in dis.get_instructions(fn):
