@@ -16,7 +16,8 @@ A full checkpoint of the fine-tuning recipe (`shardwise finetune`) becomes the
 Hugging Face folder the recipe's own export writes: names without the recipe
 module's `model.` prefix, tied copies left out, config.json, generation config
 and tokenizer files from the base model folder the checkpoint records (or
-`base_model`, which wins; checkpoint/recipe_folder.py). A file OUT gets all its tensors, prefix removed.
+`base_model`, which wins; checkpoint/recipe_folder.py). A file OUT gets all
+its tensors, prefix removed.
 
 Tensors are read from the checkpoint one at a time (reader.py; small ones a
 few together) and cast on their own, so a folder's peak memory is about one
@@ -133,7 +134,8 @@ def convert(
     suffix = os.path.splitext(out)[1].lower()
     single_file = suffix in (".safetensors", ".pt", ".pth", ".bin")
     adapter = reader.manifest.get(adapters.ADAPTER_KEY)
-    recipe = not adapter and recipe_folder.is_recipe_checkpoint(reader, infos)
+    state = reader.trainer_state()  # read once (a sharded checkpoint reads and verifies a file for it)
+    recipe = not adapter and recipe_folder.is_recipe_checkpoint(state, infos)
     if base_model is not None and (not (adapter or recipe) or single_file):
         raise ValueError(
             "--base_model merges an adapter checkpoint into its base, or gives a fine-tuning recipe "
@@ -150,7 +152,7 @@ def convert(
     if recipe and single_file:
         names = {i.name: i.name[len(recipe_folder.PREFIX) :] for i in infos}
     elif recipe:  # refused before anything is written when the folder could not load
-        base_model, config = recipe_folder.base_config(reader, base_model)
+        base_model, config = recipe_folder.base_config(state, reader.path, base_model)
         kept = recipe_folder.hf_names(infos, config, base_model)
         infos, names = [i for i, _ in kept], {i.name: name for i, name in kept}
     total_bytes = sum(_out_info(i, cast).nbytes for i in infos)
@@ -180,7 +182,7 @@ def convert(
 
             floating = next((i.dtype for i in infos if i.dtype.is_floating_point), None)
             written += write_model_files(out, config, cast or floating, source_dir=base_model)
-        hparams = reader.trainer_state().get("hyper_parameters") or {}
+        hparams = state.get("hyper_parameters") or {}
         if hparams:
             try:
                 text = json.dumps(hparams, indent=2, default=str)

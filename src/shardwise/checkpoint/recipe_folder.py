@@ -12,38 +12,39 @@ base config), and every name and shape is checked against that architecture
 before anything is written. The config comes from the base model folder the
 checkpoint records (the recipe module stores its --model_path), or from
 --base_model, which wins (a moved folder; checkpoints written before the
-folder was recorded); config.json, the generation
-config and tokenizer files are then written as the recipe's own export writes
-them (hf_model.write_model_files).
+folder was recorded); config.json, the generation config and tokenizer files
+are then written as the recipe's own export writes them
+(hf_model.write_model_files).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from shardwise.checkpoint.reader import CheckpointReader, TensorInfo
+from shardwise.checkpoint.reader import TensorInfo
 
 PREFIX = "model."  # the recipe module's attribute holding the Hugging Face model
 
 
-def is_recipe_checkpoint(reader: CheckpointReader, infos: List[TensorInfo]) -> bool:
-    """A full checkpoint written by the fine-tuning recipe's module (adapter checkpoints are not asked)."""
+def is_recipe_checkpoint(state: Dict[str, Any], infos: List[TensorInfo]) -> bool:
+    """A full checkpoint (its trainer state, its tensors) written by the fine-tuning recipe's module (adapter
+    checkpoints are not asked)."""
     if not infos or not all(i.name.startswith(PREFIX) for i in infos):
         return False  # cheap test first: a plain module's checkpoint never imports the recipe
     from shardwise.recipes.causal_lm import HISTORY_KEY
 
-    return HISTORY_KEY in reader.trainer_state()
+    return HISTORY_KEY in state
 
 
-def base_config(reader: CheckpointReader, base_model: Optional[str]) -> Tuple[str, Any]:
-    """(the model folder the run fine-tuned, its config): --base_model, else the folder the checkpoint records;
-    an error naming --base_model when neither holds a config.json."""
+def base_config(state: Dict[str, Any], path: str, base_model: Optional[str]) -> Tuple[str, Any]:
+    """(the model folder the run fine-tuned, its config): --base_model, else the folder the checkpoint at `path`
+    records in its trainer `state`; an error naming --base_model when neither holds a config.json."""
     from shardwise.recipes.causal_lm import HISTORY_KEY
 
-    recorded = (reader.trainer_state().get(HISTORY_KEY) or {}).get("model_path")
+    recorded = (state.get(HISTORY_KEY) or {}).get("model_path")
     fix = (
         "give the folder the run fine-tuned (its --model_path) with --base_model: convert takes config.json, "
         "generation_config.json and the tokenizer files from there; or give OUT as a .safetensors file for the "
@@ -52,7 +53,7 @@ def base_config(reader: CheckpointReader, base_model: Optional[str]) -> Tuple[st
     folder = base_model or recorded
     if folder is None:
         raise ValueError(
-            f"{reader.path} is a fine-tuning recipe checkpoint: it holds the weights but no config.json, and it "
+            f"{path} is a fine-tuning recipe checkpoint: it holds the weights but no config.json, and it "
             f"does not record its base model folder (written before shardwise recorded it), so the folder would "
             f"not load with from_pretrained. {fix}"
         )

@@ -250,10 +250,11 @@ class StepCheck:
         now where it is read anyway or needed now (a log step, non_finite='skip'). False: skip the update.
         Under non_finite='off' only the ranks' preemption vote is summed (no losses, no gradients), with the
         same schedule: read a step later, never a host read of its own at every step."""
-        votes = self.preemption is not None and self.preemption.flag is not None and trainer.strategy.world_size > 1
-        if self.mode == "off" and not votes:
-            return True  # one process reads its own flag (preemption.py)
-        if self.pending is None and self.preemption is not None and trainer.strategy.world_size > 1:
+        strategy = trainer.strategy
+        votes = self.preemption is not None and strategy.world_size > 1  # one process reads its own flag
+        if self.mode == "off" and not (votes and self.preemption.flag is not None):
+            return True  # nothing to agree on: no check, and no signal handler (or one process)
+        if self.pending is None and votes:
             # The last vote was read and acted on at its own step; the next one rides in this step's vector.
             # Nothing new to agree on now (the same on every rank): no all-reduce of its own (preemption.py).
             self.preemption.agreed = False
@@ -268,7 +269,6 @@ class StepCheck:
             losses, share, weight, now = [], None, None, False
         # A step's values may be read by anyone once logged (weighting's step_loss goes to the metrics):
         # then the sums must be complete before the check returns; otherwise they are awaited a step later.
-        strategy = trainer.strategy
         vector, grads, work = step_vector(
             strategy,
             trainer.model,
