@@ -4,14 +4,19 @@ A forked worker must be indistinguishable from a spawned one where a user could 
 launching process's environment and working directory as they are at this launch (not as they were
 when the server started, at an earlier launch), writes to the launcher's current standard output
 (here a capture that did not exist when the server started), gets its own rank from torch's agent,
-and is still a child the launcher can signal. SHARDWISE_START_METHOD=spawn goes back to spawning,
-and a value it does not know is refused by name.
+and is still a child the launcher can signal. A SIGKILLed launcher takes its forked workers with it (the
+fork server outlives it while they run, so they watch the launcher themselves).
+SHARDWISE_START_METHOD=spawn goes back to spawning, and a value it does not know is refused by name.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 
 import pytest
 
@@ -66,3 +71,45 @@ def test_spawn_on_request_and_an_unknown_method_refused(monkeypatch):
     monkeypatch.setenv(forkserver.START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match="SHARDWISE_START_METHOD='fork'.*'forkserver'.*'spawn'"):
         shardwise.launch(_report, "never", devices=2)
+
+
+_SLEEPER = textwrap.dedent(
+    """
+    import os, sys, time
+    import shardwise
+
+    def sleep(folder):
+        open(os.path.join(folder, "pid." + os.environ["RANK"]), "w").write(str(os.getpid()))
+        time.sleep(300)
+
+    if __name__ == "__main__":
+        shardwise.launch(sleep, sys.argv[1], devices=2)
+    """
+)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return "\nState:\tZ" not in fh.read()  # a zombie has exited; its parent has yet to reap it
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not LINUX, reason="the fork server and /proc are Linux's")
+def test_a_sigkilled_launcher_takes_its_forked_workers_with_it(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(_SLEEPER)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stderr=subprocess.DEVNULL)
+    pids = [tmp_path / f"pid.{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.1)
+    workers = [int(p.read_text()) for p in pids]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers), "a worker outlived its SIGKILLed launcher"

@@ -61,21 +61,16 @@ _DIE_WITH_LAUNCHER = (
 
 def die_with_launcher(launcher_pid: int) -> None:
     """In a function worker (no exec prelude): the same request, for the same reason. A worker forked from
-    the fork server (forkserver.py) asks it of the server, which exits when the launcher does."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher_pid and not _alive(launcher_pid):  # it died before the request was made
-            os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    the fork server is not the launcher's child (and keeps the server alive itself): it watches the launcher
+    instead (forkserver.watch_launcher)."""
+    if not sys.platform.startswith("linux"):
+        return
+    if os.getppid() != launcher_pid:
+        forkserver.watch_launcher(launcher_pid)
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher_pid:  # the launcher died before the request was made
+        os._exit(1)
 
 
 @dataclass

@@ -17,9 +17,10 @@ things a spawned worker had for free; `enter` puts them back before `fn` runs:
 - standard output and error: the server's are the ones the launcher had when
   the server started (a test's capture file, for instance). The worker writes
   to the launcher's current ones, reopened through /proc.
-- its parent is the fork server, not the launcher: the request to be killed
-  when the parent dies then follows the fork server, which exits when the
-  launcher does (agent.die_with_launcher).
+- its parent is the fork server, not the launcher, and the server lives as
+  long as any process it forked (each holds its liveness pipe): a worker
+  watches the launcher itself (`watch_launcher`, a thread blocked on a pidfd)
+  and is killed with it, as a spawned worker is by its parent-death signal.
 
 SHARDWISE_START_METHOD=spawn goes back to spawning (and is what other systems get).
 """
@@ -28,7 +29,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
+import signal
 import sys
+import threading
+import time
 from typing import Any, Callable, Dict, Sequence
 
 START_METHOD_ENV = "SHARDWISE_START_METHOD"
@@ -78,6 +83,38 @@ def enter(fn: Callable[..., Any], view: Dict[str, Any], *args: Any) -> Any:
     os.environ.update(agent_set)
     _write_where(view["pid"])
     return fn(*args)
+
+
+def watch_launcher(launcher_pid: int) -> None:
+    """SIGKILL this process when `launcher_pid` exits (now, if it already has): a daemon thread blocked on the
+    launcher's pidfd (Linux 5.3+; else it checks every half second), so a SIGKILLed launcher (the OOM
+    killer, a scheduler) leaves no worker waiting in a collective until the timeout."""
+    try:
+        fd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: poll
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(launcher_pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="shardwise-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _write_where(launcher_pid: int) -> None:
