@@ -17,7 +17,7 @@ formats verify their checksums, as a real resume does
 process on each checkpoint, and its peak (measured the same way, from just
 before the conversion) is compared with the model's size and its largest
 tensor. Prints a markdown table; with --out, replaces the section
-"## Checkpoints (issue 3)" of that file.
+"### Checkpoints: save and load speed" of that file.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch import nn
 import shardwise
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
-SECTION = "## Checkpoints (issue 3)"
+SECTION = "### Checkpoints: save and load speed"
 MB = 1e6
 
 
@@ -209,7 +209,7 @@ def write_section(path: str, body: str, command: str) -> None:
         f"{SECTION}\n\nCommand: `{command}` ({date}, {os.cpu_count()} CPU cores, torch "
         f"{torch.__version__}; timings on a shared machine vary, ratios are what to read).\n\n{body}\n"
     )
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^#{2,3} |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     with open(path, "w") as fh:
         fh.write(text)

@@ -18,8 +18,8 @@ state) is saved in both formats through the same functions a Trainer uses
   through read() (rchar) and from the disk (read_bytes) during the load. A
   verified load that read the file twice would show about twice its size.
 
-Prints a markdown table; with --out, replaces the section "### Verification
-cost (issue 27)" of that file.
+Prints a markdown table; with --out, replaces the section "#### Verification
+cost" of that file.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from shardwise.checkpoint.formats import load_model_and_optimizers, save_model_a
 from shardwise.checkpoint.integrity import VERIFY_ENV, verify_directory
 from shardwise.checkpoint.layout import build_manifest, read_manifest, save_torch_durably
 
-SECTION = "### Verification cost (issue 27)"
+SECTION = "#### Verification cost"
 MB = 1e6
 
 
@@ -186,7 +186,7 @@ def write_section(path: str, body: str, command: str) -> None:
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text)
     else:
-        anchor = re.search(r"^### Chaos resume", text, re.M)  # beside the other checkpoint sections
+        anchor = re.search(r"^#### Chaos resume", text, re.M)  # beside the other checkpoint sections
         at = anchor.start() if anchor else len(text)
         text = text[:at] + section + "\n" + text[at:]
     with open(path, "w") as fh:

@@ -25,7 +25,7 @@ import os
 import re
 from typing import List, Tuple
 
-SECTION = "## Memory planner (issue 6)"
+SECTION = "### Memory planner"
 MODELS = ("gpt", "transformer")
 PLAN_70B = [
     "--model",
@@ -118,7 +118,7 @@ def section(quick: bool) -> str:
         *raw_deepspeed_limits(),
         "",
         f"**Planning cost.** `shardwise plan {' '.join(PLAN_70B)}` (all {n_candidates} candidate "
-        "configurations of the seed's list, each FSDP/DDP configuration traced at 3 and 4 blocks in two "
+        "configurations of the published list, each FSDP/DDP configuration traced at 3 and 4 blocks in two "
         "worker processes): "
         f"{cost['wall']:.1f} s wall, {cost['cpu']:.1f} s CPU, peak resident memory of all planner processes "
         f"together {cost['rss'] / 2**30:.2f} GiB (machine load average {cost['load']:.1f} while measuring). "
@@ -130,7 +130,7 @@ def section(quick: bool) -> str:
 
 def write(path: str, text: str) -> None:
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^#{2,3} |\Z)", re.S | re.M)
     new = pattern.sub(text + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
     with open(path, "w") as fh:
         fh.write(new)
