@@ -1,8 +1,16 @@
-"""Re-measure the code's structure (issue: one parallel plan): file sizes, private members used
-across modules, environment variables read in src/, and imports of the Trainer from below it.
+"""Re-measure the code's structure: file sizes, private members used across modules, environment
+variables read in src/, and which way the imports flow.
 
     python .ci/structure.py          # the report
-    python .ci/structure.py --check  # exit 1 when a limit is broken (600 lines a file, 5 private names)
+    python .ci/structure.py --check  # exit 1 when a rule is broken
+
+The rules --check enforces: no file in src/ over 600 lines; at most 5 private names used outside the
+module that defines them; every module sits in a layer of `LAYERS` (the one list of layers; the table
+in docs/architecture.md must list the same packages in the same layers); no import points upward; no
+circle of imports. The import graph counts every `import` / `from ... import` of shardwise anywhere in
+a file, inside functions too (a function-level import runs the same code, only later), relative ones
+resolved. A package's `__init__` importing its own submodules to re-export them is no circle; a
+submodule importing its package's `__init__` that imports it back is one.
 """
 
 from __future__ import annotations
@@ -13,8 +21,27 @@ import re
 import sys
 from collections import defaultdict
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "shardwise"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "shardwise"
+DOC = ROOT / "docs" / "architecture.md"
 MAX_LINES, MAX_PRIVATE = 600, 5
+# Top imports bottom only. Each entry is a package (`cli/`) or a top-level module (`step.py`) of
+# src/shardwise; `__init__.py` is the package root. docs/architecture.md's layer table lists the same.
+LAYERS = (
+    ("commands", ("cli/", "recipes/", "scaling/", "demos.py", "compat.py", "__init__.py")),
+    ("the loop", ("trainer/",)),
+    ("planning", ("plan/",)),
+    ("run state", ("callbacks/", "loggers/", "metrics.py", "module.py", "module_hooks.py", "module_weights.py")),
+    ("models", ("models/",)),
+    ("engines", ("strategies/",)),
+    ("checkpoint I/O and model converters", ("checkpoint/", "adapters/")),
+    (
+        "step core",
+        ("step.py", "health.py", "losses.py", "precision.py", "memory/", "flops.py", "data.py", "state.py",
+         "dtypes.py", "seed.py", "sysmem.py", "fqn.py", "ulysses.py"),
+    ),
+    ("processes", ("distributed/", "_version.py")),
+)
 # Packages above the Trainer (they may import it): the CLI, the recipes, `shardwise check`, the demo, the package root.
 ABOVE_TRAINER = ("cli", "recipes", "scaling", "demos.py", "__init__.py", "trainer")
 
@@ -101,6 +128,163 @@ def trainer_imports_from_below():
     return bad
 
 
+# ------------------------------------------------------------------ imports: layers and circles
+def module_name(p):
+    """shardwise.checkpoint.convert for src/shardwise/checkpoint/convert.py; a package is its `__init__`."""
+    parts = list(p.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_entry(p):
+    """The LAYERS entry a file belongs to: its top-level package (`plan/`) or its own name (`step.py`)."""
+    parts = p.relative_to(SRC).parts
+    return parts[0] + "/" if len(parts) > 1 else parts[0]
+
+
+def layer_of():
+    return {entry: i for i, (_, entries) in enumerate(LAYERS) for entry in entries}
+
+
+class Import:
+    def __init__(self, source, line, target, in_function):
+        self.source, self.line, self.target, self.in_function = source, line, target, in_function
+
+
+def imports():
+    """Every import of a shardwise module in src/ (module level and inside functions), resolved to the file
+    it runs: `from shardwise.checkpoint import adapters` is checkpoint/adapters.py, `from shardwise.checkpoint
+    import open_checkpoint` is checkpoint/__init__.py. The parent packages Python imports on the way are not
+    counted: they are no dependency the importing code chose."""
+    by_name = {module_name(p): p for p in files()}
+    out = []
+    for p in files():
+        here = module_name(p)
+        package = here if p.name == "__init__.py" else here.rpartition(".")[0]
+        tree = ast.parse(p.read_text())
+        in_function = {
+            id(node)
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+        }
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in by_name else module for a in node.names]
+            for target in dict.fromkeys(targets):
+                if target.split(".")[0] != "shardwise":
+                    continue
+                while target not in by_name:
+                    target = target.rpartition(".")[0]
+                if by_name[target] != p:
+                    out.append(Import(p, node.lineno, by_name[target], id(node) in in_function))
+    return out
+
+
+def upward_imports(found):
+    """`file:line imports X (layer A -> layer B)` for each import of a layer above the importing file's."""
+    layers = layer_of()
+    bad = []
+    for imp in found:
+        a, b = layers.get(layer_entry(imp.source)), layers.get(layer_entry(imp.target))
+        if a is not None and b is not None and b < a:
+            bad.append(
+                f"{rel(imp.source)}:{imp.line} imports {rel(imp.target)} ({LAYERS[a][0]} -> {LAYERS[b][0]})"
+                + (" [in a function]" if imp.in_function else "")
+            )
+    return sorted(set(bad))
+
+
+def unplaced():
+    """Packages and top-level modules of src/shardwise that no layer of LAYERS lists."""
+    layers = layer_of()
+    return sorted({layer_entry(p) for p in files()} - set(layers))
+
+
+def circles(found):
+    """Each strongly connected component (two or more modules importing each other, directly or
+    around), with the imports inside it."""
+    graph = defaultdict(set)
+    for imp in found:
+        graph[imp.source].add(imp.target)
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(files())))
+    for v in sorted(set(graph)):
+        if v not in index:
+            visit(v)
+    result = []
+    for component in sorted(out):
+        members = set(component)
+        edges = sorted(
+            f"{rel(i.source)}:{i.line} imports {rel(i.target)}" + (" [in a function]" if i.in_function else "")
+            for i in found
+            if i.source in members and i.target in members
+        )
+        result.append(([rel(m) for m in component], edges))
+    return result
+
+
+def doc_layers():
+    """The layer table of docs/architecture.md: [(layer, [package or module, ...]), ...] in its order."""
+    rows, in_table = [], False
+    for line in DOC.read_text().splitlines():
+        if line.startswith("| layer |"):
+            in_table = True
+            continue
+        if in_table and not line.startswith("|"):
+            break
+        if in_table and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.append((cells[0], re.findall(r"`([\w./]+)`", cells[1])))
+    return rows
+
+
+def doc_disagreements():
+    """How docs/architecture.md's layer table differs from LAYERS (empty: they agree)."""
+    doc = doc_layers()
+    want = [(name, sorted(entries)) for name, entries in LAYERS]
+    got = [(name, sorted(entries)) for name, entries in doc]
+    if got == want:
+        return []
+    out = []
+    if [n for n, _ in got] != [n for n, _ in want]:
+        out.append(f"layers in the doc {[n for n, _ in got]} vs structure.py {[n for n, _ in want]}")
+    for (name, entries), (_, doc_entries) in zip(want, got):
+        if entries != doc_entries:
+            missing, extra = sorted(set(entries) - set(doc_entries)), sorted(set(doc_entries) - set(entries))
+            out.append(f"layer {name!r}: the doc lacks {missing}, lists {extra} that structure.py does not")
+    return out or ["the doc's layer table differs from LAYERS"]
+
+
 def main() -> int:
     check = "--check" in sys.argv
     sizes = sorted(((len(p.read_text().splitlines()), rel(p)) for p in files()), reverse=True)
@@ -120,7 +304,29 @@ def main() -> int:
     print(f"\nimports of the Trainer from below it: {len(below)}")
     for b in below:
         print(f"  {b}")
-    broken = bool(over) or len(priv) > MAX_PRIVATE or bool(below)
+    found = imports()
+    in_functions = [i for i in found if i.in_function]
+    statements = {(i.source, i.line) for i in in_functions}
+    print(f"\nimports of shardwise modules: {len(found)}, {len(statements)} statements inside functions")
+    loose = unplaced()
+    print(f"\npackages and modules in no layer: {len(loose)}")
+    for entry in loose:
+        print(f"  {entry} (add it to LAYERS and to the table in docs/architecture.md)")
+    doc = doc_disagreements()
+    print(f"\ndocs/architecture.md's layer table against LAYERS: {'agrees' if not doc else 'differs'}")
+    for d in doc:
+        print(f"  {d}")
+    up = upward_imports(found)
+    print(f"\nupward imports: {len(up)}")
+    for u in up:
+        print(f"  {u}")
+    rings = circles(found)
+    print(f"\ncircles of imports: {len(rings)}")
+    for members, edges in rings:
+        print(f"  {' <-> '.join(members)}")
+        for e in edges:
+            print(f"    {e}")
+    broken = bool(over) or len(priv) > MAX_PRIVATE or bool(below) or bool(loose) or bool(doc) or bool(up) or bool(rings)
     return 1 if (check and broken) else 0
 
 
