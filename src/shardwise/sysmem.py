@@ -1,10 +1,12 @@
-"""Whole-process memory (RSS high-water mark) and byte-size strings.
+"""Whole-process memory (RSS high-water mark), host memory still available, and byte-size strings.
 
 Split from memory.py, which counts tensor storages: these helpers answer the
 other two questions every memory report needs -- what did the whole process
 peak at (VmHWM, resettable through /proc/self/clear_refs) and how to read or
 print a size such as "80GiB" -- and are shared with the planner and the
-fine-tuning recipe's loading benchmark.
+fine-tuning recipe's loading benchmark. `available_host_bytes` (MemAvailable
+under a cgroup limit) is asked before a full gather or a merge holds a whole
+model on the host (checkpoint/formats.py, checkpoint/convert.py, recipes/).
 """
 
 from __future__ import annotations
@@ -115,3 +117,32 @@ def parse_bytes(value: str | int) -> int:
             "K/M/G/T/P (powers of 1024)."
         )
     return int(round(float(match.group(1)) * _UNITS[unit]))
+
+
+# ----------------------------------------------------------- host memory left
+def available_host_bytes() -> int | None:
+    """Host memory this process can still take: MemAvailable, capped by a cgroup (container) limit.
+
+    None where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file) as fh:
+                limit = fh.read().strip()
+            with open(usage_file) as fh:
+                usage = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
+            found.append(max(0, int(limit) - usage))
+    return min(found) if found else None

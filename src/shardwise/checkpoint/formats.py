@@ -65,6 +65,7 @@ from shardwise.checkpoint.layout import (
 )
 from shardwise.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner, plain_state
 from shardwise.distributed import ops
+from shardwise.sysmem import available_host_bytes
 
 BUILTIN_FORMATS = ("full", "sharded")
 _DCP_METADATA = ".metadata"
@@ -168,34 +169,6 @@ _HOST_SHARE = 0.9  # of rank 0's available host memory a full gather may take
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-def available_host_bytes() -> Optional[int]:
-    """Host memory this process can still take: MemAvailable, capped by a cgroup (container) limit.
-
-    None where neither can be read (not Linux)."""
-    found: List[int] = []
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            with open(limit_file) as fh:
-                limit = fh.read().strip()
-            with open(usage_file) as fh:
-                usage = int(fh.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
-            found.append(max(0, int(limit) - usage))
-    return min(found) if found else None
 
 
 def _full_state_budget(

@@ -106,7 +106,7 @@ def plan_command(
         tp_size: plan the FSDP configurations with tensor parallel of this degree (1: off).
     """
     from shardwise.plan.core import plan
-    from shardwise.plan.presets import PlanError
+    from shardwise.plan.errors import PlanError
     from shardwise.plan.report import plot as plot_png
     from shardwise.plan.report import print_table, to_json
 
@@ -166,7 +166,7 @@ def plan_command(
 def _strategy(value: str) -> object:
     """--strategy: a name (a ParallelPlan of strategies/names.py), or python:module.attr naming a Strategy or
     a ParallelPlan (or a function returning one)."""
-    from shardwise.plan.presets import PlanError
+    from shardwise.plan.errors import PlanError
 
     if not value.startswith("python:"):
         return value

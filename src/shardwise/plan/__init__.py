@@ -16,7 +16,8 @@ import types
 
 from shardwise.plan.candidates import Candidate, default_candidates
 from shardwise.plan.core import RESERVED_FACTOR, Estimate, Plan, plan
-from shardwise.plan.presets import LMModule, ModelSpec, PlanError, preset_names, resolve_model
+from shardwise.plan.errors import PlanError
+from shardwise.plan.presets import LMModule, ModelSpec, preset_names, resolve_model
 
 __all__ = [
     "plan",

@@ -24,7 +24,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from shardwise.plan.presets import PlanError
+from shardwise.plan.errors import PlanError
 
 # PEFT's own default for Llama-style models (q_proj, v_proj), used for shardwise's GPT presets,
 # whose module names are Llama's; Hugging Face configs get PEFT's default for their model type.

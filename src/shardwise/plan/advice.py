@@ -36,7 +36,7 @@ from shardwise.distributed.env import detect_env
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, from_strategy, parse_candidate
 from shardwise.plan.core import plan
-from shardwise.plan.presets import PlanError
+from shardwise.plan.errors import PlanError
 from shardwise.plan.runcheck import PlanCheck, Prediction
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
-from shardwise.plan.presets import PlanError, divisors
+from shardwise.plan.errors import PlanError
+from shardwise.plan.presets import divisors
 from shardwise.strategies import DDPStrategy, FSDPStrategy
 from shardwise.strategies.accounting import accounting_for
 from shardwise.strategies.deepspeed import DeepSpeedStrategy

@@ -32,11 +32,12 @@ from shardwise.plan.adapters import build_adapters, check_candidates, compute_dt
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
 from shardwise.plan.candidates import Candidate, batch_splits, check_layout, from_strategy, requested_candidates
 from shardwise.plan.cost import Hardware, step_cost
+from shardwise.plan.errors import PlanError
 from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.parallel import group_batch, layer_shape, replicated_flops, search_parallel, with_parallel_degrees
-from shardwise.plan.presets import ModelSpec, PlanError, describe, resolve_model
+from shardwise.plan.presets import ModelSpec, describe, resolve_model
 from shardwise.plan.recommend import DEFAULT_HEADROOM, binding_limit, format_seconds, recommend, usable
 from shardwise.plan.rows import fsdp_offload_row, identity_view, split_breakdown, view_key
 from shardwise.plan.trace import Trace, TraceFailed, extrapolate

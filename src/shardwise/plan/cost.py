@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from shardwise.plan.candidates import Candidate
-from shardwise.plan.presets import PlanError
+from shardwise.plan.errors import PlanError
 from shardwise.strategies.accounting import accounting_for
 
 # Dense bf16 peak FLOP/s (fp32 runs use the TF32 / fp32 figure), device memory for reference.

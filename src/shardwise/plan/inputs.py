@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from shardwise.memory import parse_bytes
-from shardwise.plan.presets import ModelSpec, PlanError
+from shardwise.plan.errors import PlanError
+from shardwise.plan.presets import ModelSpec
 
 
 def validate_inputs(

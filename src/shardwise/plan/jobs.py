@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from shardwise.memory import active_tracker
 from shardwise.plan.candidates import Candidate
+from shardwise.plan.errors import PlanError
 from shardwise.plan.presets import ModelSpec
 from shardwise.plan.trace import Trace, TraceFailed, fake_world, trace
 from shardwise.strategies.accounting import View, accounting_for
@@ -122,8 +123,6 @@ def run_jobs(
     if spec_bytes is not None and any(j.traced.strategy is not None for j in jobs) and _portable(jobs) is None:
         spec_bytes = None  # a strategy object naming classes from __main__
     if spec_bytes is None:
-        from shardwise.plan.presets import PlanError
-
         raise PlanError(
             "This model's classes are defined in __main__ (a script or notebook), so they cannot be sent "
             "to a planner worker process, and this process cannot trace them itself (a process group is "

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from shardwise.plan.presets import PlanError
+from shardwise.plan.errors import PlanError
 
 # name -> (torch optimizer the LMModule builds, foreach, fused, state bytes per fp32-Adam byte, paged)
 _NAMES = {

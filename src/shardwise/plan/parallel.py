@@ -34,7 +34,8 @@ from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 from shardwise.plan.candidates import Candidate
-from shardwise.plan.presets import ModelSpec, PlanError, divisors
+from shardwise.plan.errors import PlanError
+from shardwise.plan.presets import ModelSpec, divisors
 from shardwise.strategies.parallel import ParallelPlan
 
 # Models whose attention the engines can split (strategies/sequence_parallel.py, tensor_parallel.py).

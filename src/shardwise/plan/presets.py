@@ -29,11 +29,7 @@ from torch import nn
 
 from shardwise.models import PRESETS, Block, GPTConfig
 from shardwise.module import TrainModule, attached_trainer
-
-
-class PlanError(ValueError):
-    """The planner's input cannot be planned (unknown preset, bad config, impossible layout)."""
-
+from shardwise.plan.errors import PlanError
 
 # The seed's demo Transformer sizes; vocabulary is WikiText-2's (Lightning's default
 # for the demo) and the sequence length is Lightning's WikiText2 block size.

@@ -53,9 +53,10 @@ from shardwise import step
 from shardwise.distributed.env import single_process_env
 from shardwise.memory import MemoryTracker
 from shardwise.plan.candidates import Candidate
+from shardwise.plan.errors import PlanError
 from shardwise.plan.kernels import target_attention
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
-from shardwise.plan.presets import ModelSpec, PlanError, meta_copy, spec_batch
+from shardwise.plan.presets import ModelSpec, meta_copy, spec_batch
 from shardwise.strategies.accounting import View, accounting_for
 
 _PROPAGATING = threading.local()
