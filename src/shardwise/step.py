@@ -16,8 +16,9 @@ micro-batch runs or how the optimizers step changes the prediction with it:
 What only the Trainer does -- callbacks, the non-finite check, progress marks,
 metrics -- happens in the hooks these functions call (`before_backward`,
 `before_step`); the planner uses the same hooks to name the phases it records.
-`drain_logs` (module.py's) empties what `self.log` recorded during a step:
-the Trainer turns it into metrics, the planner drops it.
+What `self.log` recorded during a step is emptied by the caller
+(module.drain_logs): the Trainer turns it into metrics, the planner drops it.
+Nothing here imports the module or the run state above it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from shardwise.module import drain_logs
-
-__all__ = ["drain_logs", "forward_backward", "loss_of", "optimizer_update"]
+__all__ = ["forward_backward", "loss_of", "optimizer_update"]
 
 
 def loss_of(output: Any) -> Optional[torch.Tensor]:

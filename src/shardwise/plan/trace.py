@@ -52,6 +52,7 @@ from torch import nn
 from shardwise import step
 from shardwise.distributed.env import single_process_env
 from shardwise.memory import MemoryTracker
+from shardwise.module import drain_logs
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
 from shardwise.plan.kernels import target_attention
@@ -405,7 +406,7 @@ def _train_step(
         step.forward_backward(
             strategy, model, (batch,), window=window, last=last, before_backward=recorder.label(f"bwd1.{i}")
         )
-        step.drain_logs(module)
+        drain_logs(module)
         if not last:
             # FSDP2 keeps a no-sync micro-batch's unsharded gradients on its own unsharded
             # parameters, which no hook labels; born in the backward they would count as
