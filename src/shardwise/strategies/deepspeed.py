@@ -47,6 +47,7 @@ from shardwise.strategies.deepspeed_config import (
     size_limits,
 )
 from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
+from shardwise.strategies.deepspeed_grads import local_gradients
 from shardwise.strategies.deepspeed_zero3 import check_zero3_dtypes, init_zero3_module
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
 from shardwise.strategies.materialize import rng_devices
@@ -427,24 +428,14 @@ class DeepSpeedStrategy(Strategy):
         From ZeRO-2 on DeepSpeed clears param.grad once it has reduced a gradient into its partitions, so the
         base class's answer would be empty and a NaN or all-zero step would pass unseen. ZeRO-1/2: this
         rank's averaged partition (fp32 `averaged_gradients`; with the optimizer offloaded, the fp32 partition
-        it steps on). ZeRO-3: each trainable parameter's local fp32 partition (DeepSpeed's safe_get_local_grad).
+        it steps on). ZeRO-3: each trainable parameter's local fp32 partition. Each where it lives, once the
+        engine's copies into it are complete (deepspeed_grads.py).
         """
         if self.engine is None or self.stage == 0:
             return super().gradients(model)
         trainable = [p for p in self.unwrap(model).parameters() if p.requires_grad]
         optimizer = self.engine.optimizer
-        if self.stage == 3:
-            from deepspeed.utils import safe_get_local_grad
-
-            held = [safe_get_local_grad(p) for p in trainable]
-        elif self.offload_optimizer:
-            held = [group.grad for group in getattr(optimizer, "single_partition_of_fp32_groups", [])]
-        else:
-            held = []
-            for group in getattr(optimizer, "averaged_gradients", {}).values():
-                flat = getattr(group, "flat_partition", None)  # the compact buffer, else a list of tensors
-                held.extend([flat] if flat is not None else list(group or []))
-        held = [g for g in held if g is not None]
+        held = [g for g in local_gradients(optimizer, self.stage, self.offload_optimizer, trainable) if g is not None]
         if trainable and not held:  # never a silently empty check
             raise RuntimeError(
                 f"Found no gradient in DeepSpeed {importlib.import_module('deepspeed').__version__}'s ZeRO-"
