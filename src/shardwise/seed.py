@@ -3,18 +3,23 @@
 The seed is also recorded in this process's launch context
 (distributed/context.py), so that the worker processes a shardwise launcher
 starts get it, and so the sharding-invariant initialisation
-(strategies/materialize.py) derives every module's weights from it.
+(strategies/materialize.py) derives every module's weights from it: the
+seed of one module is `module_seed(seed, its name)`, drawn under
+`fork_rng(devices=rng_devices())`. Those two sit here, below the engines,
+because LoRA's initialisation (adapters/lora.py) draws the same way.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Optional
+import zlib
+from typing import List, Optional
 
 import numpy as np
 import torch
 
 from shardwise.distributed import context
+from shardwise.fqn import canonical_name
 
 
 def seed_everything(seed: Optional[int] = None) -> int:
@@ -30,3 +35,24 @@ def seed_everything(seed: Optional[int] = None) -> int:
     np.random.seed(seed)
     torch.manual_seed(seed)
     return seed
+
+
+# ------------------------------------------------------------------ per-module seeds (strategies/materialize.py)
+def module_seed(seed: int, fqn: str) -> int:
+    """The seed of the module named `fqn` (wrappers stripped): the same module draws the same weights under
+    every strategy and world size."""
+    return zlib.crc32(f"{seed}:{canonical_name(fqn)}".encode()) & 0x7FFFFFFF
+
+
+def rng_devices(device: Optional[torch.device] = None) -> List[torch.device]:
+    """The CUDA generators `torch.manual_seed` changes here, for `fork_rng(devices=...)` to restore.
+
+    manual_seed seeds every GPU's generator; `fork_rng(devices=[])` restores
+    only the CPU's, which would leave the CUDA stream (dropout) seeded by the
+    last initialised module -- unlike a run whose weights were built eagerly.
+    """
+    if device is not None and device.type == "cuda":
+        return [device]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.device("cuda", torch.cuda.current_device())]
+    return []

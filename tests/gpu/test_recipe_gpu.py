@@ -26,7 +26,7 @@ def weights_and_logits(module):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from shardwise.strategies.materialize import canonical_name
+    from shardwise.fqn import canonical_name
 
     weights = {}
     for name, p in module.model.named_parameters():

@@ -227,7 +227,7 @@ def gather_trained_weights(module):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from shardwise.strategies.materialize import canonical_name
+    from shardwise.fqn import canonical_name
 
     out = {}
     for name, p in module.model.named_parameters():

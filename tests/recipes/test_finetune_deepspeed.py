@@ -24,7 +24,7 @@ def live_weights(module):
     """after_fit hook (every rank): the trained weights, gathered by the strategy's own state-dict path."""
     import torch.distributed as dist
 
-    from shardwise.strategies.materialize import canonical_name
+    from shardwise.fqn import canonical_name
 
     strategy = module.trainer.strategy
     state = strategy.model_state_dict(module)  # ZeRO-3: gathers one module at a time

@@ -11,7 +11,8 @@ tests/helpers/strict_device.py's fake CUDA tensor (CPU data that says cuda:0).
 import torch
 from torch import nn
 
-from shardwise.strategies.materialize import reset_own, rng_devices
+from shardwise.seed import rng_devices
+from shardwise.strategies.materialize import reset_own
 
 from helpers.strict_device import FAKE_CUDA, FakeCudaTensor, fake_cuda_copies
 

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.seed import module_seed, rng_devices
+
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
 _PEFT_PREFIX = "base_model.model."
 _ADAPTER_PART = re.compile(r"(^|\.)(lora_[A-Za-z_]+)(\.|$)")
@@ -292,8 +294,6 @@ def init_lora_weights(model: nn.Module, seed: int) -> int:
     the strategy or the world size, and match what the strategy's per-module
     reset would draw.
     """
-    from shardwise.strategies.materialize import module_seed, rng_devices
-
     names = {id(m): n for n, m in model.named_modules()}
     count = 0
     for _, layer, adapter in lora_layers(model):

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.checkpoint.errors import CheckpointMismatchError
-from shardwise.strategies.materialize import canonical_name
+from shardwise.fqn import canonical_name
 
 ADAPTER_KEY = "adapter"  # in the manifest (state["shardwise"]): present for adapter checkpoints only
 SAMPLE_BYTES = 2**20  # hashed at each end of every base weight file

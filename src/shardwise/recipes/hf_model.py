@@ -33,8 +33,9 @@ from shardwise.adapters.lora import base_weight_name, is_adapter_model
 from shardwise.adapters.quantize import fourbit_layers, place_4bit
 from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
 from shardwise.distributed import ops
+from shardwise.fqn import canonical_name
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from shardwise.strategies.materialize import canonical_name, mesh_coordinate, shard_slices
+from shardwise.strategies.materialize import mesh_coordinate, shard_slices
 
 TOKENIZER_FILES = (
     "tokenizer.json",

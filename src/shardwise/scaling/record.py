@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.distributed import context
+from shardwise.fqn import canonical_name
 from shardwise.scaling.target import CheckSetupError, DataSource, ModuleSource, samples_available
 from shardwise.seed import seed_everything
 from shardwise.step import loss_of
-from shardwise.strategies.materialize import canonical_name
 from shardwise.trainer import Trainer
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

@@ -16,7 +16,8 @@ from typing import List
 import torch
 from torch import nn
 
-from shardwise.strategies.materialize import find_reset_fn, module_seed, reset_own, rng_devices
+from shardwise.seed import module_seed, rng_devices
+from shardwise.strategies.materialize import find_reset_fn, reset_own
 
 
 def check_zero3_dtypes(root: nn.Module, expected: torch.dtype) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import zlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,22 +32,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard  # DTensor: what FSDP2 parameters are
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp dimension over tp
 
-# Wrapper names that must not change a module's identity (and so its seed).
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+from shardwise.seed import module_seed, rng_devices
 
 
 class UninitializedParameterError(RuntimeError):
     """A parameter or buffer was left uninitialised after meta-device materialisation."""
-
-
-def canonical_name(fqn: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn.replace("_checkpoint_wrapped_module", "").rstrip(".")
-
-
-def module_seed(seed: int, fqn: str) -> int:
-    return zlib.crc32(f"{seed}:{canonical_name(fqn)}".encode()) & 0x7FFFFFFF
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -131,20 +119,6 @@ def _shards(placement: Any, dim: int) -> bool:
 def _slice_for(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
     mesh = dt.device_mesh
     return full[shard_slices(dt.shape, mesh.shape, mesh.get_coordinate(), dt.placements)]
-
-
-def rng_devices(device: Optional[torch.device] = None) -> List[torch.device]:
-    """The CUDA generators `torch.manual_seed` changes here, for `fork_rng(devices=...)` to restore.
-
-    manual_seed seeds every GPU's generator; `fork_rng(devices=[])` restores
-    only the CPU's, which would leave the CUDA stream (dropout) seeded by the
-    last initialised module -- unlike a run whose weights were built eagerly.
-    """
-    if device is not None and device.type == "cuda":
-        return [device]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return [torch.device("cuda", torch.cuda.current_device())]
-    return []
 
 
 def reset_own(module: nn.Module, fn: Callable[[], None]) -> None:
