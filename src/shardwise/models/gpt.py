@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardwise.strategies.sequence_parallel import (
+from shardwise.ulysses import (
     check_heads_divisible,
     document_ids_from_positions,
     gather_sequence,
@@ -266,7 +266,9 @@ class GPT(nn.Module):
 
     `forward(idx, position_ids=...)` trains on packed sequences: position ids restart at 0 at each
     document, positions (learned or rotary) follow them, and no token attends across documents.
-    `enable_sequence_parallel(group)` (called by `apply_sequence_parallel`) splits the sequence
+    The model carries its own parallel plan, which the engines ask for instead of knowing its class:
+    `tensor_parallel_plan(tp)` (models/gpt_parallel.py) is how its layers split over a tp mesh, and
+    `enable_sequence_parallel(group)` (the hook `apply_sequence_parallel` calls) splits the sequence
     over an sp group inside the model: it still takes the full batch and returns full logits.
 
     No dropout: large-model pretraining (Llama) does not use it, and without
@@ -289,6 +291,13 @@ class GPT(nn.Module):
         self.lm_head = None if config.tie_embeddings else _Linear(config.n_embd, config.vocab_size, bias=False)
         self.sp_group: object | None = None
         self.sp_tensor_parallel = 1  # the tp degree the sequence split composes with (set with sp_group)
+
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """Module-path pattern -> torch ParallelStyle at degree `tp`, for `apply_tensor_parallel`; raises
+        ValueError naming the fix when the degree does not fit the heads or the embeddings are tied."""
+        from shardwise.models.gpt_parallel import gpt_tensor_parallel_plan
+
+        return gpt_tensor_parallel_plan(self, tp)
 
     def enable_sequence_parallel(self, group: object) -> None:
         """Split the sequence over `group` (a 1-D DeviceMesh or process group) from the next forward on.
@@ -338,7 +347,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, rope, document_ids)
         if sp is not None and self.sp_tensor_parallel == 1:
-            # Backward is a reduce-scatter SUM: see strategies/sequence_parallel.py for why not a slice.
+            # Backward is a reduce-scatter SUM: see shardwise/ulysses.py for why not a slice.
             x = gather_sequence(x, sp, dim=1)
             sp = None
         x = self.norm(x)

@@ -3,7 +3,7 @@
 `apply_hf_sequence_parallel` registers one attention function with transformers' AttentionInterface and
 switches the model to it (on the meta model, before FSDP2 shards it). Each sp rank then runs the model
 on its slice of the sequence; the function hands Hugging Face's query / key / value to
-`sequence_parallel.ulysses_attention`, which trades the sequence split for a head split, attends over
+`shardwise.ulysses.ulysses_attention`, which trades the sequence split for a head split, attends over
 the whole sequence and trades back. The model never sees the whole sequence, so the boundaries of
 packed documents cannot come from its local position ids: `split_batch` computes them once from the
 FULL batch (Hugging Face's own rule: a document starts wherever the position ids do not go up by one,
@@ -25,6 +25,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from shardwise.ulysses import ulysses_attention
 
 ATTENTION_NAME = "shardwise_ulysses"
 DOCUMENT_IDS = "sp_document_ids"  # the keyword the model is called with: [batch, full sequence] document ids
@@ -177,8 +179,6 @@ def ulysses_hf_attention(
     **kwargs: Any,
 ) -> Tuple[torch.Tensor, None]:
     """Hugging Face's attention call -> Ulysses over the sp group; returns ([B, S_local, H, D], None) as sdpa does."""
-    from shardwise.strategies.sequence_parallel import ulysses_attention
-
     entry = _GROUPS.get(id(getattr(module, "config", None)))
     if entry is None:
         raise RuntimeError(

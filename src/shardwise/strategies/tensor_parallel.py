@@ -3,13 +3,12 @@
 `apply_tensor_parallel(module, tp_mesh)` runs first in FSDPStrategy.setup_module, on the
 meta-device model, before sequence parallel, activation checkpointing and `fully_shard`
 (torchtitan's order): FSDP2 then shards the tensor-parallel DTensors again over the
-data-parallel mesh, giving 2-D (dp x tp) parameters. The plan comes from the model:
+data-parallel mesh, giving 2-D (dp x tp) parameters. The plan comes from the model; this
+file knows no model class:
 - a module with a `tensor_parallel_plan` attribute (a dict of module-path pattern ->
-  torch ParallelStyle, or one of the Hugging Face style names below) gets exactly that;
-- the bundled GPT (models/gpt.py) gets a Megatron / torchtitan plan: q/k/v and gate/up
-  column-wise, o/down row-wise, the norms sequence-parallel (the residual stream between
-  layers is split along the sequence), the token embedding row-wise and the head
-  column-wise with its output gathered, so the loss sees whole logits on every rank;
+  torch ParallelStyle, or one of the Hugging Face style names below; or a method returning
+  one, which is handed the degree when it takes an argument) gets exactly that; the bundled
+  GPT carries its own (models/gpt_parallel.py: Megatron / torchtitan's layout);
 - a Hugging Face model gets its own plan (`model.tp_plan`, or `_tp_plan` plus
   `config.base_model_tp_plan`), each style name translated to a torch ParallelStyle, and
   a name we have no translation for refused by name.
@@ -33,15 +32,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
-from shardwise.models.gpt import GPT
-
-__all__ = ["apply_tensor_parallel", "gpt_plan", "hf_plan", "translate_hf_style", "ReplicateParallel", "HF_STYLES"]
+__all__ = ["apply_tensor_parallel", "hf_plan", "translate_hf_style", "ReplicateParallel", "HF_STYLES"]
 
 Plan = Dict[str, ParallelStyle]
 
@@ -121,52 +116,6 @@ def replicate_the_rest(module: nn.Module, tp_mesh: DeviceMesh) -> List[str]:
 
 
 # ------------------------------------------------------------------ plans
-def gpt_plan(model: nn.Module, tp: int) -> Plan:
-    """The bundled GPT's plan (paths relative to the GPT module), after checking the degree fits its shape."""
-    cfg = model.config
-    if cfg.tie_embeddings:
-        raise ValueError(
-            "tensor parallel: GPT(tie_embeddings=True) shares one weight between the token embedding (split "
-            "by vocabulary rows) and the output head (split by output columns), which tensor parallel cannot "
-            "lay out as one parameter. Build the model with tie_embeddings=False (gpt_config(name, "
-            "tie_embeddings=False)), or train without tp."
-        )
-    check_heads(cfg.n_head, cfg.kv_heads, tp, "GPTConfig(n_head, n_kv_head)")
-    # The residual stream between the layers is split along the sequence (dim 1): each norm runs on
-    # its rank's tokens, and each attention / MLP gathers the sequence first (torchtitan's layout).
-    plan: Plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
-    if model.wpe is not None:  # learned positions: (T, D), or (B, T, D) from position ids
-        plan["wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2))
-    mlp_in = ["up_proj"] + (["gate_proj"] if cfg.mlp == "swiglu" else [])
-    # The attention's extra positional arguments (rotary tables, document ids) pass through untouched.
-    extra = (None,) * (_positional_args(model.blocks[0].attn) - 1) if len(model.blocks) else ()
-    plan.update(
-        {
-            "blocks.*.attn_norm": SequenceParallel(),
-            "blocks.*.attn": PrepareModuleInput(
-                input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra)
-            ),
-            "blocks.*.attn.q_proj": ColwiseParallel(),
-            "blocks.*.attn.k_proj": ColwiseParallel(),
-            "blocks.*.attn.v_proj": ColwiseParallel(),
-            "blocks.*.attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "blocks.*.mlp_norm": SequenceParallel(),
-            "blocks.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            **{f"blocks.*.mlp.{name}": ColwiseParallel() for name in mlp_in},
-            "blocks.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            # Gathered logits: the user's loss sees the whole vocabulary on every rank.
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        }
-    )
-    return plan
-
-
-def _positional_args(module: nn.Module) -> int:
-    params = inspect.signature(type(module).forward).parameters.values()
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) - 1  # less self
-
-
 def hf_style_names(model: nn.Module) -> Dict[str, str]:
     """A Hugging Face model's own tp_plan (full module paths -> style names); empty when it has none."""
     plan = getattr(model, "tp_plan", None)  # transformers >= 5: the merged, prefixed plan
@@ -290,9 +239,7 @@ def find_plans(module: nn.Module, tp: int) -> List[Tuple[str, nn.Module, Plan]]:
             break  # the root's own plan covers everything
         own = getattr(type(sub), "tensor_parallel_plan", None) is not None or "tensor_parallel_plan" in vars(sub)
         if own:
-            found.append((path, sub, user_plan(sub)))
-        elif isinstance(sub, GPT):
-            found.append((path, sub, gpt_plan(sub, tp)))
+            found.append((path, sub, user_plan(sub, tp)))
         elif _is_hf_model(sub) and hf_style_names(sub):
             found.append((path, sub, hf_plan(sub, tp)))
     return found
@@ -302,11 +249,14 @@ def _is_hf_model(module: nn.Module) -> bool:
     return hasattr(module, "config") and callable(getattr(module, "get_input_embeddings", None))
 
 
-def user_plan(module: nn.Module) -> Plan:
-    """A module's own `tensor_parallel_plan` (a dict, or a method returning one): torch styles or HF names."""
+def user_plan(module: nn.Module, tp: int) -> Plan:
+    """A module's own `tensor_parallel_plan` (a dict, or a method returning one): torch styles or HF names.
+
+    A method that takes an argument gets the degree `tp`, so a model can check its shape against it
+    before anything is split (the bundled GPT's head counts)."""
     raw = module.tensor_parallel_plan
     if callable(raw) and not isinstance(raw, Mapping):
-        raw = raw()
+        raw = raw(tp) if _takes_argument(raw) else raw()
     if not isinstance(raw, Mapping) or not raw:
         raise TypeError(
             f"{type(module).__name__}.tensor_parallel_plan must be a non-empty dict of module-path pattern -> "
@@ -325,6 +275,13 @@ def user_plan(module: nn.Module) -> Plan:
             )
         plan[key] = style
     return plan
+
+
+def _takes_argument(method: Any) -> bool:
+    try:
+        return bool(inspect.signature(method).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: called as before, with none
+        return False
 
 
 def matching_modules(module: nn.Module, pattern: str) -> List[str]:
@@ -367,9 +324,6 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(sub, tp_mesh, plan)
     replicate_the_rest(module, tp_mesh)
     check_divisible(module, tp_mesh)
-    for _, sub, _ in plans:
-        if isinstance(sub, GPT):
-            sub.register_forward_pre_hook(_SequenceCheck(tp))
 
 
 def check_divisible(module: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -387,22 +341,6 @@ def check_divisible(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             f"{' ...' if len(bad) > 6 else ''}. Choose a tp_size that divides them (e.g. pad the vocabulary to a "
             "multiple of it)."
         )
-
-
-class _SequenceCheck:
-    """GPT forward pre-hook: the sequence-parallel norms split the sequence evenly over the tp ranks."""
-
-    def __init__(self, tp: int) -> None:
-        self.tp = tp
-
-    def __call__(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
-        idx = args[0] if args else None
-        if idx is not None and idx.dim() >= 2 and idx.size(1) % self.tp:
-            raise ValueError(
-                f"tensor parallel: the sequence length {idx.size(1)} must be a multiple of tp_size={self.tp} "
-                "(the norms between layers work on an equal share of the tokens on each rank). Pad or crop the "
-                "sequences to a multiple of it."
-            )
 
 
 def describe_split(module: nn.Module) -> Dict[str, Union[str, List[str]]]:
