@@ -78,15 +78,22 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Within this block the optimizer sees plain local tensors (parameters, gradients, state)."""
     swapped: List[Tuple[dict, list]] = []
     pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    hidden: List[Tuple[torch.Tensor, torch.Tensor]] = []  # plain empty parameters whose grad is put back after
     for group in optimizer.param_groups:
         params = group["params"]
         local_params = []
         for p in params:
             if not isinstance(p, DTensor):
+                if p.numel() == 0 and p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
                 local_params.append(p)
                 continue
             local = p.to_local().detach()  # shares the shard's storage: updates land in the parameter
-            if p.grad is not None:
+            # A rank may hold none of a small parameter (LoRA A with r below the shard group's size). It is
+            # stepped without a gradient, which optimizers skip: bitsandbytes' CUDA kernels fail on an empty
+            # tensor and call exit(1), with no Python traceback. Nothing is lost: there is nothing to update.
+            if p.grad is not None and local.numel():
                 local.grad = p.grad.to_local()
             state = optimizer.state.pop(p, None)
             if state is not None:
@@ -100,6 +107,8 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group, params in swapped:
             group["params"] = params
+        for p, grad in hidden:
+            p.grad = grad
         for p, local in pairs:
             state = optimizer.state.pop(local, None)
             if state is not None:
