@@ -164,6 +164,23 @@ def test_a_model_without_an_attention_hook_is_refused():
         apply_sequence_parallel(torch.nn.Linear(2, 2), None)
 
 
+def test_a_model_with_its_own_hook_is_switched_on_by_it():
+    """The engine asks the model: the outermost module whose class defines enable_sequence_parallel gets the
+    sp mesh, and a bundled GPT inside it is left to that hook."""
+
+    class Own(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.group = _gpt("llama-tiny"), None
+
+        def enable_sequence_parallel(self, group) -> None:
+            self.group = group
+
+    own, mesh = Own(), object()
+    apply_sequence_parallel(torch.nn.Sequential(own), mesh)
+    assert own.group is mesh and own.inner.sp_group is None
+
+
 def test_packed_gpt_does_not_attend_across_documents():
     model = _gpt("llama-tiny")
     tokens = torch.arange(B * S).reshape(B, S) % LLAMA["vocab_size"]

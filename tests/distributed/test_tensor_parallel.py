@@ -265,6 +265,26 @@ def test_refusals_name_the_fix():
         apply_tensor_parallel(Own({"up": "packed_colwise"}), _Mesh(2))
 
 
+def test_a_plan_method_is_handed_the_degree():
+    """A model's own plan method that takes an argument gets the tp degree, so it can refuse a degree its
+    shape cannot take before anything is split (the bundled GPT checks its heads this way)."""
+
+    class Sized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(4, 6), nn.Linear(6, 4)
+
+        def tensor_parallel_plan(self, tp: int):
+            if 6 % tp:
+                raise ValueError(f"Sized: its 6 hidden units do not split over tp_size={tp}")
+            return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    with pytest.raises(ValueError, match="do not split over tp_size=4"):
+        apply_tensor_parallel(Sized(), _Mesh(4))
+    with pytest.raises(ValueError, match=r"GPTConfig\(n_head, n_kv_head\)"):
+        _meta_gpt().tensor_parallel_plan(4)  # the GPT's own plan, asked directly
+
+
 def test_hugging_face_refusals(hf_folder, tmp_path):
     from shardwise.recipes import hf_model
 
