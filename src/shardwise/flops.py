@@ -9,17 +9,22 @@ elementwise work, norms and the optimizer update are left out, as every MFU
 figure leaves them out. The peak is the device's dense (no 2:4 sparsity)
 tensor throughput for the precision the step runs in, from NVIDIA's data
 sheets by `torch.cuda.get_device_name`; a GPU not in the table, or the CPU,
-has no peak and so no MFU unless the user gives one (`Trainer(peak_tflops=)`).
+has no peak and so no MFU unless the user gives one (`Trainer(peak_tflops=)`);
+a CUDA device the table does not list is named in a warning, once, so a missing
+MFU is never silent.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional, Tuple
+import warnings
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+from shardwise.distributed.env import is_global_zero
 
 # Dense TFLOP/s per GPU by the kind of number a matmul multiplies. "tf32" is float32 storage with
 # TF32 tensor-core products (torch's float32_matmul_precision "high"/"medium"); "fp32" is IEEE
@@ -27,13 +32,21 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 # Order matters: the first pattern that matches the device name wins (H100 NVL before H100).
 PEAK_TFLOPS: Tuple[Tuple[str, str, Dict[str, float]], ...] = (
     ("B200", r"\bb200\b", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    # Grace Hopper's GPU is an H100 SXM's (GH200 data sheet: the same dense tensor figures).
+    ("GH200", r"\bgh200\b", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),
     ("H200 NVL", r"\bh200\b.*\bnvl\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     ("H200", r"\bh200\b", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),
     ("H100 NVL", r"\bh100\b.*\bnvl\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     ("H100 PCIe", r"\bh100\b.*\bpcie\b", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0}),
     ("H100 SXM", r"\bh100\b", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    # H800 / A800: the export versions of H100 / A100, their NVLink (and FP64) cut, tensor throughput as theirs.
+    ("H800 PCIe", r"\bh800\b.*\bpcie\b", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0}),
+    ("H800 SXM", r"\bh800\b", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),
     ("A100", r"\ba100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("A800", r"\ba800\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", r"\bl40s\b", {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6}),
     ("L4", r"\bl4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("A10", r"\ba10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
     # AWS's A10G: the A10 data sheet's figures (the same GA102 part, full-rate tensor cores).
     ("A10G", r"\ba10g\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
 )
@@ -48,8 +61,24 @@ def number_kind(precision: str) -> str:
     if precision.startswith("64"):
         return "fp64"
     # float32 products run on the tensor cores as TF32 when torch is allowed to (Ampere and later).
-    tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
-    return "tf32" if tf32 else "fp32"
+    return "tf32" if tf32_matmuls() else "fp32"
+
+
+def tf32_matmuls() -> bool:
+    """Whether CUDA float32 matrix products may run as TF32, however the user allowed it.
+
+    torch >= 2.9 has a second switch, `torch.backends.cuda.matmul.fp32_precision` ("tf32" / "ieee",
+    or inherited from `torch.backends.fp32_precision`); once it is set, the old getters
+    (`torch.get_float32_matmul_precision()`, `matmul.allow_tf32`) raise instead of answering. The new
+    one is read first; "none" (never set) means the old ones decide.
+    """
+    try:
+        new = torch.backends.cuda.matmul.fp32_precision
+    except (AttributeError, RuntimeError):  # torch < 2.9: only the old switches exist
+        new = "none"
+    if new in ("tf32", "ieee"):
+        return new == "tf32"
+    return torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def lookup_peak(device_name: str, kind: str) -> Optional[Tuple[str, float]]:
@@ -75,9 +104,26 @@ def device_peak(device: torch.device, precision: str, override: Optional[float] 
     name = torch.cuda.get_device_name(device)
     found = lookup_peak(name, kind)
     if found is None:
+        _warn_unknown_peak(name, kind)
         return None, f"no peak known for {name} in {kind}: TFLOP/s without MFU (pass peak_tflops for MFU)"
     label, peak = found
     return peak, f"{label} dense {kind} peak {peak:g} TFLOP/s"
+
+
+_WARNED: Set[Tuple[str, str]] = set()
+
+
+def _warn_unknown_peak(name: str, kind: str) -> None:
+    """Say once per process (on global rank 0) that a GPU has no MFU, and how to give its peak."""
+    if (name, kind) in _WARNED or not is_global_zero():
+        return
+    _WARNED.add((name, kind))
+    warnings.warn(
+        f"MFU is not measured: {name!r} is not in shardwise's table of peak TFLOP/s ({kind}). Pass the "
+        f"device's dense {kind} peak from its data sheet: Trainer(peak_tflops=...), "
+        "ThroughputMonitor(peak_tflops=...) or the recipe's --peak_tflops.",
+        stacklevel=3,
+    )
 
 
 def mfu(achieved_tflops: float, peak_tflops: Optional[float]) -> Optional[float]:

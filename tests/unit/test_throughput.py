@@ -58,7 +58,7 @@ def test_peak_table_and_mfu():
     assert flops.lookup_peak("NVIDIA A10G", "bf16") == ("A10G", 125.0)
     assert flops.lookup_peak("NVIDIA L4", "fp16") == ("L4", 121.0)
     assert flops.lookup_peak("NVIDIA B200", "bf16") == ("B200", 2250.0)
-    assert flops.lookup_peak("NVIDIA L40S", "bf16") is None  # not an L4
+    assert flops.lookup_peak("NVIDIA L40S", "bf16")[0] == "L40S"  # not an L4
     assert flops.number_kind("bf16-mixed") == "bf16" and flops.number_kind("16-true") == "fp16"
     assert flops.device_peak(torch.device("cpu"), "32-true")[0] is None  # the CPU: TFLOP/s, no MFU
     assert flops.device_peak(torch.device("cpu"), "32-true", 2.0)[0] == 2.0  # a given peak applies anywhere

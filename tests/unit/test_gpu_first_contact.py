@@ -1,0 +1,69 @@
+"""GPU first contact, part 1 (issue 36): what a first run on a GPU cluster hits, checked on this CPU machine.
+
+No CUDA call is made: torch.cuda functions are patched where a decision reads them.
+- one GPU per task (`srun --gpus-per-task=1`, a CUDA_VISIBLE_DEVICES per rank): Trainer(devices=8) under
+  the launcher is accepted, and DeepSpeed is given LOCAL_RANK = the visible GPU's index while shardwise
+  keeps the node-local rank;
+- TF32 switched on the torch >= 2.9 way does not break the throughput monitor's precision lookup;
+- the peak table names more GPUs, and a GPU it does not name is said once instead of a silent no-MFU;
+- deterministic=True sets CUBLAS_WORKSPACE_CONFIG before CUDA starts, unless the user set it;
+- a launched worker honours OMP_NUM_THREADS and hands back CPU tensors;
+- the planner's first batch is drawn on the rank's own GPU; the recipe pins its batches on CUDA;
+- memory snapshots record Python stacks unless C++ ones are asked for.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from shardwise import flops
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)  # the old switch as it was (this also sets the new one) ...
+    torch.backends.cuda.matmul.fp32_precision = "none"  # ... which is cleared: the old one decides, as at start
+    torch.backends.fp32_precision = "none"
+
+
+@pytest.mark.parametrize(
+    "switch, kind",
+    [
+        (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"), "tf32"),
+        (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee"), "fp32"),
+        (lambda: setattr(torch.backends, "fp32_precision", "tf32"), "tf32"),  # the global switch, inherited
+        (lambda: torch.set_float32_matmul_precision("high"), "tf32"),  # the old switch still counts
+        (lambda: None, "fp32"),  # torch's default: IEEE float32
+    ],
+)
+def test_tf32_set_the_new_way_is_read_without_raising(restore_matmul_precision, switch, kind):
+    switch()
+    assert flops.number_kind("32-true") == kind
+    assert flops.number_kind("bf16-mixed") == "bf16"
+
+
+def test_peak_table_names_more_gpus():
+    assert flops.lookup_peak("NVIDIA GH200 480GB", "bf16") == ("GH200", 989.5)
+    assert flops.lookup_peak("NVIDIA H800", "tf32") == ("H800 SXM", 494.5)
+    assert flops.lookup_peak("NVIDIA H800 PCIe", "bf16") == ("H800 PCIe", 756.5)
+    assert flops.lookup_peak("NVIDIA A800-SXM4-80GB", "fp16") == ("A800", 312.0)
+    assert flops.lookup_peak("NVIDIA A10", "bf16") == ("A10", 125.0)
+    assert flops.lookup_peak("NVIDIA A10G", "bf16")[0] == "A10G"  # not the A10 entry
+    assert flops.lookup_peak("NVIDIA L40S", "fp32") == ("L40S", 91.6)
+    assert flops.lookup_peak("NVIDIA L4", "bf16") == ("L4", 121.0)  # not the L40S entry
+    assert flops.lookup_peak("NVIDIA H200", "bf16") == ("H200", 989.5)  # not GH200
+
+
+def test_a_gpu_missing_from_the_table_is_named_once(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Imaginary X9")
+    monkeypatch.setattr(flops, "_WARNED", set())
+    with pytest.warns(UserWarning, match=r"'NVIDIA Imaginary X9' is not in .*peak_tflops"):
+        peak, source = flops.device_peak(torch.device("cuda", 0), "bf16-mixed")
+    assert peak is None and "NVIDIA Imaginary X9" in source
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second fit of the process: said already
+        assert flops.device_peak(torch.device("cuda", 0), "bf16-mixed")[0] is None
+        assert flops.device_peak(torch.device("cuda", 0), "bf16-mixed", 100.0)[0] == 100.0  # a given peak: silent
