@@ -42,8 +42,9 @@ LAYERS = (
     ),
     ("processes", ("distributed/", "_version.py")),
 )
-# Packages above the Trainer (they may import it): the CLI, the recipes, `shardwise check`, the demo, the package root.
-ABOVE_TRAINER = ("cli", "recipes", "scaling", "demos.py", "__init__.py", "trainer")
+# Packages above the Trainer (they may import it): the CLI, the recipes, `shardwise check`, the demo, the package root,
+# the GPU smoke test (python -m shardwise.smoke).
+ABOVE_TRAINER = ("cli", "recipes", "scaling", "demos.py", "__init__.py", "trainer", "smoke")
 
 
 def files():
