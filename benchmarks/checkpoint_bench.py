@@ -123,8 +123,8 @@ def run_rank(root: str, layers: int, hidden: int, repeats: int = 3) -> dict:
 
 def convert_child(ckpt: str, out: str) -> None:
     """In a fresh process: peak memory of convert above the state just before it."""
-    from shardwise.checkpoint.convert import convert
     from shardwise.checkpoint.reader import open_checkpoint
+    from shardwise.recipes.convert import convert
 
     reader = open_checkpoint(ckpt)  # warm imports / metadata outside the measurement
     infos = reader.tensors()

@@ -135,7 +135,7 @@ def checkpoint_runs(names: List[str], root: str) -> Dict[str, Any]:
         if int(os.environ["RANK"]) == 0:
             from safetensors.torch import load_file
 
-            from shardwise.checkpoint.convert import convert
+            from shardwise.recipes.convert import convert
 
             live = saver.live
             converted = consolidate(path)
@@ -189,7 +189,7 @@ def zero3_against_ddp(root: str, steps: int = 4) -> Dict[str, Any]:
     """DDP and ZeRO-3 from the same weights for a few steps; ZeRO-3's live, converted and exported weights."""
     from safetensors.torch import load_file
 
-    from shardwise.checkpoint.convert import convert
+    from shardwise.recipes.convert import convert
     from shardwise.strategies.deepspeed_checkpoint import consolidate
 
     pretend_no_fp16_accelerator()

@@ -130,7 +130,7 @@ def test_the_export_loads_with_transformers_and_gives_the_trained_logits(runs):
     # `shardwise convert` of the run's last checkpoint (step 6, dp2 x sp2) writes the same weights
     from safetensors.torch import load_file
 
-    from shardwise.checkpoint.convert import convert
+    from shardwise.recipes.convert import convert
 
     last = layout.latest_checkpoint(os.path.join(runs["root"], "run", "checkpoints"))
     assert layout.read_manifest(last)["global_step"] == STEPS

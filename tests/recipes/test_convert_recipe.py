@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shardwise.checkpoint.convert import convert
 from shardwise.cli import main
+from shardwise.recipes.convert import convert
 from shardwise.recipes.finetune import FinetuneConfig, finetune
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl

@@ -204,8 +204,8 @@ def test_resume_on_one_process_and_onto_another_base(runs, assets, tmp_path):
 def test_convert_and_inspect_an_adapter_checkpoint(runs, assets, tmp_path):
     from safetensors.torch import load_file
 
-    from shardwise.checkpoint.convert import convert
     from shardwise.checkpoint.inspect import describe, render
+    from shardwise.recipes.convert import convert
 
     model_dir, _, root = assets
     ckpt = step_checkpoint(os.path.join(root, "a"), STEPS)

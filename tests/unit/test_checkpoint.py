@@ -31,6 +31,7 @@ from shardwise.checkpoint import (
 )
 from shardwise.checkpoint import convert as convert_mod
 from shardwise.cli import main as cli_main
+from shardwise.recipes.convert import convert
 
 
 class Net(TrainModule):
@@ -261,7 +262,7 @@ def test_convert_round_trip_loads_into_plain_module(tmp_path, saved, fmt):
     assert merged.keys() == trained.keys() and all(v.dtype == torch.bfloat16 for v in merged.values())
     assert all(torch.equal(merged[k], trained[k].to(torch.bfloat16)) for k in merged)
     # A torch file.
-    convert_mod.convert(path, str(tmp_path / "w.pt"), quiet=True)
+    convert(path, str(tmp_path / "w.pt"), quiet=True)
     loaded = torch.load(tmp_path / "w.pt")
     assert all(torch.equal(loaded[k], trained[k]) for k in trained)
 
@@ -282,12 +283,12 @@ def test_convert_reads_one_tensor_at_a_time(tmp_path, saved, monkeypatch):
 def test_convert_refuses_one_file_the_host_cannot_hold_but_writes_a_folder(tmp_path, saved, monkeypatch):
     monkeypatch.setattr(convert_mod, "available_host_bytes", lambda: 100)  # bytes: less than the model
     with pytest.raises(ValueError, match="give a folder as OUT"):
-        convert_mod.convert(saved["sharded"][0], str(tmp_path / "m.safetensors"), quiet=True)
+        convert(saved["sharded"][0], str(tmp_path / "m.safetensors"), quiet=True)
     assert not (tmp_path / "m.safetensors").exists()
-    written = convert_mod.convert(saved["sharded"][0], str(tmp_path / "out"), max_shard_size="300B", quiet=True)
+    written = convert(saved["sharded"][0], str(tmp_path / "out"), max_shard_size="300B", quiet=True)
     assert len([w for w in written if w.endswith(".safetensors")]) > 1
     # A second export into the same folder replaces the first one's shards instead of mixing with them.
-    again = convert_mod.convert(saved["sharded"][0], str(tmp_path / "out"), quiet=True)
+    again = convert(saved["sharded"][0], str(tmp_path / "out"), quiet=True)
     assert sorted(os.listdir(tmp_path / "out")) == sorted({os.path.basename(w) for w in again} | {"hparams.json"})
 
 

@@ -18,7 +18,8 @@ compares them with the running model and refuses another base by name
 adapter keeps saving full checkpoints. `record` is also what `shardwise
 inspect` and `shardwise convert` read: the PEFT config and where the
 PeftModel sits in the module, so an adapter checkpoint converts to a PEFT
-adapter folder without the model.
+adapter folder without the model (`write_adapter_folder`; merging it into
+the base, which needs transformers, is recipes/convert.py's).
 """
 
 from __future__ import annotations
@@ -271,31 +272,3 @@ def write_adapter_folder(tensors: Dict[str, torch.Tensor], adapter: Dict[str, An
     path = os.path.join(out, "adapter_model.safetensors")
     save_file(state, path, metadata={"format": "pt"})
     return [os.path.join(out, "adapter_config.json"), path]
-
-
-def merge_into_base(base_model: str, adapter_dir: str, out: str, dtype: Any, max_shard_size: str) -> List[str]:
-    """The base model at `base_model` (a local Hugging Face folder) with the adapter at `adapter_dir` merged
-    in by PEFT's merge_and_unload, saved by transformers at `out`: one process, the base held in host memory."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardwise.checkpoint.formats import available_host_bytes
-
-    files = weight_files(base_model) if os.path.isdir(base_model) else {}
-    needed, available = sum(size for size, _ in files.values()), available_host_bytes()
-    if not files:
-        raise ValueError(f"--base_model {base_model!r} is not a local Hugging Face model folder with weights.")
-    if available is not None and needed > available:
-        raise ValueError(
-            f"Merging holds the base model ({needed / 2**30:.1f} GiB) in host memory, and this host has "
-            f"{available / 2**30:.1f} GiB available: convert to the adapter folder (no --base_model) here, and "
-            "merge on a larger host or with `shardwise finetune --merge` on the training machines."
-        )
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype or "auto")
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    merged.save_pretrained(out, max_shard_size=max_shard_size)
-    try:
-        AutoTokenizer.from_pretrained(base_model).save_pretrained(out)
-    except (OSError, ValueError):  # a base folder without a tokenizer: the weights are still complete
-        pass
-    return sorted(os.path.join(out, f) for f in os.listdir(out))

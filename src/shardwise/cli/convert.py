@@ -49,7 +49,7 @@ def parser() -> ArgumentParser:
 
 
 def run(cfg: Any) -> int:
-    from shardwise.checkpoint.convert import convert
+    from shardwise.recipes.convert import convert
 
     convert(
         cfg.ckpt, cfg.out, dtype=cfg.dtype, max_shard_size=cfg.max_shard_size, fmt=cfg.format, base_model=cfg.base_model

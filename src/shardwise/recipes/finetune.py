@@ -36,7 +36,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from shardwise.adapters.export import check_merge, export_lora
 from shardwise.adapters.lora import check_lora_config
 from shardwise.adapters.quantize import check_4bit_config
 from shardwise.callbacks.profiling import check_profile_steps
@@ -57,6 +56,7 @@ from shardwise.recipes.data import (
     resolve_text_field,
 )
 from shardwise.recipes.hf_model import build_meta_model, export_hf_folder, inspect_model_folder
+from shardwise.recipes.lora_export import check_merge, export_lora
 from shardwise.recipes.parallel import build_recipe_strategy
 from shardwise.seed import seed_everything
 from shardwise.trainer import Trainer
@@ -403,7 +403,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     module = build_module(cfg, folder, total_steps)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from_checkpoint)
     # The consolidated Hugging Face folder, gathered one tensor at a time; for LoRA the PEFT adapter
-    # folder instead, plus with merge the merged model in output_dir/merged (adapters/export.py).
+    # folder instead, plus with merge the merged model in output_dir/merged (recipes/lora_export.py).
     export_dtype = cast_dtype(cfg.export_dtype)
     export = functools.partial(export_lora, merge=cfg.merge) if cfg.lora_r else export_hf_folder
     export(

@@ -524,7 +524,7 @@ def export_hf_folder(
     (at most `max_shard_size` bytes) and writes it before starting the next.
     `tensors`: (key, tensor or function returning a context that yields the full
     tensor) pairs to write instead of `export_items(model, config)` -- the LoRA
-    merge (adapters/export.py); every rank enters them in the same order.
+    merge (recipes/lora_export.py); every rank enters them in the same order.
     Returns out_dir on rank 0, None elsewhere.
     """
     rank = ops.rank()
@@ -532,7 +532,7 @@ def export_hf_folder(
     writer = ShardWriter(out_dir, max_shard_size) if rank == 0 else None
     first_dtype = None
     for name, source in items:
-        # A tensor of the model, or (adapters/export.py) a function giving a context that yields the full tensor.
+        # A tensor of the model, or (lora_export.py) a function giving a context that yields the full tensor.
         own = isinstance(source, torch.Tensor)
         with gathered(source) if own else source() as full:  # a collective: every rank, same order
             if writer is not None:
@@ -556,7 +556,7 @@ def write_model_files(
 ) -> List[str]:
     """What `from_pretrained` needs beside the weights: config.json (its dtype the weights' `dtype`),
     and from `source_dir` generation_config.json and the tokenizer files (or `tokenizer`, saved).
-    The recipe's export and `shardwise convert` of a recipe checkpoint (checkpoint/recipe_folder.py)
+    The recipe's export and `shardwise convert` of a recipe checkpoint (recipes/convert.py)
     both write them here. Returns the files written."""
     config = copy.deepcopy(config)
     if dtype is not None:

@@ -14,7 +14,9 @@ gathered copies (`torch.func.functional_call` lends them to the layer for the
 call; the training model is not touched). A 4-bit base weight (QLoRA) is
 dequantised by bitsandbytes first, so the merged folder holds ordinary
 floating weights. Every rank calls both functions (they communicate); both
-return the folder on every rank.
+return the folder on every rank. It sits with the recipe (it was
+adapters/export.py) because it writes through the recipe's Hugging Face
+export; `shardwise.adapters.export` still names it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from torch import nn
 
 from shardwise.adapters.lora import base_weight_name, lora_layers
 from shardwise.distributed import ops
+from shardwise.fqn import canonical_name
 from shardwise.recipes.hf_model import export_hf_folder, export_items, gathered
-from shardwise.strategies.materialize import canonical_name
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 MERGED_DIR = "merged"  # the recipe's merged folder, inside output_dir
