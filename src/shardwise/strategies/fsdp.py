@@ -40,7 +40,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardwise.distributed import ops
 from shardwise.strategies import selective_ac
@@ -391,8 +390,9 @@ class FSDPStrategy(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._build_meshes(dist.get_world_size())
-        if self.precision.needs_grad_scaler:  # CUDA fp16: inf checks must agree across shards
-            self.grad_scaler = ShardedGradScaler()
+        # fp16: the base class's torch.amp.GradScaler, the one torch pairs with FSDP2. The gradients are
+        # DTensors, whose inf check already agrees over the mesh; FSDP1's ShardedGradScaler would add an
+        # all-reduce of its own per step (and, built without a device, is disabled off CUDA).
         if self.cpu_offload and self.root_device.type == "cpu":
             warnings.warn(
                 "FSDPStrategy(cpu_offload=True) does nothing on CPU: parameters already live in "
