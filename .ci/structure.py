@@ -16,6 +16,7 @@ submodule importing its package's `__init__` that imports it back is one.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 import sys
@@ -55,6 +56,16 @@ def files():
     return sorted(p for p in SRC.rglob("*.py"))
 
 
+@functools.lru_cache(maxsize=None)
+def text_of(p):
+    return p.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def tree_of(p):
+    return ast.parse(text_of(p))
+
+
 def rel(p):
     return p.relative_to(SRC).as_posix()
 
@@ -63,7 +74,7 @@ def private_defs():
     """`_name` -> modules defining it (methods, attributes set on self, functions, module constants)."""
     defs = defaultdict(set)
     for p in files():
-        tree = ast.parse(p.read_text())
+        tree = tree_of(p)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 defs[node.name].add(rel(p))
@@ -79,7 +90,7 @@ def private_uses_across_modules():
     defs = private_defs()
     uses = defaultdict(set)
     for p in files():
-        tree = ast.parse(p.read_text())
+        tree = tree_of(p)
         here = rel(p)
         for node in ast.walk(tree):
             name = None
@@ -100,15 +111,15 @@ def env_reads():
     pattern = re.compile(r"""environ(?:\.get)?\s*[\[(]\s*["']([A-Z0-9_]+)["']|getenv\(\s*["']([A-Z0-9_]+)["']""")
     out = defaultdict(set)
     for p in files():
-        for m in pattern.finditer(p.read_text()):
+        for m in pattern.finditer(text_of(p)):
             out[m.group(1) or m.group(2)].add(rel(p))
     # names held in module constants (X_ENV = "SHARDWISE_...") and read through them
     const = re.compile(r"""^([A-Z_]+_ENV)\s*=\s*["']([A-Z0-9_]+)["']""", re.M)
     for p in files():
-        text = p.read_text()
+        text = text_of(p)
         for m in const.finditer(text):
             if re.search(rf"environ(?:\.get)?\s*[\[(]\s*{m.group(1)}\b|getenv\(\s*{m.group(1)}\b", text) or any(
-                re.search(rf"environ(?:\.get)?\s*[\[(]\s*(?:\w+\.)?{m.group(1)}\b", q.read_text()) for q in files()
+                re.search(rf"environ(?:\.get)?\s*[\[(]\s*(?:\w+\.)?{m.group(1)}\b", text_of(q)) for q in files()
             ):
                 out[m.group(2)].add(rel(p))
     return dict(sorted(out.items()))
@@ -120,7 +131,7 @@ def trainer_imports_from_below():
         here = rel(p)
         if here.startswith(ABOVE_TRAINER):
             continue
-        tree = ast.parse(p.read_text())
+        tree = tree_of(p)
         for node in ast.walk(tree):
             mods = []
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -165,7 +176,7 @@ def imports():
     for p in files():
         here = module_name(p)
         package = here if p.name == "__init__.py" else here.rpartition(".")[0]
-        tree = ast.parse(p.read_text())
+        tree = tree_of(p)
         in_function = {
             id(node)
             for fn in ast.walk(tree)
@@ -311,7 +322,7 @@ def doc_disagreements():
 
 def main() -> int:
     check = "--check" in sys.argv
-    sizes = sorted(((len(p.read_text().splitlines()), rel(p)) for p in files()), reverse=True)
+    sizes = sorted(((len(text_of(p).splitlines()), rel(p)) for p in files()), reverse=True)
     over = [(n, f) for n, f in sizes if n > MAX_LINES]
     print(f"largest files in src/ (limit {MAX_LINES}):")
     for n, f in sizes[:8]:
