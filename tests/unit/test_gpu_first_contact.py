@@ -12,12 +12,16 @@ No CUDA call is made: torch.cuda functions are patched where a decision reads th
 - memory snapshots record Python stacks unless C++ ones are asked for.
 """
 
+import os
 import warnings
 
 import pytest
 import torch
 
-from shardwise import flops
+from shardwise import Trainer, flops
+from shardwise.distributed import env as env_module
+from shardwise.distributed.env import detect_env, device_for, resolve_devices
+from shardwise.strategies.deepspeed_env import apply_rank_env, ensure_accelerator_env
 
 
 @pytest.fixture
@@ -67,3 +71,64 @@ def test_a_gpu_missing_from_the_table_is_named_once(monkeypatch):
         warnings.simplefilter("error")  # the second fit of the process: said already
         assert flops.device_peak(torch.device("cuda", 0), "bf16-mixed")[0] is None
         assert flops.device_peak(torch.device("cuda", 0), "bf16-mixed", 100.0)[0] == 100.0  # a given peak: silent
+
+
+# ------------------------------------------------------------------ one GPU per task
+def _srun_task(monkeypatch, local_rank, visible, tasks=8):
+    """This process as task `local_rank` of `srun --ntasks-per-node=tasks`, seeing `visible` GPUs."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_PROCID": str(local_rank),
+        "SLURM_LOCALID": str(local_rank),
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NODELIST": "gpu001",
+        "CUDA_VISIBLE_DEVICES": str(local_rank) if visible == 1 else ",".join(map(str, range(visible))),
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(env_module, "_LOCAL_RANK_IS_DEVICE", None, raising=False)
+
+
+def test_one_gpu_per_task_is_accepted_under_the_launcher(monkeypatch):
+    _srun_task(monkeypatch, local_rank=3, visible=1)
+    assert resolve_devices(8, "cuda") == 8
+    assert device_for("cuda", detect_env().local_rank) == torch.device("cuda", 0)
+    trainer = Trainer(accelerator="cuda", devices=8, strategy="ddp")  # raised "this machine has 1 CUDA device(s)"
+    assert trainer.devices == 8 and Trainer(accelerator="cuda", devices="auto").devices == 8
+
+
+def test_visible_gpus_that_cannot_serve_every_local_rank_stay_an_error(monkeypatch):
+    _srun_task(monkeypatch, local_rank=3, visible=2)
+    with pytest.raises(ValueError, match=r"devices=8 .* sees 2 CUDA devices .*gpus-per-task=1"):
+        resolve_devices(8, "cuda")
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(ValueError, match=r"devices=8 but this machine has 2 CUDA device"):  # no launcher
+        resolve_devices(8, "cuda")
+
+
+def test_deepspeed_gets_the_visible_gpu_as_local_rank_and_shardwise_keeps_the_node_rank(monkeypatch):
+    ensure_accelerator_env("cpu")  # DeepSpeed imported as the rest of the suite imports it (no CUDA here)
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    _srun_task(monkeypatch, local_rank=3, visible=1)
+    env = detect_env()
+    device = device_for("cuda", env.local_rank)
+    apply_rank_env(env, device)
+    # What DeepSpeed's engine and zero.Init read for their device: the one this task sees.
+    assert os.environ["LOCAL_RANK"] == "0"
+    assert os.environ["RANK"] == "3" and os.environ["WORLD_SIZE"] == "8"
+    assert CUDA_Accelerator().device_name(os.environ["LOCAL_RANK"]) == "cuda:0"
+    # shardwise still knows this is the node's fourth process (e.g. not the one that builds a cache).
+    after = detect_env()
+    assert (after.local_rank, after.global_rank, after.local_world_size) == (3, 3, 8)
+    # Every rank sees every GPU: LOCAL_RANK stays the node-local rank, which is the device.
+    _srun_task(monkeypatch, local_rank=3, visible=8)
+    apply_rank_env(detect_env(), device_for("cuda", 3))
+    assert os.environ["LOCAL_RANK"] == "3" and detect_env().local_rank == 3

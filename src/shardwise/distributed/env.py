@@ -91,7 +91,12 @@ _CPU_OVERSUBSCRIPTION = 4
 
 
 def resolve_devices(devices: Union[int, str], accelerator: str) -> int:
-    """Number of processes per node, checked against what exists."""
+    """Number of processes per node, checked against what exists.
+
+    Under an external launcher (torchrun, srun) that binds one GPU per task (`srun --gpus-per-task=1`,
+    a CUDA_VISIBLE_DEVICES of its own per rank), each process sees one GPU, not the node's: that GPU is
+    its device (device_for), so eight processes per node with one visible GPU each is a valid layout.
+    """
     if isinstance(devices, str):
         if devices == "auto":
             return torch.cuda.device_count() if accelerator == "cuda" else 1
@@ -102,6 +107,17 @@ def resolve_devices(devices: Union[int, str], accelerator: str) -> int:
         raise ValueError(f"devices={devices!r}: use a positive integer or 'auto'.")
     have = available_devices(accelerator)
     limit = have if accelerator == "cuda" else have * _CPU_OVERSUBSCRIPTION
+    if devices > limit and accelerator == "cuda":
+        launched = detect_env()
+        if launched is not None and have == 1:
+            return devices  # one GPU per task: every process trains on the one it sees (cuda:0)
+        if launched is not None:
+            raise ValueError(
+                f"devices={devices} processes per node, but each process the launcher started sees {have} "
+                f"CUDA devices (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+                f"local ranks {have} and up would have no GPU. Bind one GPU per task (srun "
+                f"--gpus-per-task=1) so each rank sees only its own, or start at most {have} processes per node."
+            )
     if devices > limit:
         what = (
             f"{have} CUDA device(s)"
@@ -132,6 +148,27 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+# DeepSpeed takes os.environ["LOCAL_RANK"] as its CUDA device index (the engine's set_device, zero.Init's
+# device, ZeRO's broadcasts), so with one GPU per task it must read 0 on every rank while the rank's place
+# on its node (which rank of the node builds a cache, for one) is another number: (what LOCAL_RANK was set
+# to, the node-local rank it stands for), remembered in this process only (a child process reads its own).
+_LOCAL_RANK_IS_DEVICE: Optional[tuple] = None
+
+
+def apply_device_local_rank(local_rank: int, device: torch.device) -> None:
+    """Set LOCAL_RANK to `device`'s CUDA index for DeepSpeed; detect_env() still says `local_rank`."""
+    global _LOCAL_RANK_IS_DEVICE
+    index = device.index if device.type == "cuda" and device.index is not None else local_rank
+    os.environ["LOCAL_RANK"] = str(index)
+    _LOCAL_RANK_IS_DEVICE = (str(index), local_rank) if index != local_rank else None
+
+
+def _local_rank() -> int:
+    if _LOCAL_RANK_IS_DEVICE is not None and os.environ.get("LOCAL_RANK") == _LOCAL_RANK_IS_DEVICE[0]:
+        return _LOCAL_RANK_IS_DEVICE[1]
+    return _int_env("LOCAL_RANK") or 0
+
+
 def detect_env() -> Optional[DistEnv]:
     """Read torchrun's or SLURM's environment; None for a plain process."""
     if _int_env("WORLD_SIZE") is not None and _int_env("RANK") is not None:
@@ -140,7 +177,7 @@ def detect_env() -> Optional[DistEnv]:
         return DistEnv(
             world_size=world,
             global_rank=_int_env("RANK"),
-            local_rank=_int_env("LOCAL_RANK") or 0,
+            local_rank=_local_rank(),
             node_rank=_int_env("GROUP_RANK") or _int_env("NODE_RANK") or 0,
             num_nodes=max(1, world // local_world),
             local_world_size=local_world,

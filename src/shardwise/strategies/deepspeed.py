@@ -25,7 +25,6 @@ import contextlib
 import copy
 import importlib
 import logging
-import os
 import warnings
 from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Union
@@ -46,7 +45,7 @@ from shardwise.strategies.deepspeed_config import (
     precision_from_config,
     size_limits,
 )
-from shardwise.strategies.deepspeed_env import ensure_accelerator_env, import_deepspeed
+from shardwise.strategies.deepspeed_env import apply_rank_env, ensure_accelerator_env, import_deepspeed
 from shardwise.strategies.deepspeed_grads import local_gradients
 from shardwise.strategies.deepspeed_zero3 import check_zero3_dtypes, init_zero3_module
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
@@ -200,13 +199,7 @@ class DeepSpeedStrategy(Strategy):
         ensure_accelerator_env(self.accelerator)
         super().setup_environment()
         # DeepSpeed reads these even when the group exists (device choice, logging).
-        for key, value in (
-            ("RANK", self.global_rank),
-            ("LOCAL_RANK", self.local_rank),
-            ("WORLD_SIZE", self.world_size),
-            ("LOCAL_WORLD_SIZE", self.env.local_world_size),
-        ):
-            os.environ.setdefault(key, str(value))
+        apply_rank_env(self.env, self.root_device)
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
         # DeepSpeed's comm layer compiles a shared-memory all-reduce op on first use
         # (minutes on a fresh machine); it serves only inference_all_reduce, which

@@ -3,8 +3,9 @@
 DeepSpeed chooses its accelerator once per process, when it is first imported (or
 when it is told to switch), so both the strategy (deepspeed.py) and the conversion
 of its checkpoints (deepspeed_checkpoint.py, which runs without a strategy) go
-through `ensure_accelerator_env` / `import_deepspeed` here. Importing this module
-does not import DeepSpeed.
+through `ensure_accelerator_env` / `import_deepspeed` here; `apply_rank_env` gives
+DeepSpeed the rank variables it reads (its device among them). Importing this
+module does not import DeepSpeed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from shardwise.distributed.env import DistEnv, apply_device_local_rank
 from shardwise.strategies.deepspeed_config import DeepSpeedConfigError
 
 _DS_ACCELERATOR_SET_HERE = False  # DS_ACCELERATOR=cpu came from an earlier CPU run in this process
@@ -72,6 +74,26 @@ def ensure_accelerator_env(accelerator: Optional[str] = None) -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+
+
+def apply_rank_env(env: DistEnv, device: torch.device) -> None:
+    """RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / LOCAL_RANK as DeepSpeed reads them, also when the group exists.
+
+    DeepSpeed takes LOCAL_RANK as its device index (the engine's set_device, zero.Init's device), so on CUDA
+    it is the index of this rank's device: 0 on every rank when each task sees one GPU (srun
+    --gpus-per-task=1), where the node-local rank (3, say) is no device at all. shardwise's own
+    detect_env() still reports the node-local rank (env.apply_device_local_rank).
+    """
+    for key, value in (
+        ("RANK", env.global_rank),
+        ("WORLD_SIZE", env.world_size),
+        ("LOCAL_WORLD_SIZE", env.local_world_size),
+    ):
+        os.environ.setdefault(key, str(value))
+    if device.type == "cuda":
+        apply_device_local_rank(env.local_rank, device)
+    else:
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
 
 
 def import_deepspeed(accelerator: Optional[str] = None, log_level: int = logging.WARNING):
