@@ -4,8 +4,9 @@ A forked worker must be indistinguishable from a spawned one where a user could 
 launching process's environment and working directory as they are at this launch (not as they were
 when the server started, at an earlier launch), writes to the launcher's current standard output
 (here a capture that did not exist when the server started), gets its own rank from torch's agent,
-and is still a child the launcher can signal. A SIGKILLed launcher takes its forked workers with it (the
-fork server outlives it while they run, so they watch the launcher themselves).
+runs with the thread count its OMP_NUM_THREADS says, and is still a child the launcher can signal.
+A SIGKILLed launcher takes its forked workers with it (the fork server outlives it while they run, so
+they watch the launcher themselves).
 SHARDWISE_START_METHOD=spawn goes back to spawning, and a value it does not know is refused by name.
 """
 
@@ -35,6 +36,7 @@ def _report(tag: str) -> dict:
         "rank": os.environ["RANK"],
         "parent": os.getppid(),
         "torch_imported_before_fn": "torch" in sys.modules,
+        "threads": __import__("torch").get_num_threads(),
     }
 
 
@@ -43,12 +45,15 @@ def test_a_later_launch_sees_the_launchers_environment_directory_and_output_as_t
 ):
     monkeypatch.delenv(forkserver.START_METHOD_ENV, raising=False)
     monkeypatch.setenv("SHARDWISE_TEST_GONE", "set before the first launch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     first = shardwise.launch(_report, "first", devices=2)  # starts the fork server if no test did
     assert [r["gone"] for r in first] == ["set before the first launch"] * 2
+    assert [r["threads"] for r in first] == [1, 1]  # the launch's OMP_NUM_THREADS, not the server's
 
     # Changed after the server started: a forked worker must see the launcher's values of now.
     monkeypatch.delenv("SHARDWISE_TEST_GONE")
     monkeypatch.setenv("SHARDWISE_TEST_LATE", "set between the launches")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # libgomp read the server's once: the worker must set it
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
     second = shardwise.launch(_report, "second", devices=2)
@@ -57,6 +62,7 @@ def test_a_later_launch_sees_the_launchers_environment_directory_and_output_as_t
     assert [r["late"] for r in second] == ["set between the launches"] * 2
     assert [r["gone"] for r in second] == [None, None]
     assert [r["cwd"] for r in second] == [str(tmp_path)] * 2
+    assert [r["threads"] for r in second] == [3, 3]
     assert sorted(r["rank"] for r in second) == ["0", "1"]  # torch's agent's variables win
     for rank in (0, 1):
         assert f"worker says second from rank {rank}" in out, out

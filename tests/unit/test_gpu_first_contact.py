@@ -12,15 +12,18 @@ No CUDA call is made: torch.cuda functions are patched where a decision reads th
 - memory snapshots record Python stacks unless C++ ones are asked for.
 """
 
+import collections
 import os
 import warnings
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise import Trainer, flops
 from shardwise.distributed import env as env_module
 from shardwise.distributed.env import detect_env, device_for, resolve_devices
+from shardwise.distributed.launch import host_result
 from shardwise.strategies.deepspeed_env import apply_rank_env, ensure_accelerator_env
 
 
@@ -132,3 +135,20 @@ def test_deepspeed_gets_the_visible_gpu_as_local_rank_and_shardwise_keeps_the_no
     _srun_task(monkeypatch, local_rank=3, visible=8)
     apply_rank_env(detect_env(), device_for("cuda", 3))
     assert os.environ["LOCAL_RANK"] == "3" and detect_env().local_rank == 3
+
+
+# ------------------------------------------------------------------ launch(fn)'s results
+def test_launched_workers_hand_back_host_tensors():
+    """A CUDA tensor would cross to the launcher as an IPC handle into a worker that exits at once."""
+    with FakeTensorMode(allow_non_fake_inputs=True):  # CUDA tensors as metadata: no GPU needed
+        on_gpu = torch.ones(3, device="cuda", requires_grad=True)
+    on_host = torch.arange(4)
+    Pair = collections.namedtuple("Pair", "gpu host")
+    result = {"loss": on_gpu, "rows": [Pair(on_gpu, on_host)], "step": 7, "name": "run"}
+    moved = host_result(result)
+    assert moved["loss"].device.type == "cpu" and moved["loss"].requires_grad
+    assert isinstance(moved["rows"][0], Pair) and moved["rows"][0].gpu.device.type == "cpu"
+    assert moved["rows"][0].host is on_host  # host tensors are not copied
+    assert (moved["step"], moved["name"]) == (7, "run")
+    plain = {"x": on_host}
+    assert host_result(plain) is plain  # nothing on a device: the result as it was

@@ -7,7 +7,7 @@ every time. On Linux the workers are forked instead from multiprocessing's
 fork server, started once per launching process with torch and shardwise
 imported (and nothing run: no thread, no process group, no CUDA context),
 so a worker starts in milliseconds and in a clean state, as a spawned one
-does. The fork server's children are not the launcher's, which changes three
+does. The fork server's children are not the launcher's, which changes four
 things a spawned worker had for free; `enter` puts them back before `fn` runs:
 
 - the environment: a forked worker has the server's, as it was when the
@@ -17,6 +17,9 @@ things a spawned worker had for free; `enter` puts them back before `fn` runs:
 - standard output and error: the server's are the ones the launcher had when
   the server started (a test's capture file, for instance). The worker writes
   to the launcher's current ones, reopened through /proc.
+- the thread count: libgomp read OMP_NUM_THREADS once, when the server imported
+  torch, so the worker would run with the server's (all cores, in every one of
+  N ranks). It sets torch's thread count from the OMP_NUM_THREADS it gets.
 - its parent is the fork server, not the launcher, and the server lives as
   long as any process it forked (each holds its liveness pipe): a worker
   watches the launcher itself (`watch_launcher`, a thread blocked on a pidfd)
@@ -82,7 +85,17 @@ def enter(fn: Callable[..., Any], view: Dict[str, Any], *args: Any) -> Any:
     os.environ.update(view["environ"])
     os.environ.update(agent_set)
     _write_where(view["pid"])
+    _apply_thread_count()
     return fn(*args)
+
+
+def _apply_thread_count() -> None:
+    """torch's intra-op threads as this worker's OMP_NUM_THREADS says (the server's libgomp read its own)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        import torch  # preloaded by the server: no import cost
+
+        torch.set_num_threads(int(value))
 
 
 def watch_launcher(launcher_pid: int) -> None:

@@ -97,6 +97,7 @@ def _worker(fn: Callable, args: tuple, launcher_pid: int) -> Any:
             if code != 0:
                 _leave(code)  # e.g. preempted: saved, exiting with 75
             result = None  # the agent waits for a value from every rank that exits 0
+        result = host_result(result)
         ForkingPickler.dumps(result)  # as the agent's queue will: an unpicklable result fails this rank, named
         _shutdown_process_group()
     except BaseException as exc:
@@ -108,6 +109,28 @@ def _worker(fn: Callable, args: tuple, launcher_pid: int) -> Any:
     # The agent has the result once this returns; then skip the interpreter's teardown.
     atexit.register(os._exit, 0)
     return result
+
+
+def host_result(result: Any) -> Any:
+    """`result` with every tensor on an accelerator copied to the host, in the same containers.
+
+    The agent's queue pickles a CUDA tensor as a CUDA IPC handle into this worker's memory, and the
+    worker exits as soon as it has returned: the launcher would map freed memory (or fail to).
+    Containers are walked as torch's pytree knows them (dict, list, tuple, namedtuple, ...);
+    CPU and meta tensors and everything else are returned as they are.
+    """
+    import torch
+    from torch.utils import _pytree as pytree
+
+    def on_host(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
+            return value.detach().cpu().requires_grad_(value.requires_grad)
+        return value
+
+    leaves = pytree.tree_leaves(result)
+    if not any(isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta") for v in leaves):
+        return result
+    return pytree.tree_map(on_host, result)
 
 
 def _leave(code: int) -> None:
