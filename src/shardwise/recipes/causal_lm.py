@@ -41,8 +41,8 @@ from typing import Any, Callable, Dict, List, Union
 import torch
 import torch.nn.functional as F
 
-from shardwise.adapters.lora import apply_lora, count_parameters, describe_parameters, init_lora_weights, options_from
-from shardwise.adapters.quantize import check_4bit_plan, compute_dtype_for, quantize_to_4bit
+from shardwise.adapters.converters import build_converters, convert_model, post_optimizer_step
+from shardwise.adapters.lora import count_parameters, describe_parameters, init_lora_weights
 from shardwise.distributed import ops
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.recipes import hf_model
@@ -84,6 +84,7 @@ class CausalLMModule(TrainModule):
         self.eval_history: List[Dict[str, float]] = []
         self.load_report: Any = None
         self.parameter_counts: Dict[str, int] = {}  # full-size trainable / total elements
+        self.converters: List[Any] = []  # adapters/converters.py: applied in configure_model, hooked per step
         self._window: List[torch.Tensor] = []
         # (step, lr, this rank's share of the step's mean loss on the device) until the next log line:
         # reading a loss back to the host every step would stall the device queue.
@@ -95,14 +96,11 @@ class CausalLMModule(TrainModule):
     def configure_model(self) -> None:
         if self.model is None:
             model = hf_model.build_meta_model(self.folder, self.cfg.attn_implementation)
-            if getattr(self.cfg, "load_in_4bit", False):  # QLoRA: an NF4 base under the adapters
-                check_4bit_plan(self.trainer.strategy.parallel_plan)  # strategy="auto" is known only here
-                dtype = compute_dtype_for(self.cfg.precision)
-                quantize_to_4bit(model, dtype, dtype)
-            lora = options_from(self.cfg)
-            # LoRA wraps the meta model before the strategy shards it: the frozen base weights
-            # and the adapters are sharded together, unit by unit (mixed requires_grad per unit).
-            self.model = apply_lora(model, lora) if lora is not None else model
+            # QLoRA's NF4 base, then LoRA, on the meta model before the strategy shards it: the frozen
+            # base weights and the adapters are sharded together, unit by unit (mixed requires_grad per
+            # unit). The strategy's plan is read here (QLoRA only) because strategy="auto" is known only now.
+            self.converters = build_converters(self.cfg, lambda: self.trainer.strategy.parallel_plan)
+            self.model = convert_model(model, self.converters)
             trainable, total = count_parameters(self.model)
             self.parameter_counts = {"trainable": trainable, "total": total}
 
@@ -210,7 +208,9 @@ class CausalLMModule(TrainModule):
             self._lr = self.trainer.optimizers[0].param_groups[0]["lr"]
 
     def configure_callbacks(self) -> Any:
-        return [StepRecorder()]  # before the checkpoint callbacks, which the Trainer runs last
+        # Before the checkpoint callbacks, which the Trainer runs last: a step's checkpoint holds its entry and
+        # what the converters' hooks did after it.
+        return [StepRecorder(), ConverterSteps()]
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # Every rank saves together (collective), so the sync is too; the steps so far, the current one included.
@@ -307,6 +307,15 @@ class StepRecorder:
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         module.record_step_output(outputs)
+
+
+class ConverterSteps:
+    """Runs the model converters' post_optimizer_step (adapters/converters.py) once per optimizer step, at the
+    end of the step's last micro-batch; LoRA and QLoRA define none, a converter with per-step state does."""
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.is_last_microbatch:
+            post_optimizer_step(module.model, module.converters)
 
 
 def build_module(cfg: Any, folder: Any, total_steps: Union[int, Callable[[], int]]) -> CausalLMModule:
