@@ -6,11 +6,14 @@ starts get it, and so the sharding-invariant initialisation
 (strategies/materialize.py) derives every module's weights from it: the
 seed of one module is `module_seed(seed, its name)`, drawn under
 `fork_rng(devices=rng_devices())`. Those two sit here, below the engines,
-because LoRA's initialisation (adapters/lora.py) draws the same way.
+because LoRA's initialisation (adapters/lora.py) draws the same way. And
+what else `Trainer(deterministic=True)` needs before CUDA starts
+(apply_cublas_workspace_config).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 from typing import List, Optional
@@ -56,3 +59,18 @@ def rng_devices(device: Optional[torch.device] = None) -> List[torch.device]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return [torch.device("cuda", torch.cuda.current_device())]
     return []
+
+
+# ------------------------------------------------------------------ deterministic runs
+CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
+
+
+def apply_cublas_workspace_config() -> str:
+    """CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the user set it; returns the value in force.
+
+    cuBLAS (CUDA >= 10.2) is deterministic only with a fixed workspace, read from this variable
+    when torch sets up its handle, at the first matrix product: so it is set in the process that
+    builds the Trainer, before its CUDA work, and the workers a launcher starts later inherit it.
+    torch.use_deterministic_algorithms alone only warns (warn_only) or raises at that product.
+    """
+    return os.environ.setdefault(CUBLAS_WORKSPACE_ENV, ":4096:8")

@@ -152,3 +152,16 @@ def test_launched_workers_hand_back_host_tensors():
     assert (moved["step"], moved["name"]) == (7, "run")
     plain = {"x": on_host}
     assert host_result(plain) is plain  # nothing on a device: the result as it was
+
+
+# ------------------------------------------------------------------ deterministic=True
+def test_deterministic_sets_the_cublas_workspace_unless_the_user_did(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    Trainer(accelerator="cpu", devices=1, deterministic=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # in this process: inherited by later workers
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    Trainer(accelerator="cpu", devices=1, deterministic=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    Trainer(accelerator="cpu", devices=1)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # only deterministic runs ask for it

@@ -28,6 +28,7 @@ from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
 from shardwise.module import TrainModule, attach, drain_logs, enter_hook
 from shardwise.plan.advice import check_before_fit
+from shardwise.seed import apply_cublas_workspace_config
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
 from shardwise.trainer import arguments, automatic, evaluation, lightning_hooks, loaders, nonfinite, setup, weighting
@@ -88,6 +89,8 @@ class Trainer(TrainerAttributes):
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
         accelerator, devices, strategy = arguments.lightning_spellings(accelerator, devices, strategy, gpus, plugins)
+        if deterministic:  # before any CUDA work here, and in the environment the workers inherit
+            apply_cublas_workspace_config()
         self.accelerator = resolve_accelerator(accelerator)
         env = detect_env()
         if env is not None and devices == "auto":
