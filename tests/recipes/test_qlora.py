@@ -60,7 +60,7 @@ def qlora_facts(module):
     facts = {
         "layers": len(layers),
         "sharded": all(
-            isinstance(m.weight, DTensor) and m.weight.placements == (Shard(0),) and m.weight.dtype == torch.float32
+            isinstance(m.weight, DTensor) and m.weight.placements == (Shard(0),) and m.weight.dtype == torch.uint8
             for _, m in layers
         ),
         "local_rows": [m.weight.to_local().shape[0] for _, m in layers],
@@ -213,15 +213,15 @@ def test_quantize_to_4bit_real_weights():
     model = Tiny()
     originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert not is_4bit(model)
-    replaced = quantize_to_4bit(model, torch.float32, torch.bfloat16)
+    replaced = quantize_to_4bit(model, torch.float32)
     assert replaced == ["body.0", "body.2"] and is_4bit(model) and model.is_loaded_in_4bit
     assert type(model.lm_head) is nn.Linear  # skip=("lm_head",)
     x = torch.randn(3, 64)
     for name in replaced:
         layer = model.get_submodule(name)
         assert isinstance(layer, bnb.nn.Linear4bit) and not layer.weight.requires_grad
-        assert layer.weight.dtype == torch.bfloat16 and tuple(layer.weight.shape) == packed_shape(
-            layer.out_features, layer.in_features, torch.bfloat16
+        assert layer.weight.dtype == torch.uint8 and tuple(layer.weight.shape) == packed_shape(
+            layer.out_features, layer.in_features, torch.uint8
         )
         full = bnb.functional.dequantize_4bit(layer.weight.data, layer.quant_state)
         assert full.dtype == torch.float32 and full.shape == originals[name].shape
@@ -240,21 +240,39 @@ def test_quantize_to_4bit_real_weights():
 def test_quantize_to_4bit_meta_placeholders_and_refusals():
     with torch.device("meta"):
         model = Tiny()
-    assert quantize_to_4bit(model, torch.bfloat16, torch.bfloat16, skip=()) == ["body.0", "body.2", "lm_head"]
+    assert quantize_to_4bit(model, torch.bfloat16, skip=()) == ["body.0", "body.2", "lm_head"]
     layer = model.body[0]
-    assert layer.weight.is_meta and layer.quant_state is None and tuple(layer.weight.shape) == (64 * 128 // 4, 1)
+    assert layer.weight.is_meta and layer.quant_state is None and tuple(layer.weight.shape) == (64 * 128 // 2, 1)
+    assert layer.weight.dtype == torch.uint8
     assert layer.compute_dtype == torch.bfloat16 and layer.support_avx512bf16_for_cpu is False
     with pytest.raises(ValueError, match="not a multiple of 8"):
         packed_shape(3, 5, torch.float32)
     zero3 = Tiny()
     zero3.body[0].weight.ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
     with pytest.raises(ValueError, match="ZeRO-3"):
-        quantize_to_4bit(zero3, torch.float32, torch.float32)
+        quantize_to_4bit(zero3, torch.float32)
     with pytest.raises(ValueError, match="compute_dtype"):
-        quantize_to_4bit(Tiny(), torch.float64, torch.float32)
+        quantize_to_4bit(Tiny(), torch.float64)
+    with pytest.raises(ValueError, match="stored as uint8 only"):
+        quantize_to_4bit(Tiny(), torch.bfloat16, torch.bfloat16)
     assert compute_dtype_for("32-true") == torch.float32 and compute_dtype_for("bf16-mixed") == torch.bfloat16
     with pytest.raises(ValueError, match="precision='64-true'"):
         compute_dtype_for("64-true")
+
+
+def test_packed_codes_are_bytes_no_float_path_reads():
+    """Issue 36, item 8: the codes are uint8, so no cast or NaN-canonicalising float copy can alter them.
+    Read as bf16 (how they were stored before), this layer's codes hold NaN bit patterns: the health check
+    took them for non-finite parameters, and a float copy may rewrite them (bitsandbytes #1945)."""
+    from shardwise import health
+
+    torch.manual_seed(0)
+    model = Tiny()
+    quantize_to_4bit(model, torch.bfloat16)
+    codes = model.body[0].weight.data
+    assert codes.dtype == torch.uint8 and not codes.is_floating_point()
+    assert torch.isnan(codes.reshape(-1).view(torch.bfloat16)).any()  # the hazard is real for these very bytes
+    assert health.first_nonfinite(model, []) is None
 
 
 def test_fourbit_bytes_match_the_real_state():

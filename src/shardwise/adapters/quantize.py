@@ -4,12 +4,16 @@
 head by default) for bitsandbytes' `Linear4bit`: NF4 codes in blocks of 64
 weights, double quantisation (each block's absmax is itself quantised to 8
 bits in blocks of 256), dequantised to `compute_dtype` for every matmul. The
-packed codes are stored as a column `(n / (2 * itemsize), 1)` of
-`storage_dtype`, which must be the dtype FSDP2 all-gathers the unit's
-parameters in (the precision's compute dtype): FSDP2 then shards, gathers and
-frees that column byte for byte like any frozen parameter, and never casts it
-(a cast of packed codes, say fp32 -> bf16 under a mixed-precision policy,
-would destroy them). The quantisation state (absmax, the nested absmax and
+packed codes are stored as a uint8 column `(n / 2, 1)`, two codes per byte:
+FSDP2 shards, gathers and frees it byte for byte like any frozen parameter,
+never casts it (its mixed-precision policy casts floating parameters only; a
+unit that also holds float parameters is all-gathered as bytes), and no float
+operation ever reads it. Codes stored in a float dtype (the compute dtype, as
+they were until issue 36) were at the mercy of every float path they passed:
+about one byte pair in 256 reads as a NaN, and a copy that canonicalises NaN
+payloads (bitsandbytes #1945 reports ~0.1% of codes altered under FSDP2)
+silently changes the weights; the health check also took those NaN patterns
+for non-finite parameters. The quantisation state (absmax, the nested absmax and
 offset, the two code tables) is small -- about 1/32 of the packed bytes -- and
 stays whole on every rank as `Linear4bit.quant_state`, a plain attribute that
 no engine sees; bitsandbytes' forward takes it from the module whenever the
@@ -134,7 +138,7 @@ def set_quant_state(layer: nn.Module, state: Any) -> None:
 def quantize_to_4bit(
     model: nn.Module,
     compute_dtype: torch.dtype,
-    storage_dtype: torch.dtype,
+    storage_dtype: torch.dtype = torch.uint8,
     skip: Sequence[str] = ("lm_head",),
 ) -> List[str]:
     """Replace every nn.Linear of `model` (not named in `skip`) by an NF4 Linear4bit; return the replaced names.
@@ -142,12 +146,17 @@ def quantize_to_4bit(
     `skip` entries match a module's full name or its last components ("lm_head" matches
     "model.lm_head"). Real weights are quantised now (in `compute_dtype`); meta weights
     become meta placeholders of the packed shape whose values and state the loader fills.
+    The packed codes are uint8 (`storage_dtype` accepts nothing else; see the module docstring).
     The model is marked `is_loaded_in_4bit`, which is how PEFT chooses its 4-bit LoRA layer.
     """
     if compute_dtype not in FLOAT_DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype}: 4-bit layers compute in {FLOAT_DTYPES}.")
-    if storage_dtype not in FLOAT_DTYPES + (torch.uint8,):
-        raise ValueError(f"storage_dtype={storage_dtype}: use a float dtype (what the strategy shards) or uint8.")
+    if storage_dtype != torch.uint8:
+        raise ValueError(
+            f"storage_dtype={storage_dtype}: the packed NF4 codes are stored as uint8 only, so that no float "
+            "operation (a cast, a copy that canonicalises NaN bit patterns) can alter them. Leave storage_dtype "
+            "out; FSDP2 shards and gathers a uint8 parameter byte for byte, next to float ones."
+        )
     require_bitsandbytes()
     replaced: List[str] = []
     for name, child in list(model.named_modules()):  # in the model's order
@@ -176,8 +185,7 @@ def quantize_to_4bit(
 
 def compute_dtype_for(precision: Any) -> torch.dtype:
     """The dtype 4-bit layers dequantise to and compute in for a Trainer precision: its compute dtype
-    (32-true: float32, bf16-mixed / bf16-true: bfloat16, 16-mixed: float16). It is also their storage
-    dtype, the one the strategy gathers the unit's parameters in. 64-true is refused."""
+    (32-true: float32, bf16-mixed / bf16-true: bfloat16, 16-mixed: float16). 64-true is refused."""
     from shardwise.precision import build_precision
 
     dtype = build_precision(precision, "cuda").compute_dtype  # the name's dtypes; devices are checked elsewhere
@@ -290,12 +298,12 @@ def place_4bit(tensor: torch.Tensor, full: Optional[torch.Tensor], layer: nn.Mod
     place(tensor, packed)
     del packed
     set_quant_state(layer, broadcast_quant_state(state, device))
-    # Packed codes are not numbers: read as floats, some are NaN bit patterns, which the strategy's
-    # check for its uninitialised-memory sentinel (materialize.py) must not take for unwritten memory.
+    # Packed codes are not numbers; stored as uint8 no float check reads them, and the mark says so to
+    # the strategy's check for its uninitialised-memory sentinel (materialize.py) in any case.
     tensor.packed_codes = True
 
 
-def fourbit_bytes(numel: int, storage_dtype: torch.dtype = torch.bfloat16, shards: int = 1) -> Dict[str, float]:
+def fourbit_bytes(numel: int, storage_dtype: torch.dtype = torch.uint8, shards: int = 1) -> Dict[str, float]:
     """Bytes one rank holds for a 4-bit weight of `numel` entries sharded over `shards` ranks (planner accounting).
 
     "packed": the NF4 codes (numel / 2 bytes, padded by FSDP2 to a multiple of `shards` storage elements)

@@ -144,7 +144,7 @@ def apply_adapters(model: nn.Module, adapters: Adapters, kind: str) -> nn.Module
 
         _plain_linears(model)
         dtype = getattr(torch, adapters.compute_dtype)
-        if not quantize_to_4bit(model, dtype, dtype):
+        if not quantize_to_4bit(model, dtype):
             raise PlanError(f"load_in_4bit: {type(model).__name__} has no nn.Linear layer to quantise.")
     targets = _targets(adapters, model, kind)
     from shardwise.adapters import LoraOptions, apply_lora
