@@ -14,6 +14,7 @@ No CUDA call is made: torch.cuda functions are patched where a decision reads th
 
 import collections
 import os
+import types
 import warnings
 
 import pytest
@@ -24,6 +25,7 @@ from shardwise import Trainer, flops
 from shardwise.distributed import env as env_module
 from shardwise.distributed.env import detect_env, device_for, resolve_devices
 from shardwise.distributed.launch import host_result
+from shardwise.plan.advice import check_before_fit
 from shardwise.strategies.deepspeed_env import apply_rank_env, ensure_accelerator_env
 
 
@@ -165,3 +167,44 @@ def test_deterministic_sets_the_cublas_workspace_unless_the_user_did(monkeypatch
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     Trainer(accelerator="cpu", devices=1)
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # only deterministic runs ask for it
+
+
+# ------------------------------------------------------------------ the planner's first batch
+class _FirstBatch(torch.utils.data.Dataset):
+    """Records which GPU was current when the planner drew its example batch, then stops the fit there."""
+
+    def __init__(self, current):
+        self.current, self.seen = current, []
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        self.seen.append(self.current[-1] if self.current else None)
+        raise _Drawn()
+
+
+class _Drawn(Exception):
+    pass
+
+
+def test_the_planner_draws_its_example_batch_on_the_ranks_own_gpu(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(env_module, "_LOCAL_RANK_IS_DEVICE", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.append(torch.device(device)))
+    dataset = _FirstBatch(current)
+    trainer = types.SimpleNamespace(
+        devices=2,
+        num_nodes=1,
+        accelerator="cuda",
+        device_memory="80GiB",
+        strategy=types.SimpleNamespace(is_auto=True),  # strategy="auto": every rank plans
+        accumulate_grad_batches=1,
+    )
+    with pytest.raises(_Drawn):
+        check_before_fit(trainer, None, torch.utils.data.DataLoader(dataset, batch_size=2))
+    # pin_memory pins on the current device: it must be this rank's (cuda:1), not the default GPU 0.
+    assert dataset.seen == [torch.device("cuda", 1)]

@@ -32,7 +32,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from shardwise.data import rebuild
 from shardwise.distributed import context
-from shardwise.distributed.env import detect_env
+from shardwise.distributed.env import detect_env, device_for
 from shardwise.memory import format_bytes, parse_bytes
 from shardwise.plan.candidates import Candidate, from_strategy, parse_candidate
 from shardwise.plan.core import plan
@@ -114,12 +114,20 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
     Reads the Trainer's settings; returns the decision for fit() to apply (None: nothing to change).
     """
     world = trainer.devices * trainer.num_nodes
-    device_memory = resolve_device_memory(getattr(trainer, "device_memory", None), trainer.accelerator, world)
+    if getattr(trainer, "device_memory", None) is None:
+        return None
+    env = detect_env()
+    if env is not None and trainer.accelerator == "cuda":
+        # A worker takes its own GPU before anything here touches CUDA: "auto" reads the current device's
+        # memory, and a pin_memory loader's first batch makes a context on the current device (GPU 0 on
+        # every rank, before the strategy would set it).
+        torch.cuda.set_device(device_for("cuda", env.local_rank))
+    device_memory = resolve_device_memory(trainer.device_memory, trainer.accelerator, world)
     if device_memory is None:
         return None
     auto = bool(getattr(trainer.strategy, "is_auto", False))
     choice = context.current().plan_choice
-    if auto and choice and detect_env() is not None:
+    if auto and choice and env is not None:
         # A worker the launcher started: the launching process has planned (same model, same answer).
         cand = parse_candidate(choice["candidate"])
         decision = FitDecision()
@@ -130,7 +138,6 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
         if choice.get("prediction"):
             decision.check = PlanCheck(Prediction.from_dict(choice["prediction"]))
         return decision
-    env = detect_env()
     launching = env is None and trainer.devices * trainer.num_nodes > 1
     if not auto and (launching or (env is not None and not env.is_global_zero)):
         return None  # the fit warning is planned and said once, by global rank 0 of the workers
