@@ -3,7 +3,10 @@
 Every module of the suite calls `skip_without_gpu()` at import, so
 `python -m pytest tests/gpu -q` skips cleanly on a machine without CUDA.
 Tests that need more than one rank use `world()` = min(2, GPUs visible): on
-one GPU they still run, as one rank. DEVICE_TYPE is the one switch between
+one GPU they still run, as one rank, since NCCL refuses two ranks on one
+device and so does `Trainer(devices=2)` with one GPU visible; the multi-process
+paths one GPU can run (forked ranks on cuda:0 over gloo, NCCL's refusal) are
+in test_one_gpu_paths_gpu.py. DEVICE_TYPE is the one switch between
 the GPU and a CPU dry run of the same test bodies (set it to "cpu" to
 exercise the code on a CPU-only machine; the suite ships with "cuda").
 Module-level, so the worker processes shardwise.launch starts can import it. The

@@ -94,8 +94,11 @@ def run_isolated(name: str, dry: bool, limit_s: float, workdir: str) -> Dict[str
     start = time.perf_counter()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            command + (["--dry"] if dry else []), stdout=log, stderr=subprocess.STDOUT,
-            env=_child_env(dry), start_new_session=True,
+            command + (["--dry"] if dry else []),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_child_env(dry),
+            start_new_session=True,
         )
         try:
             proc.wait(timeout=limit_s + _START_S)
@@ -108,14 +111,24 @@ def run_isolated(name: str, dry: bool, limit_s: float, workdir: str) -> Dict[str
     with open(log_path, "rb") as log:
         tail = log.read()[-3000:].decode("utf-8", "replace")
     if timed_out:
-        return {"status": "FAIL", "seconds": seconds, "detail": f"timed out after {limit_s:.0f} s", "data": {},
-                "output_tail": tail}
+        return {
+            "status": "FAIL",
+            "seconds": seconds,
+            "detail": f"timed out after {limit_s:.0f} s",
+            "data": {},
+            "output_tail": tail,
+        }
     try:
         with open(result_path) as fh:
             result = json.load(fh)
     except (OSError, ValueError):
-        return {"status": "FAIL", "seconds": seconds, "detail": f"the check's process exited with {proc.returncode} "
-                "before writing its result", "data": {}, "output_tail": tail}
+        return {
+            "status": "FAIL",
+            "seconds": seconds,
+            "detail": f"the check's process exited with {proc.returncode} before writing its result",
+            "data": {},
+            "output_tail": tail,
+        }
     result["seconds"] = seconds  # with the process's start: what the run's budget pays
     if result["status"] == "FAIL":
         result["output_tail"] = tail
@@ -139,8 +152,12 @@ def run_checks(
             if dry and not cpu_ok:
                 result = {"status": "SKIP", "seconds": 0.0, "detail": "needs CUDA (--dry)", "data": {}}
             elif left < 15:
-                result = {"status": "SKIP", "seconds": 0.0, "detail": f"out of time (--budget {budget_s:.0f} s)",
-                          "data": {}}
+                result = {
+                    "status": "SKIP",
+                    "seconds": 0.0,
+                    "detail": f"out of time (--budget {budget_s:.0f} s)",
+                    "data": {},
+                }
             else:
                 limit_s = min(limit, left - (_START_S if isolate else 0))
                 result = run_isolated(name, dry, limit_s, workdir) if isolate else run_one(name, dry, limit_s)
@@ -149,8 +166,14 @@ def run_checks(
     counts = {s: sum(r["status"] == s for r in results.values()) for s in ("PASS", "FAIL", "SKIP")}
     total = round(time.perf_counter() - started, 1)
     echo(f"smoke: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {total} s")
-    return {"mode": "dry" if dry else "gpu", "seconds": total, "budget_s": budget_s, "counts": counts,
-            "ok": counts["FAIL"] == 0, "checks": results}
+    return {
+        "mode": "dry" if dry else "gpu",
+        "seconds": total,
+        "budget_s": budget_s,
+        "counts": counts,
+        "ok": counts["FAIL"] == 0,
+        "checks": results,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

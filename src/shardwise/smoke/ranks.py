@@ -28,8 +28,18 @@ import shardwise
 from shardwise.distributed.launch import WorkerFailedError
 from shardwise.smoke.common import GPTModule, Skip, StepLosses, counting_data, gpt, quiet_trainer_kwargs, require_cuda
 
-PACKAGES = ("torch", "deepspeed", "bitsandbytes", "transformers", "peft", "accelerate", "jsonargparse", "datasets",
-            "safetensors", "triton")
+PACKAGES = (
+    "torch",
+    "deepspeed",
+    "bitsandbytes",
+    "transformers",
+    "peft",
+    "accelerate",
+    "jsonargparse",
+    "datasets",
+    "safetensors",
+    "triton",
+)
 
 
 def _version(name: str) -> str:
@@ -53,8 +63,16 @@ def check_environment(dry: bool, limit_s: float) -> Dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "start_method": forkserver.start_method(),
         "cuda_initialized_by_imports": torch.cuda.is_initialized(),
-        "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "CUBLAS_WORKSPACE_CONFIG",
-                                              "NCCL_DEBUG", "SHARDWISE_START_METHOD")},
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "CUDA_VISIBLE_DEVICES",
+                "DS_ACCELERATOR",
+                "CUBLAS_WORKSPACE_CONFIG",
+                "NCCL_DEBUG",
+                "SHARDWISE_START_METHOD",
+            )
+        },
     }
     if data["cuda_initialized_by_imports"]:
         raise AssertionError("importing shardwise initialised CUDA: the fork server's workers would inherit a context")
@@ -75,9 +93,11 @@ def check_environment(dry: bool, limit_s: float) -> Dict[str, Any]:
         cudnn=torch.backends.cudnn.version(),
         flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
     )
-    data["detail"] = (f"{data['name']} sm_{''.join(map(str, data['capability']))}, {data['memory_gib']} GiB, "
-                      f"torch {torch.__version__}, NCCL {data['nccl']}, deepspeed {data['versions']['deepspeed']}, "
-                      f"bitsandbytes {data['versions']['bitsandbytes']}")
+    data["detail"] = (
+        f"{data['name']} sm_{''.join(map(str, data['capability']))}, {data['memory_gib']} GiB, "
+        f"torch {torch.__version__}, NCCL {data['nccl']}, deepspeed {data['versions']['deepspeed']}, "
+        f"bitsandbytes {data['versions']['bitsandbytes']}"
+    )
     return data
 
 
@@ -99,7 +119,9 @@ def _gloo_cuda_worker() -> Dict[str, Any]:
     dist.broadcast(y, src=1)
     torch.cuda.synchronize()
     return {
-        "rank": env.global_rank, "device": str(x.device), "backend": backend,
+        "rank": env.global_rank,
+        "device": str(x.device),
+        "backend": backend,
         "sum_ok": bool((x == sum(range(1, env.world_size + 1))).all()),
         "broadcast_ok": bool(torch.equal(y.cpu(), torch.arange(8, dtype=torch.float32) * 2)),
         "pid": os.getpid(),
@@ -115,9 +137,12 @@ def check_launch_two_ranks(dry: bool, limit_s: float) -> Dict[str, Any]:
         raise AssertionError(f"collectives gave wrong values: {out}")
     if len({r["pid"] for r in out}) != 2:
         raise AssertionError(f"the two ranks are one process: {out}")
-    return {"ranks": out, "launch_s": round(seconds, 2),
-            "detail": f"2 forked ranks on {sorted({r['device'] for r in out})}, {out[0]['backend']} all_reduce and "
-                      f"broadcast of CUDA tensors correct, launch + run {seconds:.1f} s"}
+    return {
+        "ranks": out,
+        "launch_s": round(seconds, 2),
+        "detail": f"2 forked ranks on {sorted({r['device'] for r in out})}, {out[0]['backend']} all_reduce and "
+        f"broadcast of CUDA tensors correct, launch + run {seconds:.1f} s",
+    }
 
 
 def _nccl_worker() -> str:
@@ -147,12 +172,18 @@ def check_nccl_same_gpu(dry: bool, limit_s: float) -> Dict[str, Any]:
         answers = [f"refused: {exc}"]
     text = " | ".join(answers)
     if all(a.startswith("accepted") for a in answers):
-        return {"answers": answers, "detail": "NCCL accepted two ranks on one GPU (unexpected for NCCL >= 2.5): "
-                "shardwise still refuses Trainer(devices=2) on one GPU"}
+        return {
+            "answers": answers,
+            "detail": "NCCL accepted two ranks on one GPU (unexpected for NCCL >= 2.5): "
+            "shardwise still refuses Trainer(devices=2) on one GPU",
+        }
     if "Duplicate GPU" not in text and "invalid usage" not in text.lower():
         raise AssertionError(f"NCCL failed otherwise than by refusing a duplicate GPU: {text[:800]}")
-    return {"answers": answers, "detail": "NCCL refuses two ranks on one GPU (Duplicate GPU detected), as expected: "
-            "the control plane on one GPU is gloo"}
+    return {
+        "answers": answers,
+        "detail": "NCCL refuses two ranks on one GPU (Duplicate GPU detected), as expected: "
+        "the control plane on one GPU is gloo",
+    }
 
 
 # ----------------------------------------------------------------------------- FSDP bf16 + planted NaN
@@ -168,10 +199,17 @@ def _fsdp_nan_worker(accelerator: str, devices: int) -> Dict[str, Any]:
     shardwise.seed_everything(0)
     config = gpt()
     recorder = StepLosses()
-    trainer = Trainer(**quiet_trainer_kwargs(
-        accelerator=accelerator, devices=devices, strategy=FSDPStrategy(auto_wrap_policy={Block}),
-        precision="bf16-mixed", max_steps=NAN_STEP + 2, callbacks=[recorder], gradient_clip_val=1.0,
-    ))
+    trainer = Trainer(
+        **quiet_trainer_kwargs(
+            accelerator=accelerator,
+            devices=devices,
+            strategy=FSDPStrategy(auto_wrap_policy={Block}),
+            precision="bf16-mixed",
+            max_steps=NAN_STEP + 2,
+            callbacks=[recorder],
+            gradient_clip_val=1.0,
+        )
+    )
     module = GPTModule(config, nan_at=(NAN_STEP, devices - 1))
     error = ""
     try:
@@ -180,8 +218,14 @@ def _fsdp_nan_worker(accelerator: str, devices: int) -> Dict[str, Any]:
         error = str(exc)
     param = next(trainer.model.parameters())
     local = param.to_local() if hasattr(param, "to_local") else param
-    return {"rank": trainer.global_rank, "error": error, "losses": recorder.losses, "global_step": trainer.global_step,
-            "param_device": local.device.type, "param_dtype": str(local.dtype)}
+    return {
+        "rank": trainer.global_rank,
+        "error": error,
+        "losses": recorder.losses,
+        "global_step": trainer.global_step,
+        "param_device": local.device.type,
+        "param_dtype": str(local.dtype),
+    }
 
 
 def check_fsdp_bf16_nan(dry: bool, limit_s: float) -> Dict[str, Any]:
@@ -198,8 +242,9 @@ def check_fsdp_bf16_nan(dry: bool, limit_s: float) -> Dict[str, Any]:
         if not r["error"]:
             raise AssertionError(f"rank {r['rank']} trained through a NaN loss planted in step {NAN_STEP}: {r}")
         if f"step {NAN_STEP}" not in r["error"] or f"rank {planted}" not in r["error"]:
-            raise AssertionError(f"rank {r['rank']}'s error does not name step {NAN_STEP} and rank {planted}: "
-                                 f"{r['error'][:600]}")
+            raise AssertionError(
+                f"rank {r['rank']}'s error does not name step {NAN_STEP} and rank {planted}: {r['error'][:600]}"
+            )
         # The verdict is read one step late where no value is read anyway (trainer/nonfinite.py): step 3's
         # update may have been queued, nothing after it may be.
         if r["global_step"] > NAN_STEP or len(r["losses"]) < NAN_STEP - 1:
@@ -208,6 +253,9 @@ def check_fsdp_bf16_nan(dry: bool, limit_s: float) -> Dict[str, Any]:
             raise AssertionError(f"a NaN before the planted step: {r['losses']}")
         if r["param_device"] != accelerator or r["param_dtype"] != "torch.float32":
             raise AssertionError(f"FSDP bf16-mixed should keep fp32 shards on {accelerator}: {r}")
-    return {"ranks": out, "seconds_launch_and_fit": round(seconds, 2),
-            "detail": f"{devices} {accelerator} rank(s), FSDP bf16-mixed stopped at step {NAN_STEP} naming rank "
-                      f"{planted}: {out[0]['error'].splitlines()[0][:160]}"}
+    return {
+        "ranks": out,
+        "seconds_launch_and_fit": round(seconds, 2),
+        "detail": f"{devices} {accelerator} rank(s), FSDP bf16-mixed stopped at step {NAN_STEP} naming rank "
+        f"{planted}: {out[0]['error'].splitlines()[0][:160]}",
+    }
