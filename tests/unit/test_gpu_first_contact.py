@@ -26,6 +26,7 @@ from shardwise.distributed import env as env_module
 from shardwise.distributed.env import detect_env, device_for, resolve_devices
 from shardwise.distributed.launch import host_result
 from shardwise.plan.advice import check_before_fit
+from shardwise.recipes.data import DataOptions, FinetuneData, PreparedData
 from shardwise.strategies.deepspeed_env import apply_rank_env, ensure_accelerator_env
 
 
@@ -208,3 +209,13 @@ def test_the_planner_draws_its_example_batch_on_the_ranks_own_gpu(monkeypatch):
         check_before_fit(trainer, None, torch.utils.data.DataLoader(dataset, batch_size=2))
     # pin_memory pins on the current device: it must be this rank's (cuda:1), not the default GPU 0.
     assert dataset.seen == [torch.device("cuda", 1)]
+
+
+# ------------------------------------------------------------------ the recipe's loaders
+@pytest.mark.parametrize("pin", [True, False])
+def test_the_recipe_pins_its_batches_for_cuda(pin):
+    data = FinetuneData(DataOptions(), spec=None, tokenizer=None, cache_dir="", evaluate=True, pin_memory=pin)
+    examples = [torch.arange(4) for _ in range(4)]
+    data.prepared = PreparedData(train=examples, eval=examples, collate=None, summary={}, folder="")
+    # Pinned batches make move_to_device's copies to the GPU asynchronous (no host wait per micro-batch).
+    assert data.train_dataloader().pin_memory is pin and data.val_dataloader().pin_memory is pin

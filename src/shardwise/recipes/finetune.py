@@ -391,6 +391,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         tokenizer,
         cache_dir=cfg.data.cache_dir or os.path.join(cfg.output_dir, "tokenized"),
         evaluate=bool(cfg.eval_steps),
+        pin_memory=trainer.accelerator == "cuda",
     )
     # Samples are split over the data-parallel ranks only: the ranks of a tp or sp group read the same ones.
     data_parallel = trainer.devices * trainer.num_nodes // (cfg.tp_size * cfg.sp_size)
