@@ -6,7 +6,7 @@ poisoned CUDA context costs that check, not the run), and prints one PASS / FAIL
 with its seconds, then writes a JSON summary (`--json`): per check its status, seconds, a one-line detail
 and the figures it measured; a failing check's output tail too. The checks are defined in `ranks.py`
 (environment, launches, the health check) and `gpu.py` (QLoRA, DeepSpeed offload, compile + MFU,
-SDPA kernels, 16-mixed, profiling, determinism, then `pytest tests/gpu`). `--dry` runs on a CPU: the
+SDPA kernels, 16-mixed, profiling, determinism, then a subset of tests/gpu). `--dry` runs on a CPU: the
 checks that can (the environment report, the fork-server launch of 2 gloo ranks with FSDP bf16 and a
 planted NaN) and reports the CUDA ones as SKIP; the test suite runs it. The whole GPU run keeps to
 `--budget` seconds (default 450: under 8 minutes on one H100 with Python's start-up); a check that
