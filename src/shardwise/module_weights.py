@@ -21,6 +21,9 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+import shardwise.strategies  # noqa: F401 (the strategies package registers DeepSpeed's checkpoint reader)
+from shardwise.checkpoint.reader import open_checkpoint
+
 _GROUP_BYTES = 256 * 2**20  # tensors read per call: bounded memory, few calls for a sharded directory
 
 
@@ -53,10 +56,6 @@ def load_from_checkpoint(
     **kwargs: Any,
 ) -> Any:
     """Build `cls` from the checkpoint's hyperparameters (and `kwargs`) and load its weights (module docstring)."""
-    # At call time: the strategies package registers DeepSpeed's reader, and imports this module's importer.
-    import shardwise.strategies  # noqa: F401
-    from shardwise.checkpoint.reader import open_checkpoint
-
     reader = open_checkpoint(checkpoint_path)
     saved = reader.trainer_state()
     hparams = dict(saved.get("hyper_parameters") or {})

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.adapters.quantize import fourbit_layers
 from shardwise.seed import module_seed, rng_devices
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
@@ -172,8 +173,6 @@ def count_parameters(module: nn.Module) -> Tuple[int, int]:
     """(trainable, total) parameter elements, at full size whether sharded (FSDP, ZeRO-3) or not; tied
     parameters once. A 4-bit weight (QLoRA) counts its layer's out x in weights, not its packed codes
     (two a byte, in a column of the storage dtype), sharded or not."""
-    from shardwise.adapters.quantize import fourbit_layers
-
     fourbit = fourbit_layers(module)
     trainable = total = 0
     for p in module.parameters():

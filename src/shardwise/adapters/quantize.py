@@ -35,6 +35,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from shardwise.distributed import ops
+from shardwise.precision import build_precision
+
 BLOCKSIZE = 64  # weights per absmax (bitsandbytes' default for NF4)
 NESTED_BLOCKSIZE = 256  # absmax values per nested absmax (double quantisation)
 QUANT_TYPE = "nf4"
@@ -186,8 +189,6 @@ def quantize_to_4bit(
 def compute_dtype_for(precision: Any) -> torch.dtype:
     """The dtype 4-bit layers dequantise to and compute in for a Trainer precision: its compute dtype
     (32-true: float32, bf16-mixed / bf16-true: bfloat16, 16-mixed: float16). 64-true is refused."""
-    from shardwise.precision import build_precision
-
     dtype = build_precision(precision, "cuda").compute_dtype  # the name's dtypes; devices are checked elsewhere
     if dtype not in FLOAT_DTYPES:
         raise ValueError(
@@ -255,8 +256,6 @@ def broadcast_quant_state(state: Any, device: torch.device) -> Any:
     """Global rank 0's QuantState on every rank, on `device` (a collective: every rank calls it, same order)."""
     import torch.distributed as dist
 
-    from shardwise.distributed import ops
-
     bnb = require_bitsandbytes()
     if ops.world_size() == 1:
         state.to(device)
@@ -290,8 +289,6 @@ def place_4bit(tensor: torch.Tensor, full: Optional[torch.Tensor], layer: nn.Mod
     every rank its part of the packed codes, and the quantisation state is broadcast whole.
     """
     from torch.distributed.tensor import DTensor
-
-    from shardwise.distributed import ops
 
     device = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).device
     packed, state = quantize_weight(full.to(device), layer) if ops.rank() == 0 else (None, None)

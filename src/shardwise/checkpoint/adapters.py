@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.adapters.lora import count_parameters, full_numel, is_adapter_model
 from shardwise.checkpoint.errors import CheckpointMismatchError
 from shardwise.fqn import canonical_name
 
@@ -115,8 +116,6 @@ def weight_files(folder: str) -> Dict[str, List[Any]]:
 
 
 def _frozen_digest(module: nn.Module) -> str:
-    from shardwise.adapters.lora import full_numel
-
     digest = hashlib.sha256()
     for name, param in module.named_parameters():
         if not param.requires_grad:
@@ -126,8 +125,6 @@ def _frozen_digest(module: nn.Module) -> str:
 
 def record(module: Any) -> Optional[Dict[str, Any]]:
     """The manifest's `adapter` entry for a run training `module`; None when it is not an adapter model."""
-    from shardwise.adapters.lora import count_parameters, is_adapter_model
-
     if module is None or not is_adapter_model(module):
         return None
     prefix, peft_model = _peft_model(module)

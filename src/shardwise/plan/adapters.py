@@ -24,6 +24,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from shardwise.adapters import LoraOptions, apply_lora
+from shardwise.adapters.quantize import fourbit_layers, quantize_to_4bit, quantize_weight, set_quant_state
 from shardwise.plan.errors import PlanError
 
 # PEFT's own default for Llama-style models (q_proj, v_proj), used for shardwise's GPT presets,
@@ -140,15 +142,11 @@ def apply_adapters(model: nn.Module, adapters: Adapters, kind: str) -> nn.Module
     if adapters.load_in_4bit:
         import torch
 
-        from shardwise.adapters.quantize import quantize_to_4bit
-
         _plain_linears(model)
         dtype = getattr(torch, adapters.compute_dtype)
         if not quantize_to_4bit(model, dtype):
             raise PlanError(f"load_in_4bit: {type(model).__name__} has no nn.Linear layer to quantise.")
     targets = _targets(adapters, model, kind)
-    from shardwise.adapters import LoraOptions, apply_lora
-
     config = LoraOptions(r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout, target_modules=targets).to_peft()
     if kind != "hf":
         config.task_type = None  # a plain PeftModel: the causal-LM wrapper needs a transformers model
@@ -179,8 +177,6 @@ def fill_quant_states(model: nn.Module) -> int:
     """
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from shardwise.adapters.quantize import fourbit_layers, quantize_weight, set_quant_state
 
     functional = sys.modules["bitsandbytes"].functional
     with unset_fake_temporarily():
@@ -221,8 +217,6 @@ def fake_4bit_weights() -> Iterator[None]:
 
 def quant_state_bytes(model: nn.Module) -> int:
     """Bytes of the 4-bit layers' quantisation states: whole on every rank, beside the sharded codes."""
-    from shardwise.adapters.quantize import fourbit_layers
-
     total, seen = 0, set()
     for layer in fourbit_layers(model).values():
         state = getattr(layer, "quant_state", None)

@@ -12,6 +12,7 @@ from typing import Any, Optional, Tuple
 from shardwise.memory import parse_bytes
 from shardwise.plan.errors import PlanError
 from shardwise.plan.presets import ModelSpec
+from shardwise.precision import build_precision
 
 
 def validate_inputs(
@@ -27,8 +28,6 @@ def validate_inputs(
     reserved_factor: Optional[float],
 ) -> Tuple[int, int, Optional[int], Optional[int], Optional[float]]:
     """(world size, sequence length, device memory, cpu memory, reserved factor), or a PlanError."""
-    from shardwise.precision import build_precision
-
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}={value!r}: use a positive integer.")

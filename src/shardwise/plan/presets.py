@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.models import PRESETS, Block, GPTConfig
+from shardwise.models import GPT, PRESETS, Block, GPTConfig, Transformer, transformer_num_params
 from shardwise.module import TrainModule, attached_trainer
+from shardwise.plan.adapters import apply_adapters
 from shardwise.plan.errors import PlanError
 
 # The seed's demo Transformer sizes; vocabulary is WikiText-2's (Lightning's default
@@ -103,12 +104,8 @@ class ModelSpec:
         """The bare model at `depth` repeated units (call under an init context: meta device)."""
         depth = self.depth if depth is None else depth
         if self.kind == "gpt":
-            from shardwise.models import GPT
-
             return GPT(replace(self.config, n_layer=depth))
         if self.kind == "transformer":
-            from shardwise.models import Transformer
-
             return Transformer(vocab_size=self.vocab_size, **{**self.config, "nlayers": depth})
         if self.kind == "hf":
             from transformers import AutoModelForCausalLM
@@ -153,8 +150,6 @@ class ModelSpec:
                 total=self.config.num_params(), per_block=c["per_block"], outside=outside, largest_layer=largest
             )
         if self.kind == "transformer":
-            from shardwise.models import transformer_num_params
-
             sizes = {k: v for k, v in self.config.items() if k != "dropout"}  # dropout changes no count
             total = transformer_num_params(self.vocab_size, **sizes)
             zero = transformer_num_params(self.vocab_size, **{**sizes, "nlayers": 0})
@@ -235,8 +230,6 @@ class LMModule(TrainModule):
         if self.model is None:
             model = self.spec.build(self.depth)
             if self.spec.adapters is not None:
-                from shardwise.plan.adapters import apply_adapters
-
                 model = apply_adapters(model, self.spec.adapters, self.spec.kind)
             self.model = model
 

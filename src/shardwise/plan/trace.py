@@ -53,12 +53,14 @@ from shardwise import step
 from shardwise.distributed.env import single_process_env
 from shardwise.memory import MemoryTracker
 from shardwise.module import drain_logs
+from shardwise.plan.adapters import fake_4bit_weights, fill_quant_states, quant_state_bytes
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
 from shardwise.plan.kernels import target_attention
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, meta_copy, spec_batch
 from shardwise.strategies.accounting import View, accounting_for
+from shardwise.strategies.fsdp import apply_activation_checkpointing
 
 _PROPAGATING = threading.local()
 IDENTITY = View()
@@ -309,8 +311,6 @@ def trace(
         module.configure_model()
     if by_hand:
         # DeepSpeed checkpoints the same blocks with its own wrapper (same saved tensors).
-        from shardwise.strategies.fsdp import apply_activation_checkpointing
-
         apply_activation_checkpointing(module, set(spec.block_classes))
     result = Trace(depth=depth, micro_batch=micro_batch, accumulation=accumulation)
     buckets = acct.grad_buckets(world_size)
@@ -368,8 +368,6 @@ def _fill_quant_states(spec: ModelSpec, model: nn.Module, fake: Any) -> int:
     """QLoRA: fake quantisation states for the 4-bit layers (a loader's job in training); their bytes."""
     if spec.adapters is None or not spec.adapters.load_in_4bit:
         return 0
-    from shardwise.plan.adapters import fill_quant_states, quant_state_bytes
-
     with fake:
         fill_quant_states(model)
     return quant_state_bytes(model)
@@ -378,8 +376,6 @@ def _fill_quant_states(spec: ModelSpec, model: nn.Module, fake: Any) -> int:
 def _fake_4bit(quant_state: int) -> Any:
     if not quant_state:
         return contextlib.nullcontext()
-    from shardwise.plan.adapters import fake_4bit_weights
-
     return fake_4bit_weights()
 
 
