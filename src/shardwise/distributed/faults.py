@@ -36,12 +36,12 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from shardwise.distributed import progress
+from shardwise.distributed import flight, progress
 from shardwise.distributed.context import current as launch_context
 from shardwise.distributed.env import PREEMPTED_EXIT_CODE, global_rank
 
@@ -63,6 +63,7 @@ _TIMEOUT = re.compile(
 
 _INSTALLED = False
 _stack_file = None
+_crash_file = None
 # Where and when an exception was first caught, kept on the exception itself (see note_failure).
 _FAILURE_ATTR = "_shardwise_failed_at"
 _collective_timeout_s: Optional[float] = None
@@ -112,13 +113,17 @@ def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool =
     where = records.get(rank)
     hook, step = (noted["hook"], noted["step"]) if noted else (where.hook, where.step) if where else (None, None)
     stall, stacks = None, {}
+    directory = progress.run_dir()
+    # This rank's flight records, and every live peer's (its dump thread answers even inside a
+    # collective): the launcher compares them to name the collective the ranks disagree on.
+    flight.write_dump(directory, rank)
+    peers = {r: p.pid for r, p in records.items() if r != rank and _alive(p.pid)}
+    asked = flight.request_dumps(directory) if peers else 0.0
     if kind == "timeout":
-        # Name the rank this one waited for while it is still alive, and ask it
-        # (same node: its pid is in its record) for its Python stack.
+        # Name the rank this one waited for while it is still alive, and ask the live ranks
+        # (same node: their pids are in their records) for their Python stacks.
         stall = progress.describe_stall([rank], records=records, timeout_s=_collective_timeout_s, now=now)
-        suspects = sorted((p for r, p in records.items() if r != rank), key=lambda p: (p.step, p.time))
-        if suspects and _alive(suspects[0].pid):
-            stacks = dump_stacks({suspects[0].rank: suspects[0].pid}, progress.run_dir())
+        stacks = dump_stacks(peers, directory)
         if stall:  # also in torch's error file, so torchrun's "Root Cause" shows it
             tb += f"\n[shardwise] {stall}\n" + "".join(
                 f"[shardwise] rank {r}'s Python stack:\n{_trim_stack(st)}\n" for r, st in stacks.items()
@@ -139,8 +144,8 @@ def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool =
             "brief": brief,
         },
     }
+    flight.wait_for_dumps(directory, peers, asked)
     targets = []
-    directory = progress.run_dir()
     if directory and os.path.isdir(directory):
         targets.append(os.path.join(directory, f"error.{rank}.json"))
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -235,7 +240,7 @@ def die_by_signal(signum: int, _frame: object = None) -> None:
 
 def install_worker(collective_timeout_s: Optional[float] = None) -> None:
     """Record this rank's uncaught exception and allow stack dumps; idempotent, cheap."""
-    global _INSTALLED, _stack_file, _collective_timeout_s
+    global _INSTALLED, _stack_file, _crash_file, _collective_timeout_s
     if collective_timeout_s is not None:
         _collective_timeout_s = collective_timeout_s
     if _INSTALLED:
@@ -249,12 +254,19 @@ def install_worker(collective_timeout_s: Optional[float] = None) -> None:
         pass
     progress.mark("start-up", 0)
     directory = progress.run_dir()
+    flight.apply_recorder_env(directory)  # before the process group exists: torch reads it then
     if directory and os.path.isdir(directory) and hasattr(faulthandler, "register"):
         try:
             _stack_file = open(os.path.join(directory, f"stack.{global_rank()}.txt"), "w")
             faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+            # A rank aborted in native code (NCCL's watchdog, gloo's size check: SIGABRT) leaves its
+            # Python stack here; the process still dies of the signal.
+            # (torch's elastic worker enabled it for stderr: the verdict shows this file instead.)
+            _crash_file = open(os.path.join(directory, f"crash.{global_rank()}.txt"), "w")
+            faulthandler.enable(file=_crash_file, all_threads=True)
         except (OSError, ValueError, RuntimeError):
             pass
+        flight.start_dump_thread(directory, global_rank())
 
 
 def apply_collective_timeout(timeout_s: float) -> None:
@@ -351,24 +363,44 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
 def dump_stacks(pids: Dict[int, int], directory: Optional[str], wait_s: float = 1.0) -> Dict[int, str]:
-    """Ask ranks (rank -> pid) for their Python stacks (SIGUSR2 -> faulthandler); return what they wrote."""
+    """Ask ranks (rank -> pid) for their Python stacks (SIGUSR2 -> faulthandler); return what they wrote.
+
+    Waits until each stack file has grown (faulthandler writes from the signal handler, at once), at
+    most `wait_s`: a fixed wait cost every failure a second."""
     if not directory or not pids:
         return {}
+    paths = {rank: os.path.join(directory, f"stack.{rank}.txt") for rank in pids}
+    before = {rank: _size(path) for rank, path in paths.items()}
     for pid in pids.values():
         try:
             os.kill(pid, STACK_SIGNAL)
         except (ProcessLookupError, PermissionError):
             pass
-    time.sleep(wait_s)
-    stacks = {}
-    for rank in pids:
-        try:
-            with open(os.path.join(directory, f"stack.{rank}.txt")) as fh:
-                stacks[rank] = fh.read().strip()
-        except OSError:
-            pass
-    return {r: s for r, s in stacks.items() if s}
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_size(p) <= before[r] for r, p in paths.items()):
+        time.sleep(0.02)
+    time.sleep(0.02)  # the rest of a dump still being written
+    return {r: s for r, s in ((r, read_stack(directory, r)) for r in pids) if s}
+
+
+def read_stack(directory: Optional[str], rank: int, crash: bool = False) -> str:
+    """The Python stacks `rank` wrote: on request (SIGUSR2), or as it died of a fatal signal (`crash`)."""
+    if not directory:
+        return ""
+    try:
+        with open(os.path.join(directory, f"{'crash' if crash else 'stack'}.{rank}.txt")) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return ""
+    return text  # one dump per request, appended: any of them shows where the rank was stuck
 
 
 def root_cause(outcomes: List[Outcome]) -> Optional[Outcome]:
@@ -382,11 +414,7 @@ def root_cause(outcomes: List[Outcome]) -> Optional[Outcome]:
 
 
 def _trim_stack(stack: str, lines: int = 14) -> str:
-    # faulthandler lists the threads newest first, innermost frame first; keep the first one running
-    # Python (torch 2.11's CUDA build adds a thread with a Python state but no frame ahead of the main one)
-    blocks = stack.split("\n\n")
-    block = next((b for b in blocks if "<no Python frame>" not in b), blocks[0]).splitlines()
-    return "\n".join("    " + line for line in block[:lines])
+    return "\n".join("    " + line for line in _main_block(stack).splitlines()[:lines])
 
 
 def every_traceback(outcomes: List[Outcome]) -> str:
@@ -400,20 +428,91 @@ def every_traceback(outcomes: List[Outcome]) -> str:
     )
 
 
+def collective_finding(outcomes: List[Outcome], run_dir: Optional[str]) -> Optional[flight.Finding]:
+    """The first collective the ranks' flight records disagree on (flight.py), ranks that left none
+    named by how they ended."""
+    dumps = flight.read_dumps(run_dir)
+    if not dumps:
+        return None
+    absent = {}
+    for o in outcomes:
+        if o.rank not in dumps and o.kind == "signal":
+            absent[o.rank] = f"was killed by {signal_name(-o.exitcode)}"
+        elif o.rank not in dumps and o.kind in ("exit", "primary"):
+            absent[o.rank] = f"exited with code {o.exitcode}"
+    errors = {o.rank: o.record["shardwise"]["summary"] for o in outcomes if o.record}
+    sites = {}
+    for o in outcomes:
+        frames = _frames_of(o.rank, outcomes, run_dir)[1]
+        if frames:
+            sites[o.rank] = (frames[0][1], frames[0][2])
+    return flight.describe(dumps, [o.rank for o in outcomes], absent, errors, sites)
+
+
+def _main_block(stack: str) -> str:
+    # faulthandler lists the threads newest first, innermost frame first; keep the main thread's: the
+    # first running Python that a thread did not start (torch 2.11's CUDA build adds a thread with a
+    # Python state but no frame; shardwise's own dump and launcher-watch threads run Python).
+    blocks = [b.strip("\n") for b in stack.split("\n\n") if "thread 0x" in b.strip().split("\n")[0].lower()]
+    python = [b for b in blocks if "<no Python frame>" not in b] or blocks or [""]
+    return next((b for b in python if "in _bootstrap" not in (b.splitlines() or [""])[-1]), python[0])
+
+
+def _frames_of(rank: int, outcomes: List[Outcome], run_dir: Optional[str]) -> Tuple[str, List[tuple]]:
+    """(when, frames innermost first) of `rank`'s Python stack: as it died of a fatal signal, else where
+    its exception was raised, else as a peer asked while it waited; frames empty when none was recorded."""
+    found = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', _main_block(read_stack(run_dir, rank, crash=True)))
+    when = "as it died (faulthandler)"
+    record = next((o.record for o in outcomes if o.rank == rank and o.record), None)
+    if not found and record is not None:
+        tb = record["message"]["extraInfo"]["py_callstack"]
+        found = list(reversed(re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)))
+        when = "where it failed"
+    if not found:
+        asked = {
+            int(r): st for o in outcomes if o.record for r, st in (o.record["shardwise"].get("stacks") or {}).items()
+        }
+        asked.update({o.rank: o.stack for o in outcomes if o.stack})
+        block = _main_block(asked.get(rank) or read_stack(run_dir, rank))
+        found = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        when = "while the others waited"
+    return when, flight.user_frames([(name, file, int(line)) for file, line, name in found])
+
+
+def _stack_of(rank: int, outcomes: List[Outcome], run_dir: Optional[str], note: str = "") -> str:
+    """`rank`'s Python stack for the verdict, a heading (`note` after it) then its frames; '' when none."""
+    when, frames = _frames_of(rank, outcomes, run_dir)
+    return f"{when}{note}:\n{flight.format_frames(frames, lines=8)}" if frames else ""
+
+
 def diagnose(
     outcomes: List[Outcome],
     run_dir: Optional[str] = None,
     timeout_s: Optional[float] = None,
     with_traceback: bool = True,
 ) -> str:
-    """The launcher's verdict, ready for stderr: the root cause first, then its consequences."""
+    """The launcher's verdict, ready for stderr: the root cause first, then the collective the ranks
+    disagree on (flight records), then the root cause's consequences."""
     root = root_cause(outcomes)
     others = len(outcomes) - 1
     if root is None:
         return ""
+    finding = collective_finding(outcomes, run_dir)
+    named = list(finding.named) if finding else []
+    shown: set = set()  # ranks whose stack (or traceback) the verdict already shows
     if root.kind == "signal":
         sig = signal_name(-root.exitcode)
-        text = f"[shardwise] rank {root.rank} was killed by {sig} (exit code {root.exitcode}); it left no traceback."
+        if finding is not None and root.rank not in named and root.rank in finding.entries:
+            # NCCL's watchdog aborts the rank whose collective timed out: it waited, it is not the cause.
+            text = (
+                f"[shardwise] rank {root.rank} was killed by {sig} while it waited in collective "
+                f"#{finding.seq} of {flight.group_name(finding.group)} (a watchdog's abort after the "
+                "collective timed out); the rank(s) out of step are named below."
+            )
+        else:
+            text = (
+                f"[shardwise] rank {root.rank} was killed by {sig} (exit code {root.exitcode}); it left no traceback."
+            )
         if -root.exitcode == signal.SIGKILL:
             text += (
                 " SIGKILL from nobody in this job usually means the kernel's out-of-memory killer: check "
@@ -431,18 +530,18 @@ def diagnose(
     elif root.kind == "timeout":
         waiting = sorted(o.rank for o in outcomes if o.kind == "timeout")
         timeout_s = timeout_s or root.record["shardwise"].get("timeout_s")
-        stall = progress.describe_stall(waiting, records=progress.read_all(run_dir), timeout_s=timeout_s)
+        records = progress.read_all(run_dir)
+        stall = progress.describe_stall(waiting, records=records, timeout_s=timeout_s)
         summary = root.record["shardwise"]["summary"]
         text = f"[shardwise] rank {root.rank} exited with code {root.exitcode}: a collective timed out ({summary})."
-        if stall:
-            text += f"\n[shardwise] {stall}."
-        stacks = {
-            int(r): st for o in outcomes if o.record for r, st in (o.record["shardwise"].get("stacks") or {}).items()
-        }
-        stacks.update({o.rank: o.stack for o in outcomes if o.stack})
-        for rank in [r for r in sorted(stacks) if r not in waiting][:2]:
-            text += f"\n[shardwise] rank {rank}'s Python stack while the others waited:\n{_trim_stack(stacks[rank])}"
-        if not stall:
+        suspects = sorted((p for r, p in records.items() if r not in waiting), key=lambda p: (p.step, p.time))
+        if stall and (finding is None or (suspects and suspects[0].rank in named)):
+            text += f"\n[shardwise] {stall}."  # progress agrees with the flight records (or is all there is)
+        if finding is None:
+            for rank in [r for r in sorted(o.rank for o in outcomes) if r not in waiting][:2]:
+                stack = _stack_of(rank, outcomes, run_dir)
+                text += f"\n[shardwise] rank {rank}'s Python stack {stack}" if stack else ""
+        if not stall and finding is None:
             text += (
                 "\n[shardwise] No progress records to name the rank it waited for: a rank that stopped "
                 "responding (or called a collective the others did not) is the usual cause."
@@ -460,6 +559,19 @@ def diagnose(
         if with_traceback and not rec.get("brief"):
             tb = root.record["message"]["extraInfo"]["py_callstack"].rstrip()
             text += f"\n[shardwise] rank {root.rank}'s traceback (the first failure):\n{tb}"
+            shown.add(root.rank)
+    if finding is not None:
+        hooks = {r: f"in {p.hook} after step {p.step}" for r, p in progress.read_all(run_dir).items() if p.hook}
+        stacks = {}
+        for r in named:
+            later = finding.last.get(r, finding.seq)
+            # Its stack is from later on when it went past the collective (the dump keeps no stacks).
+            note = f", at collective #{later} (it went on past #{finding.seq})" if later > finding.seq else ""
+            stacks[r] = "is in its traceback above." if r in shown else _stack_of(r, outcomes, run_dir, note)
+        text += "\n" + flight.report(finding, hooks, {r: st for r, st in stacks.items() if st})
+    if root.kind == "signal" and root.rank not in named:
+        stack = _stack_of(root.rank, outcomes, run_dir)
+        text += f"\n[shardwise] rank {root.rank}'s Python stack {stack}" if stack else ""
     consequences = [
         o for o in outcomes if o is not root and o.kind in ("secondary", "timeout", "primary", "signal", "exit")
     ]

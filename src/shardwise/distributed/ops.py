@@ -2,17 +2,19 @@
 
 Single-process runs and multi-rank runs share the Trainer's code, so every
 collective here degrades to the identity without a process group. They also
-fail loudly instead of hanging: `barrier` uses gloo's monitored barrier,
-which names the ranks that never arrived.
+fail loudly instead of hanging: `barrier` with a timeout uses gloo's
+monitored barrier, or a barrier on the rendezvous store for other backends,
+and names the ranks that never arrived.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -102,7 +104,11 @@ def reduce(value: Any, op: str = "mean", device: Optional[torch.device] = None) 
 
 
 def barrier(name: str = "", timeout_s: Optional[float] = None) -> None:
-    """Wait for every rank; on gloo with a timeout, name the ranks that never came."""
+    """Wait for every rank; with a timeout, name the ranks that never came.
+
+    gloo: its monitored barrier. Other backends (NCCL): a barrier on the rendezvous store
+    (`store_barrier`), since `dist.barrier()` there waits for the process group's own timeout
+    (10-30 minutes) however short `timeout_s` is."""
     if not is_initialized():
         return
     if timeout_s is not None and dist.get_backend() == "gloo":
@@ -114,7 +120,34 @@ def barrier(name: str = "", timeout_s: Optional[float] = None) -> None:
                 f"(a collective called from only some ranks?). Backend said: {exc}"
             ) from exc
         return
+    if timeout_s is not None:
+        store_barrier(name, timeout_s)
+        return
     dist.barrier()
+
+
+_store_barriers: Dict[str, int] = {}
+
+
+def store_barrier(name: str, timeout_s: float) -> None:
+    """Wait for every rank of the world on the default group's store, at most `timeout_s`; a rank
+    that never came is named. Each rank counts its calls of `name`, so the n-th call of every rank
+    meets the n-th of the others (every rank calls the same barriers in the same order)."""
+    store = distributed_c10d._get_default_store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    count = _store_barriers[name] = _store_barriers.get(name, 0) + 1
+    key = f"shardwise/barrier/{name}/{count}"
+    store.set(f"{key}/rank{me}", "1")
+    if store.add(f"{key}/arrived", 1) == world:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
+        raise RuntimeError(
+            f"barrier {name!r} timed out after {timeout_s:.0f}s: rank(s) {', '.join(map(str, missing))} "
+            f"did not reach it (a collective called from only some ranks, or a rank still busy?). Store said: {exc}"
+        ) from exc
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

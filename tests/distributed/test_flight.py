@@ -1,0 +1,192 @@
+"""Naming the rank out of step (issue 36): ten planted desyncs on gloo, each named by the launcher's verdict.
+
+Each case is one `shardwise.launch` of three ranks (flight_cases.py) that agree
+on collective #1 and then, at #2, one rank skips it, passes another shape or
+dtype, calls another collective, sleeps, dies, raises, broadcasts from another
+source or calls a barrier alone; the tenth is a Trainer callback that
+all-reduces on rank 0 only. The verdict must name the collective, the rank
+out of step and its Python stack (or, for a rank that left none, where its
+progress record last saw it), within the collective timeout + 30 s of the
+desync. The cases run one after another in one fixture (about 25 s: most of
+it is the 2 s timeouts and the Trainer's start-up); the tests then check one
+case each. The NCCL side (torch's pickled dumps) is read from a real dump.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import time
+
+import flight_cases
+import pytest
+
+import shardwise
+from shardwise.distributed import flight
+from shardwise.distributed.launch import WorkerFailedError
+
+CASES = [
+    "skipped",
+    "wrong-shape",
+    "other-op",
+    "sleeping",
+    "dead",
+    "raising",
+    "broadcast-src",
+    "barrier-rank0",
+    "wrong-dtype",
+    "callback",
+]
+SOURCE = open(flight_cases.__file__).read().splitlines()
+
+
+def _line(text: str) -> str:
+    """`flight_cases.py", line N` for the line holding `text`, as a stack in the verdict shows it."""
+    number = next(i for i, line in enumerate(SOURCE, 1) if text in line)
+    return f'flight_cases.py", line {number} in '
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    out = {}
+    for case in CASES:
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError) as err:
+            if case == "callback":
+                shardwise.launch(flight_cases.callback_on_rank0, devices=3)
+            else:
+                shardwise.launch(flight_cases.planted, case, devices=3)
+        out[case] = (str(err.value), time.monotonic() - start)
+        print(f"{case}: {out[case][1]:.1f} s")
+    return out
+
+
+# case -> (what the collective line says, the rank's stack or hook line)
+EXPECTED = {
+    "skipped": (
+        "collective #2 of the default group: rank 2 called all_reduce [3] float where ranks 0, 1 called "
+        "all_reduce [4] float",
+        # It went on to the launcher's closing barrier (the one after fn returns) and waited there.
+        "rank 2's Python stack (in training_step after step 1) where it failed, at collective #3 (it went on "
+        'past #2):\n    File "' + os.path.join(os.path.dirname(shardwise.__file__), "distributed", "launch.py"),
+    ),
+    "wrong-shape": (
+        "collective #2 of the default group: rank 1 called all_reduce [2] float where ranks 0, 2 called "
+        "all_reduce [4] float",
+        # Its [2] all_reduce went through (gloo moved the bytes it had); it failed in the next one.
+        "rank 1's Python stack (in training_step after step 1) where it failed, at collective #3 (it went on "
+        "past #2):\n    " + f'File "{os.path.dirname(flight_cases.__file__)}/{_line("torch.ones(3))")}planted',
+    ),
+    "other-op": (
+        "collective #2 of the default group: rank 1 called all_gather [4] float where ranks 0, 2 called "
+        "all_reduce [4] float",
+        _line("dist.all_gather(") + "_collective_two",
+    ),
+    "sleeping": (
+        "collective #2 of the default group (all_reduce [4] float): rank 1 never joined it (its last: #1 "
+        "all_reduce [4] float); ranks 0, 2 waited in it",
+        _line("time.sleep(600)") + "_collective_two",
+    ),
+    "dead": (
+        "collective #2 of the default group (all_reduce [4] float): rank 1 exited with code 3 without "
+        "joining it; ranks 0, 2 waited in it",
+        "rank 1 was last seen (in training_step after step 1)",
+    ),
+    "raising": (
+        "collective #2 of the default group (all_reduce [4] float): rank 1 never joined it",
+        'raise ValueError("planted: rank 1 raises',
+    ),
+    "broadcast-src": (
+        "collective #2 of the default group (broadcast [4] float): ranks 0, 1 never finished it while rank 2 did",
+        _line("dist.broadcast(") + "_collective_two",
+    ),
+    "barrier-rank0": (
+        "collective #2 of the default group: rank 0 called barrier where ranks 1, 2 called all_reduce [4] float",
+        _line("dist.barrier()") + "_collective_two",
+    ),
+    "wrong-dtype": (
+        "rank 1 called all_reduce [4] double where",
+        _line("torch.float64") + "_collective_two",
+    ),
+    "callback": (
+        "rank 0 called all_reduce [scalar] float where ranks 1, 2 called all_gather",
+        _line("trainer.strategy.reduce(") + "on_train_batch_end",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_planted_desync_is_named_with_collective_rank_and_stack(verdicts, case):
+    message, elapsed = verdicts[case]
+    collective, stack = EXPECTED[case]
+    assert collective in message, message[-4000:]
+    assert stack in message, message[-4000:]
+    # Named within the collective timeout + 30 s of the launch (start-up included; the Trainer's too).
+    assert elapsed < flight_cases.TIMEOUT_S + 30, (elapsed, message[-2000:])
+
+
+def _dump_and_store_barrier() -> tuple:
+    """Each rank's own flight-recorder pickle (the format NCCL's watchdog writes), and rank 0's
+    store barrier, which rank 1 never reaches."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    from shardwise.distributed import ops
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.all_reduce(torch.ones(4))
+    dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.ones(2))
+    message, start = "", time.monotonic()
+    if dist.get_rank() == 0:
+        try:
+            ops.store_barrier("exit", timeout_s=1.0)
+        except RuntimeError as exc:
+            message = str(exc)
+    waited = time.monotonic() - start
+    dump = _dump_fr_trace(True, True, False)  # with stacks: this test pays their first-use import once
+    dist.barrier()
+    return dump, message, waited
+
+
+def test_nccl_dumps_are_read_as_plain_data_and_store_barrier_names_the_missing_rank(tmp_path):
+    results = shardwise.launch(_dump_and_store_barrier, devices=2)
+    # The store barrier: bounded by its timeout, the rank that never came named.
+    message, waited = results[0][1], results[0][2]
+    assert "barrier 'exit' timed out after 1s: rank(s) 1 did not reach it" in message, message
+    assert waited < 10
+    # torch's dumps under the names NCCL's dump-on-timeout gives them; rank 1's lost its last record.
+    dumps = [flight.loads_plain(raw) for raw, _, _ in results]
+    dumps[1]["entries"] = dumps[1]["entries"][:-1]
+    for rank, dump in enumerate(dumps):
+        (tmp_path / f"{flight.NCCL_DUMP_PREFIX}{rank}").write_bytes(pickle.dumps(dump))
+    read = flight.read_dumps(str(tmp_path))
+    assert [e.op for e in read[0]] == ["all_reduce", "all_gather"] and len(read[1]) == 1
+    finding = flight.describe(read, [0, 1])
+    assert finding.named == [1] and "rank 1 never joined it (its last: #1 all_reduce [4] float)" in finding.text
+    # NCCL's dumps keep each collective's Python stack: the report shows where rank 0 called it.
+    assert finding.entries[0].call_site() and "_dump_and_store_barrier" in finding.entries[0].call_site()
+
+    # A dump naming any global is refused, and nothing in it runs.
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    (tmp_path / f"{flight.NCCL_DUMP_PREFIX}1").write_bytes(pickle.dumps({"entries": [Planted()], "version": "2"}))
+    assert 1 not in flight.read_dumps(str(tmp_path))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_recorder_env_leaves_the_users_settings():
+    env = {}
+    flight.apply_recorder_env("/run/x", env)
+    assert env[flight.BUFFER_ENV] == str(flight.DEFAULT_ENTRIES) and env[flight.DUMP_ON_TIMEOUT_ENV] == "1"
+    assert env[flight.DUMP_FILE_ENV] == os.path.join("/run/x", flight.NCCL_DUMP_PREFIX)
+    mine = {flight.NCCL_BUFFER_ENV: "0", flight.DUMP_FILE_ENV: "/mine/trace_"}
+    flight.apply_recorder_env("/run/x", mine)
+    assert flight.BUFFER_ENV not in mine and mine[flight.DUMP_FILE_ENV] == "/mine/trace_"
+    assert re.fullmatch(r"/run/x/\S+", mine[flight.FR_DUMP_FILE_ENV])
