@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise import Trainer, flops
+from shardwise.callbacks.profiling import ProfileSteps
 from shardwise.distributed import env as env_module
 from shardwise.distributed.env import detect_env, device_for, resolve_devices
 from shardwise.distributed.launch import host_result
@@ -83,7 +84,8 @@ def test_a_gpu_missing_from_the_table_is_named_once(monkeypatch):
 def _srun_task(monkeypatch, local_rank, visible, tasks=8):
     """This process as task `local_rank` of `srun --ntasks-per-node=tasks`, seeing `visible` GPUs."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so what apply_rank_env sets is undone after the test
+        monkeypatch.delenv(name)
     for name, value in {
         "SLURM_NTASKS": str(tasks),
         "SLURM_PROCID": str(local_rank),
@@ -219,3 +221,18 @@ def test_the_recipe_pins_its_batches_for_cuda(pin):
     data.prepared = PreparedData(train=examples, eval=examples, collate=None, summary={}, folder="")
     # Pinned batches make move_to_device's copies to the GPU asynchronous (no host wait per micro-batch).
     assert data.train_dataloader().pin_memory is pin and data.val_dataloader().pin_memory is pin
+
+
+# ------------------------------------------------------------------ memory snapshots
+@pytest.mark.filterwarnings("ignore:CUDA is not available, disabling CUDA profiling")
+def test_memory_snapshots_record_python_stacks_unless_cpp_ones_are_asked_for(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append(kw))
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    for asked, expected in ((None, "python"), ("all", "all")):
+        profile = ProfileSteps(1, 2) if asked is None else ProfileSteps(1, 2, memory_stacks=asked)
+        profile._begin(trainer)  # the profiler starts (CPU activity here) and the allocator's history
+        profile._discard()
+        assert calls[-2]["stacks"] == expected and calls[-1] == {"enabled": None}
+    with pytest.raises(ValueError, match="memory_stacks='cpp'.*'python'.*'all'"):
+        ProfileSteps(1, 2, memory_stacks="cpp")

@@ -5,7 +5,8 @@
 # per rank, with operator shapes and memory, into <default_root_dir>/profiles/; on CUDA it also records
 # the caching allocator's history over those steps and dumps a memory snapshot per rank (open it at
 # https://pytorch.org/memory_viz). Global rank 0 says where they are, once. A run that ends before
-# `end` writes what it recorded.
+# `end` writes what it recorded. The snapshot's allocations carry Python stacks; C++ frames too only
+# on request (ProfileSteps(memory_stacks="all")): symbolising them can take minutes at the dump.
 #
 # OutOfMemoryReport (always on): when a step fails with torch.OutOfMemoryError, the rank that hit it
 # prints, once, what it held (parameters, gradients and optimizer state on this rank, the allocator's
@@ -44,11 +45,24 @@ def check_profile_steps(value: Any) -> Optional[tuple]:
     return int(value[0]), int(value[1])
 
 
-class ProfileSteps:
-    """Profile optimizer steps `start`..`end` (both included) into `dirpath` (default <root>/profiles)."""
+MEMORY_STACKS = ("python", "all")
 
-    def __init__(self, start: int, end: int, dirpath: Optional[str] = None) -> None:
+
+class ProfileSteps:
+    """Profile optimizer steps `start`..`end` (both included) into `dirpath` (default <root>/profiles).
+
+    memory_stacks: what each allocation of the CUDA memory snapshot records, "python" (the default)
+    or "all" (C++ frames as well: slower to record, and minutes to dump on a large run).
+    """
+
+    def __init__(self, start: int, end: int, dirpath: Optional[str] = None, memory_stacks: str = "python") -> None:
         self.start, self.end = check_profile_steps((start, end))
+        if memory_stacks not in MEMORY_STACKS:
+            raise ValueError(
+                f"ProfileSteps(memory_stacks={memory_stacks!r}): use 'python' (Python stacks, the default) or "
+                "'all' (C++ frames too, slow to dump)."
+            )
+        self.memory_stacks = memory_stacks
         self.dirpath = dirpath
         self.files: Dict[str, str] = {}  # "trace" / "memory" -> this rank's file, once written
         self._profiler: Any = None
@@ -94,7 +108,7 @@ class ProfileSteps:
         self._profiler = profile(activities=activities, record_shapes=True, profile_memory=True)
         self._profiler.start()
         if self._cuda:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks=self.memory_stacks)
 
     def _end_span(self) -> None:
         span, self._span = self._span, None
