@@ -97,12 +97,12 @@ class EpochStats:
 def build_strategy(name: str, cpu_offload: bool):
     """A strategy-table name; --cpu_offload puts DeepSpeed's optimizer state (stage 3: parameters too) on the host."""
     from shardwise.strategies import build_strategy as from_name
-    from shardwise.strategies.names import resolve
+    from shardwise.strategies.parallel import ParallelPlan
 
-    named = resolve(name)
-    if named.kind != "deepspeed" or not cpu_offload:
+    plan = ParallelPlan.from_name(name, allow_ac=False)
+    if plan.engine != "deepspeed" or not cpu_offload:
         return from_name(name)
-    return from_name(name, offload_optimizer=True, offload_parameters=named.options.get("stage") == 3)
+    return from_name(name, offload_optimizer=True, offload_parameters=plan.zero_stage == 3)
 
 
 def token_data(n: int, block_size: int, vocab_size: int) -> TensorDataset:

@@ -142,7 +142,8 @@ def _roles(case: CountCase, strategy: Any) -> Dict[str, str]:
     if case.engine == "ddp":
         return {dist.group.WORLD.group_name: "replicate"}
     mesh = strategy.mesh
-    return {mesh.get_group(d).group_name: name for d, name in enumerate(mesh.mesh_dim_names)}
+    # The mesh's dimensions are dp_replicate / dp_shard; the table's roles are replicate / shard.
+    return {mesh.get_group(d).group_name: name.removeprefix("dp_") for d, name in enumerate(mesh.mesh_dim_names)}
 
 
 def count_case(case: CountCase) -> Dict[str, Any]:

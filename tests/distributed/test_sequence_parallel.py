@@ -290,7 +290,22 @@ def _fit(packed: bool, world: int, sp: int = 1, tp: int = 1, ac: bool = False):
     # The same global batch: ranks of an sp / tp group read the same rows, so each loader holds GLOBAL_BATCH / dp.
     loader = torch.utils.data.DataLoader(_packed_data(), batch_size=GLOBAL_BATCH * sp * tp // world)
     trainer.fit(PackedLlama() if packed else MeanLlama(), loader)
+    if world > 1:
+        _check_layout_against_device_mesh(trainer.strategy)
     return recorder.losses
+
+
+def _check_layout_against_device_mesh(strategy) -> None:
+    """The pure rank answers (strategies/mesh.ParallelMesh) are the groups the real gloo DeviceMesh made."""
+    import torch.distributed as dist
+
+    layout, rank, world = strategy.layout, dist.get_rank(), strategy.world_mesh
+    fsdp_ranks = dist.get_process_group_ranks(strategy.mesh.get_group())
+    assert fsdp_ranks == layout.fsdp_group(rank), (rank, fsdp_ranks, layout)
+    assert world.mesh.flatten().tolist() == list(range(layout.world_size))
+    assert world["sp", "tp"].mesh.flatten().tolist() == layout.batch_group(rank), (rank, layout)
+    dp_rank = world.get_local_rank("dp_replicate") * layout.dims.dp_shard + world.get_local_rank("dp_shard")
+    assert strategy.data_parallel_rank == dp_rank == layout.data_parallel_rank(rank)
 
 
 def _fit_many(configs):

@@ -221,10 +221,10 @@ def test_every_strategy_name_of_the_table_is_accepted(assets):
     from shardwise.recipes.finetune import _build_strategy
     from shardwise.strategies import CLASSES, FSDPStrategy
     from shardwise.strategies.deepspeed import DeepSpeedStrategy
-    from shardwise.strategies.names import STRATEGIES
+    from shardwise.strategies.parallel import PLANS
 
     folder = validate_config(_cfg(assets))["folder"]
-    for name, (kind, options) in STRATEGIES.items():
+    for name, (kind, options) in ((n, (p.engine, p.strategy_options())) for n, p in PLANS.items()):
         if options.get("offload_optimizer"):  # the constructor would need DeepSpeed's CPU Adam op built
             continue
         strategy = _build_strategy(_cfg(assets, strategy=name), folder)

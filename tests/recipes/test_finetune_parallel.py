@@ -63,18 +63,23 @@ def _cfg(assets, **changes):
     return FinetuneConfig(**base)
 
 
-def test_tp_and_sp_build_one_fsdp_strategy(assets):
+def test_tp_and_sp_build_one_fsdp_strategy(assets, tmp_path):
     from shardwise.recipes.parallel import build_recipe_strategy
     from shardwise.strategies import FSDPStrategy
 
     folder = validate_config(_cfg(assets, sp_size=2))["folder"]
-    for changes, dims in (
-        (dict(sp_size=2), (1, 2)),
-        (dict(tp_size=2), (2, 1)),
-        (dict(sp_size=2, devices=4), (1, 2)),
-        (dict(tp_size=2, sp_size=2, devices=4), (2, 2)),
+    # tp 2 x sp 2 splits the key/value heads over 4 ranks: this model's 2 cannot be, one with 4 can.
+    with pytest.raises(ValueError, match=r"sp_size=2 does not divide the model's 2 key/value heads \(per tp_size=2"):
+        build_recipe_strategy(_cfg(assets, tp_size=2, sp_size=2, devices=4), folder)
+    four_kv = _edited_model(assets, tmp_path / "kv4", num_key_value_heads=4)
+    four_kv_folder = validate_config(_cfg(assets, model_path=four_kv))["folder"]
+    for changes, dims, model in (
+        (dict(sp_size=2), (1, 2), folder),
+        (dict(tp_size=2), (2, 1), folder),
+        (dict(sp_size=2, devices=4), (1, 2), folder),
+        (dict(tp_size=2, sp_size=2, devices=4, model_path=four_kv), (2, 2), four_kv_folder),
     ):
-        strategy = build_recipe_strategy(_cfg(assets, **changes), folder)
+        strategy = build_recipe_strategy(_cfg(assets, **changes), model)
         assert isinstance(strategy, FSDPStrategy)
         assert (strategy.tp_size, strategy.sp_size) == dims
         assert (strategy.parallel_plan.tp, strategy.parallel_plan.sp) == dims

@@ -136,6 +136,7 @@ def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch
     # cannot reduce-scatter them for the CUDA mesh FSDP2 shards over).
     from shardwise import FSDPStrategy
     from shardwise.strategies import fsdp
+    from shardwise.strategies.mesh import Meshes
 
     fake_gpus(monkeypatch, 1)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"):
@@ -144,7 +145,7 @@ def test_single_process_fsdp_on_a_gpu_gets_an_nccl_group_bound_to_it(monkeypatch
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(dist, "get_world_size", lambda *args: 1)
-    monkeypatch.setattr(fsdp, "build_device_mesh", lambda *args: None)
+    monkeypatch.setattr(fsdp.ParallelMesh, "build", lambda self, device_type: Meshes(fsdp=None))
     strategy = FSDPStrategy(timeout_s=42.0)
     strategy.connect("cuda")
     strategy.setup_environment()

@@ -6,8 +6,7 @@ from torch import nn
 from shardwise import DDPStrategy, FSDPStrategy, Trainer
 from shardwise.strategies import build_strategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
-from shardwise.strategies.names import PLANS, STRATEGIES
-from shardwise.strategies.parallel import MeshDims, ParallelPlan
+from shardwise.strategies.parallel import PLANS, MeshDims, ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
 
 
@@ -38,13 +37,17 @@ def test_a_named_strategy_describes_itself_as_the_plan_it_was_built_from(name, a
     assert again.parallel_plan == described
 
 
-def test_the_table_the_recipe_reads_is_derived_from_the_plans():
-    assert STRATEGIES["fsdp_cpu_offload"] == ("fsdp", {"cpu_offload": True})
-    assert STRATEGIES["deepspeed_stage_3_offload"] == (
+def test_each_name_means_the_constructor_options_it_always_meant():
+    options = lambda name: (PLANS[name].engine, PLANS[name].strategy_options())  # noqa: E731
+    assert options("fsdp_cpu_offload") == ("fsdp", {"cpu_offload": True})
+    assert options("deepspeed_stage_3_offload") == (
         "deepspeed",
         {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
     )
-    assert STRATEGIES["fsdp_no_shard"] == ("fsdp", {"sharding_strategy": "NO_SHARD"})
+    assert options("fsdp_no_shard") == ("fsdp", {"sharding_strategy": "NO_SHARD"})
+    assert ParallelPlan.from_name("ZeRO3-offload") == PLANS["deepspeed_stage_3_offload"]  # aliases, case, dashes
+    with pytest.raises(ValueError, match="Unknown strategy 'fsdp3'. Valid names: single, ddp"):
+        ParallelPlan.from_name("fsdp3")
 
 
 def test_labels_are_what_the_planner_prints():
@@ -85,7 +88,7 @@ def test_tensor_and_sequence_degrees_run_with_fsdp_and_are_refused_elsewhere_by_
         ParallelPlan("fsdp", tp=2, offload_params=True, offload_optimizer=True)
     with pytest.raises(ValueError, match="torch.compile with sequence parallel"):
         ParallelPlan("fsdp", sp=2, compile=True)
-    with pytest.raises(ValueError, match="tp x sp = 4 does not divide the world size 6"):
+    with pytest.raises(ValueError, match="tp x sp = 4 does not divide the 6 processes"):
         plan.mesh(6)
     with pytest.raises(ValueError, match="tp_size"):
         FSDPStrategy(tp_size=0)
@@ -93,15 +96,17 @@ def test_tensor_and_sequence_degrees_run_with_fsdp_and_are_refused_elsewhere_by_
 
 def test_sp_and_tp_meshes_put_tp_neighbours_together_and_fsdp_over_data_parallel_and_sp():
     from shardwise.plan.trace import fake_world
-    from shardwise.strategies.mesh import build_parallel_meshes
+    from shardwise.strategies.mesh import ParallelMesh
 
     with fake_world(8):
-        world, fsdp, sp, tp = build_parallel_meshes(ParallelPlan("fsdp", sp=2, tp=2), 8, 1, "cpu")
-        assert world.mesh_dim_names == ("dp_replicate", "dp_shard", "sp", "tp")
-        assert world.mesh.reshape(-1).tolist() == list(range(8))  # row-major: tp varies fastest
-        assert tuple(fsdp.shape) == (4,) and tuple(sp.shape) == (2,) and tuple(tp.shape) == (2,)
-        _, fsdp, sp, tp = build_parallel_meshes(ParallelPlan("fsdp", sharding="HYBRID_SHARD", sp=2), 8, 2, "cpu")
-        assert tuple(fsdp.shape) == (2, 4) and fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_sp") and tp is None
+        meshes = ParallelMesh.from_plan(ParallelPlan("fsdp", sp=2, tp=2), 8, 1).build("cpu")
+        assert meshes.world.mesh_dim_names == ("dp_replicate", "dp_shard", "sp", "tp")
+        assert meshes.world.mesh.reshape(-1).tolist() == list(range(8))  # row-major: tp varies fastest
+        assert tuple(meshes.fsdp.shape) == (4,) and tuple(meshes.sp.shape) == (2,) and tuple(meshes.tp.shape) == (2,)
+        meshes = ParallelMesh.from_plan(ParallelPlan("fsdp", sharding="HYBRID_SHARD", sp=2), 8, 2).build("cpu")
+        fsdp = meshes.fsdp
+        assert tuple(fsdp.shape) == (2, 4) and fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_sp")
+        assert meshes.tp is None
     strategy = FSDPStrategy(sp_size=2, tp_size=2)
     strategy.env = type("Env", (), {"world_size": 8, "global_rank": 5})()
     assert (strategy.data_parallel_size, strategy.data_parallel_rank) == (2, 1)  # ranks 4-7 read share 1
@@ -150,17 +155,21 @@ def test_the_planner_takes_a_plan_as_a_candidate_and_reports_its_name():
 
 def test_fsdp_builds_its_device_mesh_from_the_plan_degrees():
     from shardwise.plan.trace import fake_world
-    from shardwise.strategies.fsdp import build_device_mesh
+    from shardwise.strategies.mesh import ParallelMesh
+
+    def shape(sharding, world, nodes, device_mesh=None):
+        fsdp = FSDPStrategy(sharding_strategy=sharding, device_mesh=device_mesh)
+        mesh = ParallelMesh.from_plan(fsdp.plan, world, nodes).build("cpu").fsdp
+        return tuple(mesh.shape), mesh.mesh_dim_names
 
     with fake_world(8):
-        shape = lambda *a: (tuple(build_device_mesh(*a).shape), build_device_mesh(*a).mesh_dim_names)  # noqa: E731
-        assert shape("FULL_SHARD", 8, 1, "cpu") == ((8,), ("shard",))
-        assert shape("SHARD_GRAD_OP", 8, 2, "cpu") == ((8,), ("shard",))
-        assert shape("NO_SHARD", 8, 1, "cpu") == ((8, 1), ("replicate", "shard"))
-        assert shape("HYBRID_SHARD", 8, 2, "cpu") == ((2, 4), ("replicate", "shard"))
-        assert shape("HYBRID_SHARD", 8, 1, "cpu") == ((1, 8), ("replicate", "shard"))
-        assert shape("FULL_SHARD", 8, 1, "cpu", (2, 4)) == ((2, 4), ("replicate", "shard"))
+        assert shape("FULL_SHARD", 8, 1) == ((8,), ("dp_shard",))
+        assert shape("SHARD_GRAD_OP", 8, 2) == ((8,), ("dp_shard",))
+        assert shape("NO_SHARD", 8, 1) == ((8, 1), ("dp_replicate", "dp_shard"))
+        assert shape("HYBRID_SHARD", 8, 2) == ((2, 4), ("dp_replicate", "dp_shard"))
+        assert shape("HYBRID_SHARD", 8, 1) == ((1, 8), ("dp_replicate", "dp_shard"))
+        assert shape("FULL_SHARD", 8, 1, (2, 4)) == ((2, 4), ("dp_replicate", "dp_shard"))
         with pytest.raises(ValueError, match=r"device_mesh=\(3, 2\) has 6 ranks but the world size is 8"):
-            build_device_mesh("FULL_SHARD", 8, 1, "cpu", (3, 2))
+            shape("FULL_SHARD", 8, 1, (3, 2))
         with pytest.raises(ValueError, match="world size 8 is not a multiple of num_nodes=3"):
-            build_device_mesh("HYBRID_SHARD", 8, 3, "cpu")
+            shape("HYBRID_SHARD", 8, 3)

@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
 from shardwise.plan.presets import ModelSpec, divisors
+from shardwise.strategies import degrees
 from shardwise.strategies.parallel import ParallelPlan
 
 # Models whose attention the engines can split (strategies/sequence_parallel.py, tensor_parallel.py).
@@ -53,42 +54,26 @@ def group_batch(plan: ParallelPlan, batch_size: int) -> int:
 
 
 def degree_problem(spec: ModelSpec, seq_len: int, tp: int, sp: int, per_node: int) -> Optional[str]:
-    """Why tp x sp cannot run `spec` at `seq_len` on nodes of `per_node` devices; None when it can."""
-    g = tp * sp
-    said = " x ".join(f"{k} {v}" for k, v in (("tp", tp), ("sp", sp)) if v > 1) or "tp 1 x sp 1"
-    if g == 1:
+    """Why tp x sp cannot run `spec` at `seq_len` on nodes of `per_node` devices; None when it can.
+
+    The rules are strategies/degrees.py's (the plan, the strategy and the recipe refuse with the same texts);
+    whether the model has the attention hook sp and tp need is the planner's own question."""
+    if tp * sp == 1:
         return None
+    names = degrees.FIELDS
     if spec.kind not in PARALLEL_KINDS:
         return (
-            f"{said}: sequence and tensor parallel need a model with their attention hook (the bundled GPT / "
-            f"Llama presets, a GPTConfig, a Hugging Face causal LM); {spec.name} is a {spec.kind} model. Plan it "
-            "without --sp_size/--tp_size."
-        )
-    if per_node % g:
-        return (
-            f"{said}: the group of {g} devices must fit inside a node of {per_node} (its collectives run on every "
-            f"layer, on the intra-node link); use degrees whose product divides {per_node}."
-        )
-    heads, kv = spec.heads, spec.kv_heads
-    if heads % g or kv % g:
-        fits = [d for d in divisors(per_node) if heads % d == 0 and kv % d == 0 and d > 1]
-        return (
-            f"{said}: {g} ranks must split {spec.name}'s {heads} attention heads and {kv} key/value heads "
-            f"evenly (each attends with whole heads); tp x sp can be {', '.join(map(str, fits)) or '1 only'}."
+            f"{degrees.said(tp, sp, names)}: sequence and tensor parallel need a model with their attention hook (the "
+            f"bundled GPT / Llama presets, a GPTConfig, a Hugging Face causal LM); {spec.name} is a {spec.kind} "
+            "model. Plan it without --sp_size/--tp_size."
         )
     tied = spec.config.tie_embeddings if spec.kind == "gpt" else getattr(spec.config, "tie_word_embeddings", False)
-    if tp > 1 and tied:
-        return (
-            f"{said}: {spec.name} ties its output head to the token embedding, and tensor parallel splits them "
-            "differently (vocabulary rows, output columns); build it with untied embeddings "
-            "(tie_embeddings=False), or use sequence parallel."
-        )
-    if seq_len % g:
-        return (
-            f"{said}: the sequence length {seq_len} must be a multiple of tp x sp = {g} (every rank holds an "
-            f"equal slice of it); use a seq_len divisible by {g}."
-        )
-    return None
+    return (
+        degrees.node_problem(tp, sp, per_node, names)
+        or degrees.heads_problem(spec.heads, spec.kv_heads, tp, sp, spec.name, names=names)
+        or degrees.tied_problem(tp, bool(tied), spec.name, names)
+        or degrees.sequence_problem(seq_len, tp, sp, names=names)
+    )
 
 
 def searched_degrees(spec: ModelSpec, seq_len: int, per_node: int) -> Tuple[List[Tuple[int, int]], List[str]]:
@@ -123,9 +108,10 @@ def with_parallel_degrees(
     already carry degrees (a user's strategy object, a ParallelPlan) are checked, not changed.
     """
     per_node = max(1, world // max(1, num_nodes))
-    for size, flag in ((tp_size, "tp_size"), (sp_size, "sp_size")):
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-            raise PlanError(f"{flag}={size!r}: use a positive integer (1 turns it off).")
+    for size, flag in zip((tp_size, sp_size), degrees.FLAGS):
+        problem = None if size is None else degrees.value_problem(flag, size)
+        if problem:
+            raise PlanError(problem)
     notes: List[str] = []
     for c in cands:  # degrees the user's own plans or strategy objects carry
         if group_size(c.plan) > 1 and tp_size is None and sp_size is None:

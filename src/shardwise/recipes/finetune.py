@@ -322,7 +322,7 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     check_4bit_config(cfg, strategy)  # load_in_4bit: LoRA, bitsandbytes, precision, no ZeRO-3 / offload
     check_lora_config(cfg, lambda: build_meta_model(folder, cfg.attn_implementation))  # LoRA options vs the model
     check_merge(cfg)
-    return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field}
+    return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field, "strategy": strategy}
 
 
 # ------------------------------------------------------------------ running
@@ -366,7 +366,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=build_recipe_strategy(cfg, folder),
+        strategy=checked["strategy"],  # the run's one plan, built and checked by validate_config
         precision=cfg.precision,
         max_steps=cfg.max_steps,
         max_epochs=None if cfg.max_steps > 0 else cfg.num_train_epochs,
@@ -393,13 +393,13 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         evaluate=bool(cfg.eval_steps),
         pin_memory=trainer.accelerator == "cuda",
     )
-    # Samples are split over the data-parallel ranks only: the ranks of a tp or sp group read the same ones.
-    data_parallel = trainer.devices * trainer.num_nodes // (cfg.tp_size * cfg.sp_size)
-
-    def total_steps() -> int:  # the schedule's length: known once the data is set up
+    def total_steps() -> int:  # the schedule's length: known once the data and the process group are set up
         if cfg.max_steps > 0:
             return cfg.max_steps
-        return cfg.num_train_epochs * _steps_per_epoch(len(data.prepared.train), data_parallel, cfg)
+        # Samples are split over the data-parallel ranks only (the strategy's mesh says how many there are):
+        # the ranks of a tp or sp group read the same ones.
+        shares = trainer.strategy.data_parallel_size
+        return cfg.num_train_epochs * _steps_per_epoch(len(data.prepared.train), shares, cfg)
 
     module = build_module(cfg, folder, total_steps)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from_checkpoint)

@@ -19,21 +19,19 @@ own kernels under sequence parallel.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any, Dict
 
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.recipes.hf_model import model_block_names
-from shardwise.strategies import CLASSES, build_strategy
+from shardwise.strategies import CLASSES, build_strategy, degrees, names
 from shardwise.strategies.fsdp_compat import sharding_strategy_name
-from shardwise.strategies.names import STRATEGIES, resolve
-from shardwise.strategies.parallel import ParallelPlan
+from shardwise.strategies.parallel import PLANS, ParallelPlan
 
 
 def recipe_strategies() -> tuple:
     """Every `strategy` name the recipe takes: "auto" and the strategy table's names (strategies/names.py)."""
-    return ("auto", *STRATEGIES)
+    return ("auto", *names.TABLE)
 
 
 def check_strategy_options(cfg: Any, cls: Any, owned: Dict[str, str], fixed: Dict[str, Any]) -> Dict[str, Any]:
@@ -88,62 +86,34 @@ def recipe_world_size(cfg: Any) -> int:
 def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
     """Refuse a tp_size / sp_size the run cannot honour, before any worker starts; each message names the fix.
 
-    `engine`: the strategy name's engine ("auto" when the name is auto).
+    `engine`: the strategy name's engine ("auto" when the name is auto). The rules and their texts are
+    strategies/degrees.py's, shared with the plan, the strategy and the planner; what only a Hugging Face
+    model folder can say (its tensor-parallel plan and the styles in it) is checked here.
     """
     tp, sp = cfg.tp_size, cfg.sp_size
-    for name, value in (("tp_size", tp), ("sp_size", sp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: use a positive integer (1: no {name[:2]} dimension).")
+    for name, value in zip(degrees.FLAGS, (tp, sp)):
+        degrees.refuse(degrees.value_problem(name, value))
     if tp * sp == 1:
         return
-    both = " x ".join(f"{n}={v}" for n, v in (("tp_size", tp), ("sp_size", sp)) if v > 1)
-    if engine == "deepspeed":
-        raise ValueError(
-            f"{both} with strategy={cfg.strategy!r}: ZeRO partitions over the whole world and does not "
-            "compose with tensor or sequence parallel here. Use strategy='fsdp' (FSDP2 shards over the "
-            "data-parallel and sp ranks on one DeviceMesh with tp), or drop tp_size / sp_size."
-        )
-    if engine != "fsdp":
-        raise ValueError(
-            f"{both} with strategy={cfg.strategy!r}: tensor and sequence parallel are dimensions of the "
-            "FSDP strategy's mesh. Use strategy='fsdp' (sharding_strategy NO_SHARD replicates the rest, "
-            "HYBRID_SHARD shards inside a node)."
-        )
-    world = recipe_world_size(cfg)
-    if world % (tp * sp):
-        raise ValueError(
-            f"{both}: tp_size x sp_size = {tp * sp} does not divide the {world} processes "
-            f"(devices x num_nodes). Use devices a multiple of {tp * sp} per node, or smaller degrees."
-        )
+    degrees.refuse(degrees.engine_problem(engine, tp, sp))
+    degrees.refuse(degrees.world_problem(recipe_world_size(cfg), tp, sp))
     config = folder.config
+    model = type(config).__name__
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, degree in (("tp_size", tp), ("sp_size", sp)):
-        if degree == 1:
-            continue
-        # tp gives each rank whole heads of q/k/v's column shards; Ulysses' all-to-all hands each sp rank
-        # whole heads of the full sequence: both need the head counts to split evenly.
-        for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
-            if count is not None and count % degree:
-                fits = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
-                raise ValueError(
-                    f"{name}={degree} does not divide the model's {count} {what} ({type(config).__name__} in "
-                    f"{cfg.model_path}/config.json): each rank must hold whole heads. Use {name} in {fits}."
-                )
+    if heads is not None:
+        degrees.refuse(degrees.heads_problem(heads, kv_heads, tp, sp, model, f"{model} in {cfg.model_path}/config.json"))
     seq = cfg.data.max_seq_len
-    if sp > 1 and seq % sp and cfg.data.packing:  # unpacked batches are padded up to a multiple of sp
-        raise ValueError(
-            f"sp_size={sp} does not divide max_seq_len={seq}: each sp rank takes an equal slice of a packed "
-            f"block. Use max_seq_len={seq - seq % sp or sp} (a multiple of {sp})."
-        )
+    if cfg.data.packing:  # unpacked batches are padded up to a multiple of sp
+        degrees.refuse(degrees.sequence_problem(seq, tp, sp, "max_seq_len", tp_slices=False))
     if sp > 1:  # what the Hugging Face attention hook cannot honour: dropout, soft-capping, a short window
         from shardwise.strategies.sequence_parallel_hf import check_hf_sequence_parallel
 
-        check_hf_sequence_parallel(config, sp, type(config).__name__, max_seq_len=seq)
+        check_hf_sequence_parallel(config, sp, model, max_seq_len=seq)
     if tp > 1:
         if getattr(config, "base_model_tp_plan", None) is None:
             raise ValueError(
-                f"tp_size={tp}: {type(config).__name__} ({cfg.model_path}) declares no tensor-parallel plan "
+                f"tp_size={tp}: {model} ({cfg.model_path}) declares no tensor-parallel plan "
                 "(base_model_tp_plan in transformers), so there is no column/row split to apply. Use sp_size "
                 "or more FSDP ranks instead, or a model type that has one (Llama, Mistral, Qwen2, ...)."
             )
@@ -153,54 +123,21 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
         unknown = sorted({f"{key}: {style}" for key, style in plan.items() if style not in HF_STYLES})
         if unknown:
             raise ValueError(
-                f"tp_size={tp}: {type(config).__name__}'s tp_plan uses styles shardwise does not translate "
+                f"tp_size={tp}: {model}'s tp_plan uses styles shardwise does not translate "
                 f"({', '.join(unknown)}; known: {', '.join(sorted(HF_STYLES))}). Use sp_size or FSDP alone "
                 "for this model."
             )
-        if getattr(config, "tie_word_embeddings", False):
-            raise ValueError(
-                f"tp_size={tp}: {type(config).__name__} ties its output head to its input embedding "
-                "(tie_word_embeddings in config.json), and tensor parallel splits the two along different "
-                "dimensions. Use sp_size or FSDP alone for this model."
-            )
-        for what, size in (("intermediate_size", "intermediate_size"), ("vocabulary", "vocab_size")):
-            value = getattr(config, size, None)
-            if what == "vocabulary" and "lm_head" not in _causal_lm_tp_plan(config):
-                continue
-            if isinstance(value, int) and value % tp:
-                raise ValueError(
-                    f"tp_size={tp} does not divide the model's {size}={value}: the tensor-parallel plan splits "
-                    f"that dimension into equal shares. Use a tp_size that divides {value}"
-                    + (
-                        ", or pad the vocabulary (resize_token_embeddings) to a multiple of it."
-                        if size == "vocab_size"
-                        else "."
-                    )
-                )
-        if cfg.cpu_offload or "offload" in str(cfg.strategy).lower():
-            raise ValueError(
-                f"tp_size={tp} with cpu_offload: FSDP2's CPU offload does not take tensor-parallel "
-                "(DTensor on tp) parameters here. Drop cpu_offload, or use sp_size / more FSDP ranks, which "
-                "divide the memory without offload."
-            )
-        if cfg.lora_r or cfg.load_in_4bit:
-            what = "load_in_4bit (QLoRA)" if cfg.load_in_4bit else f"lora_r={cfg.lora_r} (LoRA)"
-            raise ValueError(
-                f"tp_size={tp} with {what}: the tensor-parallel plan splits the base model's Linear "
-                "layers, and PEFT's adapter layers (and bitsandbytes' 4-bit weights) are not split by "
-                "it. Use sp_size or FSDP alone with adapters, or full fine-tuning with tp_size."
-            )
-    if cfg.torch_compile:
-        raise ValueError(
-            f"torch_compile with {both}: compiling tensor- or sequence-parallel layers is not supported "
-            "yet. Drop torch_compile, or the tp / sp degree."
-        )
-    if sp > 1 and cfg.attn_implementation == "flash_attention_2":
-        raise ValueError(
-            f"sp_size={sp} with attn_implementation='flash_attention_2': sequence parallel goes through "
-            "the sdpa / eager attention of transformers' attention interface here. Use "
-            "attn_implementation='sdpa' (it dispatches to flash kernels on GPUs that have them)."
-        )
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        degrees.refuse(degrees.tied_problem(tp, tied, f"{model} (tie_word_embeddings in config.json)"))
+        degrees.refuse(degrees.split_problem(tp, "intermediate_size", getattr(config, "intermediate_size", None)))
+        if "lm_head" in _causal_lm_tp_plan(config):
+            degrees.refuse(degrees.split_problem(tp, "vocab_size", getattr(config, "vocab_size", None)))
+        offload = bool(cfg.cpu_offload or "offload" in str(cfg.strategy).lower())
+        degrees.refuse(degrees.offload_problem(tp, offload))
+        adapter = "load_in_4bit (QLoRA)" if cfg.load_in_4bit else f"lora_r={cfg.lora_r} (LoRA)" if cfg.lora_r else None
+        degrees.refuse(degrees.adapter_problem(tp, adapter))
+    degrees.refuse(degrees.compile_problem(tp, sp, bool(cfg.torch_compile), flag="torch_compile"))
+    degrees.refuse(degrees.attention_problem(sp, cfg.attn_implementation))
 
 
 def _causal_lm_tp_plan(config: Any) -> Dict[str, str]:
@@ -216,22 +153,23 @@ def _causal_lm_tp_plan(config: Any) -> Dict[str, str]:
 def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
     """The strategy object for `cfg` (also run by validate_config, so every mistake surfaces up front).
 
-    The name is a ParallelPlan (strategies/names.py); the recipe's own options fill in what the name leaves
-    open -- sharding_strategy and cpu_offload for FSDP, gradient_checkpointing (full, on the model's blocks)
-    -- and the plan builds the strategy, with strategy_options as further constructor arguments. tp_size and
-    sp_size are the plan's tp / sp degrees (check_parallel refuses what they cannot run with first).
+    The name is a ParallelPlan's fields (strategies/names.py); the recipe's own options fill in what the
+    name leaves open -- sharding_strategy and cpu_offload for FSDP, gradient_checkpointing (full, on the
+    model's blocks), tp_size and sp_size (check_parallel refuses what they cannot run with first) -- and
+    the one plan they make builds the strategy, with strategy_options as further constructor arguments.
     """
     if cfg.strategy.lower().strip() == "auto":
-        plan, key = None, "auto"
+        key, fields = "auto", None
     else:
         try:
-            key = resolve(cfg.strategy).name  # the table's spelling: "deepspeed" alone leaves the stage open
-            plan = ParallelPlan.from_name(cfg.strategy, allow_ac=False)
+            key = names.key_of(cfg.strategy)[0]  # the table's spelling: "deepspeed" alone leaves the stage open
         except ValueError:
             raise ValueError(
                 f"strategy={cfg.strategy!r} is not a fine-tuning strategy. Valid: {', '.join(recipe_strategies())}."
             ) from None
-    check_parallel(cfg, folder, "auto" if plan is None else plan.engine)
+        fields = dict(names.TABLE[key])
+    engine = "auto" if fields is None else fields["engine"]
+    check_parallel(cfg, folder, engine)
     blocks = list(cfg.auto_wrap_policy or model_block_names(folder.config))
     owned = {"precision": "precision", "timeout_s": "timeout_s"}
     if cfg.gradient_checkpointing:
@@ -240,23 +178,23 @@ def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
                 f"{type(folder.config).__name__} declares no _no_split_modules, so there is no "
                 "decoder layer to checkpoint; set auto_wrap_policy to the block class name(s)."
             )
-        if plan is None or plan.engine not in ("fsdp", "deepspeed"):
+        if engine not in ("fsdp", "deepspeed"):
             raise ValueError(
                 "gradient_checkpointing is applied by the FSDP or DeepSpeed strategy here; "
                 "use strategy='fsdp' or a deepspeed one."
             )
         owned["activation_checkpointing_policy"] = "gradient_checkpointing"
-        plan = dataclasses.replace(plan, ac="full")
-    if plan is None or plan.engine == "single":
+        fields["ac"] = "full"
+    if fields is None or engine == "single":
         if cfg.strategy_options:
             raise ValueError(
                 f"strategy_options={cfg.strategy_options!r}: strategy={cfg.strategy!r} takes no options; "
                 "choose fsdp, ddp or a deepspeed strategy to pass them."
             )
-        return "auto" if plan is None else build_strategy(plan)
-    implied = plan.strategy_options()  # what the name fixes, e.g. its sharding or ZeRO stage
+        return "auto" if fields is None else build_strategy(ParallelPlan(**fields))
+    implied = PLANS[key].strategy_options()  # what the name fixes, e.g. its sharding or ZeRO stage
     extra: Dict[str, Any] = {"timeout_s": cfg.timeout_s}
-    if plan.engine == "fsdp":
+    if engine == "fsdp":
         # A name like fsdp_hybrid_shard fixes what the recipe's own field would otherwise say.
         sharding = implied.get("sharding_strategy", cfg.sharding_strategy)
         offload = implied.get("cpu_offload", cfg.cpu_offload)
@@ -278,9 +216,9 @@ def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
         sharding, reshard = sharding_strategy_name(sharding)
         if reshard is not None:
             extra["reshard_after_forward"] = reshard
-        plan = dataclasses.replace(plan, sharding=sharding, offload_params=offload, offload_optimizer=offload)
+        fields.update(sharding=sharding, offload_params=bool(offload), offload_optimizer=bool(offload))
         extra["state_dict_type"] = cfg.state_dict_type
-    elif plan.engine == "deepspeed":
+    elif engine == "deepspeed":
         fsdp_only = [
             f
             for f, default in (("sharding_strategy", "FULL_SHARD"), ("state_dict_type", "sharded"))
@@ -293,12 +231,13 @@ def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
             )
         owned["cpu_offload"] = "cpu_offload"
         if key == "deepspeed":  # the stage comes from strategy_options or the DeepSpeed config (default 2)
-            plan, implied = dataclasses.replace(plan, zero_stage=None), {}
+            fields["zero_stage"], implied = None, {}
         # DeepSpeed's own cpu_offload: the optimizer, and the parameters too when the stage (which
         # may come from the user's DeepSpeed config, unknown here) is 3.
         extra["cpu_offload"] = True if cfg.cpu_offload else None
     owned.update(tp_size="tp_size", sp_size="sp_size")
     if cfg.tp_size * cfg.sp_size > 1:  # fsdp only (check_parallel); the plan lays out the mesh
-        plan = dataclasses.replace(plan, tp=cfg.tp_size, sp=cfg.sp_size)
+        fields.update(tp=cfg.tp_size, sp=cfg.sp_size)
+    plan = ParallelPlan(**fields)  # the run's one plan
     options = check_strategy_options(cfg, CLASSES[plan.engine], owned, implied)
     return build_strategy(plan, blocks=blocks, **{**extra, **options})

@@ -38,8 +38,7 @@ def _strategy_name(strategy: Any) -> str:
     """How the report names the strategy: the table's name for its configuration, else its class."""
     if isinstance(strategy, str):
         return strategy
-    from shardwise.strategies.names import name_of
-    from shardwise.strategies.parallel import ParallelPlan
+    from shardwise.strategies.parallel import ParallelPlan, name_of
 
     plan = strategy if isinstance(strategy, ParallelPlan) else getattr(strategy, "parallel_plan", None)
     name = name_of(plan) if isinstance(plan, ParallelPlan) else None

@@ -18,8 +18,8 @@ from shardwise.strategies.base import Strategy, wrap
 from shardwise.strategies.ddp import DDPStrategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
 from shardwise.strategies.fsdp import FSDPStrategy
-from shardwise.strategies.names import STRATEGIES, lookup, valid_names
-from shardwise.strategies.parallel import ParallelPlan
+from shardwise.strategies.names import TABLE, valid_names
+from shardwise.strategies.parallel import ENGINE_CLASSES, ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
 
 # `shardwise convert` / `inspect` read DeepSpeed's checkpoint directories through this reader;
@@ -33,7 +33,10 @@ CLASSES: Dict[str, type] = {
     "deepspeed": DeepSpeedStrategy,
 }
 
-STRATEGY_NAMES = ("auto", *STRATEGIES)
+# ParallelPlan.build constructs through this table: parallel.py cannot import the classes (they import it).
+ENGINE_CLASSES.update(CLASSES)
+
+STRATEGY_NAMES = ("auto", *TABLE)
 
 
 def build_strategy(
@@ -62,7 +65,7 @@ def build_strategy(
         chosen.is_auto = True  # Trainer(device_memory=...) may replace it with the memory planner's choice
         return chosen
     try:
-        plan = lookup(strategy, allow_ac=True)
+        plan = ParallelPlan.from_name(strategy, allow_ac=True)
     except ValueError:
         raise ValueError(
             f"Unknown strategy {strategy!r}. Valid names: auto, {valid_names()}; or pass a strategy "

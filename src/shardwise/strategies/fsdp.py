@@ -53,10 +53,10 @@ from shardwise.strategies.fsdp_compat import (
 )
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 from shardwise.strategies.materialize import has_meta_tensors
-from shardwise.strategies.mesh import build_device_mesh, build_parallel_meshes, check_same_within_groups
+from shardwise.strategies import degrees
+from shardwise.strategies.mesh import ParallelMesh, check_same_within_groups
 from shardwise.strategies.parallel import ParallelPlan
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ACCUMULATION_SYNCS = ("reduce_scatter", "none")
 
 Policy = Union[None, Set[Type[nn.Module]], Sequence[Type[nn.Module]], Callable[..., bool], str, Sequence[str]]
@@ -307,8 +307,6 @@ class FSDPStrategy(Strategy):
         build_policy_fn(activation_checkpointing_policy, "activation_checkpointing_policy")
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
-        self.sharding_strategy = sharding_strategy
-        self.cpu_offload = bool(cpu_offload)
         self.state_dict_type = state_dict_type
         if async_save and state_dict_type != "sharded":
             raise ValueError(
@@ -322,18 +320,21 @@ class FSDPStrategy(Strategy):
         self.reshard_after_forward = (
             sharding_strategy != "SHARD_GRAD_OP" if reshard_after_forward is None else reshard_after_forward
         )
-        for name, value in (("tp_size", tp_size), ("sp_size", sp_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"FSDPStrategy({name}={value!r}): use a positive integer (1 switches it off).")
-        self.tp_size, self.sp_size = tp_size, sp_size
-        ParallelPlan(
+        for name, value in zip(degrees.FLAGS, (tp_size, sp_size)):
+            degrees.refuse(degrees.value_problem(name, value))
+        shape = tuple(device_mesh.shape if isinstance(device_mesh, DeviceMesh) else device_mesh or (1, -1))
+        # The strategy's configuration, kept once: sharding, offload, mesh degrees (refused now, named, when
+        # they cannot combine). sharding_strategy, cpu_offload, tp_size, sp_size and the layout read it.
+        self.plan = ParallelPlan(
             "fsdp",
             sharding=sharding_strategy,
+            dp_replicate=shape[0] if len(shape) == 2 else 1,
+            dp_shard=shape[-1],
             tp=tp_size,
             sp=sp_size,
-            offload_params=self.cpu_offload,
-            offload_optimizer=self.cpu_offload,
-        )  # refuses degrees and combinations now, named
+            offload_params=bool(cpu_offload),
+            offload_optimizer=bool(cpu_offload),
+        )
         self.mesh: Optional[DeviceMesh] = None  # FSDP2's: the data-parallel (and sp) ranks
         self.world_mesh: Optional[DeviceMesh] = None  # (dp_replicate, dp_shard, sp, tp), when tp or sp > 1
         self.tp_mesh: Optional[DeviceMesh] = None
@@ -341,33 +342,51 @@ class FSDPStrategy(Strategy):
         self._manual_units: List[nn.Module] = []
 
     @property
+    def sharding_strategy(self) -> str:
+        return self.plan.sharding
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.plan.offload
+
+    @cpu_offload.setter
+    def cpu_offload(self, value: bool) -> None:  # the planner traces the on-device part without it
+        self.plan = replace(self.plan, offload_params=bool(value), offload_optimizer=bool(value))
+
+    @property
+    def tp_size(self) -> int:
+        return self.plan.tp
+
+    @property
+    def sp_size(self) -> int:
+        return self.plan.sp
+
+    @property
     def parallel_plan(self) -> Any:
-        """This strategy as a ParallelPlan: sharding, mesh degrees, checkpointing, offload (base.Strategy)."""
-        plan, mesh = super().parallel_plan, self.device_mesh_arg
-        shape = tuple(mesh.shape if isinstance(mesh, DeviceMesh) else mesh) if mesh is not None else (1, -1)
-        checkpointed = self.activation_checkpointing_policy is not None
+        """This strategy as a ParallelPlan (base.Strategy): its plan, with checkpointing, blocks, precision
+        and compile, which the strategy's policies and the base class hold."""
+        base, checkpointed = super().parallel_plan, self.activation_checkpointing_policy is not None
         return replace(
-            plan,
-            sharding=self.sharding_strategy,
-            dp_replicate=shape[0] if len(shape) == 2 else 1,
-            dp_shard=shape[-1],
+            self.plan,
             ac=self.activation_checkpointing_mode if checkpointed else "none",
             selective_ac_option=self.selective_ac_option if checkpointed else None,
             blocks=self.auto_wrap_policy if self.auto_wrap_policy is not None else self.activation_checkpointing_policy,
-            offload_params=self.cpu_offload,
-            offload_optimizer=self.cpu_offload,
-            tp=self.tp_size,
-            sp=self.sp_size,
+            precision=base.precision,
+            compile=base.compile,
         )
 
     @property
+    def layout(self) -> ParallelMesh:
+        """Which ranks do what in this world (mesh.py): data-parallel ranks, batch groups, FSDP groups."""
+        return ParallelMesh.from_plan(self.plan, self.world_size, getattr(self, "num_nodes", 1) or 1)
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tp_size * self.sp_size)
+        return self.layout.data_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
-        # The mesh is row-major over (dp_replicate, dp_shard, sp, tp): a group of sp x tp neighbours reads one share.
-        return self.global_rank // (self.tp_size * self.sp_size)
+        return self.layout.data_parallel_rank(self.global_rank)
 
     def check_batch(self, batch: Any) -> None:
         """Under sp/tp: stop, naming the fix, when the ranks of a group do not hold the same batch.
@@ -376,7 +395,7 @@ class FSDPStrategy(Strategy):
         by global rank would otherwise train each rank's shard of a different sample, silently."""
         if self.world_mesh is None or self.fake_mode is not None:
             return
-        found = check_same_within_groups(batch, self.tp_size * self.sp_size)
+        found = check_same_within_groups(batch, self.layout.batch_groups())
         if found is not None:
             raise ValueError(
                 f"Ranks {found} are one sequence/tensor-parallel group (sp_size={self.sp_size}, "
@@ -406,14 +425,12 @@ class FSDPStrategy(Strategy):
         self._build_meshes(env.world_size)
 
     def _build_meshes(self, world_size: int) -> None:
-        nodes = getattr(self, "num_nodes", 1) or 1
-        if self.tp_size * self.sp_size == 1:
-            self.mesh = build_device_mesh(
-                self.sharding_strategy, world_size, nodes, self.root_device.type, self.device_mesh_arg
-            )
+        if isinstance(self.device_mesh_arg, DeviceMesh) and self.plan.tp == self.plan.sp == 1:
+            self.mesh = self.device_mesh_arg  # the user's own: FSDP2 shards over it as it is
             return
-        meshes = build_parallel_meshes(self.parallel_plan, world_size, nodes, self.root_device.type)
-        self.world_mesh, self.mesh, self.sp_mesh, self.tp_mesh = meshes
+        layout = ParallelMesh.from_plan(self.plan, world_size, getattr(self, "num_nodes", 1) or 1)
+        meshes = layout.build(self.root_device.type)
+        self.world_mesh, self.mesh, self.sp_mesh, self.tp_mesh = meshes.world, meshes.fsdp, meshes.sp, meshes.tp
 
     def _fsdp_kwargs(self) -> dict:
         kwargs: dict = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}

@@ -15,7 +15,7 @@ from typing import Any, Optional, Set, Tuple
 
 import torch
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+from shardwise.strategies.parallel import SHARDINGS
 # torch's ShardingStrategy enum values, which Accelerate also writes as numbers in its yaml.
 _BY_NUMBER = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "_HYBRID_SHARD_ZERO2"}
 
@@ -55,7 +55,7 @@ def note_accepted(name: str, value: Any) -> None:
 
 
 def sharding_strategy_name(value: Any) -> Tuple[str, Optional[bool]]:
-    """(one of SHARDING_STRATEGIES, reshard_after_forward it implies or None).
+    """(one of parallel.SHARDINGS, reshard_after_forward it implies or None).
 
     Accepts our strings in any case, torch's ShardingStrategy enum, and
     Accelerate's numbers (1-5, also as strings). _HYBRID_SHARD_ZERO2 is
@@ -69,9 +69,9 @@ def sharding_strategy_name(value: Any) -> Tuple[str, Optional[bool]]:
     name = str(name).strip().upper()
     if name == "_HYBRID_SHARD_ZERO2":
         return "HYBRID_SHARD", False
-    if name not in SHARDING_STRATEGIES:
+    if name not in SHARDINGS:
         raise ValueError(
-            f"Unknown sharding_strategy {value!r}. Valid: {', '.join(SHARDING_STRATEGIES)} (as strings, "
+            f"Unknown sharding_strategy {value!r}. Valid: {', '.join(SHARDINGS)} (as strings, "
             "torch.distributed.fsdp.ShardingStrategy members or Accelerate's numbers 1-5)."
         )
     return name, None

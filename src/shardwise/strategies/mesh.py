@@ -1,83 +1,172 @@
-"""The DeviceMeshes of FSDPStrategy, and the check that ranks meant to read the same samples do.
+"""`ParallelMesh`: the one answer to "which ranks do what" for a ParallelPlan, and the DeviceMeshes built from it.
 
-Without tensor or sequence parallel the mesh is FSDP2's alone: 1-D (shard) or 2-D (replicate, shard),
-with the degrees the ParallelPlan decides. With tp or sp the world is one (dp_replicate, dp_shard,
-sp, tp) mesh, row-major so tensor-parallel neighbours share a node; FSDP2 gets the data-parallel and
-sp dimensions (sp flattened into the shard dimension), tensor and sequence parallel their own 1-D
-meshes. The ranks of an sp x tp group read the same samples; `check_same_within_groups` lets the
-strategy prove it on each epoch's first batch instead of training on mismatched shards silently.
+The world is laid out row-major over (dp_replicate, dp_shard, sp, tp), tp varying fastest, exactly as
+`init_device_mesh` numbers a mesh of that shape, so tensor-parallel neighbours share a node. Every rank
+question -- this rank's data-parallel rank and the number of them, the ranks that share a batch (sp x tp:
+they read the same samples and together compute one loss), the ranks FSDP2 shards over (dp_shard x sp:
+sp ranks hold the same parameters and their gradients add up), the replicas -- is answered here from the
+global rank and the degrees alone, without a process group, so it is tested on fake ranks and used before
+launch (samplers, the same-batch check, predict's shares, throughput totals, the recipe's schedule length).
+Nothing else in the package does rank arithmetic: a new dimension (expert, pipeline) changes this file's
+layout and every answer follows. `build` makes the DeviceMeshes with one set of dimension names;
+`check_same_within_groups` lets a strategy prove on an epoch's first batch that each batch group read
+the same samples, instead of training on mismatched shards silently.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.distributed import ops
-from shardwise.strategies.parallel import FILL, ParallelPlan
+from shardwise.strategies.parallel import FILL, MeshDims, ParallelPlan
+
+DIMS = ("dp_replicate", "dp_shard", "sp", "tp")  # the world's dimensions, outermost first
+SHARD_SP = "dp_shard_sp"  # FSDP2's shard dimension under sequence parallel: dp_shard and sp flattened
 
 
-def build_device_mesh(
-    sharding_strategy: str,
-    world_size: int,
-    num_nodes: int,
-    device_type: str,
-    device_mesh: Optional[Union[DeviceMesh, Tuple[int, int]]] = None,
-) -> DeviceMesh:
-    """The mesh of the ParallelPlan's data-parallel degrees (parallel.py decides them and refuses what
-    cannot be laid out): 1-D for sharding within the world, 2-D (replicate, shard) for hybrid /
-    replicate-only / an explicit device_mesh=(replicate, shard).
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The resolved degrees of one run and every rank question about them (pure: no process group).
 
-    HYBRID_SHARD replicates across nodes and shards within one. On one node that is a 1 x N mesh:
-    FSDP2 shards over the N ranks and the all-reduce over a replicate dimension of size 1 has
-    nothing to combine, so the run trains like FULL_SHARD (and the same script scales out by
-    num_nodes alone).
+    replicate_dim: whether FSDP2's mesh keeps a replicate dimension (2-D) -- an explicit
+    device_mesh=(r, s), HYBRID_SHARD or NO_SHARD without tp/sp, or dp_replicate > 1 with them;
+    FULL_SHARD / SHARD_GRAD_OP shard over a 1-D mesh.
     """
-    if isinstance(device_mesh, DeviceMesh):
-        return device_mesh
-    degrees = {}
-    if device_mesh is not None:
-        degrees["dp_replicate"], degrees["dp_shard"] = device_mesh
-    plan = ParallelPlan("fsdp", sharding=sharding_strategy, **degrees)
-    dims = plan.mesh(world_size, num_nodes)
-    if plan.dp_degrees == (1, FILL):  # sharding only: one dimension
-        return init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("replicate", "shard"))
+
+    dims: MeshDims
+    replicate_dim: bool = False
+
+    @classmethod
+    def from_plan(cls, plan: ParallelPlan, world_size: int, num_nodes: int = 1) -> "ParallelMesh":
+        """The layout of `plan` on `world_size` ranks (ValueError, naming the fix, if it cannot be laid out)."""
+        dims = plan.mesh(world_size, num_nodes)
+        if dims.tp * dims.sp == 1:
+            two_d = plan.engine == "fsdp" and plan.dp_degrees != (1, FILL)
+        else:
+            two_d = dims.dp_replicate > 1
+        return cls(dims, two_d)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def shape(self) -> tuple:
+        d = self.dims
+        return (d.dp_replicate, d.dp_shard, d.sp, d.tp)
+
+    @property
+    def batch_group_size(self) -> int:
+        """Ranks that read the same samples and compute one loss together: sp x tp."""
+        return self.dims.sp * self.dims.tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different samples: dp_replicate x dp_shard."""
+        return self.dims.dp_replicate * self.dims.dp_shard
+
+    @property
+    def has_model_parallel(self) -> bool:
+        """Whether any rank shares its batch with another (tp or sp > 1)."""
+        return self.batch_group_size > 1
+
+    # ------------------------------------------------------------------ one rank
+    def coordinates(self, rank: int) -> Dict[str, int]:
+        """`rank`'s index along each dimension (row-major, tp fastest: init_device_mesh's numbering)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks.")
+        out: Dict[str, int] = {}
+        rest = rank
+        for name, size in reversed(list(zip(DIMS, self.shape))):
+            rest, out[name] = divmod(rest, size)
+        return {name: out[name] for name in DIMS}
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """`rank`'s index among the `data_parallel_size` readers of different samples."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
+
+    def group(self, rank: int, over: Sequence[str]) -> List[int]:
+        """The ranks that differ from `rank` only along the dimensions `over`, in mesh order."""
+        unknown = [n for n in over if n not in DIMS]
+        if unknown:
+            raise ValueError(f"unknown mesh dimension(s) {unknown}; the dimensions are {', '.join(DIMS)}.")
+        at = self.coordinates(rank)
+        axes = [range(size) if name in over else (at[name],) for name, size in zip(DIMS, self.shape)]
+        return [self.rank_at(*c) for c in itertools.product(*axes)]
+
+    def rank_at(self, dp_replicate: int, dp_shard: int, sp: int, tp: int) -> int:
+        """The global rank at these coordinates (the inverse of `coordinates`)."""
+        d = self.dims
+        return ((dp_replicate * d.dp_shard + dp_shard) * d.sp + sp) * d.tp + tp
+
+    def batch_group(self, rank: int) -> List[int]:
+        """The ranks that read `rank`'s samples (its sp x tp group): the loss is theirs together."""
+        return self.group(rank, ("sp", "tp"))
+
+    def batch_groups(self) -> List[List[int]]:
+        """Every batch group once, in data-parallel rank order."""
+        return [self.batch_group(self.rank_at(r, s, 0, 0)) for r in range(self.dims.dp_replicate) for s in range(self.dims.dp_shard)]
+
+    def fsdp_group(self, rank: int) -> List[int]:
+        """The ranks FSDP2 shards `rank`'s parameters over: dp_shard and sp together."""
+        return self.group(rank, ("dp_shard", "sp"))
+
+    def replicate_group(self, rank: int) -> List[int]:
+        """The ranks that hold `rank`'s shard as replicas (the all-reduce of HSDP / NO_SHARD)."""
+        return self.group(rank, ("dp_replicate",))
+
+    # ------------------------------------------------------------------ DeviceMeshes
+    def build(self, device_type: str) -> "Meshes":
+        """The DeviceMeshes of this layout (collective: every rank of the world calls it).
+
+        Without tp / sp only FSDP2's data-parallel mesh exists, 1-D (dp_shard) or 2-D (dp_replicate,
+        dp_shard); no group is made for dimensions of size one. With them one world mesh over all four
+        dimensions, FSDP2 on (dp_replicate,) dp_shard x sp flattened, tp and sp on their own 1-D meshes.
+        """
+        d = self.dims
+        if not self.has_model_parallel:
+            if self.replicate_dim:
+                fsdp = init_device_mesh(device_type, (d.dp_replicate, d.dp_shard), mesh_dim_names=DIMS[:2])
+            else:
+                fsdp = init_device_mesh(device_type, (d.dp_shard,), mesh_dim_names=("dp_shard",))
+            return Meshes(fsdp=fsdp)
+        world = init_device_mesh(device_type, self.shape, mesh_dim_names=DIMS)
+        shard_name = SHARD_SP if d.sp > 1 else "dp_shard"
+        fsdp = world["dp_shard", "sp"]._flatten(SHARD_SP) if d.sp > 1 else world["dp_shard"]
+        if d.dp_replicate > 1:
+            with warnings.catch_warnings():
+                # torch (2.11-2.14) warns that slicing a flattened dimension from the root will be deprecated;
+                # it is how a (replicate, shard x sp) mesh sharing the root with tp is made there.
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                fsdp = world["dp_replicate", shard_name]
+        return Meshes(
+            fsdp=fsdp,
+            world=world,
+            sp=world["sp"] if d.sp > 1 else None,
+            tp=world["tp"] if d.tp > 1 else None,
+        )
 
 
-def build_parallel_meshes(
-    plan: ParallelPlan, world_size: int, num_nodes: int, device_type: str
-) -> Tuple[DeviceMesh, DeviceMesh, Optional[DeviceMesh], Optional[DeviceMesh]]:
-    """(world, fsdp, sp, tp) meshes for a plan with tensor or sequence parallel.
+@dataclass
+class Meshes:
+    """The DeviceMeshes of one run: FSDP2's, and with tp / sp the world's and each dimension's own."""
 
-    One (dp_replicate, dp_shard, sp, tp) mesh over the world, row-major (tp neighbours on one node).
-    FSDP2 shards over dp_shard and sp flattened (sp ranks hold the same parameters and their gradients
-    add up; torchtitan's dp_shard_cp), with the replicate dimension in front when there is one.
-    """
-    dims = plan.mesh(world_size, num_nodes)
-    world = init_device_mesh(
-        device_type,
-        (dims.dp_replicate, dims.dp_shard, dims.sp, dims.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "sp", "tp"),
-    )
-    shard_dims = ("dp_shard", "sp") if dims.sp > 1 else ("dp_shard",)
-    shard_name = "dp_shard_sp" if dims.sp > 1 else "dp_shard"
-    flat = world[shard_dims]._flatten(shard_name) if dims.sp > 1 else world[shard_name]
-    fsdp = flat
-    if dims.dp_replicate > 1:
-        with warnings.catch_warnings():
-            # torch (2.11-2.14) warns that slicing a flattened dimension from the root will be deprecated;
-            # it is how a (replicate, shard x sp) mesh sharing the root with tp is made there.
-            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            fsdp = world["dp_replicate", shard_name]
-    return world, fsdp, world["sp"] if dims.sp > 1 else None, world["tp"] if dims.tp > 1 else None
+    fsdp: DeviceMesh
+    world: Optional[DeviceMesh] = None
+    sp: Optional[DeviceMesh] = None
+    tp: Optional[DeviceMesh] = None
 
 
-def check_same_within_groups(batch: Any, group_size: int) -> Optional[List[int]]:
-    """The first group of `group_size` consecutive ranks whose batches differ, or None (collective)."""
+def check_same_within_groups(batch: Any, groups: Sequence[Sequence[int]]) -> Optional[List[int]]:
+    """The first of `groups` (lists of global ranks) whose ranks' batches differ, or None (collective)."""
     tensors = [t for t in _leaves(batch) if isinstance(t, torch.Tensor)]
     values = [0.0, 0.0, 0.0]
     for t in tensors:
@@ -85,10 +174,10 @@ def check_same_within_groups(batch: Any, group_size: int) -> Optional[List[int]]
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(9973) + 1
         values = [values[0] + flat.numel(), values[1] + float(flat.sum()), values[2] + float((flat * weights).sum())]
     gathered = ops.all_gather_object(values)
-    for start in range(0, len(gathered), group_size):
-        group = gathered[start : start + group_size]
-        if any(v != group[0] for v in group[1:]):
-            return list(range(start, start + group_size))
+    for group in groups:
+        first = gathered[group[0]]
+        if any(gathered[r] != first for r in group[1:]):
+            return list(group)
     return None
 
 
@@ -101,3 +190,6 @@ def _leaves(obj: Any) -> Iterator[Any]:
             yield from _leaves(value)
     else:
         yield obj
+
+
+__all__ = ["ParallelMesh", "Meshes", "DIMS", "check_same_within_groups"]

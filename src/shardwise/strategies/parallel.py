@@ -5,20 +5,23 @@ degrees (data-parallel replicate and shard, sequence parallel `sp` and tensor
 parallel `tp`: the last two with FSDP2 only, on one DeviceMesh), FSDP's sharding or
 DeepSpeed's ZeRO stage, activation checkpointing (which blocks, full or
 selective), offload and precision. Everything that used to translate "what a
-strategy is" goes through it: the names table (names.py) maps each name to a
-plan, `build()` turns a plan into the strategy object, every strategy
-describes itself as one (`Strategy.parallel_plan`), and a planner candidate
-is a plan plus a batch split. Each engine's memory and time accounting is
-looked up from `engine` (accounting.py). Adding a dimension means a field here, its check
-in `_validate`, its part of `build()` and its accounting -- not edits across
-the Trainer, recipe and planner (sp and tp came in that way). Imports no torch: the CLI and the recipe's config
-checks read it cheaply; `build()` imports the strategy classes when called.
+strategy is" goes through it: the names table (names.py, plain data read
+here) maps each name to a plan, `build()` turns a plan into the strategy
+object (the classes register in ENGINE_CLASSES where they are imported),
+every strategy describes itself as one (`Strategy.parallel_plan`), and a
+planner candidate is a plan plus a batch split. Each engine's memory and time
+accounting is looked up from `engine` (accounting.py). A new dimension is a
+field here and its rules in degrees.py, its layout in mesh.py, one apply
+function and its accounting (docs/architecture.md, "How to add"). Imports no
+torch: the CLI and the recipe's config checks read it cheaply.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+from shardwise.strategies import degrees, names
 
 ENGINES = ("single", "ddp", "fsdp", "deepspeed")
 SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")  # least to most sharded, then hybrid
@@ -104,15 +107,12 @@ class ParallelPlan:
     @classmethod
     def from_name(cls, name: str, allow_ac: bool = True) -> "ParallelPlan":
         """A strategy name (strategies/names.py: aliases, case, dashes, the `_ac` suffix) -> its plan."""
-        from shardwise.strategies.names import lookup
-
-        return lookup(name, allow_ac=allow_ac)
+        key, ac = names.key_of(name, allow_ac)
+        return replace(PLANS[key], ac="full") if ac else PLANS[key]
 
     @property
     def name(self) -> Optional[str]:
         """The names table's name for this configuration (+ "_ac" for full checkpointing), or None."""
-        from shardwise.strategies.names import name_of
-
         return name_of(self)
 
     @property
@@ -187,10 +187,8 @@ class ParallelPlan:
             if world_size != 1:
                 raise ValueError(f"strategy 'single' runs on one device, but the world size is {world_size}.")
             return MeshDims(1, 1)
-        inner = self.tp * self.sp
-        if world_size % inner:
-            raise ValueError(f"tp x sp = {inner} does not divide the world size {world_size}.")
-        dp = world_size // inner
+        degrees.refuse(degrees.world_problem(world_size, self.tp, self.sp, degrees.FIELDS))
+        dp = world_size // (self.tp * self.sp)
         replicate, shard = self.dp_degrees
         if replicate == FILL and shard == FILL:
             nodes = max(int(num_nodes or 1), 1)
@@ -237,22 +235,20 @@ class ParallelPlan:
                 out["offload_parameters"] = True
         return out
 
-    def build(
+    def strategy_kwargs(
         self,
         blocks: Any = None,
         spelled: Optional[str] = None,
         engine_options: Optional[Dict[str, Dict[str, Any]]] = None,
         **options: Any,
-    ) -> Any:
-        """The strategy object for this plan.
+    ) -> Dict[str, Any]:
+        """Every constructor argument of this plan's strategy class (`build` passes them to it).
 
         blocks: the model's block classes when the plan has none (FSDP wraps each as a unit, `ac`
         checkpoints them). spelled: the name the user wrote, for error messages. options: further
         constructor arguments (e.g. bucket_cap_mb=25); they win over the plan's. engine_options:
         more of them for whichever engine the plan names, e.g. {"deepspeed": {"config": {...}}}.
         """
-        from shardwise.strategies import CLASSES
-
         units = self.blocks if self.blocks is not None else _as_blocks(blocks)
         units = set(units) if isinstance(units, tuple) else units
         said = spelled or self.name or self.label
@@ -278,7 +274,23 @@ class ParallelPlan:
                     raise ValueError(f"strategy={said!r}: selective activation checkpointing is FSDPStrategy's.")
                 kwargs["activation_checkpointing_mode"] = "selective"
                 kwargs["selective_ac_option"] = self.selective_ac_option
-        return CLASSES[self.engine](**kwargs)
+        return kwargs
+
+    def build(
+        self,
+        blocks: Any = None,
+        spelled: Optional[str] = None,
+        engine_options: Optional[Dict[str, Dict[str, Any]]] = None,
+        **options: Any,
+    ) -> Any:
+        """The strategy object for this plan: its engine's class with `strategy_kwargs` (same arguments)."""
+        return ENGINE_CLASSES[self.engine](**self.strategy_kwargs(blocks, spelled, engine_options, **options))
+
+
+# engine -> its strategy class. strategies/__init__.py fills it where the classes are imported: each class
+# module imports this one, so this one cannot import them (and importing any module of the package runs
+# that __init__ first, so the table is complete before a plan can be built).
+ENGINE_CLASSES: Dict[str, Callable[..., Any]] = {}
 
 
 def default_degrees(engine: str, sharding: str = "") -> Tuple[int, int]:
@@ -304,22 +316,9 @@ def _as_blocks(value: Any) -> Any:
 
 def _validate(p: ParallelPlan) -> None:
     """Refuse what no engine can run, naming the field."""
-    for field_name in ("tp", "sp"):
-        value = getattr(p, field_name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"ParallelPlan({field_name}={value!r}): use a positive integer.")
-        if value > 1 and p.engine != "fsdp":
-            what = "tensor" if field_name == "tp" else "sequence"
-            why = (
-                "ZeRO partitions over the whole world and has no mesh to put it on"
-                if p.engine == "deepspeed"
-                else "it is a dimension of FSDP2's DeviceMesh"
-            )
-            raise ValueError(
-                f"ParallelPlan(engine={p.engine!r}, {field_name}={value}): {what} parallel runs with FSDP only "
-                f"({why}). Use strategy=FSDPStrategy(..., {field_name}_size={value}) "
-                "(shardwise finetune: --strategy fsdp)."
-            )
+    for field_name in degrees.FIELDS:
+        degrees.refuse(degrees.value_problem(field_name, getattr(p, field_name)))
+    degrees.refuse(degrees.engine_problem(p.engine, p.tp, p.sp, degrees.FIELDS))
     for field_name in ("dp_replicate", "dp_shard"):
         value = getattr(p, field_name)
         if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != FILL):
@@ -346,16 +345,8 @@ def _validate(p: ParallelPlan) -> None:
             raise ValueError(f"engine={p.engine!r} has no offload; use FSDP or DeepSpeed for it.")
         if p.dp_degrees[1] != 1:
             raise ValueError(f"engine={p.engine!r} replicates the model: dp_shard must be 1.")
-    if p.tp > 1 and p.offload:
-        raise ValueError(
-            f"ParallelPlan(tp={p.tp}) with CPU offload: FSDP2's offload does not support tensor-parallel "
-            "(2-D) parameters. Drop cpu_offload, or use sequence parallel (sp_size) or more FSDP ranks instead of tp."
-        )
-    if (p.tp > 1 or p.sp > 1) and p.compile != "none":
-        raise ValueError(
-            f"torch.compile with {'tensor' if p.tp > 1 else 'sequence'} parallel is not supported here yet: its "
-            "collectives inside each block are not compiled and tested. Leave compile off with tp_size/sp_size > 1."
-        )
+    degrees.refuse(degrees.offload_problem(p.tp, p.offload, degrees.FIELDS))
+    degrees.refuse(degrees.compile_problem(p.tp, p.sp, p.compile != "none", names=degrees.FIELDS))
     if p.compile not in COMPILE_MODES:
         raise ValueError(f"ParallelPlan(compile={p.compile!r}): use one of {', '.join(COMPILE_MODES)}.")
     if p.compile != "none" and p.engine == "deepspeed":
@@ -374,4 +365,29 @@ def _validate(p: ParallelPlan) -> None:
         raise ValueError("selective_ac_option needs ac='selective'.")
 
 
-__all__ = ["ParallelPlan", "MeshDims", "ENGINES", "SHARDINGS", "AC_MODES", "COMPILE_MODES", "default_degrees"]
+PLANS: Dict[str, ParallelPlan] = {name: ParallelPlan(**fields) for name, fields in names.TABLE.items()}
+
+
+def name_of(plan: ParallelPlan) -> Optional[str]:
+    """The table's name for a plan's configuration (+ `_ac` for full checkpointing), or None if it has none."""
+    if plan.ac == "selective":
+        return None
+    wanted = replace(plan.configuration(), ac="none")
+    for name, entry in PLANS.items():
+        if entry == wanted and name not in names.SHORT_ALIASES:
+            return name + (names.AC_SUFFIX if plan.uses_ac else "")
+    return None
+
+
+__all__ = [
+    "ParallelPlan",
+    "MeshDims",
+    "PLANS",
+    "ENGINES",
+    "ENGINE_CLASSES",
+    "SHARDINGS",
+    "AC_MODES",
+    "COMPILE_MODES",
+    "default_degrees",
+    "name_of",
+]

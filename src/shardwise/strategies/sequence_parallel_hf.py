@@ -26,6 +26,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from shardwise.strategies import degrees
 from shardwise.ulysses import ulysses_attention
 
 ATTENTION_NAME = "shardwise_ulysses"
@@ -76,13 +77,7 @@ def check_hf_sequence_parallel(
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads is None:
         raise ValueError(f"sp_size={sp}: {name}'s config names no num_attention_heads; sequence parallel splits heads.")
-    if heads % sp or kv_heads % sp:
-        divisors = [d for d in range(1, min(heads, kv_heads) + 1) if heads % d == 0 and kv_heads % d == 0]
-        raise ValueError(
-            f"sp_size={sp} must divide {name}'s num_attention_heads={heads} and num_key_value_heads={kv_heads}: "
-            f"each sp rank attends with a 1/sp share of both. Use an sp_size among {divisors}, or more FSDP "
-            "(dp_shard) or tensor parallel instead."
-        )
+    degrees.refuse(degrees.heads_problem(heads, kv_heads, 1, sp, name))
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout:
         raise ValueError(

@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardwise.strategies import degrees
+
 __all__ = ["apply_tensor_parallel", "hf_plan", "translate_hf_style", "ReplicateParallel", "HF_STYLES"]
 
 Plan = Dict[str, ParallelStyle]
@@ -214,18 +216,8 @@ class SharedReplicatedInput(ParallelStyle):
 
 
 def check_heads(heads: int, kv_heads: int, tp: int, what: str) -> None:
-    if heads % tp or kv_heads % tp:
-        raise ValueError(
-            f"tensor parallel degree {tp} must divide the attention heads ({heads}) and the key/value heads "
-            f"({kv_heads}) of {what}: each rank computes whole heads. Choose a tp_size that divides "
-            f"{_gcd(heads, kv_heads)}."
-        )
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+    """Refuse a tp that does not split `what`'s heads into whole heads per rank (the rule is degrees.py's)."""
+    degrees.refuse(degrees.heads_problem(heads, kv_heads, tp, 1, what.split("(")[0], what))
 
 
 # ------------------------------------------------------------------ applying
