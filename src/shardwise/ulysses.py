@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
+
+from shardwise.sdpa import attention
 
 __all__ = [
     "Group",
@@ -155,12 +156,12 @@ def ulysses_attention(
             f"{degree} = {q.size(2) * degree}: pass the FULL sequence's document ids (the same on every sp rank)"
         )
     q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))
-    gqa = q.size(1) != k.size(1)
+    # sdpa.attention: grouped k/v heads with the document mask would run the math kernel (S x S) on a GPU.
     if document_ids is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = _document_mask(document_ids.to(q.device))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = attention(q, k, v, attn_mask=mask, scale=scale)
     return heads_to_sequence(out, group)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwise.sdpa import attention
 from shardwise.ulysses import (
     check_heads_divisible,
     document_ids_from_positions,
@@ -213,9 +214,9 @@ class CausalSelfAttention(nn.Module):
             # kept apart by a block-diagonal causal mask.
             y = ulysses_attention(q, k, v, self.sp_group, document_ids=document_ids)
         else:
-            # enable_gqa lets SDPA broadcast the shared k/v heads itself instead of
-            # us materialising n_head/n_kv_head copies with repeat_interleave.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+            # Shared k/v heads are broadcast by SDPA itself, unless that would send it to the math kernel
+            # on a GPU (fp32), where sdpa.attention repeats them instead.
+            y = attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

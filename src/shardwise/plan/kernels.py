@@ -3,7 +3,12 @@
 `F.scaled_dot_product_attention` picks its kernel by device, dtype and
 arguments. On CUDA (fp16/bf16: flash; fp32, masks, dropout: memory-efficient)
 the backward keeps only the output and an O(seq) logsumexp per head -- no
-seq x seq matrix. On the CPU the flash kernel handles most calls too, but
+seq x seq matrix -- unless neither fused kernel takes the call: grouped
+key/value heads (enable_gqa) with a mask or in fp32 fall back to the math
+kernel there too (sdpa.cuda_backend has torch's rules), and such a call is
+traced through the math kernel, seq x seq matrix and all. The models' own
+attention (sdpa.attention) repeats the heads instead where that keeps it
+off math, and decides so during the trace as on the target GPU. On the CPU the flash kernel handles most calls too, but
 dropout (and some GQA shapes) take the math path, which saves the attention
 probabilities and the dropout mask: seq^2 x heads per layer, which a CUDA
 run never allocates. Inside `target_attention("cuda")` every SDPA call goes
@@ -26,10 +31,12 @@ kernel, CUDA's saved tensors: the bool mask).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from shardwise import sdpa
 
 FLASH_IMPLEMENTATIONS = (
     "flash_attention_2",
@@ -76,7 +83,46 @@ def _target_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, 
     return _ORIGINAL_DROPOUT(input, p, training, inplace)
 
 
+_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_CAPABILITY = [sdpa.DEFAULT_CAPABILITY]  # the target GPU's, while target_attention is active
+
+
+def cuda_choice(*args: Any, **kwargs: Any) -> str:
+    """The kernel an SDPA call with these arguments gets on the target GPU (sdpa.FLASH / EFFICIENT / MATH)."""
+    call = dict(zip(_NAMES, args), **kwargs)
+    query, key, value = call["query"], call["key"], call["value"]
+    heads_differ = query.dim() >= 3 and key.size(-3) != query.size(-3)
+    return sdpa.cuda_backend(
+        query.dtype,
+        mask=call.get("attn_mask") is not None,
+        gqa=bool(call.get("enable_gqa", False)) and heads_differ,
+        head_dim=query.size(-1),
+        value_head_dim=value.size(-1),
+        capability=_CAPABILITY[0],
+        dropout=float(call.get("dropout_p", 0.0) or 0.0),
+        causal_non_square=bool(call.get("is_causal", False)) and query.size(-2) != key.size(-2),
+        requires_grad=query.requires_grad or key.requires_grad or value.requires_grad,
+    )
+
+
+def _math(*args: Any, **kwargs: Any) -> torch.Tensor:
+    # The math kernel as torch composes it: softmax(QK^T) is materialised and kept for the backward.
+    call = dict(zip(_NAMES, args), **kwargs)
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        call["query"],
+        call["key"],
+        call["value"],
+        call.get("attn_mask"),
+        float(call.get("dropout_p", 0.0) or 0.0),
+        bool(call.get("is_causal", False)),
+        scale=call.get("scale"),
+        enable_gqa=bool(call.get("enable_gqa", False)),
+    )[0]
+
+
 def _target_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    if cuda_choice(*args, **kwargs) == sdpa.MATH:
+        return _math(*args, **kwargs)
     try:
         out = _flash(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
@@ -85,9 +131,10 @@ def _target_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def target_attention(target: str) -> Iterator[None]:
-    """Inside: SDPA and dropout save what they save on `target` ("cuda": flash / memory-efficient
-    attention, dropout's bool mask; "cpu": unchanged).
+def target_attention(target: str, capability: Tuple[int, int] = sdpa.DEFAULT_CAPABILITY) -> Iterator[None]:
+    """Inside: SDPA and dropout save what they save on `target` ("cuda": the kernel torch picks on a GPU
+    of `capability` -- flash / memory-efficient attention, or math where neither takes the call --
+    and dropout's bool mask; "cpu": unchanged).
 
     The module attribute is swapped (not a TorchFunctionMode): torch.nn.functional's own wrappers
     (multi_head_attention_forward) call SDPA by its module-level name, and a function mode is
@@ -98,10 +145,13 @@ def target_attention(target: str) -> Iterator[None]:
         yield
         return
     F.scaled_dot_product_attention, F.dropout = _target_sdpa, _target_dropout
+    previous, _CAPABILITY[0] = _CAPABILITY[0], tuple(capability)
     try:
-        yield
+        with sdpa.planning_target(capability):
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout = _ORIGINAL_SDPA, _ORIGINAL_DROPOUT
+        _CAPABILITY[0] = previous
 
 
 def hf_attention_for_trace(config: Any, original: Any = None) -> None:
@@ -120,4 +170,4 @@ def hf_attention_for_trace(config: Any, original: Any = None) -> None:
             config.__dict__["_attn_implementation"] = "sdpa"
 
 
-__all__ = ["target_attention", "hf_attention_for_trace", "FLASH_IMPLEMENTATIONS"]
+__all__ = ["target_attention", "hf_attention_for_trace", "cuda_choice", "FLASH_IMPLEMENTATIONS"]
