@@ -21,6 +21,7 @@ import time
 
 import flight_cases
 import pytest
+import torch
 
 import shardwise
 from shardwise.distributed import flight
@@ -148,7 +149,8 @@ def _dump_and_store_barrier() -> tuple:
         except RuntimeError as exc:
             message = str(exc)
     waited = time.monotonic() - start
-    dump = _dump_fr_trace(True, True, False)  # with stacks: this test pays their first-use import once
+    # Without stacks: symbolising them costs a 5-6 s import on first use (the test adds one below).
+    dump = _dump_fr_trace(True, False, False)
     dist.barrier()
     return dump, message, waited
 
@@ -162,14 +164,25 @@ def test_nccl_dumps_are_read_as_plain_data_and_store_barrier_names_the_missing_r
     # torch's dumps under the names NCCL's dump-on-timeout gives them; rank 1's lost its last record.
     dumps = [flight.loads_plain(raw) for raw, _, _ in results]
     dumps[1]["entries"] = dumps[1]["entries"][:-1]
+    # NCCL's dumps keep each collective's Python stack, innermost first, in this shape.
+    dumps[0]["entries"][1]["frames"] = [
+        {
+            "name": "all_gather",
+            "filename": os.path.join(os.path.dirname(torch.__file__), "distributed", "c.py"),
+            "line": 9,
+        },
+        {"name": "train_step", "filename": "/home/me/train.py", "line": 42},
+    ]
     for rank, dump in enumerate(dumps):
         (tmp_path / f"{flight.NCCL_DUMP_PREFIX}{rank}").write_bytes(pickle.dumps(dump))
     read = flight.read_dumps(str(tmp_path))
     assert [e.op for e in read[0]] == ["all_reduce", "all_gather"] and len(read[1]) == 1
     finding = flight.describe(read, [0, 1])
     assert finding.named == [1] and "rank 1 never joined it (its last: #1 all_reduce [4] float)" in finding.text
-    # NCCL's dumps keep each collective's Python stack: the report shows where rank 0 called it.
-    assert finding.entries[0].call_site() and "_dump_and_store_barrier" in finding.entries[0].call_site()
+    # The report shows where rank 0 called it, torch's own frames left out.
+    assert flight.report(finding).endswith(
+        'rank 0 called all_gather #2 from:\n    File "/home/me/train.py", line 42 in train_step'
+    ), flight.report(finding)
 
     # A dump naming any global is refused, and nothing in it runs.
     class Planted:
@@ -179,6 +192,49 @@ def test_nccl_dumps_are_read_as_plain_data_and_store_barrier_names_the_missing_r
     (tmp_path / f"{flight.NCCL_DUMP_PREFIX}1").write_bytes(pickle.dumps({"entries": [Planted()], "version": "2"}))
     assert 1 not in flight.read_dumps(str(tmp_path))
     assert not (tmp_path / "ran").exists()
+
+
+def _watchdog_abort_stand_in() -> None:
+    """NCCL's watchdog path, played on gloo (no NCCL here): rank 1 sleeps instead of joining collective
+    #2; rank 0, its #2 pending, writes its flight records where TORCH_NCCL_DEBUG_INFO_TEMP_FILE points
+    (in torch's pickle format, as the watchdog does) and aborts once the launcher asked rank 1 for its
+    stack -- SIGABRT, no Python exception, no error record, like the watchdog's abort."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    from shardwise.distributed import progress
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.all_reduce(torch.ones(4))
+    progress.mark("training_step", 1)
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(4), async_op=True)
+    with open(os.environ[flight.DUMP_FILE_ENV] + "0", "wb") as fh:
+        fh.write(_dump_fr_trace(True, False, False))
+    deadline = time.monotonic() + 30
+    stack = os.path.join(progress.run_dir(), "stack.1.txt")
+    while os.path.getsize(stack) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.abort()
+
+
+def test_watchdog_abort_names_the_rank_that_never_joined_not_the_aborted_one():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        shardwise.launch(_watchdog_abort_stand_in, devices=2)
+    message = str(err.value)
+    assert message.startswith(
+        "[shardwise] rank 0 was killed by SIGABRT while it waited in collective #2 of the default group"
+    ), message[-3000:]
+    assert "(all_reduce [4] float): rank 1 never joined it" in message, message[-3000:]
+    # The launcher asked rank 1 for its stack when the dump appeared, while it still lived.
+    stack = message.split("rank 1's Python stack (in training_step after step 1) while the others waited:\n")[1]
+    assert "in _watchdog_abort_stand_in" in stack.splitlines()[0], message[-3000:]
+    assert time.monotonic() - start < 30
 
 
 def test_recorder_env_leaves_the_users_settings():

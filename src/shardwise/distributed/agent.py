@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.distributed import context as launch_context
-from shardwise.distributed import faults, forkserver
+from shardwise.distributed import faults, flight, forkserver, progress
 from shardwise.distributed.context import LaunchContext
 from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
 
@@ -147,7 +147,7 @@ def run(
     kept = False
     try:
         with _workers_see(context.replace(preempt_grace_s=grace, run_dir=run_dir)), _torch_logs_to(agent_log):
-            with _Forwarder(pids, who, grace) as forwarder:
+            with _Forwarder(pids, who, grace) as forwarder, _WatchdogDumps(run_dir):
                 try:
                     # A forked worker gets this process's environment as it is now, in the block (forkserver.py).
                     target, target_args = forkserver.wrap(entrypoint, args, start_method)
@@ -320,6 +320,40 @@ def _new_sessions() -> Callable[[], List[int]]:
 
     before = children()
     return lambda: sorted(children() - before)
+
+
+class _WatchdogDumps:
+    """When NCCL's watchdog writes its flight-recorder dumps into the run directory (a collective timed
+    out; it aborts that rank next, SIGABRT, with no Python exception and so no record), ask every
+    worker at once for its Python stack (faulthandler) and its flight records, while the rank that
+    stopped responding is still alive: the verdict names it with them. A thread polling the directory."""
+
+    POLL_S = 0.2
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shardwise-watchdog-dumps", daemon=True)
+
+    def __enter__(self) -> "_WatchdogDumps":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            try:
+                names = os.listdir(self.run_dir)
+            except OSError:
+                return
+            if any(name.startswith(flight.NCCL_DUMP_PREFIX) for name in names):
+                flight.request_dumps(self.run_dir)
+                workers = progress.read_all(self.run_dir)
+                faults.dump_stacks({r: p.pid for r, p in workers.items()}, self.run_dir, wait_s=0.0)
+                return
 
 
 class _Forwarder:

@@ -114,10 +114,13 @@ def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool =
     hook, step = (noted["hook"], noted["step"]) if noted else (where.hook, where.step) if where else (None, None)
     stall, stacks = None, {}
     directory = progress.run_dir()
-    # This rank's flight records, and every live peer's (its dump thread answers even inside a
-    # collective): the launcher compares them to name the collective the ranks disagree on.
+    # This rank's flight records, which the launcher compares to name the collective the ranks
+    # disagree on. After a timeout also every live peer's (its dump thread answers even inside a
+    # collective): the rank it waited for fails no collective of its own and records nothing. Any
+    # other failure does not wait: its peers record theirs as they fail, and a rank that lingers
+    # here is stopped by the launcher as if it had failed second.
     flight.write_dump(directory, rank)
-    peers = {r: p.pid for r, p in records.items() if r != rank and _alive(p.pid)}
+    peers = {r: p.pid for r, p in records.items() if r != rank and _alive(p.pid)} if kind == "timeout" else {}
     asked = flight.request_dumps(directory) if peers else 0.0
     if kind == "timeout":
         # Name the rank this one waited for while it is still alive, and ask the live ranks

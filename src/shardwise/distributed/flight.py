@@ -105,8 +105,8 @@ def _plain_entries(dump: dict) -> List[dict]:
 
 
 def write_dump(directory: Optional[str], rank: int) -> bool:
-    """This rank's flight records to `flight.<rank>.json` (written whole, then renamed); False without
-    a recorder, a directory or any record."""
+    """This rank's flight records to `flight.<rank>.json` (written whole, then renamed; no records is
+    an answer too: the asking rank stops waiting); False without a recorder or a directory."""
     if not directory or not os.path.isdir(directory):
         return False
     try:
@@ -119,8 +119,6 @@ def write_dump(directory: Optional[str], rank: int) -> bool:
     except Exception:  # no recorder in this build, or nothing recorded: a diagnostic, never a failure
         return False
     entries = _plain_entries(dump)
-    if not entries:
-        return False
     path = dump_path(directory, rank)
     try:
         with open(path + ".tmp", "w") as fh:
@@ -444,4 +442,9 @@ def report(finding: Finding, hooks: Optional[Dict[int, str]] = None, stacks: Opt
             lines.append(f"[shardwise] rank {rank}'s Python stack{where} {stacks[rank]}")
         elif where:
             lines.append(f"[shardwise] rank {rank} was last seen{where}; no stack of it was recorded.")
+    # The collective the others waited in, where their records keep its call (NCCL's dumps do).
+    waiting = [e for r, e in sorted(finding.entries.items()) if r not in finding.named and e.call_site()]
+    if waiting and not any(r in finding.entries for r in finding.named):
+        lines.append(f"[shardwise] rank {waiting[0].rank} called {waiting[0].op} #{waiting[0].seq} from:")
+        lines.append(waiting[0].call_site())
     return "\n".join(lines)
