@@ -17,7 +17,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from shardwise.recipes.finetune import FinetuneConfig, finetune  # noqa: E402
+from shardwise.recipes.finetune import finetune  # noqa: E402
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl  # noqa: E402
 
@@ -62,7 +62,7 @@ def main() -> None:
             cache_dir=os.path.join(root, "cache"),
         )
         cfg.update(extra)
-        result = finetune(FinetuneConfig(**cfg))
+        result = finetune(cfg)
         trainable, total = result.parameters["trainable"], result.parameters["total"]
         rows.append((name, _size(os.path.join(out, "checkpoints")), trainable, total))
     full = rows[0][1]

@@ -60,10 +60,13 @@ def save_model(path: str, hidden: int, layers: int, vocab: int, intermediate: in
 
 def shardwise_worker(path: str, strategy_name: str = "fsdp") -> dict:
     from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from shardwise.recipes.data import DataOptions
     from shardwise.recipes.finetune import FinetuneConfig, _build_strategy, build_module
     from shardwise.recipes.hf_model import inspect_model_folder
 
-    cfg = FinetuneConfig(model_path=path, dataset="(unused)", precision="32-true", strategy=strategy_name)
+    cfg = FinetuneConfig(
+        model_path=path, precision="32-true", strategy=strategy_name, data=DataOptions(dataset="(unused)")
+    )
     folder = inspect_model_folder(path)
     strategy = _build_strategy(cfg, folder)
     strategy.connect("cpu", "32-true", devices=int(os.environ["WORLD_SIZE"]))

@@ -61,10 +61,6 @@ class Precision:
         return self.name == "16-mixed"
 
     @property
-    def is_half_true(self) -> bool:
-        return self.name in ("bf16-true", "16-true")
-
-    @property
     def casts_module(self) -> bool:
         """The model itself is stored in another dtype than fp32 (64-true, bf16-true, 16-true): it is
         built and cast to param_dtype, and floating inputs are cast to it (convert_input)."""

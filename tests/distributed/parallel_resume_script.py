@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from shardwise.recipes.finetune import FinetuneConfig
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config
 
 SAVE_EVERY = 3
 STEPS = 6
@@ -43,7 +43,7 @@ def recipe_config(root: str, model: str, data: str, name: str, **changes) -> Fin
         per_device_train_batch_size=GLOBAL_BATCH // 2,
     )
     base.update(changes)
-    return FinetuneConfig(**base)
+    return coerce_config(base)
 
 
 def killed_worker(cfg: FinetuneConfig, kill_at: int) -> None:

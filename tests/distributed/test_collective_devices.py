@@ -66,24 +66,23 @@ def run_metrics():
 
 
 def run_finetune(model_dir, data, out):
+    from shardwise.recipes.data import DataOptions
     from shardwise.recipes.finetune import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(
         model_path=model_dir,
-        dataset=data,
-        max_seq_len=32,
-        packing=True,
         max_steps=2,
         eval_steps=1,
-        eval_split_ratio=0.2,
         precision="32-true",
-        per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         devices=2,
         strategy="fsdp",
         output_dir=out,
         logging_steps=1,
         seed=3,
+        data=DataOptions(
+            dataset=data, max_seq_len=32, packing=True, eval_split_ratio=0.2, per_device_train_batch_size=2
+        ),
     )
     with strict_cuda_collectives() as calls:
         result = finetune(cfg)

@@ -56,7 +56,7 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, out, **changes):
-    from shardwise.recipes.finetune import FinetuneConfig
+    from shardwise.recipes.finetune import coerce_config
 
     model_dir, data, root = assets
     settings = dict(
@@ -77,7 +77,7 @@ def _config(assets, out, **changes):
         cache_dir=str(root / "cache"),
         seed=3,
     )
-    return FinetuneConfig(**{**settings, **changes})
+    return coerce_config({**settings, **changes})
 
 
 def test_fsdp_save_resume_export_and_logits_after_from_pretrained(assets, tmp_path):

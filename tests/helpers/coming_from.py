@@ -1,10 +1,15 @@
-"""Their names, ours: what a Lightning, Accelerate or Hugging Face FSDP-recipe user writes, and what it means here.
+"""docs/coming-from.md's generated tables: their names and ours, and the Lightning hook rows.
 
-One table, kept in code so it cannot drift: `tests/unit/test_compat_table.py`
-runs every row's `check` (the spelling is accepted and means what the row
-says) and asserts that docs/coming-from.md carries `render_table()` verbatim between
-`<!-- compat-table -->` markers. Edit a row here, then paste the output of
-`python -m shardwise.compat` into docs/coming-from.md.
+What a Lightning, Accelerate or Hugging Face FSDP-recipe user writes, and what
+it means here, is one table kept in code so it cannot drift:
+`tests/unit/test_compat_table.py` runs every row's `check` (the spelling is
+accepted and means what the row says) and asserts that docs/coming-from.md
+carries `render_block()` verbatim between `<!-- compat-table -->` markers.
+Edit a row here, then paste the output of `python tests/helpers/coming_from.py`
+into docs/coming-from.md. `render_rows(owner)` renders the hook rows of the
+"Coming from Lightning" section from `shardwise.trainer.lightning_hooks.HOOKS`
+(tests/unit/test_lightning_hooks.py keeps them in step). Documentation
+generators live here, beside their tests, not in the package.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.distributed.fsdp as torch_fsdp
 
 from shardwise.recipes.hf_args import map_accelerate_config, translate_argv
 from shardwise.strategies import FSDPStrategy
+from shardwise.trainer.lightning_hooks import HOOKS, REFUSED, Hook
 
 MARK_START, MARK_END = "<!-- compat-table -->", "<!-- /compat-table -->"
 
@@ -402,6 +408,23 @@ def render_table() -> str:
 
 def render_block() -> str:
     return f"{MARK_START}\n{render_table()}\n{MARK_END}"
+
+
+def status_word(hook: Hook) -> str:
+    """The docs' word for a hook row: same, different (called, with a note) or refused."""
+    if hook.status == REFUSED:
+        return "refused"
+    return "different" if hook.note or hook.moved or hook.args_differ else "same"
+
+
+def render_rows(owner: str) -> str:
+    """docs/coming-from.md's rows for `owner`'s hooks ("module", "callback", "datamodule")."""
+    rows = []
+    for hook in HOOKS:
+        if hook.owner == owner:
+            text = hook.where + (f"; {hook.note}" if hook.note else "")
+            rows.append(f"| `{hook.name}` | {status_word(hook)} | {text.replace('|', '/')} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -63,29 +63,31 @@ def build_assets(root: str) -> Tuple[str, str]:
 
 
 def config(model_dir: str, data: str, out: str, layout: str, packing: bool, **changes: Any) -> Any:
-    from shardwise.recipes.finetune import FinetuneConfig
+    from shardwise.recipes.finetune import coerce_config
 
     devices, strategy, batch, accumulate = LAYOUTS[layout]
-    return FinetuneConfig(
-        model_path=model_dir,
-        dataset=data,
-        max_seq_len=64 if packing else 96,
-        packing=packing,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accumulate,
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=STEPS,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        eval_split_ratio=0.0,
-        logging_steps=1,
-        seed=11,
-        output_dir=out,
-        cache_dir=os.path.join(os.path.dirname(out), f"cache-{packing}"),
-        **changes,
+    return coerce_config(
+        dict(
+            model_path=model_dir,
+            dataset=data,
+            max_seq_len=64 if packing else 96,
+            packing=packing,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulate,
+            devices=devices,
+            strategy=strategy,
+            precision="32-true",
+            max_steps=STEPS,
+            learning_rate=1e-3,
+            lr_scheduler_type="constant",
+            max_grad_norm=1.0,
+            eval_split_ratio=0.0,
+            logging_steps=1,
+            seed=11,
+            output_dir=out,
+            cache_dir=os.path.join(os.path.dirname(out), f"cache-{packing}"),
+            **changes,
+        )
     )
 
 

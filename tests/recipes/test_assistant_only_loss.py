@@ -27,7 +27,8 @@ from shardwise.cli.finetune import parser
 from shardwise.recipes import data as D
 from shardwise.recipes.assistant_spans import AssistantSpanError
 from shardwise.recipes.causal_lm import CausalLMModule
-from shardwise.recipes.finetune import FinetuneConfig
+from shardwise.recipes.data import DataOptions
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config
 
 from helpers.hf import build_tokenizer, chat_records, write_jsonl
 from helpers.trainers import quiet_trainer
@@ -131,9 +132,10 @@ def test_the_cache_key_keeps_old_caches_and_separates_the_option(chat):
         default=str,
     )
     assert D.cache_key(off, chat.tok) == hashlib.sha256(blob.encode()).hexdigest()[:16]
-    # The option's flat and nested spellings, in Python and on the command line, reach the spec.
-    assert FinetuneConfig(assistant_only_loss=True).data.spec("messages", 1).assistant_only_loss
-    assert FinetuneConfig(data={"assistant_only_loss": True}).data.assistant_only_loss
+    # The option's spellings reach the spec: nested in Python, flat or nested in a dict (YAML) and on the command line.
+    assert FinetuneConfig(data=DataOptions(assistant_only_loss=True)).data.spec("messages", 1).assistant_only_loss
+    assert coerce_config({"assistant_only_loss": True}).data.assistant_only_loss
+    assert coerce_config({"data": {"assistant_only_loss": True}}).data.assistant_only_loss
     for argv, value in (
         (["--assistant_only_loss", "true"], True),
         (["--data.assistant_only_loss", "true"], True),

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from shardwise.cli import main
 from shardwise.recipes.convert import convert
+from shardwise.recipes.data import DataOptions
 from shardwise.recipes.finetune import FinetuneConfig, finetune
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
@@ -47,17 +48,19 @@ def run(tmp_path_factory):
     finetune(
         FinetuneConfig(
             model_path=base,
-            dataset=write_jsonl(os.path.join(root, "chat.jsonl"), records),
-            max_seq_len=32,
             max_steps=2,
             save_steps=2,
             learning_rate=1e-2,
             precision="32-true",
-            eval_split_ratio=0.0,
             devices=1,
             logging_steps=100,
             output_dir=out,
-            cache_dir=os.path.join(root, "cache"),
+            data=DataOptions(
+                dataset=write_jsonl(os.path.join(root, "chat.jsonl"), records),
+                max_seq_len=32,
+                eval_split_ratio=0.0,
+                cache_dir=os.path.join(root, "cache"),
+            ),
         )
     )
     return base, os.path.join(out, "checkpoints", "last.ckpt"), out  # the export is of step 2 too

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+from shardwise.recipes.data import DataOptions
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, validate_config
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
@@ -47,7 +48,7 @@ def _zero3_load(model_dir):
     strategy.configure_training(micro_batch_size=1)
     strategy.setup_environment()
     folder = hf_model.inspect_model_folder(model_dir)
-    module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+    module = build_module(FinetuneConfig(model_path=model_dir, data=DataOptions(dataset="-")), folder, 1)
     with strategy.module_init_context():
         module.configure_model()
     params = list(module.parameters())
@@ -98,23 +99,25 @@ def _runs(model_dir, data, root):
     for stage in (3, 2):
         cfg = FinetuneConfig(
             model_path=model_dir,
-            dataset=data,
-            max_seq_len=64,
             max_steps=8,
             learning_rate=3e-3,
             lr_scheduler_type="constant",
             precision="32-true",
-            per_device_train_batch_size=2,
             devices=2,
             strategy=f"deepspeed_stage_{stage}",
-            eval_split_ratio=0.0,
             save_steps=4 if stage == 2 else None,
             save_total_limit=2,
             gradient_checkpointing=stage == 2,
             output_dir=os.path.join(root, f"zero{stage}"),
-            cache_dir=os.path.join(root, "cache"),
             logging_steps=100,
             seed=3,
+            data=DataOptions(
+                dataset=data,
+                max_seq_len=64,
+                per_device_train_batch_size=2,
+                eval_split_ratio=0.0,
+                cache_dir=os.path.join(root, "cache"),
+            ),
         )
         out[stage] = finetune(cfg, after_fit=live_weights)
     # Resume the ZeRO-2 run from its step-4 engine checkpoint: steps 5-8 again.
@@ -207,13 +210,15 @@ def assets(tmp_path_factory):
 
 
 def _cfg(assets, **changes):
-    return FinetuneConfig(
-        model_path=assets["model"],
-        dataset=assets["data"],
-        max_seq_len=32,
-        max_steps=2,
-        output_dir=assets["out"],
-        **changes,
+    return coerce_config(
+        dict(
+            model_path=assets["model"],
+            dataset=assets["data"],
+            max_seq_len=32,
+            max_steps=2,
+            output_dir=assets["out"],
+            **changes,
+        )
     )
 
 

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from shardwise.recipes.data import DataOptions
 from shardwise.recipes.finetune import FinetuneConfig, finetune
 
 from helpers.hf import build_model_folder, chat_records, gather_trained_weights, write_jsonl
@@ -28,9 +29,6 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
     out = str(tmp_path / "out")
     cfg = FinetuneConfig(
         model_path=model_dir,
-        dataset=data,
-        max_seq_len=64,
-        packing=True,
         max_steps=30,
         learning_rate=3e-3,
         lr_scheduler_type="cosine",
@@ -39,13 +37,14 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
         logging_steps=10,
         eval_steps=10,
         precision="32-true",
-        per_device_train_batch_size=2,
         gradient_checkpointing=True,
         devices=2,
         strategy="fsdp",
-        eval_split_ratio=0.1,
         output_dir=out,
         seed=7,
+        data=DataOptions(
+            dataset=data, max_seq_len=64, packing=True, per_device_train_batch_size=2, eval_split_ratio=0.1
+        ),
     )
     result = finetune(cfg, after_fit=gather_trained_weights)
 
@@ -89,7 +88,7 @@ def _one_process_load(model_dir, export_dir):
     strategy.setup_environment()
     try:
         folder = hf_model.inspect_model_folder(model_dir)
-        module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+        module = build_module(FinetuneConfig(model_path=model_dir, data=DataOptions(dataset="-")), folder, 1)
         with strategy.module_init_context():
             module.configure_model()
         module = strategy.setup_module(module)  # the uninitialised-tensor check runs here
@@ -144,12 +143,10 @@ def test_save_steps_checkpoints_resume_exactly(tmp_path):
         logging_steps=100,
         cache_dir=str(tmp_path / "cache"),
     )
-    straight = finetune(FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "a"), **common))
-    finetune(FinetuneConfig(max_steps=3, output_dir=str(tmp_path / "b"), **common))
+    straight = finetune(dict(max_steps=6, output_dir=str(tmp_path / "a"), **common))
+    finetune(dict(max_steps=3, output_dir=str(tmp_path / "b"), **common))
     assert os.path.exists(tmp_path / "b" / "checkpoints" / "last.ckpt")
-    resumed = finetune(
-        FinetuneConfig(max_steps=6, output_dir=str(tmp_path / "b"), resume_from_checkpoint="last", **common)
-    )
+    resumed = finetune(dict(max_steps=6, output_dir=str(tmp_path / "b"), resume_from_checkpoint="last", **common))
     # The history keeps the steps before the resume (they travel in the checkpoint), each once.
     assert [s["step"] for s in resumed.losses] == [1, 2, 3, 4, 5, 6]
     assert [s["loss"] for s in resumed.losses] == pytest.approx([s["loss"] for s in straight.losses], rel=1e-6)
@@ -164,7 +161,7 @@ def _load_and_score(model_dir, sharding, num_nodes):
     strategy.connect("cpu", "32-true", num_nodes=num_nodes)
     strategy.setup_environment()
     folder = hf_model.inspect_model_folder(model_dir)
-    module = build_module(FinetuneConfig(model_path=model_dir, dataset="-"), folder, 1)
+    module = build_module(FinetuneConfig(model_path=model_dir, data=DataOptions(dataset="-")), folder, 1)
     with strategy.module_init_context():
         module.configure_model()
     module = strategy.setup_module(module)
@@ -204,18 +201,20 @@ def test_unpacked_padded_batches_train_and_export_bf16(tmp_path):
     model_dir = build_model_folder(str(tmp_path / "m"), records)
     cfg = FinetuneConfig(
         model_path=model_dir,
-        dataset=write_jsonl(str(tmp_path / "c.jsonl"), records),
-        packing=False,
-        max_seq_len=48,
         max_steps=6,
-        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         learning_rate=3e-3,
         precision="32-true",
         devices=1,
-        eval_split_ratio=0.0,
         export_dtype="bfloat16",
         output_dir=str(tmp_path / "out"),
+        data=DataOptions(
+            dataset=write_jsonl(str(tmp_path / "c.jsonl"), records),
+            packing=False,
+            max_seq_len=48,
+            per_device_train_batch_size=4,
+            eval_split_ratio=0.0,
+        ),
     )
     result = finetune(cfg)
     losses = [s["loss"] for s in result.losses]

@@ -12,7 +12,7 @@ import torch
 from shardwise.cli import main as shardwise_main
 from shardwise.recipes.causal_lm import lr_lambda
 from shardwise.recipes.data import DatasetFieldError
-from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, validate_config
+from shardwise.recipes.finetune import coerce_config, finetune, validate_config
 from shardwise.recipes.hf_model import ModelFolderError
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
@@ -35,7 +35,7 @@ def _cfg(assets, **changes):
         output_dir=str(assets["root"] / "out"),
     )
     base.update(changes)
-    return FinetuneConfig(**base)
+    return coerce_config(base)
 
 
 def test_valid_config_passes(assets):
@@ -96,6 +96,11 @@ def test_other_option_errors(assets):
         validate_config(_cfg(assets, strategy="fsdp3"))
     with pytest.raises(ValueError, match="unknown finetune option"):
         coerce_config({"model_path": "x", "use_flash_atn": True})
+    with pytest.raises(ValueError, match=r"unknown data option\(s\) \['max_seq_lenn'\]"):
+        coerce_config({"model_path": "x", "data": {"max_seq_lenn": 64}})
+    # A flat data option overrides the same one under `data`, as the flags do.
+    data = coerce_config({"data": {"max_seq_len": 8, "packing": False}, "max_seq_len": 64}).data
+    assert (data.max_seq_len, data.packing) == (64, False)
     with pytest.raises(RuntimeError, match="shardwise launch --nnodes 2"):
         finetune(_cfg(assets, num_nodes=2, devices=1))
 

@@ -14,10 +14,11 @@ from helpers.hf import build_model_folder, chat_records
 def load_and_report(model_dir):
     import torch.distributed as dist
 
+    from shardwise.recipes.data import DataOptions
     from shardwise.recipes.finetune import FinetuneConfig, _build_strategy, build_module
     from shardwise.recipes.hf_model import inspect_model_folder
 
-    cfg = FinetuneConfig(model_path=model_dir, dataset="-", precision="32-true")
+    cfg = FinetuneConfig(model_path=model_dir, precision="32-true", data=DataOptions(dataset="-"))
     folder = inspect_model_folder(model_dir)
     strategy = _build_strategy(cfg, folder)
     strategy.connect("cpu", "32-true")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+from shardwise.recipes.finetune import coerce_config, finetune, validate_config
 
 from helpers.hf import build_model_folder, build_tokenizer, chat_records, write_jsonl
 
@@ -60,7 +60,7 @@ def _cfg(assets, **changes):
         output_dir=str(assets["root"] / "out"),
     )
     base.update(changes)
-    return FinetuneConfig(**base)
+    return coerce_config(base)
 
 
 def test_tp_and_sp_build_one_fsdp_strategy(assets, tmp_path):
@@ -180,10 +180,10 @@ def _losses_at_two_layouts(sp2, tp2):
     as_fsdp = dataclasses.replace(
         tp2,
         tp_size=1,
-        per_device_train_batch_size=GLOBAL_BATCH // 2,
         save_steps=None,
         output_dir=tp2.output_dir + "-as-fsdp",
         resume_from_checkpoint=step3,
+        data=dataclasses.replace(tp2.data, per_device_train_batch_size=GLOBAL_BATCH // 2),
     )
     out["tp2_resumed_as_fsdp"] = finetune(as_fsdp).losses
     return {name: [s["loss"] for s in losses] for name, losses in out.items()}

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from shardwise.recipes.finetune import FinetuneConfig, finetune
+from shardwise.recipes.finetune import finetune
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
@@ -35,12 +35,12 @@ def test_resumed_history_has_every_step_once(tmp_path):
         logging_steps=100,  # no log line syncs the history before the save: the save must
         cache_dir=str(tmp_path / "cache"),
     )
-    first = finetune(FinetuneConfig(max_steps=3, **common))
+    first = finetune(dict(max_steps=3, **common))
     assert [s["step"] for s in first.losses] == [1, 2, 3]
     checkpoints = tmp_path / "out" / "checkpoints"
     step2 = [name for name in os.listdir(checkpoints) if "step=2" in name]
     assert len(step2) == 1, os.listdir(checkpoints)
-    resumed = finetune(FinetuneConfig(max_steps=5, resume_from_checkpoint=str(checkpoints / step2[0]), **common))
+    resumed = finetune(dict(max_steps=5, resume_from_checkpoint=str(checkpoints / step2[0]), **common))
     with open(tmp_path / "out" / "finetune_history.json") as fh:
         written = json.load(fh)["losses"]
     for history in (resumed.losses, written):

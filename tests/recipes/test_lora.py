@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+from shardwise.recipes.data import DataOptions
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, validate_config
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
@@ -61,24 +62,26 @@ def _runs(model_dir, data, root, steps=STEPS, parity_steps=PARITY_STEPS):
     dist.init_process_group("gloo")
     base = FinetuneConfig(
         model_path=model_dir,
-        dataset=data,
-        max_seq_len=64,
-        packing=True,
         max_steps=steps,
         learning_rate=2e-2,
         lr_scheduler_type="constant",
         precision="32-true",
-        per_device_train_batch_size=2,
         gradient_checkpointing=True,
         devices=2,
         strategy="fsdp",
-        eval_split_ratio=0.0,
-        cache_dir=os.path.join(root, "cache"),
         logging_steps=100,
         seed=5,
         lora_r=8,
         lora_alpha=16,
         lora_target_modules=["all-linear"],
+        data=DataOptions(
+            dataset=data,
+            max_seq_len=64,
+            packing=True,
+            per_device_train_batch_size=2,
+            eval_split_ratio=0.0,
+            cache_dir=os.path.join(root, "cache"),
+        ),
     )
     out = {"fsdp": finetune(dataclasses.replace(base, output_dir=os.path.join(root, "fsdp")), after_fit=lora_facts)}
     for strategy in ("ddp", "deepspeed_stage_3"):
@@ -161,7 +164,9 @@ def test_lora_ddp_and_zero3_agree_with_fsdp(runs, strategy):
 )
 def test_bad_lora_options_are_refused_up_front(assets, options, message):
     model_dir, data, root = assets
-    cfg = FinetuneConfig(model_path=model_dir, dataset=data, max_seq_len=64, output_dir=str(root / "never"), **options)
+    cfg = coerce_config(
+        dict(model_path=model_dir, dataset=data, max_seq_len=64, output_dir=str(root / "never"), **options)
+    )
     with pytest.raises(ValueError, match=message) as info:
         validate_config(cfg)
     if "match no module" in message:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import CheckpointMismatchError
-from shardwise.recipes.finetune import FinetuneConfig, finetune
+from shardwise.recipes.finetune import coerce_config, finetune
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
@@ -42,34 +42,36 @@ def trained_logits(module):
 
 
 def _config(model_dir, data, root, **overrides):
-    return FinetuneConfig(
-        **{
-            **dict(
-                model_path=model_dir,
-                dataset=data,
-                max_seq_len=32,
-                max_steps=STEPS,
-                learning_rate=1e-2,
-                lr_scheduler_type="cosine",  # a schedule that moves each step: its state must resume too
-                precision="32-true",
-                per_device_train_batch_size=2,
-                devices=2,
-                strategy="fsdp",
-                eval_split_ratio=0.0,
-                save_steps=SAVE_EVERY,
-                save_total_limit=3,
-                logging_steps=100,
-                seed=3,
-                lora_r=2,
-                lora_alpha=4,
-                lora_dropout=0.0,  # so that 1 process computes what 2 did (dropout would draw per rank)
-                lora_target_modules=["q_proj", "v_proj"],
-                gradient_checkpointing=True,  # the export must see through the checkpoint wrappers
-                merge=True,
-                cache_dir=os.path.join(root, "cache"),
-            ),
-            **overrides,
-        }
+    return coerce_config(
+        dict(
+            **{
+                **dict(
+                    model_path=model_dir,
+                    dataset=data,
+                    max_seq_len=32,
+                    max_steps=STEPS,
+                    learning_rate=1e-2,
+                    lr_scheduler_type="cosine",  # a schedule that moves each step: its state must resume too
+                    precision="32-true",
+                    per_device_train_batch_size=2,
+                    devices=2,
+                    strategy="fsdp",
+                    eval_split_ratio=0.0,
+                    save_steps=SAVE_EVERY,
+                    save_total_limit=3,
+                    logging_steps=100,
+                    seed=3,
+                    lora_r=2,
+                    lora_alpha=4,
+                    lora_dropout=0.0,  # so that 1 process computes what 2 did (dropout would draw per rank)
+                    lora_target_modules=["q_proj", "v_proj"],
+                    gradient_checkpointing=True,  # the export must see through the checkpoint wrappers
+                    merge=True,
+                    cache_dir=os.path.join(root, "cache"),
+                ),
+                **overrides,
+            }
+        )
     )
 
 

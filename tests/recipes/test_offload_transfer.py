@@ -27,16 +27,13 @@ from helpers.strict_device import strict_cuda_collectives
 
 
 def run_recipe(model_dir, data, out):
+    from shardwise.recipes.data import DataOptions
     from shardwise.recipes.finetune import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(
         model_path=model_dir,
-        dataset=data,
-        max_seq_len=32,
-        packing=True,
         max_steps=1,
         precision="32-true",
-        per_device_train_batch_size=2,
         devices=2,
         strategy="fsdp",
         cpu_offload=True,
@@ -45,6 +42,7 @@ def run_recipe(model_dir, data, out):
         output_dir=out,
         seed=3,
         enable_progress_bar=False,
+        data=DataOptions(dataset=data, max_seq_len=32, packing=True, per_device_train_batch_size=2),
     )
     with strict_cuda_collectives() as calls:
         result = finetune(cfg)

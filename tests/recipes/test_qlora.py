@@ -32,6 +32,7 @@ from shardwise.adapters.quantize import (
     packed_shape,
     quantize_to_4bit,
 )
+from shardwise.recipes.data import DataOptions
 from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
@@ -108,18 +109,12 @@ def folder(tmp_path_factory):
     data = write_jsonl(os.path.join(root, "chat.jsonl"), chat_records(120))
     config = FinetuneConfig(
         model_path=model_dir,
-        dataset=data,
-        max_seq_len=64,
-        packing=True,
         max_steps=STEPS,
         learning_rate=3e-3,
         lr_scheduler_type="constant",
         precision="32-true",
-        per_device_train_batch_size=2,
         devices=2,
         strategy="fsdp",
-        eval_split_ratio=0.0,
-        cache_dir=os.path.join(root, "cache"),
         logging_steps=100,
         seed=5,
         lora_r=8,
@@ -128,6 +123,14 @@ def folder(tmp_path_factory):
         load_in_4bit=True,
         merge=True,
         output_dir=os.path.join(root, "fsdp"),
+        data=DataOptions(
+            dataset=data,
+            max_seq_len=64,
+            packing=True,
+            per_device_train_batch_size=2,
+            eval_split_ratio=0.0,
+            cache_dir=os.path.join(root, "cache"),
+        ),
     )
     return {"base": config, "model_dir": model_dir, "root": root}
 
@@ -145,7 +148,9 @@ def qlora(folder):
             max_steps=PARITY_STEPS,
             merge=False,
             output_dir=os.path.join(root, "single"),
-            data=dataclasses.replace(base.data, per_device_train_batch_size=4),
+            data=dataclasses.replace(
+                base.data, data=dataclasses.replace(base.data.data, per_device_train_batch_size=4)
+            ),
         )
     )
     return {"fsdp": fsdp, "single": single, "model_dir": folder["model_dir"]}

@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from shardwise import compat
 from shardwise.recipes import hf_args
 from shardwise.strategies import fsdp_compat
+
+from helpers import coming_from as compat
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "coming-from.md")  # README's table moved here
 
@@ -28,8 +29,10 @@ def test_every_accepted_name_has_a_row():
 
 def test_readme_carries_the_rendered_table():
     text = open(README).read()
-    assert compat.MARK_START in text, "docs/coming-from.md has no compat-table block; run `python -m shardwise.compat`"
+    assert compat.MARK_START in text, (
+        "docs/coming-from.md has no compat-table block; run `python tests/helpers/coming_from.py`"
+    )
     block = text[text.index(compat.MARK_START) : text.index(compat.MARK_END) + len(compat.MARK_END)]
     assert block == compat.render_block(), (
-        "docs/coming-from.md's table is stale: paste `python -m shardwise.compat` into it"
+        "docs/coming-from.md's table is stale: paste `python tests/helpers/coming_from.py` into it"
     )

@@ -21,14 +21,14 @@ from shardwise.adapters.converters import (
     convert_model,
 )
 from shardwise.recipes.causal_lm import ConverterSteps
-from shardwise.recipes.finetune import FinetuneConfig
+from shardwise.recipes.finetune import FinetuneConfig, coerce_config
 from shardwise.strategies.parallel import ParallelPlan
 
 from helpers.trainers import quiet_trainer
 
 
 def _config(**flags) -> FinetuneConfig:
-    return FinetuneConfig(model_path="unused", dataset="-", **flags)
+    return coerce_config(dict(model_path="unused", dataset="-", **flags))
 
 
 def _no_plan():

@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
 from shardwise import Callback, DataModule, Trainer, TrainModule
-from shardwise.trainer.lightning_hooks import CALLED, HOOKS, REFUSED, render_rows
+from shardwise.trainer.lightning_hooks import CALLED, HOOKS, REFUSED
 
+from helpers.coming_from import render_rows
 from helpers.hook_recording import CALLS, TRAINER_KWARGS, module_class, record, recording_classes
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "coming-from.md")  # README's tables moved here
@@ -209,7 +210,7 @@ def test_readme_coming_from_lightning_has_a_row_for_everything_lightning_has():
     section = section[: section.index("\n## ", 1)]
     for owner in ("module", "callback", "datamodule"):
         assert render_rows(owner) in section, (
-            f"docs/coming-from.md's {owner} hook rows differ from lightning_hooks.render_rows"
+            f"docs/coming-from.md's {owner} hook rows differ from tests/helpers/coming_from.render_rows"
         )
     rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")}
     names = {name.strip(" `") for row in rows for name in row.split(",")}

@@ -213,6 +213,19 @@ def test_chunked_cross_entropy_equals_cross_entropy(chunk_size: int) -> None:
     )
 
 
+@pytest.mark.parametrize("chunk_size", [0, 7])
+def test_chunked_cross_entropy_sums_what_cross_entropy_sums(chunk_size: int) -> None:
+    logits, targets = _random_problem()
+    expected = F.cross_entropy(logits.view(-1, 50), targets.view(-1), reduction="sum")
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    loss = chunked_cross_entropy(logits, targets, chunk_size=chunk_size, reduction="sum")
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match='reduction must be "mean" or "sum"'):
+        chunked_cross_entropy(logits, targets, reduction="none")
+
+
 def test_chunked_cross_entropy_low_precision_keeps_no_float32_copy() -> None:
     logits, targets = _random_problem(torch.bfloat16)
     saved: list[torch.Tensor] = []

@@ -442,7 +442,7 @@ def test_forked_workers_get_the_fsdp_jobs_of_one_depth_together():
     jobs = [TraceJob(c.config_key, "bf16-mixed", 1, 1, d, (1.0,), ()) for c in fsdp + ddp for d in (3, 4)]
     shares = _shares(jobs, 2)
     assert sorted(sum(shares, []), key=repr) == sorted(jobs, key=repr)  # every job exactly once
-    depths = [{j.depth for j in s if j.traced.kind == "fsdp"} for s in shares]
+    depths = [{j.depth for j in s if j.traced.plan.engine == "fsdp"} for s in shares]
     assert sorted(depths, key=min) == [{3}, {4}]
     loads = [sum(_cost(j) for j in s) for s in shares]
     assert max(loads) <= 1.1 * sum(loads) / 2  # DDP jobs even the two out

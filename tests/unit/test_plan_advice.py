@@ -10,6 +10,7 @@ import pytest
 
 from shardwise.models import GPTConfig
 from shardwise.plan import plan
+from shardwise.plan.candidates import Candidate
 from shardwise.plan.recommend import binding_limit, recommend
 from shardwise.strategies import ParallelPlan
 
@@ -28,7 +29,7 @@ def _row(label, reserved_gib, seconds, host_gib=1.0, device=80, cpu=None, headro
         device_fits=device_fits,
         host_fits=host_fits,
         fits=device_fits and host_fits is not False,
-        candidate=SimpleNamespace(offload=offload),
+        candidate=Candidate("fsdp", sharding="FULL_SHARD", offload=offload),
     )
 
 

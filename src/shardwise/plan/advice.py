@@ -226,9 +226,9 @@ def _smallest_change(
         return result.reason
 
     def distance(e: Any) -> Tuple[int, int, int, float]:
-        c = e.candidate
-        same = (c.kind, c.sharding, c.stage) == (current.kind, current.sharding, current.stage)
-        knobs = int(c.activation_checkpointing != current.activation_checkpointing) + int(c.offload != current.offload)
+        c, now = e.candidate.plan, current.plan
+        same = (c.engine, c.sharding, c.zero_stage or 0) == (now.engine, now.sharding, now.zero_stage or 0)
+        knobs = int(c.uses_ac != now.uses_ac) + int(c.offload_optimizer != now.offload_optimizer)
         return (0 if same else 1, knobs, int(c.micro_batch != micro), e.step_seconds)
 
     best = min(fitting, key=distance).candidate
@@ -290,7 +290,7 @@ def rebatch(loader: Any, batch_size: int) -> Any:
 
 def _strategy_for(trainer: Any, cand: Candidate, blocks: Any) -> Any:
     """The strategy for the planner's choice, connected as the Trainer's was; None where the automatic one is it."""
-    if cand.kind == "ddp":
+    if cand.plan.engine == "ddp":
         return None
     old = trainer.strategy
     strategy = cand.build_strategy(blocks or (), precision=None)

@@ -15,7 +15,8 @@ The fallback, for models that cannot run under fake tensors (some Hugging
 Face models branch on tensor values), is a per-block estimate: saved
 activations per transformer block from its shapes, plus logits and the
 float32 cross entropy over the vocabulary (about 10 bytes x batch x seq x
-vocab), plus model states per strategy. The report marks such rows.
+vocab; a Hugging Face model's chunked loss keeps only the logits and their
+gradient), plus model states per strategy. The report marks such rows.
 """
 
 from __future__ import annotations
@@ -156,14 +157,17 @@ def fallback_estimate(
     mixed = precision in ("bf16-mixed", "16-mixed")
     act_bytes = 2 if half else 4
     depth = spec.depth or 1
-    acts = depth * block_activation_bytes(spec, micro_batch, seq_len, act_bytes, cand.activation_checkpointing, mixed)
-    if cand.activation_checkpointing:  # one block is recomputed at a time
+    acts = depth * block_activation_bytes(spec, micro_batch, seq_len, act_bytes, cand.plan.uses_ac, mixed)
+    if cand.plan.uses_ac:  # one block is recomputed at a time
         acts += block_activation_bytes(spec, micro_batch, seq_len, act_bytes, False, mixed)
     acts /= cand.plan.tp * cand.plan.sp  # a tp x sp group splits its blocks' activations (not the logits)
     copies = acct.autocast_copies(n, precision)
     if copies:
         acts += copies
-    logits = 10.0 * micro_batch * seq_len * spec.vocab_size  # bf16 logits + fp32 copy + fp32 gradient
+    if spec.kind == "hf":  # the recipe's chunked loss (losses.py): the logits and their gradient, same dtype
+        logits = 2.0 * act_bytes * micro_batch * seq_len * spec.vocab_size
+    else:
+        logits = 10.0 * micro_batch * seq_len * spec.vocab_size  # bf16 logits + fp32 copy + fp32 gradient
     block_params = (n - stats.small) / depth if depth else n
     states = acct.fallback_states(cand.plan, stats, world, num_nodes, precision, depth, block_params, settings)
     breakdown = dict(states, activations=acts + logits)

@@ -74,29 +74,6 @@ class Candidate:
         ):
             object.__setattr__(self, name, value)
 
-    # The planner's view of the plan: the JSON fields reports have always had.
-    @property
-    def kind(self) -> str:
-        return self.plan.engine
-
-    @property
-    def sharding(self) -> str:
-        return self.plan.sharding
-
-    @property
-    def stage(self) -> int:
-        return self.plan.zero_stage or 0
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        return self.plan.uses_ac
-
-    @property
-    def offload(self) -> bool:
-        # What the planner models as offload: the optimizer's state stepping on the host (FSDP
-        # moves its parameters with it; ZeRO-3 offload its parameters too).
-        return self.plan.offload_optimizer
-
     @property
     def config_label(self) -> str:
         """The configuration without the batch split: what the user selects in the Trainer."""
@@ -123,12 +100,15 @@ class Candidate:
         return replace(self, micro_batch=micro_batch, accumulation=accumulation)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The JSON fields plan reports have always had (`--json`, the accuracy benchmark's records)."""
         return dict(
-            kind=self.kind,
-            sharding=self.sharding,
-            stage=self.stage,
-            activation_checkpointing=self.activation_checkpointing,
-            offload=self.offload,
+            kind=self.plan.engine,
+            sharding=self.plan.sharding,
+            stage=self.plan.zero_stage or 0,
+            activation_checkpointing=self.plan.uses_ac,
+            # What the planner models as offload: the optimizer's state stepping on the host (FSDP
+            # moves its parameters with it; ZeRO-3 offload its parameters too).
+            offload=self.plan.offload_optimizer,
             tp=self.plan.tp,
             sp=self.plan.sp,
             micro_batch=self.micro_batch,

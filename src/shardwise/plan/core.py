@@ -218,7 +218,7 @@ def plan(
         if candidates is None and accelerator == "cpu":
             # Offload moves state from device to host memory; on a CPU both are the same memory
             # (FSDPStrategy says so and does nothing): it saves nothing, so it is never a choice.
-            cands = [c for c in cands if not c.offload]
+            cands = [c for c in cands if not c.plan.offload_optimizer]
     requested = candidates is not None or strategy is not None
     cands, parallel_notes = with_parallel_degrees(
         cands, spec, seq_len, world, num_nodes, tp_size, sp_size, requested=requested
@@ -464,7 +464,7 @@ class _Planner:
     def _estimate(self, cand: Candidate, tr: Trace, r: float) -> Estimate:
         if accounting_for(cand.plan).analytic_states:
             allocated, phase, breakdown, host, method = self._zero(cand, tr, r)
-        elif cand.offload:
+        elif cand.plan.offload_optimizer:
             allocated, phase, breakdown, host, method = fsdp_offload_row(self.spec, tr, r)
         else:
             allocated, phase, breakdown, host, method = self._traced_estimate(cand, tr, r)
@@ -578,7 +578,7 @@ class _Planner:
                 self.spec, cand, self.full_stats, self.world, self.num_nodes, self.precision, m, self.seq_len, self.zero
             )
             host = 0.0
-            if cand.offload:  # per rank on the host
+            if cand.plan.offload_optimizer:  # per rank on the host
                 host = accounting_for(cand.plan).fallback_host_bytes(self.full_stats.total / self.world)
             breakdown = {k2: breakdown.get(k2, 0.0) for k2 in CATEGORIES}
             rows.append(self._finish(cand.with_batch(m, k), value, "", breakdown, host, "analytic per-block fallback"))

@@ -107,7 +107,7 @@ def step_cost(
     peak = GPUS[hw.gpu]["half" if half else "single"]
     tokens_micro = cand.micro_batch * seq_len / cand.plan.sp  # a rank's rows in each matmul
     mfu = BASE_MFU * tokens_micro / (tokens_micro + MFU_HALF_TOKENS)
-    recompute = 4.0 / 3.0 if cand.activation_checkpointing else 1.0
+    recompute = 4.0 / 3.0 if cand.plan.uses_ac else 1.0
     period = cand.plan.selective_ac_option
     if cand.plan.ac == "selective" and isinstance(period, int) and period > 1:
         recompute = 1.0 + 1.0 / (3.0 * period)  # one block in `period` is recomputed
@@ -125,7 +125,7 @@ def step_cost(
         comm_bytes = ring_bytes + intra_bytes + inter_bytes
         comm = ring_bytes / flat_bw + intra_bytes / intra + inter_bytes / inter
     offload = 0.0
-    if cand.offload:
+    if cand.plan.offload_optimizer:
         shard = n / w
         offload = acct.host_traffic(cand.plan, shard, k, precision) / HOST_LINK
         per_node_gpus = max(1, w // max(1, num_nodes))

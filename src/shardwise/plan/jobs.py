@@ -158,7 +158,7 @@ def _can_fork() -> bool:
 def _longest_first(jobs: Sequence[TraceJob]) -> list:
     return sorted(
         jobs,
-        key=lambda j: (j.traced.activation_checkpointing, _sharded(j), j.depth or 0, j.accumulation),
+        key=lambda j: (j.traced.plan.uses_ac, _sharded(j), j.depth or 0, j.accumulation),
         reverse=True,
     )
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.losses import chunked_cross_entropy
 from shardwise.models import GPT, PRESETS, Block, GPTConfig, Transformer, transformer_num_params
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.plan.adapters import apply_adapters
@@ -204,11 +205,13 @@ def _largest_layer(module: nn.Module) -> int:
 class LMModule(TrainModule):
     """The TrainModule a user writes for a causal LM: build in configure_model, CE loss, AdamW.
 
-    The GPT and HF paths compute `F.cross_entropy` on float32 logits over the
-    whole vocabulary -- the plain loss most training scripts use, whose logits,
-    their float32 copy and its gradient are the ~10 bytes x batch x seq x vocab
-    the planner must see. The demo Transformer path is the seed's
-    `F.nll_loss(model(input, target), target.view(-1))`.
+    The GPT path computes `F.cross_entropy` on float32 logits over the whole
+    vocabulary -- the plain loss most training scripts use, whose logits, their
+    float32 copy and its gradient are the ~10 bytes x batch x seq x vocab the
+    planner must see. A Hugging Face model is planned as the finetune recipe
+    trains it (recipes/causal_lm.py): the same `chunked_cross_entropy` call,
+    which keeps no float32 copy of the logits. The demo Transformer path is the
+    seed's `F.nll_loss(model(input, target), target.view(-1))`.
     """
 
     def __init__(
@@ -253,7 +256,9 @@ class LMModule(TrainModule):
             logits = self.model(input_ids=inputs, use_cache=False).logits
         else:
             logits = self.model(inputs)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100)
+            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100)
+        # The recipe's loss (CausalLMModule._summed_loss): the mean here, as the Trainer's division makes it there.
+        return chunked_cross_entropy(logits, target, ignore_index=-100)
 
     def _sp_mesh(self) -> Any:
         """The sequence-parallel mesh: the one the planner's trace set, else the Trainer's strategy's."""

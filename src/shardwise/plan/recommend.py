@@ -116,7 +116,7 @@ def _nothing_fits(estimates: List[Any], device_memory: int, cpu_memory: Optional
             f"{format_bytes(smallest.cpu_per_node)} of host memory per node (usable: "
             f"{_budget(cpu_memory, headroom)}). Add devices or nodes, or shorten sequences."
         )
-    offload = any(e.candidate.offload for e in estimates)
+    offload = any(e.candidate.plan.offload_optimizer for e in estimates)
     hint = "Add devices, shorten sequences or use a smaller micro-batch" + ("" if offload else ", or plan CPU offload")
     return f"Nothing fits on the device: {device_text}. {hint}."
 

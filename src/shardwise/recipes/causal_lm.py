@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from shardwise.adapters.converters import build_converters, convert_model, post_optimizer_step
 from shardwise.adapters.lora import count_parameters, describe_parameters, init_lora_weights
 from shardwise.distributed import ops
+from shardwise.losses import chunked_cross_entropy
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.recipes import hf_model
 from shardwise.strategies.sequence_parallel_hf import split_batch
@@ -154,9 +155,9 @@ class CausalLMModule(TrainModule):
             # The model's own shift, without copying the logits: the labels move left by one instead.
             targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         logits = self.model(**inputs, use_cache=False).logits
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum"
-        )
+        # Chunk by chunk in float32, with no float32 copy of the logits kept for backward (losses.py):
+        # at a 128k vocabulary that copy and its gradient outweighed the logits themselves.
+        return chunked_cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
 
     def on_train_start(self) -> None:
         self._t0 = time.time()

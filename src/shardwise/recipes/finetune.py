@@ -67,28 +67,13 @@ OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
 DATA_OPTIONS = tuple(f.name for f in dataclasses.fields(DataOptions))
 
 
-class _TakesFlatDataOptions(type):
-    """`FinetuneConfig(max_seq_len=64)` means `FinetuneConfig(data=DataOptions(max_seq_len=64))`.
-
-    The data options were FinetuneConfig's own fields before they were nested;
-    scripts, dicts and `dataclasses.replace` that pass them flat keep working,
-    and the dataclass keeps its generated __init__, which jsonargparse reads
-    as the CLI schema. A flat option overrides the same one in `data`.
-    """
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        flat = {name: kwargs.pop(name) for name in DATA_OPTIONS if name in kwargs}
-        data = kwargs.get("data")
-        if isinstance(data, dict):  # parsed from a command line or YAML
-            data = DataOptions(**data)
-        if flat or data is not None:
-            kwargs["data"] = dataclasses.replace(data or DataOptions(), **flat)
-        return super().__call__(*args, **kwargs)
-
-
 @dataclass
-class FinetuneConfig(metaclass=_TakesFlatDataOptions):
+class FinetuneConfig:
     """Options of `shardwise finetune` (named as in the Hugging Face Llama FSDP recipe where it has one).
+
+    In Python the data options are one `DataOptions` (`FinetuneConfig(data=DataOptions(max_seq_len=64))`);
+    flags, YAML keys and the dict `finetune()` takes name them flat (`--max_seq_len 64`, `max_seq_len: 64`)
+    or nested (`--data.max_seq_len 64`, `data: {max_seq_len: 64}`).
 
     Args:
         model_path: local Hugging Face folder: config.json, *.safetensors, tokenizer files
@@ -204,6 +189,13 @@ class FinetuneConfig(metaclass=_TakesFlatDataOptions):
     lora_target_modules: Optional[List[str]] = None
     load_in_4bit: bool = False
     merge: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, dict):  # parsed from a command line or a YAML file
+            unknown = sorted(set(self.data) - set(DATA_OPTIONS))
+            if unknown:
+                raise ValueError(f"unknown data option(s) {unknown}; valid: {sorted(DATA_OPTIONS)}")
+            self.data = DataOptions(**self.data)
 
 
 @dataclass
@@ -461,6 +453,8 @@ def finetune(
 
 
 def coerce_config(config: Union[FinetuneConfig, Dict[str, Any], str]) -> FinetuneConfig:
+    """`finetune()`'s config: a FinetuneConfig as it is, or one from a dict of options or a YAML file, whose
+    data options are flat (`max_seq_len: 64`, as the flags name them) or under `data`."""
     if isinstance(config, FinetuneConfig):
         return config
     if isinstance(config, (str, os.PathLike)):
@@ -472,4 +466,9 @@ def coerce_config(config: Union[FinetuneConfig, Dict[str, Any], str]) -> Finetun
     unknown = sorted(set(config) - names)
     if unknown:
         raise ValueError(f"unknown finetune option(s) {unknown}; valid: {sorted(names)}")
-    return FinetuneConfig(**config)
+    options = {k: v for k, v in config.items() if k not in DATA_OPTIONS}
+    data = options.get("data") or {}
+    data = dataclasses.asdict(data) if isinstance(data, DataOptions) else dict(data)
+    # The same names flat, as flags and YAML keys have them: a flat one overrides the same one in `data`.
+    options["data"] = {**data, **{k: v for k, v in config.items() if k in DATA_OPTIONS}}
+    return FinetuneConfig(**options)

@@ -5,7 +5,7 @@
 sees it: renamed flags are renamed, `--fsdp_config` / `--config_file` is
 mapped key by key, and every name it cannot honour yields one note saying
 why, so nothing is dropped silently. Our own spellings pass through, so the
-two can be mixed. Every name is listed in shardwise/compat.py.
+two can be mixed. Every name has a row in docs/coming-from.md (tests/helpers/coming_from.py).
 """
 
 from __future__ import annotations

@@ -137,24 +137,19 @@ def _qlora_facts(module: Any) -> Dict[str, Any]:
 def check_qlora(dry: bool, limit_s: float) -> Dict[str, Any]:
     require_cuda()
     require("bitsandbytes")
+    from shardwise.recipes.data import DataOptions
     from shardwise.recipes.finetune import FinetuneConfig, finetune
 
     with tempfile.TemporaryDirectory(prefix="smoke-qlora-") as root:
         config = FinetuneConfig(
             model_path=_model_folder(os.path.join(root, "model")),
-            dataset=_chat(os.path.join(root, "chat.jsonl")),
-            max_seq_len=64,
-            packing=True,
             max_steps=4,
             learning_rate=3e-3,
             lr_scheduler_type="constant",
             precision="bf16-mixed",
-            per_device_train_batch_size=2,
             devices=1,
             accelerator=ACCELERATOR,
             strategy="fsdp",
-            eval_split_ratio=0.0,
-            cache_dir=os.path.join(root, "cache"),
             logging_steps=100,
             seed=5,
             lora_r=8,
@@ -162,6 +157,14 @@ def check_qlora(dry: bool, limit_s: float) -> Dict[str, Any]:
             lora_target_modules=["all-linear"],
             load_in_4bit=True,
             output_dir=os.path.join(root, "out"),
+            data=DataOptions(
+                dataset=_chat(os.path.join(root, "chat.jsonl")),
+                max_seq_len=64,
+                packing=True,
+                per_device_train_batch_size=2,
+                eval_split_ratio=0.0,
+                cache_dir=os.path.join(root, "cache"),
+            ),
         )
         result = finetune(config, after_fit=_qlora_facts)
     facts, losses = result.extra, [s["loss"] for s in result.losses]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from fnmatch import fnmatch
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -333,12 +333,3 @@ def check_divisible(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             f"{' ...' if len(bad) > 6 else ''}. Choose a tp_size that divides them (e.g. pad the vocabulary to a "
             "multiple of it)."
         )
-
-
-def describe_split(module: nn.Module) -> Dict[str, Union[str, List[str]]]:
-    """Which parameters the applied plan split and which stayed whole (for messages and the planner)."""
-    split, whole = [], []
-    for name, p in module.named_parameters():
-        placements = p.placements if isinstance(p, DTensor) else ()
-        (split if any(isinstance(x, Shard) for x in placements) else whole).append(name)
-    return {"split": split, "whole": whole}

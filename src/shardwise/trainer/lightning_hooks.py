@@ -366,21 +366,3 @@ def leave_validation(trainer: Any, modes: Optional[List[Tuple[torch.nn.Module, b
     elif modes is not None:
         for module, training in modes:
             module.training = training
-
-
-# ------------------------------------------------------------------------- docs/coming-from.md rows
-def status_word(hook: Hook) -> str:
-    """The docs' word for a row: same, different (called, with a note) or refused."""
-    if hook.status == REFUSED:
-        return "refused"
-    return "different" if hook.note or hook.moved or hook.args_differ else "same"
-
-
-def render_rows(owner: str) -> str:
-    """docs/coming-from.md's rows for `owner`'s hooks (test_lightning_hooks keeps them in step)."""
-    rows = []
-    for hook in HOOKS:
-        if hook.owner == owner:
-            text = hook.where + (f"; {hook.note}" if hook.note else "")
-            rows.append(f"| `{hook.name}` | {status_word(hook)} | {text.replace('|', '/')} |")
-    return "\n".join(rows)
