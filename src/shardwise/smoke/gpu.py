@@ -113,7 +113,12 @@ def _qlora_facts(module: Any) -> Dict[str, Any]:
         devices.add(held.device.type)
         full = weights[base_weight_name(name + ".weight")]
         # Quantised where the loader may have done it (host or GPU): training must leave them bit for bit.
-        candidates = [quantize_weight(full.to(d), m)[0] for d in ("cpu", held.device)]
+        candidates = []
+        for device in dict.fromkeys((held.device, torch.device("cpu"))):
+            try:
+                candidates.append(quantize_weight(full.to(device), m)[0])
+            except (RuntimeError, NotImplementedError):  # bitsandbytes without kernels for that device
+                pass
         unchanged.append(
             any(
                 c.numel() == held.numel()
@@ -305,31 +310,32 @@ def _compiled_fit(kinds: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- SDPA kernels
-_FAMILIES = (
-    ("flash", "flash"),
-    ("cudnn", "cudnn"),
-    ("fmha", "efficient"),
-    ("efficient", "efficient"),
-    ("mem_eff", "efficient"),
-)
+# The op SDPA dispatched to names its backend unambiguously (aten::_scaled_dot_product_cudnn_attention,
+# ..._flash_attention, ..._efficient_attention); kernel names do not (cuDNN's may contain "flash").
+_FAMILIES = (("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "efficient"), ("math", "math"))
 
 
-def _attention_kernels(model: Any, idx: torch.Tensor, position_ids: Any) -> List[str]:
+def _attention_ops(model: Any, idx: torch.Tensor, position_ids: Any) -> Dict[str, List[str]]:
+    """The attention ops (host side) and the GPU kernels of one forward and backward of `model`."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(idx, position_ids=position_ids).float().sum().backward()
         torch.cuda.synchronize()
     names = {e.key for e in prof.key_averages()}
-    return sorted(n for n in names if any(k in n.lower() for k, _ in _FAMILIES) or "softmax" in n.lower())
+    ops = sorted(n for n in names if n.startswith("aten::") and "scaled_dot_product" in n)
+    words = ("flash", "fmha", "cudnn", "attention", "sdpa", "softmax")
+    kernels = sorted(n for n in names if not n.startswith("aten::") and any(w in n.lower() for w in words))
+    return {"ops": ops, "kernels": [k[:160] for k in kernels]}
 
 
-def _family(kernels: List[str]) -> str:
+def _family(ops: List[str]) -> str:
+    dispatched = [op for op in ops if op != "aten::scaled_dot_product_attention"]
     for key, family in _FAMILIES:
-        if any(key in k.lower() for k in kernels):
+        if any(key in op for op in dispatched):
             return family
-    return "math"
+    return "math"  # the composite path: matmuls and a softmax, no fused op
 
 
 def check_sdpa_kernels(dry: bool, limit_s: float) -> Dict[str, Any]:
@@ -340,13 +346,14 @@ def check_sdpa_kernels(dry: bool, limit_s: float) -> Dict[str, Any]:
     model = GPT(config).cuda()
     idx = torch.randint(0, config.vocab_size, (4, 256), device="cuda")
     packed = torch.cat([torch.arange(100), torch.arange(156)]).expand(4, -1).cuda()  # two documents per row
-    model(idx)  # warm-up: kernel choice and lazy loading out of the profile
-    found = {"causal": _attention_kernels(model, idx, None), "document_mask": _attention_kernels(model, idx, packed)}
-    families = {case: _family(k) for case, k in found.items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(idx)  # warm-up: kernel choice and lazy loading out of the profile
+    found = {"causal": _attention_ops(model, idx, None), "document_mask": _attention_ops(model, idx, packed)}
+    families = {case: _family(f["ops"]) for case, f in found.items()}
     if families["causal"] == "math":
-        raise AssertionError(f"causal bf16 attention fell back to the math kernels: {found['causal']}")
+        raise AssertionError(f"causal bf16 attention fell back to the math path: {found['causal']}")
     return {
-        "kernels": found,
+        "found": found,
         "families": families,
         "flags": {
             "flash": torch.backends.cuda.flash_sdp_enabled(),
