@@ -6,7 +6,8 @@ gradient or a loss times 0 trained on silently. DeepSpeedStrategy.gradients
 hands the health check what the engine holds (trainer/nonfinite.py). Each case
 plants its fault at step 2, which is no log step, so the verdict is read a step
 late from the kept gradient norms; step 1 is read at once, and must pass. One
-process (DS_ACCELERATOR=cpu over gloo), all six runs in one launch.
+process (DS_ACCELERATOR=cpu over gloo), all eight runs in one launch; the last two with the optimizer
+offloaded to the host, whose partitions the check reads in place.
 """
 
 from __future__ import annotations
@@ -50,19 +51,21 @@ class Planted(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def runs() -> Dict[Tuple[int, str], Tuple[str, str, int]]:
-    """(stage, fault) -> (error class, message, trainer.global_step when it stopped)."""
+def runs() -> Dict[Tuple[int, bool, str], Tuple[str, str, int]]:
+    """(stage, optimizer offloaded, fault) -> (error class, message, trainer.global_step when it stopped)."""
     from shardwise.strategies.deepspeed import DeepSpeedStrategy
 
     data = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)))
     out = {}
-    for stage in (2, 3):
-        for how in ("nan_loss", "nan_grad", "zero"):
+    for stage, offload in ((2, False), (3, False), (2, True), (3, True)):
+        # With the optimizer offloaded the gradients are read from its host partitions (deepspeed_grads.py):
+        # the fault only they show, once per stage (DeepSpeedCPUAdam steps there; each run costs seconds).
+        for how in ("nan_grad",) if offload else ("nan_loss", "nan_grad", "zero"):
             shardwise.seed_everything(0)
             trainer = Trainer(
                 accelerator="cpu",
                 devices=1,
-                strategy=DeepSpeedStrategy(stage=stage),
+                strategy=DeepSpeedStrategy(stage=stage, offload_optimizer=offload),
                 max_steps=4,
                 accumulate_grad_batches=2,
                 logger=False,
@@ -72,9 +75,9 @@ def runs() -> Dict[Tuple[int, str], Tuple[str, str, int]]:
             )
             try:
                 trainer.fit(Planted(how), DataLoader(data, batch_size=2))
-                out[stage, how] = ("", "no error", trainer.global_step)
+                out[stage, offload, how] = ("", "no error", trainer.global_step)
             except Exception as exc:  # noqa: BLE001 - the error is what is checked
-                out[stage, how] = (type(exc).__name__, str(exc), trainer.global_step)
+                out[stage, offload, how] = (type(exc).__name__, str(exc), trainer.global_step)
             trainer.strategy.teardown()
     return out
 
@@ -86,15 +89,25 @@ def stopped():
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_nan_or_zero_step_stops_zero_2_and_3(stopped, stage):
-    kind, message, step = stopped[stage, "nan_loss"]
+    offload = False
+    kind, message, step = stopped[stage, offload, "nan_loss"]
     assert kind == "NonFiniteError" and "optimizer step 2 " in message, message
     assert "rank 0: the loss of batch_idx 2 (nan)" in message and step == AT
-    kind, message, step = stopped[stage, "nan_grad"]
+    kind, message, step = stopped[stage, offload, "nan_grad"]
     # Only the engine's gradient partitions show this one: the loss was finite.
     assert kind == "NonFiniteError" and "optimizer step 2 " in message, message
     assert "rank 0: the gradient of net.0.weight (its norm is nan)" in message or (
         "rank 0: gradient tensor" in message and "(its norm is nan)" in message
     ), message
-    kind, message, step = stopped[stage, "zero"]
+    kind, message, step = stopped[stage, offload, "zero"]
     assert kind == "ZeroGradientError" and "Every trainable gradient is zero at optimizer step 2 " in message
     assert "rank 0: " in message and "element(s) held here, all zero" in message and step == AT
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_nan_gradient_stops_zero_2_and_3_with_the_optimizer_offloaded(stopped, stage):
+    kind, message, step = stopped[stage, True, "nan_grad"]
+    assert kind == "NonFiniteError" and "optimizer step 2 " in message, message
+    assert "rank 0: the gradient of net.0.weight (its norm is nan)" in message or (
+        "rank 0: gradient tensor" in message and "(its norm is nan)" in message
+    ), message
