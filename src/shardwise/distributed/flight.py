@@ -170,9 +170,14 @@ def start_dump_thread(directory: Optional[str], rank: int) -> None:
         except OSError:
             pass
 
-    def serve() -> None:
-        request = os.path.join(directory, REQUEST)
+    request = os.path.join(directory, REQUEST)
+    try:  # a request left by an earlier job in a kept run directory is not this one's
+        served = os.path.getmtime(request)
+    except OSError:
         served = 0.0
+
+    def serve() -> None:
+        nonlocal served
         while True:
             time.sleep(_POLL_S)
             try:
