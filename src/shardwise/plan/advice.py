@@ -229,7 +229,7 @@ def _smallest_change(
         c, now = e.candidate.plan, current.plan
         same = (c.engine, c.sharding, c.zero_stage or 0) == (now.engine, now.sharding, now.zero_stage or 0)
         knobs = int(c.uses_ac != now.uses_ac) + int(c.offload_optimizer != now.offload_optimizer)
-        return (0 if same else 1, knobs, int(c.micro_batch != micro), e.step_seconds)
+        return (0 if same else 1, knobs, int(e.candidate.micro_batch != micro), e.step_seconds)
 
     best = min(fitting, key=distance).candidate
     blocks = ", ".join(sorted(getattr(b, "__name__", str(b)) for b in result.block_classes)) or "Block"
