@@ -209,7 +209,7 @@ def write_section(path: str, body: str, command: str) -> None:
         f"{SECTION}\n\nCommand: `{command}` ({date}, {os.cpu_count()} CPU cores, torch "
         f"{torch.__version__}; timings on a shared machine vary, ratios are what to read).\n\n{body}\n"
     )
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^#{2,3} |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^#{2, 3} |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     with open(path, "w") as fh:
         fh.write(text)

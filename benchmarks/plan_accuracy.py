@@ -130,7 +130,7 @@ def section(quick: bool) -> str:
 
 def write(path: str, text: str) -> None:
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^#{2,3} |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^#{2, 3} |\Z)", re.S | re.M)
     new = pattern.sub(text + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
     with open(path, "w") as fh:
         fh.write(new)

@@ -248,7 +248,10 @@ def _meta_gpt(**changes) -> GPT:
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="tie_embeddings=False"):
         apply_tensor_parallel(_meta_gpt(tie_embeddings=True), _Mesh(2))
-    with pytest.raises(ValueError, match=r"tp_size=4 does not divide the model's 2 key/value heads.*split GPTConfig's 4 attention heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size=4 does not divide the model's 2 key/value heads.*split GPTConfig's 4 attention heads",
+    ):
         apply_tensor_parallel(_meta_gpt(), _Mesh(4))
     with pytest.raises(ValueError, match="tensor_parallel_plan"):
         apply_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), _Mesh(2))

@@ -385,6 +385,7 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         evaluate=bool(cfg.eval_steps),
         pin_memory=trainer.accelerator == "cuda",
     )
+
     def total_steps() -> int:  # the schedule's length: known once the data and the process group are set up
         if cfg.max_steps > 0:
             return cfg.max_steps

@@ -14,7 +14,7 @@ the recipe's config checks and the planner read it before anything is built.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 FLAGS = ("tp_size", "sp_size")  # how the Trainer's strategy, the recipe and the CLI spell the degrees
 FIELDS = ("tp", "sp")  # how a ParallelPlan spells them
@@ -89,7 +89,9 @@ def offload_problem(tp: int, offload: bool, names: Sequence[str] = FLAGS) -> Opt
     )
 
 
-def compile_problem(tp: int, sp: int, compiled: bool, flag: str = "compile", names: Sequence[str] = FLAGS) -> Optional[str]:
+def compile_problem(
+    tp: int, sp: int, compiled: bool, flag: str = "compile", names: Sequence[str] = FLAGS
+) -> Optional[str]:
     """The collectives inside a tp / sp block are not compiled and tested here."""
     if tp * sp == 1 or not compiled:
         return None

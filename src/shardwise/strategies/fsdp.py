@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shardwise.distributed import ops
-from shardwise.strategies import selective_ac
+from shardwise.strategies import degrees, selective_ac
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.fsdp_compat import (
     note_accepted,
@@ -53,7 +53,6 @@ from shardwise.strategies.fsdp_compat import (
 )
 from shardwise.strategies.local_optim import apply_local_shard_step, wants_local_step
 from shardwise.strategies.materialize import has_meta_tensors
-from shardwise.strategies import degrees
 from shardwise.strategies.mesh import ParallelMesh, check_same_within_groups
 from shardwise.strategies.parallel import ParallelPlan
 

@@ -16,6 +16,7 @@ from typing import Any, Optional, Set, Tuple
 import torch
 
 from shardwise.strategies.parallel import SHARDINGS
+
 # torch's ShardingStrategy enum values, which Accelerate also writes as numbers in its yaml.
 _BY_NUMBER = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "_HYBRID_SHARD_ZERO2"}
 

@@ -113,7 +113,11 @@ class ParallelMesh:
 
     def batch_groups(self) -> List[List[int]]:
         """Every batch group once, in data-parallel rank order."""
-        return [self.batch_group(self.rank_at(r, s, 0, 0)) for r in range(self.dims.dp_replicate) for s in range(self.dims.dp_shard)]
+        return [
+            self.batch_group(self.rank_at(r, s, 0, 0))
+            for r in range(self.dims.dp_replicate)
+            for s in range(self.dims.dp_shard)
+        ]
 
     def fsdp_group(self, rank: int) -> List[int]:
         """The ranks FSDP2 shards `rank`'s parameters over: dp_shard and sp together."""
