@@ -148,9 +148,7 @@ def qlora(folder):
             max_steps=PARITY_STEPS,
             merge=False,
             output_dir=os.path.join(root, "single"),
-            data=dataclasses.replace(
-                base.data, data=dataclasses.replace(base.data.data, per_device_train_batch_size=4)
-            ),
+            data=dataclasses.replace(base.data, per_device_train_batch_size=4),
         )
     )
     return {"fsdp": fsdp, "single": single, "model_dir": folder["model_dir"]}
