@@ -103,7 +103,9 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads is not None:
         degrees.refuse(
-            degrees.heads_problem(heads, kv_heads, tp, sp, model, f"{model} in {cfg.model_path}/config.json")
+            degrees.heads_problem(
+                heads, kv_heads, tp, sp, model, f"{cfg.model_path}/config.json", fields=degrees.HF_HEAD_FIELDS
+            )
         )
     seq = cfg.data.max_seq_len
     if cfg.data.packing:  # unpacked batches are padded up to a multiple of sp

@@ -140,12 +140,25 @@ def head_degrees(heads: int, kv_heads: int, other: int = 1) -> List[int]:
     return [d for d in range(1, heads + 1) if heads % (d * other) == 0 and kv_heads % (d * other) == 0]
 
 
+# A Hugging Face config's names of the attention and key/value head counts.
+HF_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
+
+
 def heads_problem(
-    heads: int, kv_heads: int, tp: int, sp: int, model: str, where: str = "", names: Sequence[str] = FLAGS
+    heads: int,
+    kv_heads: int,
+    tp: int,
+    sp: int,
+    model: str,
+    where: str = "",
+    names: Sequence[str] = FLAGS,
+    fields: Optional[Sequence[str]] = None,
 ) -> Optional[str]:
     """tp splits the attention and key/value heads, sp splits each tp rank's share again: tp x sp must divide both.
 
-    `model`: the model's short name; `where`: where its head counts come from (a config.json)."""
+    `model`: the model's short name; `where`: where its head counts come from (a config.json); `fields`: the
+    config's names of the two counts (a Hugging Face config's num_attention_heads / num_key_value_heads), named
+    in the refusal so the user finds the number."""
     g = tp * sp
     if heads % g == 0 and kv_heads % g == 0:
         return None
@@ -155,6 +168,9 @@ def heads_problem(
         name, degree, other = names[1], sp, tp
     count, what = (kv_heads, "key/value heads") if heads % (degree * other) == 0 else (heads, "attention heads")
     source = where or model
+    if fields:
+        field = fields[1] if what == "key/value heads" else fields[0]
+        source = f"{field}={count}" + (f" in {where}" if where else "")
     per = f" (per {names[0]}={tp} rank: {count // tp})" if other > 1 else ""
     return (
         f"{name}={degree} does not divide the model's {count} {what}{per} ({source}): {g} ranks must split "

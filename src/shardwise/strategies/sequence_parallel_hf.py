@@ -77,7 +77,7 @@ def check_hf_sequence_parallel(
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads is None:
         raise ValueError(f"sp_size={sp}: {name}'s config names no num_attention_heads; sequence parallel splits heads.")
-    degrees.refuse(degrees.heads_problem(heads, kv_heads, 1, sp, name))
+    degrees.refuse(degrees.heads_problem(heads, kv_heads, 1, sp, name, fields=degrees.HF_HEAD_FIELDS))
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout:
         raise ValueError(
