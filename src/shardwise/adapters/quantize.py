@@ -244,6 +244,37 @@ def is_4bit(model: nn.Module) -> bool:
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
+def reset_4bit_fn(layer: nn.Module) -> Optional[Callable[[], None]]:
+    """The initialisation of a meta-built 4-bit layer, or None when `layer` is not one.
+
+    nn.Linear's own init cannot run on packed uint8 codes. This gives the layer what building it eagerly
+    and then quantising gives: a kaiming-uniform float weight (nn.Linear's bound) quantised to NF4 into
+    the codes, its quantisation state, and nn.Linear's bias. The strategies' materialisation calls it
+    under the module's own seed on a full-size CPU copy of the codes (every rank draws the same weight,
+    so the whole state agrees); the state goes to the device the weight lives on, taken here before
+    that copy is swapped in. A loader that brings real weights overwrites codes and state afterwards.
+    """
+    cls = _linear4bit_class()
+    if cls is None or not isinstance(layer, cls) or layer.weight.dtype != torch.uint8:
+        return None
+    weight = layer.weight
+    device = (weight._local_tensor if hasattr(weight, "_local_tensor") else weight).device
+
+    def reset() -> None:
+        full = torch.empty(layer.out_features, layer.in_features)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        packed, state = quantize_weight(full, layer)
+        with torch.no_grad():  # through the parameter itself, so its version shows it was written
+            layer.weight.copy_(packed.reshape(layer.weight.shape))
+        state.to(device)
+        set_quant_state(layer, state)
+        if layer.bias is not None:
+            bound = 1 / math.sqrt(layer.in_features)
+            nn.init.uniform_(layer.bias, -bound, bound)
+
+    return reset
+
+
 def fourbit_layers(model: nn.Module) -> Dict[int, nn.Module]:
     """The 4-bit layers keyed by the identity of their (possibly sharded) weight parameter."""
     cls = _linear4bit_class()

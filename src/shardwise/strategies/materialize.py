@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard  # DTensor: what FSDP2 parameters are
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp dimension over tp
 
+from shardwise.adapters.quantize import reset_4bit_fn
 from shardwise.seed import module_seed, rng_devices
 
 
@@ -56,6 +57,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def find_reset_fn(module: nn.Module) -> Optional[Callable[[], None]]:
     """The module's own initialisation (reset_parameters), or None when it has none."""
+    fourbit = reset_4bit_fn(module)  # packed NF4 codes: nn.Linear's init cannot write them
+    if fourbit is not None:
+        return fourbit
     fn = getattr(module, "reset_parameters", None)
     if callable(fn):
         return fn
