@@ -145,3 +145,14 @@ def test_flags_it_cannot_follow_fail_with_the_fix():
     assert argv[:4] == ["--model_path", "m", "--learning_rate", "1e-5"] and not notes
     with pytest.raises(SystemExit):
         build_parser().parse_args(translate_argv(["--use_flash_atn", "True"])[0])
+
+
+def test_a_flat_data_option_in_python_names_where_it_goes():
+    # Flags and YAML take `max_seq_len` flat; in Python it belongs in DataOptions, and the error says so
+    # instead of Python's bare "unexpected keyword argument".
+    from shardwise.recipes.finetune import DataOptions
+
+    with pytest.raises(TypeError, match=r"FinetuneConfig\(data=DataOptions\(dataset='chat.jsonl', max_seq_len=64\)\)"):
+        FinetuneConfig(model_path="m", dataset="chat.jsonl", max_seq_len=64)
+    cfg = FinetuneConfig(model_path="m", data=DataOptions(dataset="chat.jsonl", max_seq_len=64))
+    assert (cfg.data.dataset, cfg.data.max_seq_len) == ("chat.jsonl", 64)

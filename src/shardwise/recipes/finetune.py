@@ -198,6 +198,31 @@ class FinetuneConfig:
             self.data = DataOptions(**self.data)
 
 
+def _refuse_flat_data_options(init: Any) -> Any:
+    """FinetuneConfig's __init__, refusing a data option named at the top level with where it goes.
+
+    Flags, YAML keys and the dict finetune() takes may name data options flat; in Python they would
+    otherwise meet a bare "unexpected keyword argument". functools.wraps keeps the signature that the
+    command line (jsonargparse) reads."""
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        flat = [k for k in kwargs if k in DATA_OPTIONS]
+        if flat:
+            said = ", ".join(f"{k}={kwargs[k]!r}" for k in flat)
+            raise TypeError(
+                f"FinetuneConfig({said}): in Python the data options go in one DataOptions: "
+                f"FinetuneConfig(data=DataOptions({said})). (Flags, YAML keys and the dict finetune() takes "
+                "may name them flat.)"
+            )
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+FinetuneConfig.__init__ = _refuse_flat_data_options(FinetuneConfig.__init__)
+
+
 @dataclass
 class FinetuneResult:
     output_dir: str
