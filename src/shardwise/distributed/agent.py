@@ -325,10 +325,12 @@ def _new_sessions() -> Callable[[], List[int]]:
 class _WatchdogDumps:
     """When NCCL's watchdog writes its flight-recorder dumps into the run directory (a collective timed
     out; it aborts that rank next, SIGABRT, with no Python exception and so no record), ask every
-    worker at once for its Python stack (faulthandler) and its flight records, while the rank that
+    worker for its flight records, then for its Python stack (faulthandler), while the rank that
     stopped responding is still alive: the verdict names it with them. A thread polling the directory."""
 
     POLL_S = 0.2
+    # Long enough for a dump thread on a busy machine; a rank that cannot answer (its GIL held) costs this.
+    RECORDS_WAIT_S = 2.0
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
@@ -350,9 +352,13 @@ class _WatchdogDumps:
             except OSError:
                 return
             if any(name.startswith(flight.NCCL_DUMP_PREFIX) for name in names):
-                flight.request_dumps(self.run_dir)
-                workers = progress.read_all(self.run_dir)
-                faults.dump_stacks({r: p.pid for r, p in workers.items()}, self.run_dir, wait_s=0.0)
+                asked = flight.request_dumps(self.run_dir)
+                pids = {r: p.pid for r, p in progress.read_all(self.run_dir).items()}
+                # The records first: a dump thread answers at its next poll, faulthandler at once, and the
+                # aborting rank may go as soon as it sees the stacks asked for; the agent then stops the
+                # others, and a rank stopped before it wrote its records is missing from the verdict.
+                flight.wait_for_dumps(self.run_dir, pids, asked, timeout_s=self.RECORDS_WAIT_S)
+                faults.dump_stacks(pids, self.run_dir, wait_s=0.0)
                 return
 
 
