@@ -16,7 +16,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -136,6 +136,27 @@ def _int_env(name: str) -> Optional[int]:
     return int(value) if value not in (None, "") else None
 
 
+# Rank variables this process exported itself where no launcher had (DeepSpeed reads RANK / WORLD_SIZE /
+# LOCAL_RANK from the environment, also in a single-process run): name -> the value set. detect_env() does
+# not take them for a launcher's world: a later Trainer(devices=N) in the same process (a test session, a
+# notebook) would see a world of one "started by torchrun" and refuse to launch its N workers.
+_SET_HERE: Dict[str, str] = {}
+
+
+def apply_env_default(name: str, value: str) -> None:
+    """os.environ.setdefault(name, value), remembered when it is this call that set it (see _SET_HERE)."""
+    if name not in os.environ:
+        os.environ[name] = value
+        _SET_HERE[name] = value
+
+
+def _launcher_int_env(name: str) -> Optional[int]:
+    """_int_env, None where the value is one this process set itself (apply_env_default)."""
+    if name in _SET_HERE and os.environ.get(name) == _SET_HERE[name]:
+        return None
+    return _int_env(name)
+
+
 def _first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list such as 'gpu[003-004,010],cpu1' -> 'gpu003'."""
     match = re.match(r"^([^\[,]+)(\[([^\]]+)\])?", nodelist)
@@ -171,7 +192,7 @@ def _local_rank() -> int:
 
 def detect_env() -> Optional[DistEnv]:
     """Read torchrun's or SLURM's environment; None for a plain process."""
-    if _int_env("WORLD_SIZE") is not None and _int_env("RANK") is not None:
+    if _launcher_int_env("WORLD_SIZE") is not None and _launcher_int_env("RANK") is not None:
         world = _int_env("WORLD_SIZE")
         local_world = _int_env("LOCAL_WORLD_SIZE") or world
         return DistEnv(

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from shardwise.distributed.env import DistEnv, apply_device_local_rank
+from shardwise.distributed.env import DistEnv, apply_device_local_rank, apply_env_default
 from shardwise.strategies.deepspeed_config import DeepSpeedConfigError
 
 _DS_ACCELERATOR_SET_HERE = False  # DS_ACCELERATOR=cpu came from an earlier CPU run in this process
@@ -89,11 +89,11 @@ def apply_rank_env(env: DistEnv, device: torch.device) -> None:
         ("WORLD_SIZE", env.world_size),
         ("LOCAL_WORLD_SIZE", env.local_world_size),
     ):
-        os.environ.setdefault(key, str(value))
+        apply_env_default(key, str(value))  # not taken for a launcher's by a later Trainer in this process
     if device.type == "cuda":
         apply_device_local_rank(env.local_rank, device)
     else:
-        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+        apply_env_default("LOCAL_RANK", str(env.local_rank))
 
 
 def import_deepspeed(accelerator: Optional[str] = None, log_level: int = logging.WARNING):
