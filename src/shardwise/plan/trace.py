@@ -89,6 +89,9 @@ class Trace:
     buffers: int = 0
     units: List[str] = field(default_factory=list)
     largest_transient: int = 0  # the largest single block allocated and released within the step
+    # The same envelope kept apart by where in the phase its moment lies (MOMENTS): what `extrapolate`
+    # draws lines through, so that each line joins the same moment at two depths.
+    moments: Dict[Tuple[str, str, float, str], Tuple[float, Tuple[float, ...]]] = field(default_factory=dict)
 
     def peak(self, view: str, r: float) -> Tuple[float, str, Tuple[float, ...]]:
         """(bytes, phase, parts) at the highest moment of `view` at activation scale `r`."""
@@ -99,8 +102,30 @@ class Trace:
         return best
 
 
+# Where in a phase a moment lies, told apart by the blocks' forward calls (a checkpointed block's
+# recomputation included): before the first block starts, among the blocks, after the last one ends.
+# A phase's highest moment can lie in a different part at 3 blocks than at 4 -- the forward's
+# all-gathers at the start and the loss at the end are near ties at Llama 3.1 70B's shapes -- and
+# a line through two different moments predicts neither (its category parts even go negative).
+MOMENTS = ("first", "blocks", "last")
+
+
+def _collapse(moments: Mapping[Tuple[str, str, float, str], Tuple[float, Tuple[float, ...]]]) -> Dict:
+    """The envelope per (phase, view, scale): the highest of its moments."""
+    env: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
+    for (phase, name, r, _), (value, parts) in moments.items():
+        best = env.get((phase, name, r))
+        if best is None or value > best[0]:
+            env[(phase, name, r)] = (value, parts)
+    return env
+
+
 class _PhaseRecorder:
-    """Per-phase envelopes of the tracker's category totals; `sample` is the tracker's on_change hook."""
+    """Per-phase envelopes of the tracker's category totals; `sample` is the tracker's on_change hook.
+
+    Each phase's envelope is kept per stretch between two block boundaries (a block's forward
+    starting or ending) and folded into MOMENTS when the step ends.
+    """
 
     def __init__(self, views: Dict[str, View], scales: Sequence[float], optimizer_scale: float = 1.0) -> None:
         # Resident fraction of the optimizer state on the device: 1 for torch's optimizers, 0.25 for
@@ -111,8 +136,51 @@ class _PhaseRecorder:
             if view.buckets:
                 self.views[name + _NO_GRAD] = view.without_grads()
         self.scales = tuple(scales)
-        self.phase: Optional[str] = None
-        self.envelope: Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]] = {}
+        self._phase: Optional[str] = None
+        self.stretch = 0  # block boundaries crossed in this phase
+        self.stretches: Dict[str, int] = {}  # phase -> the stretch it ended in
+        self.raw: Dict[Tuple[str, str, float, int], Tuple[float, Tuple[float, ...]]] = {}
+        self.moments: Dict[Tuple[str, str, float, str], Tuple[float, Tuple[float, ...]]] = {}
+
+    @property
+    def phase(self) -> Optional[str]:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Optional[str]) -> None:
+        if self._phase is not None:
+            self.stretches[self._phase] = self.stretch
+        self._phase, self.stretch = phase, 0
+
+    def boundary(self, *_: Any) -> None:
+        """A block's forward starts or ends (a module hook)."""
+        self.stretch += 1
+
+    def hook_blocks(self, model: nn.Module, block_classes: Sequence[type]) -> List[Any]:
+        """Mark block boundaries of `model`'s blocks; the hook handles, to remove after the step."""
+        types = tuple(c for c in block_classes if isinstance(c, type))
+        names = {c for c in block_classes if isinstance(c, str)}  # a Hugging Face model's, by class name
+        handles = []
+        for m in model.modules():
+            if isinstance(m, types) or type(m).__name__ in names:
+                handles.append(m.register_forward_pre_hook(self.boundary))
+                handles.append(m.register_forward_hook(self.boundary))
+        return handles
+
+    def fold(self) -> None:
+        """The step is over: each phase's stretches become its first / blocks / last moments."""
+        self.phase = None
+        for (phase, name, r, stretch), (value, parts) in self.raw.items():
+            last = self.stretches.get(phase, 0)
+            where = MOMENTS[0] if stretch == 0 else MOMENTS[2] if stretch == last else MOMENTS[1]
+            best = self.moments.get((phase, name, r, where))
+            if best is None or value > best[0]:
+                self.moments[(phase, name, r, where)] = (value, parts)
+        self.raw = {}
+
+    @property
+    def envelope(self) -> Dict[Tuple[str, str, float], Tuple[float, Tuple[float, ...]]]:
+        return _collapse(self.moments)
 
     def tracker(self) -> MemoryTracker:
         """A fake-counting tracker that reports to this recorder and skips DTensor's metadata runs."""
@@ -132,11 +200,11 @@ class _PhaseRecorder:
             return
         p, g, o, b = cur["parameters"], cur["gradients"], cur["optimizer"] * self.optimizer_scale, cur["buffers"]
         a = cur["activations"] + cur["other"]
-        env = self.envelope
+        env, stretch = self.raw, self.stretch
         for name, view in self.views.items():
             for r in self.scales:
                 value = view(p, g, o, b, a, r)
-                key = (phase, name, r)
+                key = (phase, name, r, stretch)
                 best = env.get(key)
                 if best is None or value > best[0]:
                     env[key] = (value, (p, g, o, b, a))
@@ -148,17 +216,18 @@ class _PhaseRecorder:
         the optimizer state (and, with DDP buckets, the full gradients) being
         alive throughout, which adds a constant to every moment of the phase.
         """
-        for (phase, name, r), (value, (p, g, o, b, a)) in list(self.envelope.items()):
+        moments = self.moments
+        for (phase, name, r, where), (value, (p, g, o, b, a)) in list(moments.items()):
             if not phase.startswith(("fwd1.", "bwd1.")) or name.endswith(_NO_GRAD):
                 continue
             view = self.views[name]
             if view.buckets:  # the envelope without gradients, plus the full buckets
-                value, (p, g, o, b, a) = self.envelope[(phase, name + _NO_GRAD, r)]
+                value, (p, g, o, b, a) = moments[(phase, name + _NO_GRAD, r, where)]
                 value, g = value + view.cg * grads, grads
             second = phase[:3] + "2" + phase[4:]  # "bwd1.0" -> "bwd2.0"
-            self.envelope[(second, name, r)] = (value + view.co * optimizer, (p, g, o + optimizer, b, a))
-        for key in [k for k in self.envelope if k[1].endswith(_NO_GRAD)]:
-            del self.envelope[key]
+            moments[(second, name, r, where)] = (value + view.co * optimizer, (p, g, o + optimizer, b, a))
+        for key in [k for k in moments if k[1].endswith(_NO_GRAD)]:
+            del moments[key]
 
 
 def _propagating() -> bool:
@@ -342,11 +411,17 @@ def trace(
             optimizers = [strategy.setup_optimizer(optimizer.apply(o)) for o in optimizers]
             batches = [spec_batch(spec, micro_batch, seq_len) for _ in range(accumulation)]
             tracker.register(strategy.unwrap(model), optimizers)
-            with tracker, _fake_4bit(quant_state):
-                result.params = tracker.current_breakdown["parameters"]
-                result.buffers = tracker.current_breakdown["buffers"]
-                tracker.begin_transient_window()
-                _train_step(strategy, model, module, batches, tracker, recorder, optimizers, result)
+            hooks = recorder.hook_blocks(strategy.unwrap(model), spec.block_classes)
+            try:
+                with tracker, _fake_4bit(quant_state):
+                    result.params = tracker.current_breakdown["parameters"]
+                    result.buffers = tracker.current_breakdown["buffers"]
+                    tracker.begin_transient_window()
+                    _train_step(strategy, model, module, batches, tracker, recorder, optimizers, result)
+            finally:
+                for handle in hooks:
+                    handle.remove()
+            recorder.fold()
             recorder.synthesize_second_step(result.grads, result.optimizer)
     except (PlanError, TraceFailed):
         raise
@@ -354,10 +429,11 @@ def trace(
         raise TraceFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     # QLoRA's quantisation states sit beside the sharded codes, whole on every rank, outside any
     # module's parameters or buffers: the tracker never sees them, so they are added as buffers.
-    result.envelope = {
+    result.moments = {
         key: (value + quant_state, (*parts[:3], parts[3] + quant_state, parts[4]))
-        for key, (value, parts) in recorder.envelope.items()
+        for key, (value, parts) in recorder.moments.items()
     }
+    result.envelope = _collapse(result.moments)
     result.buffers += quant_state
     result.units = list(getattr(strategy, "units", []))
     result.largest_transient = tracker.largest_transient_bytes
@@ -424,15 +500,21 @@ def extrapolate(a: Trace, b: Trace, depth: int) -> Trace:
     def lin(x: float, y: float) -> float:
         return x + (y - x) * t
 
-    env = {}
-    for key, (va, parts_a) in a.envelope.items():
-        vb, parts_b = b.envelope.get(key, (va, parts_a))
-        env[key] = (lin(va, vb), tuple(lin(x, y) for x, y in zip(parts_a, parts_b)))
+    def line(at_a: Mapping, at_b: Mapping) -> Dict:
+        out = {}
+        for key, (va, parts_a) in at_a.items():
+            vb, parts_b = at_b.get(key, (va, parts_a))
+            out[key] = (lin(va, vb), tuple(lin(x, y) for x, y in zip(parts_a, parts_b)))
+        return out
+
+    # Each moment of a phase on its own line, then the highest at `depth` (see MOMENTS).
+    moments = line(a.moments, b.moments)
     return Trace(
         depth=depth,
         micro_batch=a.micro_batch,
         accumulation=a.accumulation,
-        envelope=env,
+        envelope=_collapse(moments) if moments else line(a.envelope, b.envelope),
+        moments=moments,
         params=int(lin(a.params, b.params)),
         grads=int(lin(a.grads, b.grads)),
         optimizer=int(lin(a.optimizer, b.optimizer)),
