@@ -152,7 +152,10 @@ def apply_env_default(name: str, value: str) -> None:
 
 def _launcher_int_env(name: str) -> Optional[int]:
     """_int_env, None where the value is one this process set itself (apply_env_default)."""
-    if name in _SET_HERE and os.environ.get(name) == _SET_HERE[name]:
+    for other, value in list(_SET_HERE.items()):
+        if os.environ.get(other) != value:  # removed or replaced since: whatever is there now is not ours
+            del _SET_HERE[other]
+    if name in _SET_HERE:
         return None
     return _int_env(name)
 
