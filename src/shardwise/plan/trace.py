@@ -33,6 +33,9 @@ Corrections that make fake-mode numbers mean what real ones do:
   scales. Scale r = m/b predicts micro-batch m from a trace at b (activations
   are proportional to the batch, model states are not); views let one
   data-parallel trace also answer for ZeRO stages (strategies/accounting.py).
+  Each phase's envelope is kept apart for three moments (before the first
+  block, among the blocks, after the last): traces at two depths are
+  extrapolated moment by moment, so each line joins the same moment.
 - The second step is derived, not traced: it is the first plus what the
   first left behind (optimizer state; DDP's gradient buckets).
 """
