@@ -356,9 +356,16 @@ def test_check_collectives_names_a_collective_called_from_one_rank(monkeypatch):
 # on most runs, the launcher stops it (SIGTERM) while it is still cleaning up: the verdict must still name the hook the
 # error came from (not "teardown") and the error, not the signal. Which rank fails first, and whether
 # rank 0 records before it is stopped, is up to the machine's load: nothing below depends on it.
+# With SLOW_EXIT set, rank 0 lingers after its record and its process group's exit barrier, and rank 1
+# fails a second later: rank 0 is then the first failure and is stopped (SIGTERM) after rank 1 exited,
+# what a busy machine does to the slower rank's interpreter shutdown.
 EVERY_RANK_MODULE = textwrap.dedent("""
     import os, time
     import torch, shardwise
+
+    if os.environ.get("RANK") == "0" and os.environ.get("SLOW_EXIT"):
+        import atexit
+        atexit.register(time.sleep, 20)  # registered first, so it runs after the process group's exit barrier
 
     class WidthModule(shardwise.TrainModule):
         def __init__(self, width: int = 7):
@@ -366,6 +373,8 @@ EVERY_RANK_MODULE = textwrap.dedent("""
             self.width = width
 
         def configure_model(self):
+            if os.environ.get("RANK") == "1" and os.environ.get("SLOW_EXIT"):
+                time.sleep(1)
             raise ValueError(f"bad width {self.width}: use a multiple of 8")
 
         def teardown(self, stage):
@@ -460,10 +469,12 @@ def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(tmp_path):
     command = [sys.executable, "-m", "shardwise.cli", "fit", "--model", "every_rank.WidthModule"]
     command += ["--data", "every_rank.Rows", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
     command += ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
-    env = _env(PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]))
+    env = _env(PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]), SLOW_EXIT="1")
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     err = proc.stderr
-    assert proc.returncode == 2, err[-3000:]  # a usage mistake's status, as with one device
+    # A usage mistake's status, as with one device, also when the launcher stopped the first failing rank on
+    # its way out because the other exited first.
+    assert proc.returncode == 2, err[-3000:]
     assert "Traceback" not in err and "shardwise fit: error" not in err, err[-3000:]  # no worker printed its own
     lines = [line for line in err.splitlines() if "bad width 7" in line]
     assert len(lines) == 2 and FIRST_LINE.match(lines[0]) and "after it: rank" in lines[1], err[-3000:]

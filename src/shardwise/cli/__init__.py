@@ -105,15 +105,16 @@ def _message(exc: BaseException) -> str:
     return str(exc).strip() or type(exc).__name__
 
 
-def _recorded_for_launcher(exc: BaseException) -> bool:
-    """In a worker of a shardwise launcher: record the error for its verdict (brief), true if it has it."""
+def _recorded_for_launcher(exc: BaseException, status: int) -> bool:
+    """In a worker of a shardwise launcher: record the error for its verdict (brief) with the `status` this
+    worker exits with, true if the launcher has it."""
     from shardwise.distributed.context import current  # no torch: a usage mistake answers fast
 
     if not current().launched_by_shardwise:
         return False
     from shardwise.distributed import faults
 
-    faults.record_exception(exc, brief=True)
+    faults.record_exception(exc, brief=True, exitcode=status)
     return faults.shown_by_launcher()
 
 
@@ -147,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         status = _user_error(exc)
         if status is None or os.environ.get("SHARDWISE_TRACEBACK"):
             raise
-        if _recorded_for_launcher(exc):
+        if _recorded_for_launcher(exc, status):
             return status  # the verdict shows it, once for all the ranks that fail alike
         print(f"shardwise {name}: error: {_message(exc)}", file=sys.stderr)
         return status

@@ -280,8 +280,13 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
                 fh.write(tracebacks)
         except OSError:
             pass
+    meant = root.record["shardwise"].get("exitcode") if root is not None and root.record is not None else None
     if root is not None and root.record is not None and root.exitcode is not None and root.exitcode > 0:
         exitcode = root.exitcode  # its own exit status (the command line's 2 for a usage mistake)
+    elif meant:
+        # Recorded, then stopped (SIGTERM) in its clean-up because a peer exited first, as on a busy
+        # machine: the status it was exiting with, not one that depends on which rank left first.
+        exitcode = int(meant)
     elif root is None or not root.exitcode or root.record is not None:
         exitcode = 1  # an uncaught exception, even if the agent stopped the rank while it unwound
     else:

@@ -97,11 +97,15 @@ def note_failure(exc: BaseException) -> None:
         pass
 
 
-def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool = False) -> Dict:
+def record_exception(
+    exc: BaseException, tb: Optional[str] = None, brief: bool = False, exitcode: Optional[int] = None
+) -> Dict:
     """Write this rank's failure (torch's error-file JSON plus our fields); return the record.
 
     brief: the message is the whole story (the command line's one-line errors); the launcher's
-    verdict then leaves the traceback in the record and the agent log.
+    verdict then leaves the traceback in the record and the agent log. exitcode: the status this
+    rank is about to exit with (the command line's 2 for a usage mistake), which the launcher exits
+    with also when it stopped the rank (SIGTERM) during its clean-up, after a peer exited first.
     """
     tb = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     noted = getattr(exc, _FAILURE_ATTR, None)
@@ -145,6 +149,7 @@ def record_exception(exc: BaseException, tb: Optional[str] = None, brief: bool =
             "step": step,
             "types": [cls.__name__ for cls in type(exc).__mro__],
             "brief": brief,
+            "exitcode": exitcode,
         },
     }
     flight.wait_for_dumps(directory, peers, asked)
