@@ -20,7 +20,7 @@ from shardwise import TrainModule
 from shardwise.models import GPTConfig
 from shardwise.plan import Candidate, PlanError, analytic, plan, preset_names
 from shardwise.plan.presets import gpt_spec, preset_spec, resolve_model
-from shardwise.plan.trace import extrapolate, fake_world, trace
+from shardwise.plan.trace import Trace, _collapse, extrapolate, fake_world, trace
 from shardwise.strategies.accounting import zero_terms
 
 SMALL = GPTConfig(vocab_size=512, block_size=64, n_layer=6, n_head=4, n_embd=128, tie_embeddings=False)
@@ -449,3 +449,22 @@ def test_forked_workers_get_the_fsdp_jobs_of_one_depth_together():
     # One depth (a user's module): the FSDP group is larger than a fair share, so it is split.
     one = [TraceJob(c.config_key, "bf16-mixed", 1, 1, None, (1.0,), ()) for c in fsdp]
     assert [len(s) for s in _shares(one, 2)] == [3, 3]
+
+
+def test_extrapolation_joins_the_same_moment_at_both_depths():
+    # A phase whose highest moment moves: at 3 blocks the all-gathers before the first block
+    # (parameters), at 4 the loss after the last (activations). One line through the two highest
+    # points sends parameters negative and activations to hundreds of GiB at 80 blocks; a line per
+    # moment gives the true peak: the loss moment, growing by its per-block activations only.
+    GiB = 2**30
+
+    def at(depth, first, last):
+        moments = {("fwd1.1", "identity", 1.0, "first"): (first, (first, 0.0, 0.0, 0.0, 0.0))}
+        moments[("fwd1.1", "identity", 1.0, "last")] = (last, (0.0, 0.0, 0.0, 0.0, last))
+        return Trace(depth=depth, micro_batch=1, accumulation=2, moments=moments, envelope=_collapse(moments))
+
+    a = at(3, first=13.2 * GiB, last=12.0 * GiB)  # highest: the all-gathers
+    b = at(4, first=13.2 * GiB, last=14.0 * GiB)  # highest: the loss
+    value, phase, parts = extrapolate(a, b, 80).peak("identity", 1.0)
+    assert phase == "fwd1.1" and value == pytest.approx(166.0 * GiB)  # 12 + 76 x 2 GiB
+    assert min(parts) >= 0.0
