@@ -199,7 +199,7 @@ def test_calls_the_attention_cannot_honour_are_refused(two_ranks):
     "overrides, message",
     [
         (dict(num_key_value_heads=1), r"num_key_value_heads=1\b.* Use sp_size in \[1\]"),
-        (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), r"num_attention_heads=3\b.* Use sp_size in \[1, 3\]"),
+        (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), r"num_attention_heads=3\b.* in \[1, 3\]"),
         (dict(attention_dropout=0.1), "Set attention_dropout=0"),
         (dict(attn_implementation="flash_attention_2"), "Use attn_implementation='sdpa'"),
     ],
