@@ -29,6 +29,7 @@ import pytest
 
 import shardwise
 from shardwise.distributed import context, faults, progress
+from shardwise.distributed import verdict as launcher_verdict
 from shardwise.distributed.launch import WorkerFailedError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -253,20 +254,20 @@ def _outcome(rank, kind, at, code=1):
             "step": 7,
         },
     }
-    return faults.Outcome(rank=rank, exitcode=code, seen_at=at, record=record)
+    return launcher_verdict.Outcome(rank=rank, exitcode=code, seen_at=at, record=record)
 
 
 def test_root_cause_ignores_consequences_and_orders_by_sub_second_time():
     # A peer's closed connection recorded first (clocks, exit order) is still not the cause.
     outcomes = [_outcome(0, "secondary", 100.1), _outcome(1, "primary", 100.4), _outcome(2, "primary", 100.7)]
-    assert faults.root_cause(outcomes).rank == 1
-    verdict = faults.diagnose(outcomes)
+    assert launcher_verdict.root_cause(outcomes).rank == 1
+    verdict = launcher_verdict.diagnose(outcomes)
     assert verdict.startswith(
         "[shardwise] rank 1 exited with code 1 in training_step after step 7: Error: primary on 1"
     )
     assert "Traceback of rank 1" in verdict and "Traceback of rank 0" not in verdict
-    killed = faults.Outcome(rank=3, exitcode=-signal.SIGKILL, seen_at=100.2)
-    assert faults.root_cause([_outcome(0, "secondary", 100.1), killed]).rank == 3
+    killed = launcher_verdict.Outcome(rank=3, exitcode=-signal.SIGKILL, seen_at=100.2)
+    assert launcher_verdict.root_cause([_outcome(0, "secondary", 100.1), killed]).rank == 3
     assert faults.classify("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4531") == "secondary"
     assert faults.classify("RuntimeError: Timed out waiting 5000ms for recv operation to complete") == "timeout"
     assert faults.classify("ValueError: warmup_steps must be < max_steps") == "primary"
@@ -290,9 +291,9 @@ def test_the_record_names_where_a_rank_failed_not_the_clean_up_after_it(tmp_path
     assert (record["shardwise"]["hook"], record["shardwise"]["step"]) == ("configure_model", 0)
     assert record["shardwise"]["types"][:2] == ["ValueError", "Exception"]
     # The launcher stopped it (SIGTERM) during that clean-up, after a peer failed the same way.
-    stopped = faults.Outcome(rank=0, exitcode=-signal.SIGTERM, record=record)
+    stopped = launcher_verdict.Outcome(rank=0, exitcode=-signal.SIGTERM, record=record)
     later = _outcome(1, "primary", record["shardwise"]["time"] + 0.5)
-    verdict = faults.diagnose([stopped, later])
+    verdict = launcher_verdict.diagnose([stopped, later])
     assert verdict.startswith(
         "[shardwise] rank 0 failed in configure_model after step 0: ValueError: bad width 7: use a multiple of 8; "
         "SIGTERM stopped it during its clean-up\n"

@@ -6,7 +6,7 @@ in faulthandler's dump: a hung rank's stack must still show the thread that runs
 
 from __future__ import annotations
 
-from shardwise.distributed.faults import _trim_stack
+from shardwise.distributed.faults import trim_stack
 
 DUMP = """Thread 0x00007f8383fff6c0 (most recent call first):
   <no Python frame>
@@ -20,10 +20,10 @@ Thread 0x00007f8390000640 (most recent call first):
 
 
 def test_a_hung_ranks_stack_skips_threads_without_python_frames():
-    trimmed = _trim_stack(DUMP)
+    trimmed = trim_stack(DUMP)
     assert trimmed.splitlines()[0].strip() == "Current thread 0x00007f83a1b2c740 (most recent call first):"
     assert "in training_step" in trimmed and "no Python frame" not in trimmed and "threading.py" not in trimmed
 
 
 def test_a_dump_with_only_frameless_threads_is_kept_as_it_is():
-    assert "<no Python frame>" in _trim_stack("Thread 0x1 (most recent call first):\n  <no Python frame>")
+    assert "<no Python frame>" in trim_stack("Thread 0x1 (most recent call first):\n  <no Python frame>")

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.distributed import context as launch_context
-from shardwise.distributed import faults, flight, forkserver, progress
+from shardwise.distributed import faults, flight, forkserver, progress, verdict
 from shardwise.distributed.context import LaunchContext
 from shardwise.distributed.env import PREEMPT_GRACE_ENV, PREEMPTED_EXIT_CODE, preempt_grace_s
 
@@ -77,7 +77,7 @@ def die_with_launcher(launcher_pid: int) -> None:
 class Result:
     """How a launch ended. `exitcode`: 0; 75 (preempted); 128+signal (killed after the grace period);
     else the root cause's (1 for an exception). `message`: for stderr, '' on success; with
-    `verdict`, the root cause (faults.diagnose). `signalled`: a preemption signal was forwarded.
+    `verdict`, the root cause (verdict.diagnose). `signalled`: a preemption signal was forwarded.
     `summary`: the verdict without the traceback; `error_types`: the root cause's exception class and
     its bases by name (empty without a record), for a caller that shows some errors in one line."""
 
@@ -219,7 +219,7 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
             128 + forwarder.received,
             message=(
                 f"{who} worker(s) did not exit within the {forwarder.grace_s:.0f} s grace period after "
-                f"{faults.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
+                f"{verdict.signal_name(forwarder.received)}; killed them (raise {PREEMPT_GRACE_ENV} if saving takes "
                 "longer)."
             ),
         )
@@ -233,7 +233,7 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
                 "to resume."
             ),
         )
-    records = faults.read_records(run_dir)
+    records = verdict.read_records(run_dir)
     # Once one worker failed, the agent stops the others: SIGTERM, and SIGKILL 30 s later. Such a
     # rank without a record is a consequence -- unless every failure is of that kind (a user's
     # `kill`), or, for SIGKILL, no recorded failure caused it (then it is likely the OOM killer).
@@ -250,7 +250,7 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
                 and ((code == -signal.SIGTERM and other) or (code == -signal.SIGKILL and caused))
             )
             outcomes.append(
-                faults.Outcome(
+                verdict.Outcome(
                     rank=rank,
                     exitcode=code,
                     seen_at=float(exc.failures[rank].timestamp),
@@ -261,19 +261,19 @@ def _verdict(exc: ChildFailedError, ranks: Sequence[int], run_dir: str, forwarde
         else:
             # torch reports only the first failed function worker; the others were stopped (SIGTERM).
             outcomes.append(
-                faults.Outcome(
+                verdict.Outcome(
                     rank=rank,
                     exitcode=-signal.SIGTERM if record else None,
                     record=record,
                     stopped_by_launcher=record is None,
                 )
             )
-    root = faults.root_cause(outcomes)
-    message = faults.diagnose(outcomes, run_dir).rstrip()
-    summary = faults.diagnose(outcomes, run_dir, with_traceback=False).rstrip()
+    root = verdict.root_cause(outcomes)
+    message = verdict.diagnose(outcomes, run_dir).rstrip()
+    summary = verdict.diagnose(outcomes, run_dir, with_traceback=False).rstrip()
     if not message:  # no rank left a record or a code we can read: torch's own summary
         message = summary = exc.format_msg()
-    tracebacks = faults.every_traceback(outcomes)
+    tracebacks = verdict.every_traceback(outcomes)
     if tracebacks:  # the workers printed none of them: the verdict names this file
         try:
             with open(os.path.join(run_dir, AGENT_LOG), "a") as fh:
@@ -405,7 +405,7 @@ class _Forwarder:
         if self.received is None:
             self.received = signum
             print(
-                f"{self.who} received {faults.signal_name(signum)}: forwarded to every worker; waiting up to "
+                f"{self.who} received {verdict.signal_name(signum)}: forwarded to every worker; waiting up to "
                 f"{self.grace_s:.0f} s ({PREEMPT_GRACE_ENV}) for them to save and exit.",
                 file=sys.stderr,
                 flush=True,
