@@ -12,12 +12,14 @@ the model's size; the safetensors library writes each shard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 SAFE_SINGLE = "model.safetensors"
@@ -120,3 +122,42 @@ def weight_files(folder: str) -> List[str]:
         with open(index) as fh:
             return sorted(set(json.load(fh)["weight_map"].values()))
     return [SAFE_SINGLE]
+
+
+def read_safetensors_plan(path: str, files: Sequence[str]) -> List[Tuple[str, str, List[int]]]:
+    """(file, key, shape) of every tensor, in the order of the bytes in each file: only headers are read."""
+    plan = []
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="pt") as handle:
+            for key in handle.offset_keys():
+                plan.append((fname, key, list(handle.get_slice(key).get_shape())))
+    return plan
+
+
+class SafetensorsReader(contextlib.ExitStack):
+    """Tensors read by key from a weights folder's files, each file open only while it is needed.
+
+    A file opens when a key in it is first read; `close_unused(i, last_use)`
+    closes those whose last reader (by step index) has passed, so the mapped
+    pages of finished files leave the process's RSS. Every file still open
+    closes with the context."""
+
+    def __init__(self, path: str, file_of: Dict[str, str]) -> None:
+        super().__init__()
+        self.path, self.file_of = path, file_of
+        self.handles: Dict[str, Tuple[contextlib.ExitStack, object]] = {}
+        self.bytes_read = 0
+        self.callback(lambda: [stack.close() for stack, _ in self.handles.values()])
+
+    def read(self, key: str) -> torch.Tensor:
+        fname = self.file_of[key]
+        if fname not in self.handles:
+            stack = contextlib.ExitStack()
+            self.handles[fname] = (stack, stack.enter_context(safe_open(os.path.join(self.path, fname), "pt")))
+        tensor = self.handles[fname][1].get_tensor(key)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def close_unused(self, index: int, last_use: Dict[str, int]) -> None:
+        for fname in [f for f in self.handles if last_use[f] <= index]:
+            self.handles.pop(fname)[0].close()

@@ -25,13 +25,20 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.adapters.lora import base_weight_name, is_adapter_model
 from shardwise.adapters.quantize import fourbit_layers, place_4bit
-from shardwise.checkpoint.hf_shards import SAFE_INDEX, SAFE_SINGLE, ShardWriter, weight_files
+from shardwise.checkpoint import hf_convert
+from shardwise.checkpoint.hf_shards import (
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    SafetensorsReader,
+    ShardWriter,
+    read_safetensors_plan,
+    weight_files,
+)
 from shardwise.distributed import ops
 from shardwise.fqn import canonical_name
 from shardwise.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -207,16 +214,6 @@ def full_shape(t: torch.Tensor) -> torch.Size:
 
 
 # ------------------------------------------------------------------ reading
-def read_safetensors_plan(path: str, files: Sequence[str]) -> List[Tuple[str, str, List[int]]]:
-    """(file, key, shape) of every tensor, in the order of the bytes in each file: only headers are read."""
-    plan = []
-    for fname in files:
-        with safe_open(os.path.join(path, fname), framework="pt") as handle:
-            for key in handle.offset_keys():
-                plan.append((fname, key, list(handle.get_slice(key).get_shape())))
-    return plan
-
-
 def _targets(model: nn.Module) -> Dict[int, Tuple[List[str], torch.Tensor]]:
     """Every parameter and persistent buffer, keyed by identity, with all its (canonical) names."""
     found: Dict[int, Tuple[List[str], torch.Tensor]] = {}
@@ -255,58 +252,71 @@ def load_rank0_and_distribute(model: nn.Module, path: str, files: Sequence[str])
     rank = ops.rank()
     report = LoadReport(rss_before=current_rss_bytes(), peak_before=peak_rss_bytes())
     reset_peak_rss()  # VmHWM from here on is the loading phase's own peak
-    plan = ops.broadcast_object(read_safetensors_plan(path, files) if rank == 0 else None)
-    by_key = {key: (fname, shape) for fname, key, shape in plan}
-    targets = _targets(model)
+    header = ops.broadcast_object(read_safetensors_plan(path, files) if rank == 0 else None)
+    file_of = {key: fname for fname, key, _ in header}
     # A PeftModel's base weights are the checkpoint's under other names (base_model.model. ...
     # .base_layer.); its adapter weights are not in the checkpoint (adapters.init_lora_weights fills them).
     rename = base_weight_name if is_adapter_model(model) else (lambda name: name)
+    tensor_of: Dict[str, torch.Tensor] = {}
+    for names, tensor in _targets(model).values():
+        for name in filter(None, map(rename, names)):
+            tensor_of.setdefault(name, tensor)
+    # Transformers' conversion mapping groups the checkpoint's tensors into the model's (hub MoE
+    # experts into fused ones); every rank plans from the same header, so all find an error together.
+    try:
+        plan = hf_convert.plan_load(model, {key: shape for _, key, shape in header}, tensor_of)
+    except hf_convert.ConversionError as exc:
+        raise ModelFolderError(f"{path!r}: {exc}") from exc
     quantized = fourbit_layers(model)  # QLoRA: checkpoint weights quantised as they are placed
-    order: List[Tuple[str, str, torch.Tensor]] = []  # (file, key, tensor)
-    missing, mismatched, used = [], [], set()
-    for names, tensor in targets.values():
+    made = {name: (group, shape) for group in plan.groups for name, shape in group.outputs.items()}
+    place_as: Dict[int, str] = {}  # id(tensor) -> the output that fills it
+    missing, mismatched = [], []
+    for names, tensor in _targets(model).values():
         names = [n for n in map(rename, names) if n is not None]
         if not names:
             continue
-        key = next((n for n in names if n in by_key), None)
-        if key is None:
+        name = next((n for n in names if n in made), None)
+        if name is None:
             missing.append(names[0])
             continue
-        used.add(key)
-        shape = by_key[key][1]
+        shape = made[name][1]
         layer = quantized.get(id(tensor))
         expected = [layer.out_features, layer.in_features] if layer is not None else list(full_shape(tensor))
         if expected != shape:
-            mismatched.append(f"{key}: checkpoint {shape} vs model {expected}")
-        order.append((by_key[key][0], key, tensor))
+            mismatched.append(f"{name}: checkpoint {shape} vs model {expected}")
+        place_as[id(tensor)] = name
     if missing or mismatched:
         raise ModelFolderError(
             f"{path!r} does not match the architecture in its config.json: "
             + (f"missing {len(missing)} tensor(s) {missing[:8]}; " if missing else "")
             + (f"shape mismatch {mismatched[:8]}" if mismatched else "")
         )
-    report.unexpected = sorted(set(by_key) - used)
-    position = {key: i for i, (_, key, _) in enumerate(plan)}
-    order.sort(key=lambda item: position[item[1]])  # file by file, in file order: sequential reads
-
-    current_file, handle, stack, scratch = None, None, contextlib.ExitStack(), _Scratch()
-    with stack:
-        for fname, key, tensor in order:
-            full = None
-            if rank == 0:
-                if fname != current_file:
-                    # Close the previous file: its mapped pages leave this process's RSS.
-                    stack.close()
-                    handle = stack.enter_context(safe_open(os.path.join(path, fname), framework="pt"))
-                    current_file = fname
-                full = handle.get_tensor(key)
-                report.bytes_read += full.numel() * full.element_size()
-            if id(tensor) in quantized:  # quantised on rank 0; the packed codes travel like any weight
-                place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch))
-            else:
-                _place(tensor, full, rank, scratch)
-            del full
-            report.tensors += 1
+    wanted = set(place_as.values())
+    groups = [g for g in plan.groups if wanted & set(g.outputs)]
+    report.unexpected = sorted(plan.unexpected + [k for g in plan.groups if g not in groups for _, k in g.sources])
+    position = {key: i for i, (_, key, _) in enumerate(header)}
+    groups.sort(key=lambda g: min(position[k] for _, k in g.sources))  # file by file: sequential reads
+    last_use = {file_of[k]: i for i, g in enumerate(groups) for _, k in g.sources}
+    base, scratch = hf_convert.pretrained_model(model), _Scratch()
+    with SafetensorsReader(path, file_of) if rank == 0 else contextlib.nullcontext() as reader:
+        for i, group in enumerate(groups):
+            outputs = hf_convert.convert_group(group, reader.read, base) if rank == 0 else {}
+            for name in group.outputs:
+                if name not in wanted:
+                    continue
+                tensor, full = tensor_of[name], outputs.pop(name, None)
+                if id(tensor) in quantized:  # quantised on rank 0; the packed codes travel like any weight
+                    place_4bit(tensor, full, quantized[id(tensor)], lambda t, f: _place(t, f, rank, scratch))
+                else:
+                    _place(tensor, full, rank, scratch)
+                del full
+                report.tensors += 1
+            del outputs
+            if reader is not None:
+                reader.close_unused(i, last_use)
+                report.bytes_read = reader.bytes_read
+    if base is not None:
+        base._weight_conversions = plan.used  # what save_pretrained (and our export) reverts, as transformers keeps it
     report.peak_growth = peak_rss_bytes() - report.rss_before
     report.end_growth = current_rss_bytes() - report.rss_before
     if report.unexpected and rank == 0:
@@ -529,19 +539,28 @@ def export_hf_folder(
     """
     rank = ops.rank()
     items = export_items(model, config) if tensors is None else tensors
+    # save_pretrained's reverse conversion mapping: fused MoE experts are written per expert, as on the hub.
+    groups, renamings = hf_convert.export_groups(model, [name for name, _ in items])
+    source_of, base = dict(items), hf_convert.pretrained_model(model)
     writer = ShardWriter(out_dir, max_shard_size) if rank == 0 else None
     first_dtype = None
-    for name, source in items:
-        # A tensor of the model, or (lora_export.py) a function giving a context that yields the full tensor.
-        own = isinstance(source, torch.Tensor)
-        with gathered(source) if own else source() as full:  # a collective: every rank, same order
-            if writer is not None:
-                value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
-                if value.data_ptr() == full.data_ptr() and not (own and isinstance(source, DTensor)):
-                    value = value.clone()  # never alias a live (or soon re-partitioned) tensor
-                writer.add(name, value)
-                first_dtype = first_dtype or (full.dtype if full.is_floating_point() else None)
-            del full
+    for group in groups:
+        values: Dict[str, torch.Tensor] = {}
+        for name, _ in group.members:
+            # A tensor of the model, or (lora_export.py) a function giving a context that yields the full tensor.
+            source = source_of[name]
+            own = isinstance(source, torch.Tensor)
+            with gathered(source) if own else source() as full:  # a collective: every rank, same order
+                if writer is not None:
+                    value = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
+                    if value.data_ptr() == full.data_ptr() and not (own and isinstance(source, DTensor)):
+                        value = value.clone()  # never alias a live (or soon re-partitioned) tensor
+                    values[name] = value
+                    first_dtype = first_dtype or (full.dtype if full.is_floating_point() else None)
+                del full
+        if writer is not None:
+            for hub_name, value in hf_convert.revert_group(group, values, renamings, base).items():
+                writer.add(hub_name, value)
     if writer is None:
         ops.barrier()
         return None
