@@ -28,15 +28,16 @@ each micro-batch's mean counts the same, as in Lightning.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.module_hooks import EPOCH_ONLY_HOOKS, LOG_LEVELS, ModuleHooks
-from shardwise.module_weights import load_from_checkpoint
+from shardwise.module_weights import load_from_checkpoint, record_hyperparameters
+from shardwise.utilities import AttributeDict
 
 
 @dataclass
@@ -64,7 +65,8 @@ class TrainModule(ModuleHooks, nn.Module):
         object.__setattr__(self, "_trainer", None)
         object.__setattr__(self, "_log_buffer", [])
         object.__setattr__(self, "_current_hook", "training_step")
-        object.__setattr__(self, "hparams", {})
+        object.__setattr__(self, "hparams", AttributeDict())
+        object.__setattr__(self, "_log_hyperparams", True)
 
     # ----------------------------------------------------------- user hooks
     def configure_model(self) -> None:
@@ -105,6 +107,37 @@ class TrainModule(ModuleHooks, nn.Module):
         for tensor in self.parameters():
             return tensor.device
         return torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes (0 without a Trainer, as in Lightning)."""
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (0 without a Trainer)."""
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def logger(self) -> Any:
+        """The Trainer's first logger (None without one), to write to it directly: `self.logger.experiment`."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> List[Any]:
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's `data` (a tensor, a number, or lists / tuples / dicts of them), stacked along a new
+        first dimension of size world_size; unchanged on one process, as in Lightning. Collective: call it
+        on every rank. sync_grads=True lets gradients flow back through the gather."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return data
+        return _gather_collection(data, group, sync_grads, self.device)
 
     # ------------------------------------------------------------ weights
     @classmethod
@@ -169,15 +202,16 @@ class TrainModule(ModuleHooks, nn.Module):
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.trainer.print(*args, **kwargs)
 
-    def save_hyperparameters(self, **values: Any) -> None:
-        """Record hyperparameters (the caller's __init__ arguments when none are given)."""
-        if not values:
-            frame = inspect.currentframe().f_back  # type: ignore[union-attr]
-            args = inspect.getargvalues(frame)  # type: ignore[arg-type]
-            values = {name: args.locals[name] for name in args.args if name != "self"}
-            if args.keywords:
-                values.update(args.locals[args.keywords])
-        self.hparams.update(values)
+    def save_hyperparameters(
+        self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True, **values: Any
+    ) -> None:
+        """Record hyperparameters in `self.hparams`, saved in checkpoints (load_from_checkpoint rebuilds
+        the module with them) and sent to the loggers unless logger=False. Lightning's signature: no
+        arguments: every __init__ argument; names ("lr", "layers"): those arguments; one dict or
+        argparse Namespace: its items; ignore: a name or list of names to leave out. Keyword arguments
+        (shardwise's older form) are recorded as given."""
+        record_hyperparameters(self, args, ignore, frame, values)
+        object.__setattr__(self, "_log_hyperparams", bool(logger))
 
     # -------------------------------------------------------------- logging
     def log(
@@ -241,7 +275,29 @@ class DataModule:
     prepare_data() runs once per node before any rank reads what it prepares
     (downloads, tokenisation to disk); setup(stage) on every rank; then the
     loaders. Any object with these methods works: subclassing is optional.
+    `self.trainer` is set before prepare_data (so setup can divide a global
+    batch by `self.trainer.world_size`); `save_hyperparameters()` records
+    __init__'s arguments in `self.hparams`; `state_dict()` is saved in
+    checkpoints and given back to `load_state_dict()` on resume.
     """
+
+    prepare_data_per_node: bool = True
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+
+    @property
+    def hparams(self) -> AttributeDict:
+        if "_hparams" not in self.__dict__:
+            self._hparams = AttributeDict()
+        return self._hparams
+
+    def save_hyperparameters(
+        self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True, **values: Any
+    ) -> None:
+        """As TrainModule.save_hyperparameters: __init__'s arguments (or the names, dict or Namespace given)."""
+        record_hyperparameters(self, args, ignore, frame, values)
+        self._log_hyperparams = bool(logger)
 
     def prepare_data(self) -> None: ...
 
@@ -251,6 +307,13 @@ class DataModule:
         raise NotImplementedError(f"{type(self).__name__} must implement train_dataloader()")
 
     def teardown(self, stage: str) -> None: ...
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint saves of this datamodule (nothing by default, as in Lightning)."""
+        return {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Given what state_dict() returned when a checkpoint was saved, when fit resumes from it."""
 
 
 # What the Trainer (and the planner's trace) does to a module, as functions rather than members.
@@ -269,6 +332,34 @@ def enter_hook(module: TrainModule, hook: str) -> str:
     previous = module._current_hook
     object.__setattr__(module, "_current_hook", hook)
     return previous
+
+
+def hyperparameters_to_log(module: Any) -> Dict[str, Any]:
+    """The module's hparams for the loggers: none after save_hyperparameters(logger=False)."""
+    if module is None or not getattr(module, "_log_hyperparams", True):
+        return {}
+    return dict(getattr(module, "hparams", {}) or {})
+
+
+def _gather_collection(data: Any, group: Any, sync_grads: bool, device: torch.device) -> Any:
+    """all_gather over a collection: each tensor (or number) stacked over the ranks, containers rebuilt."""
+    if isinstance(data, dict):
+        return type(data)((k, _gather_collection(v, group, sync_grads, device)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        gathered = [_gather_collection(v, group, sync_grads, device) for v in data]
+        return type(data)(*gathered) if hasattr(data, "_fields") else type(data)(gathered)
+    if isinstance(data, (int, float, bool)):
+        data = torch.tensor(data, device=device)
+    if not isinstance(data, torch.Tensor):
+        return data
+    tensor = data.contiguous()
+    if sync_grads:
+        import torch.distributed.nn.functional as dist_fn  # autograd-aware collectives, loaded when asked
+
+        return torch.stack(dist_fn.all_gather(tensor, group=group))
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return torch.stack(out)
 
 
 def drain_logs(module: TrainModule) -> List[LoggedValue]:
