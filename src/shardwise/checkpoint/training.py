@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from shardwise.checkpoint import adapters, formats, layout
+from shardwise.checkpoint import adapters, formats, layout, loader_state
 from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
 from shardwise.checkpoint.formats import check_format_readable
 from shardwise.checkpoint.integrity import merge_checksum_parts
@@ -181,6 +181,8 @@ def collect_state(states: TrainingStates) -> Dict[str, Any]:
         # The sampler's replicas: ranks of a sequence/tensor-parallel group read the same samples.
         "data": {"batch_size": getattr(loader, "batch_size", None), "data_parallel_size": strategy.data_parallel_size},
         "sampler": sampler.state_dict() if sampler is not None else None,
+        # A streaming loader's own position, one per rank (loader_state.py); None under shardwise's sampler.
+        "loader_state": loader_state.capture(loader),
         "rng_states": _gather_rng(rng),
         "lr_schedulers": [entry["scheduler"].state_dict() for entry in strategy.lr_schedulers],
         "grad_scaler": strategy.grad_scaler.state_dict() if strategy.grad_scaler is not None else None,
@@ -270,11 +272,19 @@ def _restore_position(states: TrainingStates, state: Dict[str, Any]) -> None:
                 f"{old[0]}x{old[1]}: {consumed % (new[0] * new[1])} sample(s) will be seen twice.",
                 stacklevel=4,
             )
-    if position["batch_idx"] and sampler is None and loader is not None:
+    restored = loader_state.restore(
+        loader,
+        state.get("loader_state"),
+        states.strategy.global_rank,
+        states.strategy.world_size,
+        position["batch_idx"],
+    )
+    if position["batch_idx"] and sampler is None and loader is not None and not restored:
         warnings.warn(
             "Resuming mid-epoch, but the train DataLoader has no shardwise sampler to skip the "
-            "consumed batches (custom sampler or IterableDataset): the epoch restarts from its "
-            "first batch.",
+            "consumed batches (custom sampler or IterableDataset) and the checkpoint holds no position of "
+            "its own (a loader with state_dict() / load_state_dict(), such as torchdata's "
+            "StatefulDataLoader, has one): the epoch restarts from its first batch.",
             stacklevel=4,
         )
     states.train_state.load_state_dict(position)

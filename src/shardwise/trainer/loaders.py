@@ -11,7 +11,9 @@ empty loader is an error that says why it is empty.
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple, Union
+from typing import Any, Callable, Iterator, Optional, Tuple, Union
+
+from torch.utils.data import IterableDataset
 
 from shardwise.checkpoint.rng import restore_rng_states
 
@@ -118,12 +120,22 @@ def position_sampler(loader: Any, state: Any) -> None:
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(state.epoch)
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDataset) and callable(getattr(dataset, "set_epoch", None)):
+        # A streaming dataset shuffles by epoch (Hugging Face's IterableDataset), and a restored mid-epoch
+        # position applies to its own epoch only: without this every epoch after a resume would replay it.
+        dataset.set_epoch(state.epoch)
     if hasattr(sampler, "set_start_index"):
         sampler.set_start_index(state.batch_idx * (loader.batch_size or 1))
 
 
-def epoch_iterator(loader: Any, state: Any) -> Any:
-    """iter(loader), re-applying a checkpoint's RNG states at the point the saved run was at.
+def epoch_iterator(loader: Any, state: Any, done: Optional[Callable[[], bool]] = None) -> Any:
+    """iter(loader), re-applying a checkpoint's RNG states at the point the saved run was at, and
+    stopping before drawing a batch once `done()` says the loop takes no more.
+
+    A loader that keeps its own position (loader_state.py) advances it when a
+    batch is drawn: a batch drawn and never trained would be skipped by a run
+    resumed from the checkpoint the stopped loop saves.
 
     A checkpoint captures the generators right after an optimizer step.
     Creating a DataLoader iterator draws a seed from torch's generator: the
@@ -137,4 +149,13 @@ def epoch_iterator(loader: Any, state: Any) -> Any:
     iterator = iter(loader)
     if pending is not None and state.batch_idx > 0:
         restore_rng_states(pending)
-    return iterator
+    return iterator if done is None else _until(iterator, done)
+
+
+def _until(iterator: Iterator[Any], done: Callable[[], bool]) -> Iterator[Any]:
+    while not done():
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        yield batch

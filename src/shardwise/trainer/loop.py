@@ -346,9 +346,10 @@ class Trainer(TrainerAttributes):
             call_module(self, "on_train_epoch_start")
             self.model.train()
             started_at = state.batch_idx
-            batches = loaders.epoch_iterator(loader, state)  # a checkpoint's RNG states at the saved point
+            done = lambda: state.batch_idx >= self.num_training_batches or self._done()  # noqa: E731
+            # done() is asked before each batch is drawn, so a stateful loader is never a batch ahead of its save.
+            batches = loaders.epoch_iterator(loader, state, done)  # a checkpoint's RNG states at the saved point
             if self.weighting is not None:  # each window's batches taken together: the step's weight first
-                done = lambda: state.batch_idx >= self.num_training_batches or self._done()  # noqa: E731
                 batches = self.weighting.batches(batches, state, window, self.num_training_batches, done)
             for batch in batches:
                 if state.batch_idx >= self.num_training_batches or self._done():
