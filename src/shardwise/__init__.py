@@ -21,14 +21,26 @@ from shardwise.strategies import (
     wrap,
 )
 from shardwise.trainer import Trainer
+from shardwise.utilities.refusal import build_refused_class
 
 DeepSpeedPlugin = DeepSpeedStrategy  # Lightning 1.x's name
+# `import lightning as L` ports as `import shardwise as L`: the same classes under Lightning's names.
+LightningModule = TrainModule
+LightningDataModule = DataModule
+Fabric = build_refused_class(
+    "Fabric",
+    "shardwise",
+    "the Trainer is the one entry point; move the Fabric loop's body into a LightningModule's training_step "
+    "and call Trainer(...).fit(module) with the same strategy and devices.",
+)
 
 
 __all__ = [
     "Trainer",
     "TrainModule",
     "DataModule",
+    "LightningModule",
+    "LightningDataModule",
     "Callback",
     "EarlyStopping",
     "ModelCheckpoint",

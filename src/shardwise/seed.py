@@ -25,8 +25,14 @@ from shardwise.distributed import context
 from shardwise.fqn import canonical_name
 
 
-def seed_everything(seed: Optional[int] = None) -> int:
-    """Seed every RNG; returns the seed (a random one when None)."""
+def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed every RNG; returns the seed (a random one when None).
+
+    workers (Lightning's): DataLoader workers get their own Python, NumPy and torch seeds. torch's
+    DataLoader already does so in every worker, from a base seed drawn from the seeded torch generator,
+    so a seeded run's workers are reproducible either way (with other numbers than Lightning's).
+    verbose is accepted for Lightning's signature; nothing is printed.
+    """
     if seed is None:
         seed = context.current().seed
         seed = random.randint(0, 2**31 - 1) if seed is None else seed

@@ -138,10 +138,10 @@ def test_every_called_row_is_called_by_some_run(tmp_path):
     # Checkpoint hooks: save in one fit, load in the next.
     CALLS.clear()
     trainer = Trainer(**{**TRAINER_KWARGS, "callbacks": [callback_cls()], "default_root_dir": str(tmp_path)})
-    trainer.fit(module_cls())
+    trainer.fit(module_cls(), datamodule=_recording_datamodule())  # and the datamodule's state_dict ...
     path = trainer.save_checkpoint(str(tmp_path / "ckpt"))
     trainer = Trainer(**{**TRAINER_KWARGS, "callbacks": [callback_cls()], "max_epochs": 3})
-    trainer.fit(module_cls(), ckpt_path=path)
+    trainer.fit(module_cls(), datamodule=_recording_datamodule(), ckpt_path=path)  # ... load_state_dict
     seen |= {(c["who"], c["hook"]) for c in CALLS}
     # on_exception, the datamodule's hooks.
     CALLS.clear()

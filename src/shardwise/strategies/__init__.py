@@ -18,7 +18,8 @@ from shardwise.strategies.base import Strategy, wrap
 from shardwise.strategies.ddp import DDPStrategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
 from shardwise.strategies.fsdp import FSDPStrategy
-from shardwise.strategies.names import TABLE, valid_names
+from shardwise.strategies.names import LIGHTNING_NAMES, REFUSED_NAMES, TABLE, valid_names
+from shardwise.utilities.refusal import build_refused_class
 from shardwise.strategies.parallel import ENGINE_CLASSES, ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
 
@@ -37,6 +38,19 @@ CLASSES: Dict[str, type] = {
 ENGINE_CLASSES.update(CLASSES)
 
 STRATEGY_NAMES = ("auto", *TABLE)
+
+# Lightning's strategy classes with no counterpart here: importable, refused when built.
+ModelParallelStrategy = build_refused_class(
+    "ModelParallelStrategy",
+    __name__,
+    "tensor and sequence parallelism are FSDPStrategy's options here: FSDPStrategy(tp_size=..., sp_size=...), "
+    "on one device mesh with the data-parallel dimensions.",
+)
+ParallelStrategy = build_refused_class(
+    "ParallelStrategy",
+    __name__,
+    "a strategy here subclasses shardwise.strategies.Strategy (or DDPStrategy / FSDPStrategy / DeepSpeedStrategy).",
+)
 
 
 def build_strategy(
@@ -64,6 +78,12 @@ def build_strategy(
         chosen = SingleDeviceStrategy() if world_size <= 1 else DDPStrategy()
         chosen.is_auto = True  # Trainer(device_memory=...) may replace it with the memory planner's choice
         return chosen
+    key = strategy.lower().strip().replace("-", "_")
+    if key in LIGHTNING_NAMES:  # Lightning's "ddp_find_unused_parameters_true", "ddp_spawn", ...
+        name, lightning_options = LIGHTNING_NAMES[key]
+        return ParallelPlan.from_name(name).build(blocks, spelled=strategy, **{**lightning_options, **options})
+    if key in REFUSED_NAMES:
+        raise ValueError(f"strategy={strategy!r} (Lightning's) is not available: {REFUSED_NAMES[key]}.")
     try:
         plan = ParallelPlan.from_name(strategy, allow_ac=True)
     except ValueError:
@@ -80,6 +100,8 @@ __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
     "DeepSpeedStrategy",
+    "ModelParallelStrategy",
+    "ParallelStrategy",
     "build_strategy",
     "ParallelPlan",
     "STRATEGY_NAMES",

@@ -51,6 +51,23 @@ ALIASES = {
     "zero3_offload": "deepspeed_stage_3_offload",
 }
 
+# Lightning's strategy strings that are a name above plus a constructor option (the process start method of
+# ddp_spawn / ddp_fork / ddp_notebook is the launcher's business here: the same processes, the same numbers).
+LIGHTNING_NAMES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    f"ddp{start}{unused}": ("ddp", {"find_unused_parameters": value} if unused else {})
+    for start in ("", "_spawn", "_fork", "_notebook")
+    for unused, value in (("", False), ("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False))
+    if start or unused
+}
+# Lightning's strategy strings with no counterpart here, and why.
+REFUSED_NAMES = {
+    "deepspeed_stage_3_offload_nvme": "NVMe offload is not supported; use 'deepspeed_stage_3_offload' (CPU memory)",
+    **dict.fromkeys(
+        ("xla", "xla_debug", "single_xla", "single_tpu", "xla_fsdp"),
+        "shardwise runs on CPUs and CUDA GPUs, not on TPUs / XLA devices",
+    ),
+}
+
 AC_SUFFIX = "_ac"
 
 
@@ -72,4 +89,4 @@ def key_of(name: str, allow_ac: bool = False) -> Tuple[str, bool]:
     return key, ac
 
 
-__all__ = ["TABLE", "ALIASES", "SHORT_ALIASES", "AC_SUFFIX", "key_of", "valid_names"]
+__all__ = ["TABLE", "ALIASES", "SHORT_ALIASES", "LIGHTNING_NAMES", "REFUSED_NAMES", "AC_SUFFIX", "key_of", "valid_names"]

@@ -15,6 +15,7 @@ import signal
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from shardwise.callbacks import ModelSummary
 from shardwise.strategies import Strategy
 
 MAX_EPOCHS_DEFAULT = 1000  # Lightning's default when neither max_epochs nor max_steps is set
@@ -157,6 +158,37 @@ def check_non_finite(non_finite: str, strategy: Strategy) -> str:
             "overflowing steps."
         )
     return non_finite
+
+
+def lightning_callbacks(callbacks: Any, enable_model_summary: Optional[bool]) -> List[Any]:
+    """Trainer(callbacks=...) as Lightning takes it (a list, or one callback object), with a ModelSummary
+    added for enable_model_summary=True and removed for False (None, the default here: as given)."""
+    if callbacks is None:
+        callbacks = []
+    elif not isinstance(callbacks, (list, tuple)):
+        if isinstance(callbacks, (str, bytes, dict)) or isinstance(callbacks, type):
+            raise TypeError(
+                f"Trainer(callbacks={callbacks!r}): pass a callback object or a list of them "
+                "(an instance such as EarlyStopping(monitor='val_loss'), not a class or a name)."
+            )
+        callbacks = [callbacks]
+    callbacks = list(callbacks)
+    if enable_model_summary not in (None, True, False):
+        raise ValueError(f"Trainer(enable_model_summary={enable_model_summary!r}): use True, False or None.")
+    if enable_model_summary is False:
+        callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
+    elif enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
+        callbacks.append(ModelSummary())
+    return callbacks
+
+
+def check_eval_data(stage: str, dataloaders: Any, datamodule: Any) -> Tuple[Any, Any]:
+    """validate()'s data as Lightning takes it: loaders, `datamodule=`, or a datamodule in the loaders' place."""
+    if datamodule is None and is_datamodule(dataloaders):
+        dataloaders, datamodule = None, dataloaders  # trainer.validate(model, dm)
+    if dataloaders is not None and datamodule is not None:
+        raise ValueError(f"{stage}() takes either dataloaders or a datamodule, not both.")
+    return dataloaders, datamodule
 
 
 def is_datamodule(obj: Any) -> bool:

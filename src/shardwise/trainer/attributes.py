@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from shardwise.callbacks import EarlyStopping, ModelCheckpoint
 from shardwise.distributed import env
 from shardwise.module import TrainModule
 
@@ -93,3 +94,29 @@ class TrainerAttributes:
     @property
     def optimizers(self) -> List[torch.optim.Optimizer]:
         return self.strategy.optimizers
+
+    @property
+    def num_devices(self) -> int:
+        """Devices per node (Lightning's name for the resolved `devices`)."""
+        return self.devices
+
+    @property
+    def checkpoint_callbacks(self) -> List[Any]:
+        """Every ModelCheckpoint, in order."""
+        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first checkpoint callback, or None (`trainer.checkpoint_callback.best_model_path`)."""
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    @property
+    def early_stopping_callbacks(self) -> List[Any]:
+        return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first EarlyStopping callback, or None."""
+        found = self.early_stopping_callbacks
+        return found[0] if found else None

@@ -31,6 +31,7 @@ from shardwise.callbacks.base import Callback
 from shardwise.module import drain_logs
 from shardwise.module_hooks import ModuleHooks
 from shardwise.strategies import Strategy
+from shardwise.trainer.datamodules import attach_datamodule
 from shardwise.trainer.hooks import (
     call_callbacks,
     call_datamodule,
@@ -178,8 +179,8 @@ HOOKS: Tuple[Hook, ...] = tuple(
     + _rows("datamodule", CALLED, "any", "on_before_batch_transfer transfer_batch_to_device on_after_batch_transfer",
             _TRANSFER + ", instead of the module's")
     + _rows("datamodule", CALLED, "any", "on_exception", "(exception) after the callbacks' on_exception")
-    + _rows("datamodule", REFUSED, "", "state_dict load_state_dict", "a datamodule's state is not saved in "
-            "shardwise checkpoints; keep it in the module's on_save_checkpoint / on_load_checkpoint")
+    + _rows("datamodule", CALLED, "fit", "state_dict load_state_dict", "state_dict() is saved in every "
+            "checkpoint beside the callbacks' states; load_state_dict(state) when fit resumes from one")
 )  # fmt: skip
 
 _BASES = {"module": ModuleHooks, "callback": Callback}
@@ -238,6 +239,7 @@ def prepare_and_setup(trainer: Any, stage: str) -> None:
     the datamodule's, the callbacks', the module's. Loaders are requested after this."""
     strategy, module = trainer.strategy, trainer.module
     forget_callbacks(trainer)  # the callbacks' hooks are looked up afresh for this run (hooks.py)
+    attach_datamodule(trainer.datamodule, trainer)  # dm.trainer, before its prepare_data and setup
     for owner in (trainer.datamodule, module):
         if owner is None or not callable(getattr(owner, "prepare_data", None)):
             continue

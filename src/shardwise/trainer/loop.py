@@ -26,12 +26,13 @@ from shardwise.distributed import faults
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
-from shardwise.module import TrainModule, attach, drain_logs, enter_hook
+from shardwise.module import TrainModule, attach, drain_logs, enter_hook, hyperparameters_to_log
 from shardwise.plan.advice import check_before_fit
 from shardwise.seed import apply_cublas_workspace_config
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
-from shardwise.trainer import arguments, automatic, evaluation, lightning_hooks, loaders, nonfinite, setup, weighting
+from shardwise.trainer import arguments, automatic, datamodules, evaluation, lightning_hooks, loaders, nonfinite, setup
+from shardwise.trainer import weighting
 from shardwise.trainer.attributes import TrainerAttributes
 from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx, update_lr_schedulers
 from shardwise.trainer.manual import UserOptimization
@@ -59,10 +60,12 @@ class Trainer(TrainerAttributes):
         gradient_clip_val: Optional[float] = None,
         gradient_clip_algorithm: str = "norm",
         log_every_n_steps: int = 50,
-        callbacks: Optional[List[Any]] = None,
+        callbacks: Union[List[Any], Any, None] = None,  # a list, or one callback object
         logger: Any = True,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
+        enable_model_summary: Optional[bool] = None,  # None: no summary unless a ModelSummary is given
+        sync_batchnorm: bool = False,  # BatchNorm -> SyncBatchNorm when processes share a batch
         default_root_dir: Optional[str] = None,
         deterministic: bool = False,
         device_memory: Union[None, str, int] = None,
@@ -144,8 +147,10 @@ class Trainer(TrainerAttributes):
         # Set by fit() for a module that defines loss_weight: its summed losses are normalised over the
         # global batch of each step (weighting.py); None keeps the mean loss of each micro-batch.
         self.weighting: Optional[weighting.StepWeighting] = None
+        callbacks = arguments.lightning_callbacks(callbacks, enable_model_summary)
         self.callbacks = setup.default_callbacks(callbacks, enable_progress_bar, enable_checkpointing, throughput,
                                                  peak_tflops, profile_steps)  # fmt: skip
+        self.sync_batchnorm = bool(sync_batchnorm)
         self.loggers = setup.build_loggers(logger, self.default_root_dir)
         self.state = TrainState()
         self.metrics = MetricStore()
@@ -220,7 +225,7 @@ class Trainer(TrainerAttributes):
         lightning_hooks.prepare_and_setup(self, stage)  # prepare_data, setup(stage): datamodule, callbacks, module
         if stage in ("fit", "validate"):  # test / predict ask for their own loaders (evaluation.py)
             self._resolve_data(module, need_train_data)
-        self.model = setup.build_model(strategy, module, lambda: call_module(self, "configure_model"), trained)
+        self.model = setup.build_model(strategy, module, lambda: options.configure_model(self, module), trained)
         self._set_up = True
         self._configure_optimizers(need_train_data)
 
@@ -248,15 +253,16 @@ class Trainer(TrainerAttributes):
     # ------------------------------------------------------------------- fit
     def fit(
         self,
-        module: TrainModule,
+        model: TrainModule,
         train_dataloaders: Optional[Iterable] = None,
         val_dataloaders: Optional[Iterable] = None,
-        ckpt_path: Optional[str] = None,
         datamodule: Any = None,
+        ckpt_path: Optional[str] = None,
     ) -> None:
         """Train. Data as in Lightning: loaders here, a `datamodule` (also as the second positional
-        argument), or the module's own train_dataloader() / val_dataloader() methods."""
-        module = arguments.unwrap_compiled(module)  # torch.compile(module): the TrainModule, its steps compiled
+        argument), or the module's own train_dataloader() / val_dataloader() methods. Lightning's
+        signature: fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)."""
+        module = arguments.unwrap_compiled(model)  # torch.compile(module): the TrainModule, its steps compiled
         train_dataloaders, datamodule = arguments.check_fit_data(module, train_dataloaders, val_dataloaders, datamodule)
         self.stage = "fit"
         self._data_sources = (train_dataloaders, val_dataloaders, datamodule)
@@ -280,7 +286,7 @@ class Trainer(TrainerAttributes):
             )
             if ckpt_path is not None:
                 self._restore(ckpt_path)
-            setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
+            setup.setup_loggers(self.loggers, self.strategy, hyperparameters_to_log(self.module))
             lightning_hooks.call_both(self, "on_fit_start")
             options.before_training(self)  # the sanity check; max_time's clock; detect_anomaly
             lightning_hooks.call_both(self, "on_train_start")
@@ -310,7 +316,7 @@ class Trainer(TrainerAttributes):
             strategy=self.strategy,
             train_state=self.state,
             loader=self.train_dataloader,
-            callbacks=self.callbacks,
+            callbacks=self.callbacks + datamodules.datamodule_states(self.datamodule),  # its state beside theirs
             loggers=self.loggers,
             callback_metrics=self.metrics.callback_metrics,
             module=self.module,
@@ -472,22 +478,30 @@ class Trainer(TrainerAttributes):
         self._setup(module, need_train_data=False, stage=stage)
         if ckpt_path is not None:
             self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
-        setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
+        setup.setup_loggers(self.loggers, self.strategy, hyperparameters_to_log(self.module))
 
     # -------------------------------------------------------------- validation
     def validate(
         self,
-        module: Optional[TrainModule] = None,
+        model: Optional[TrainModule] = None,
         dataloaders: Optional[Iterable] = None,
         ckpt_path: Optional[str] = None,
+        verbose: bool = True,
+        datamodule: Any = None,
     ) -> List[Dict[str, float]]:
-        """Run validation_step over `dataloaders` (or fit's); return the epoch metrics."""
+        """Run validation_step over `dataloaders` (or the datamodule's, or fit's); return the epoch metrics."""
         setup.launch_if_needed(self.devices, self.num_nodes)
         self.stage = "validate"
-        module = arguments.unwrap_compiled(module) if module is not None else self.module
+        dataloaders, datamodule = arguments.check_eval_data("validate", dataloaders, datamodule)
+        if datamodule is not None:
+            self._data_sources = (None, None, datamodule)
+        module = arguments.unwrap_compiled(model) if model is not None else self.module
         if module is None:
             raise ValueError("validate() needs a module (or a previous fit()).")
+        fresh = not (self._set_up and self.module is module)
         self._setup(module, need_train_data=False)
+        if dataloaders is None and datamodule is not None:  # its setup ran in _setup; its loader, not fit's
+            dataloaders = self._resolved_data[1] if fresh else datamodule.val_dataloader()
         if dataloaders is None and self.val_dataloaders is None:
             dataloaders = self._resolved_data[1]  # the module's or datamodule's val_dataloader()
         if dataloaders is not None:
@@ -496,6 +510,6 @@ class Trainer(TrainerAttributes):
             raise ValueError("validate() needs dataloaders (none were given here or to fit()).")
         if ckpt_path is not None:  # a training checkpoint, optimizers included ("best" as test() takes it)
             self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
-        setup.setup_loggers(self.loggers, self.strategy, self.module.hparams)
+        setup.setup_loggers(self.loggers, self.strategy, hyperparameters_to_log(self.module))
         with lightning_hooks.running(self, "validate"):  # on_exception if it fails, teardown("validate")
             return [run_validation(self)]

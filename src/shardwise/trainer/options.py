@@ -21,6 +21,11 @@
 - `detect_anomaly`: torch.autograd's anomaly detection during training.
 - `estimated_stepping_batches`: the optimizer steps fit will take (the
   OneCycleLR pattern), usable inside configure_optimizers.
+- `sync_batchnorm`: every BatchNorm layer becomes torch's SyncBatchNorm
+  (statistics over the whole global batch) after configure_model, where
+  processes share a batch (DDP, FSDP, DeepSpeed on more than one process);
+  on one process nothing changes, as in Lightning. torch's SyncBatchNorm
+  runs on CUDA only, so on CPU it is refused before the first step.
 - `compile` (not Lightning's; the strategy's option, strategies/compile.py):
   True compiles each repeated block after activation checkpointing and
   before sharding, "model" each network whole; the strategy refuses it
@@ -39,7 +44,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from shardwise.metrics import MetricStore
 from shardwise.trainer.arguments import is_int
-from shardwise.trainer.hooks import call_callbacks
+from shardwise.trainer.hooks import call_callbacks, call_module
 from shardwise.trainer.loaders import length, limit
 from shardwise.trainer.validation import run_validation
 
@@ -161,6 +166,34 @@ def apply(
         ]
         if trainer.strategy.is_global_zero:
             print(f"Running with fast_dev_run: {batches} batch(es) of each loop; no loggers, no checkpoints.")
+
+
+def configure_model(trainer: Any, module: Any) -> None:
+    """The module's configure_model, then sync_batchnorm's conversion of the layers it and __init__ built."""
+    call_module(trainer, "configure_model")
+    if trainer.sync_batchnorm:
+        apply_sync_batchnorm(module, trainer.strategy.world_size, trainer.strategy.root_device)
+
+
+def apply_sync_batchnorm(module: torch.nn.Module, world_size: int, device: torch.device) -> int:
+    """Replace every BatchNorm layer below `module` by a SyncBatchNorm (in place); returns how many.
+
+    Nothing to synchronise on one process (Lightning converts nothing there either). torch's
+    SyncBatchNorm raises in its first training forward on a CPU tensor, so that is refused here."""
+    if world_size <= 1:
+        return 0
+    batchnorms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not batchnorms:
+        return 0
+    if device.type == "cpu":
+        raise ValueError(
+            f"Trainer(sync_batchnorm=True) on CPU: torch's SyncBatchNorm runs on CUDA only (its forward raises "
+            f"on CPU tensors), and this module has {len(batchnorms)} BatchNorm layer(s). Use accelerator='cuda', "
+            "or sync_batchnorm=False (each process then normalises over its own micro-batch)."
+        )
+    for name, child in list(module.named_children()):
+        setattr(module, name, torch.nn.SyncBatchNorm.convert_sync_batchnorm(child))
+    return len(batchnorms)
 
 
 def train_shuffle(trainer: Any) -> Optional[bool]:
