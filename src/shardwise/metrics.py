@@ -8,6 +8,13 @@ per epoch, not per step. The names are Lightning's: a value logged both per
 step and per epoch is `name_step` / `name_epoch` to the loggers, all three
 spellings to callbacks, and `name` to the progress bar; `logger=False` keeps
 a value from the loggers only.
+
+A torchmetrics `Metric` logged as the value (`self.log("acc", self.acc)`)
+works as in Lightning: per step the batch value its last forward returned
+(`self.acc(preds, target)`; none if only `update` was called), per epoch its
+own `compute()` -- the metric's own cross-rank sync, so `sync_dist` and
+`reduce_fx` do not apply -- and then `reset()`, which Lightning also does at
+each epoch's end to a metric logged only per step.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 import torch
 
 from shardwise.distributed import ops
-from shardwise.module import LoggedValue
+
+# The logged values are module.LoggedValue; module.py imports this file (self.log's metric objects), so
+# the annotations below name it as Any rather than import it back.
+LoggedValue = Any
 
 
 def _reduce(value: torch.Tensor, fx: str) -> torch.Tensor:
@@ -37,6 +47,29 @@ def settle(values: Dict[str, Any]) -> Dict[str, Any]:
         numbers = torch.stack([values[n].detach().float().reshape(()) for n in names]).tolist()
         values.update(zip(names, numbers))
     return values
+
+
+def is_metric(value: Any) -> bool:
+    """A torchmetrics Metric or MetricCollection (duck-typed: torchmetrics stays an optional package)."""
+    return isinstance(value, torch.nn.Module) and all(
+        callable(getattr(value, name, None)) for name in ("update", "compute", "reset")
+    )
+
+
+def metric_step_value(name: str, metric: Any) -> Optional[torch.Tensor]:
+    """The batch value of a Metric logged with self.log: what its last forward returned, None before one."""
+    if isinstance(metric, torch.nn.ModuleDict):
+        raise TypeError(
+            f"self.log({name!r}, <{type(metric).__name__}>): a collection of metrics is logged with "
+            "self.log_dict(collection), one name per metric, as in Lightning."
+        )
+    value = getattr(metric, "_forward_cache", None)
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"self.log({name!r}, <{type(metric).__name__}>): its forward returned {type(value).__name__}, not a "
+            "scalar tensor; log the numbers it returned one by one (self.log_dict)."
+        )
+    return value
 
 
 def batch_size_of(batch: Any) -> Optional[int]:
@@ -64,6 +97,7 @@ class _EpochValue:
     prog_bar: bool
     logger: bool
     forked: bool  # also logged per step: the epoch value is `name_epoch`
+    metric: Any = None  # a torchmetrics Metric: the epoch value is its compute()
 
 
 class MetricStore:
@@ -81,6 +115,14 @@ class MetricStore:
         self._progress: Dict[str, Any] = {}
         self._logged: Dict[str, Any] = {}
         self._epoch: Dict[str, _EpochValue] = {}
+        self._step_metrics: Dict[int, Any] = {}  # Metric objects logged only per step: reset at the epoch's end
+        self._evaluating = False  # validation / test: step values reach loggers only, as in Lightning
+
+    def clear(self) -> None:
+        """Forget every value: trainer.validate() / test() start afresh, as Lightning's do."""
+        self._callback.clear()
+        self._progress.clear()
+        self._logged.clear()
 
     @property
     def callback_metrics(self) -> Dict[str, float]:
@@ -96,12 +138,15 @@ class MetricStore:
 
     @contextlib.contextmanager
     def separate_epoch(self) -> Iterator[None]:
-        """Accumulate epoch values apart from the current epoch's, which are back on exit (validation)."""
+        """Accumulate epoch values apart from the current epoch's, which are back on exit (validation, test)."""
         outer, self._epoch = self._epoch, {}
+        outer_metrics, self._step_metrics = self._step_metrics, {}
+        outer_evaluating, self._evaluating = self._evaluating, True
         try:
             yield
         finally:
-            self._epoch = outer
+            self._epoch, self._step_metrics = outer, outer_metrics
+            self._evaluating = outer_evaluating
 
     def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True, batch: Any = None) -> Dict[str, Any]:
         """Take one step's logs; return the step values for the loggers (tensors: `settle` them to log them).
@@ -113,15 +158,22 @@ class MetricStore:
         inferred: List[Optional[int]] = []  # read from the batch at most once, and only when needed
         for item in logs:
             forked = item.on_step and item.on_epoch and suffix_epoch
-            if item.on_step:
+            if item.on_step and item.value is not None:  # None: a Metric whose forward did not run
                 value = _reduce(item.value, item.reduce_fx) if item.sync_dist else item.value
                 key = f"{item.name}_step" if forked else item.name
                 if item.logger:
                     step_values[key] = value
-                self._callback[item.name] = value
-                self._callback[key] = value
+                if not self._evaluating:  # Lightning's callback_metrics hold no evaluation step values
+                    self._callback[item.name] = value
+                    self._callback[key] = value
                 if item.prog_bar:
                     self._progress[item.name] = value  # one entry per metric (Lightning shows name_step)
+            if item.metric is not None:
+                if item.on_epoch:
+                    self._accumulate_metric(item, forked)
+                else:
+                    self._step_metrics[id(item.metric)] = item.metric
+                continue
             if item.on_epoch:
                 weight = item.batch_size
                 if weight is None and item.reduce_fx == "mean":
@@ -131,6 +183,14 @@ class MetricStore:
                 self._accumulate(item, float(weight or 1), forked)
         self._logged.update(step_values)
         return step_values
+
+    def _accumulate_metric(self, item: LoggedValue, forked: bool) -> None:
+        entry = self._epoch.get(item.name)
+        if entry is None or entry.metric is None:
+            entry = _EpochValue(torch.zeros(()), 0.0, "mean", False, item.prog_bar, item.logger, forked, item.metric)
+            self._epoch[item.name] = entry
+        entry.metric = item.metric
+        entry.forked = entry.forked or forked
 
     def _accumulate(self, item: LoggedValue, weight: float, forked: bool) -> None:
         v = item.value
@@ -155,10 +215,13 @@ class MetricStore:
     def finish_epoch(self, suffix: bool = True) -> Dict[str, float]:
         """Close the epoch accumulators (reducing across ranks where asked); return what goes to the loggers."""
         out: Dict[str, float] = {}
-        totals = settle({name: entry.total for name, entry in self._epoch.items()})
+        totals = settle({name: entry.total for name, entry in self._epoch.items() if entry.metric is None})
         for name, entry in self._epoch.items():
-            total, weight = totals[name], entry.weight
-            if entry.reduce_fx == "mean":
+            total, weight = totals.get(name), entry.weight
+            if entry.metric is not None:  # every rank reaches this point: the metric's own sync pairs up
+                value = _computed(name, entry.metric)
+                entry.metric.reset()
+            elif entry.reduce_fx == "mean":
                 if entry.sync_dist:  # exact global mean: reduce numerator and denominator
                     pair = ops.reduce(torch.tensor([total, weight], dtype=torch.float64), "sum")
                     total, weight = float(pair[0]), float(pair[1])
@@ -173,5 +236,19 @@ class MetricStore:
             if entry.prog_bar:
                 self._progress[name] = value
         self._epoch.clear()
+        for metric in self._step_metrics.values():
+            metric.reset()
+        self._step_metrics.clear()
         self._logged.update(out)
         return out
+
+
+def _computed(name: str, metric: Any) -> float:
+    value = metric.compute()
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(
+            f"self.log({name!r}, <{type(metric).__name__}>): its compute() returned "
+            f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}, not a scalar; "
+            "log a metric that reduces to one number (e.g. average='macro'), or its parts with self.log_dict."
+        )
+    return float(value.detach())

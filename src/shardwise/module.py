@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.metrics import is_metric, metric_step_value
 from shardwise.module_hooks import EPOCH_ONLY_HOOKS, LOG_LEVELS, ModuleHooks
 from shardwise.module_weights import load_from_checkpoint, record_hyperparameters
 from shardwise.utilities import AttributeDict
@@ -51,6 +52,7 @@ class LoggedValue:
     reduce_fx: str
     batch_size: Optional[int]
     logger: bool = True  # False: callback_metrics and the progress bar only, never the loggers
+    metric: Any = None  # a torchmetrics Metric: value is its last forward's; the epoch value is its compute()
 
 
 class TrainModule(ModuleHooks, nn.Module):
@@ -254,14 +256,17 @@ class TrainModule(ModuleHooks, nn.Module):
         on_epoch = levels[1] if on_epoch is None else on_epoch
         if reduce_fx not in ("mean", "sum", "max", "min"):
             raise ValueError(f"log({name!r}): reduce_fx must be mean, sum, max or min, got {reduce_fx!r}")
+        metric = None
+        if is_metric(value):  # Lightning: its last forward's batch value per step, its own compute() per epoch
+            metric, value = value, metric_step_value(name, value)
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(f"log({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
             value = value.detach().float().reshape(())
-        else:
+        elif metric is None:
             value = torch.tensor(float(value))
         self._log_buffer.append(
-            LoggedValue(name, value, prog_bar, on_step, on_epoch, sync_dist, reduce_fx, batch_size, logger)
+            LoggedValue(name, value, prog_bar, on_step, on_epoch, sync_dist, reduce_fx, batch_size, logger, metric)
         )
 
     def log_dict(self, metrics: Dict[str, Any], **kwargs: Any) -> None:

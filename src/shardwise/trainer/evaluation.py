@@ -205,6 +205,7 @@ def run_test(trainer: Any, loaders: List[Any], verbose: bool) -> List[Dict[str, 
     strategy, several = trainer.strategy, len(loaders) > 1
     loaders = [strategy.setup_dataloader(loader, shuffle=False) for loader in loaders]
     trainer.testing = True
+    trainer.metrics.clear()  # test()'s callback_metrics are its own, as in Lightning
     call_module(trainer, "on_test_model_eval")
     try:
         with trainer.metrics.separate_epoch():
@@ -224,7 +225,7 @@ def run_test(trainer: Any, loaders: List[Any], verbose: bool) -> List[Dict[str, 
                     _record(trainer, batch, suffix)
                     lightning_hooks.call_both(trainer, "on_test_batch_end", output, batch, batch_idx, *extra)
                     _record(trainer, batch, suffix)
-            results = lightning_hooks.end_epoch(trainer, "on_test_epoch_end", suffix=False)
+            results = lightning_hooks.end_epoch(trainer, "on_test_epoch_end")  # `name_epoch` as validation's
             lightning_hooks.call_both(trainer, "on_test_end")
     finally:
         trainer.testing = False

@@ -33,6 +33,8 @@ def run_validation(trainer: Any) -> Dict[str, float]:
     if trainer.num_val_batches == 0:
         return {}
     trainer.validating = True
+    if getattr(trainer, "stage", "fit") == "validate":
+        trainer.metrics.clear()  # trainer.validate()'s metrics are its own, as in Lightning
     state.rng_outside_validation = capture_rng_states()
     modes = None
     try:
@@ -55,7 +57,8 @@ def run_validation(trainer: Any) -> Dict[str, float]:
                 lightning_hooks.record_logs(trainer, batch)
                 lightning_hooks.call_both(trainer, "on_validation_batch_end", output, batch, batch_idx)
                 lightning_hooks.record_logs(trainer, batch)
-            results = lightning_hooks.end_epoch(trainer, "on_validation_epoch_end", suffix=False)
+            # Lightning's names: `name_epoch` for a value logged per step too, `name` for one logged per epoch only
+            results = lightning_hooks.end_epoch(trainer, "on_validation_epoch_end")
             lightning_hooks.call_both(trainer, "on_validation_end")
     finally:
         restore_rng_states(state.rng_outside_validation)
