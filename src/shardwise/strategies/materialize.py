@@ -29,11 +29,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed.tensor import DTensor, Replicate, Shard  # DTensor: what FSDP2 parameters are
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp dimension over tp
 
 from shardwise.adapters.quantize import reset_4bit_fn
 from shardwise.seed import module_seed, rng_devices
+from shardwise.strategies.init_replay import InitRecord, Ref, record_init, recorded_tensors, view_of
 
 
 class UninitializedParameterError(RuntimeError):
@@ -188,20 +190,58 @@ def materialize_module(
     if init_weights is not None:
         init_weights()
     else:
+        replays = recorded_targets(module, meta_names)
+        replayed = {id(t) for _, by_sid in replays for ts in by_sid.values() for t, _ in ts}
         modules = list(module.named_modules())
         for fqn, mod in reversed(modules):  # children first, as eager construction
             fn = find_reset_fn(mod)
-            if fn is None:
-                continue
+            own = [t for t in list(mod._parameters.values()) + list(mod._buffers.values()) if t is not None]
+            if fn is None or (own and all(id(t) in replayed for t in own)):
+                continue  # the replayed construction below writes this module's tensors
             with torch.random.fork_rng(devices=rng_devices(device)):
                 torch.manual_seed(module_seed(seed, fqn))
                 reset_own(mod, fn)
+        for record, by_sid in replays:
+            record.replay(set(by_sid), lambda sid, storage, by_sid=by_sid: _write_replayed(storage, by_sid[sid]))
     for name, t in targets:
         if name in real:
             _local(t).copy_(real[name])
     targets = [(name, t) for name, t in targets if name in meta_names]
     check_initialized(targets, versions, user_hook=init_weights is not None)
     return len(meta_names)
+
+
+def recorded_targets(
+    module: nn.Module, meta_names: set
+) -> List[Tuple[InitRecord, Dict[int, List[Tuple[torch.Tensor, Ref]]]]]:
+    """The tensors a recorded construction (init_replay.py) gives values, grouped by construction and storage.
+
+    Only tensors that were on the meta device and that some recorded op wrote count: a tensor the
+    construction only allocated is left to the module's reset_parameters() and the sentinel check.
+    """
+    by_record: Dict[int, Tuple[InitRecord, Dict[int, List[Tuple[torch.Tensor, Ref]]]]] = {}
+    for prefix, mod in module.named_modules():
+        entry = recorded_tensors(mod)
+        if entry is None:
+            continue
+        record, refs = entry
+        _, targets = by_record.setdefault(id(record), (record, {}))
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                fqn = f"{prefix}.{name}" if prefix else name
+                if t is not None and name in refs and fqn in meta_names:
+                    targets.setdefault(refs[name].sid, []).append((t, refs[name]))
+    out = []
+    for record, targets in by_record.values():
+        written = record.written(set(targets))
+        out.append((record, {sid: ts for sid, ts in targets.items() if sid in written}))
+    return out
+
+
+def _write_replayed(storage: torch.UntypedStorage, targets: List[Tuple[torch.Tensor, Ref]]) -> None:
+    for t, ref in targets:
+        full = view_of(storage, ref)
+        _local(t).copy_(_slice_for(full, t) if isinstance(t, DTensor) else full)
 
 
 def check_initialized(
@@ -265,6 +305,19 @@ class watch_meta_writes(torch.overrides.TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.writes: Dict[int, str] = {}  # one entry per parameter written
+        self.recorder: Optional[record_init] = None
+
+    def __enter__(self) -> "watch_meta_writes":
+        # Under the planner's fake tensors nothing is allocated, so there is nothing to replay.
+        if active_fake_mode() is None:
+            self.recorder = record_init()
+            self.recorder.__enter__()
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.recorder is not None:
+            self.recorder.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
