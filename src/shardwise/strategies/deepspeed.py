@@ -47,7 +47,7 @@ from shardwise.strategies.deepspeed_config import (
 )
 from shardwise.strategies.deepspeed_env import apply_rank_env, ensure_accelerator_env, import_deepspeed
 from shardwise.strategies.deepspeed_grads import local_gradients
-from shardwise.strategies.deepspeed_zero3 import check_zero3_dtypes, init_zero3_module
+from shardwise.strategies.deepspeed_zero3 import before_zero_init, check_zero3_dtypes, init_zero3_module
 from shardwise.strategies.fsdp import build_policy_fn, describe_modules
 from shardwise.strategies.materialize import rng_devices
 
@@ -237,6 +237,7 @@ class DeepSpeedStrategy(Strategy):
                 yield
             return
         deepspeed = import_deepspeed(self.accelerator, self.logging_level)
+        before_zero_init()
         remote = "cpu" if self.offload_parameters else None
         # dtype=None on purpose: zero.Init then takes the dtype from the config's
         # bf16 / fp16 sections. An explicit dtype is ignored by DeepSpeed (0.19.x,

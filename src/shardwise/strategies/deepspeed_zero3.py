@@ -1,12 +1,13 @@
-"""ZeRO-3's set-up helpers: the dtype check of the partitions zero.Init built, and their initialisation.
+"""ZeRO-3's set-up helpers: what zero.Init needs first, the dtype check of its partitions, their initialisation.
 
 Under ZeRO-3 no rank ever holds the whole model: `deepspeed.zero.Init` builds
-each parameter already partitioned. These two functions make that build safe
-and equal to the other strategies' (deepspeed.py calls them from setup_module):
-`check_zero3_dtypes` refuses partitions in another dtype than the precision
-asks for (DeepSpeed chooses it itself on some CPUs), and `init_zero3_module`
-re-runs each module's init on its gathered parameters under the same
-per-module seeds materialize.py uses, so ZeRO-3 starts from DDP's weights.
+each parameter already partitioned. These functions make that build safe and
+equal to the other strategies' (deepspeed.py calls them): `before_zero_init`
+loads what must not first load inside zero.Init, `check_zero3_dtypes` refuses
+partitions in another dtype than the precision asks for (DeepSpeed chooses it
+itself on some CPUs), and `init_zero3_module` re-runs each module's init on
+its gathered parameters under the same per-module seeds materialize.py uses,
+so ZeRO-3 starts from DDP's weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ from torch import nn
 
 from shardwise.seed import module_seed, rng_devices
 from shardwise.strategies.materialize import find_reset_fn, reset_own
+
+
+def before_zero_init() -> None:
+    """Import torch._dynamo before `deepspeed.zero.Init` patches the tensor constructors.
+
+    Dynamo registers a polyfill for `torch.Tensor.__new__` when it is first
+    imported, and checks that the function it replaces has the polyfill's
+    signature. Inside zero.Init that function is DeepSpeed's wrapper, so the
+    first import of dynamo there (transformers 5.24 imports it while loading
+    its modeling code, from `from_config`) fails with "Signature mismatch
+    between get_new_tensor_fn_for_dtype.<locals>.new_tensor and tensor_pynew"
+    on every rank. Imported here, dynamo sees torch's own constructor.
+    """
+    import torch._dynamo  # noqa: F401
 
 
 def check_zero3_dtypes(root: nn.Module, expected: torch.dtype) -> None:
