@@ -34,7 +34,7 @@ class LearningRateMonitor:
         if not getattr(trainer, "loggers", None):
             raise ValueError(
                 "LearningRateMonitor needs a logger: pass Trainer(logger=...) "
-                "(the default CSVLogger works) or remove the callback."
+                "(the default, logger=True, works) or remove the callback."
             )
         strategy = trainer.strategy
         configs = list(getattr(strategy, "lr_schedulers", None) or [])

@@ -1,11 +1,12 @@
-# CSVLogger, the default logger: metrics.csv and hparams.yaml under
+# CSVLogger, the default logger without tensorboard installed: metrics.csv and hparams.yaml under
 # <save_dir>/<name>/version_<n>/, readable with any spreadsheet or pandas and with no
 # dependency beyond the standard library. Rows are buffered and flushed every
 # `flush_every_n_steps` log calls and on save()/finalize(); when a metric appears that
 # the file has no column for, the whole file is rewritten with the wider header
 # (atomically: write a temporary file, then rename) so every row lines up. Only
 # global rank 0 touches the filesystem. This file also holds the small helpers the
-# TensorBoard logger shares: version numbering, rank detection, hparams.yaml.
+# TensorBoard logger shares: version numbering, rank detection, hparams.yaml, and the
+# no-op `experiment` other ranks get.
 from __future__ import annotations
 
 import csv
@@ -78,6 +79,61 @@ def plain_value(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+class NoOpExperiment:
+    """`logger.experiment` on ranks other than 0, as Lightning's: every call does nothing and returns None.
+
+    User code written for rank 0 (`self.logger.experiment.add_image(...)`) runs on every rank in a
+    multi-process job; a None there would raise on the other ranks.
+    """
+
+    def nop(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy / pickle probes: answer as a plain object
+            raise AttributeError(name)
+        return self.nop
+
+    def __getitem__(self, index: Any) -> "NoOpExperiment":
+        return self
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        pass
+
+
+class CSVExperiment:
+    """`CSVLogger.experiment` on rank 0, in the shape of Lightning's CSV ExperimentWriter; writes through the logger."""
+
+    def __init__(self, logger: "CSVLogger") -> None:
+        self._logger = logger
+
+    @property
+    def log_dir(self) -> str:
+        return self._logger.log_dir
+
+    @property
+    def metrics_file_path(self) -> str:
+        return self._logger.metrics_file
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self._logger._hparams
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows logged but not yet written to metrics.csv (save() writes them)."""
+        return self._logger._pending
+
+    def log_metrics(self, metrics_dict: Mapping[str, Any], step: int | None = None) -> None:
+        self._logger.log_metrics(metrics_dict, step)
+
+    def log_hparams(self, params: Mapping[str, Any]) -> None:
+        self._logger.log_hyperparams(params)
+
+    def save(self) -> None:
+        self._logger.save()
 
 
 def write_hparams(path: str, hparams: Mapping[str, Any]) -> None:
@@ -193,6 +249,11 @@ class CSVLogger(VersionedLogDir):
     @property
     def metrics_file(self) -> str:
         return os.path.join(self.log_dir, METRICS_FILE)
+
+    @property
+    def experiment(self) -> CSVExperiment | NoOpExperiment:
+        """Lightning's CSV experiment writer (log_metrics, log_hparams, save) on rank 0; a no-op elsewhere."""
+        return CSVExperiment(self) if rank_zero() else NoOpExperiment()
 
     def log_hyperparams(self, params: Any) -> None:
         self._hparams.update(hparams_to_dict(params))

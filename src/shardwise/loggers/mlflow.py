@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Set
 
-from shardwise.loggers.csv import rank_zero
+from shardwise.loggers.csv import NoOpExperiment, rank_zero
 from shardwise.loggers.tracker import TrackerLogger, warn_changed
 
 __all__ = ["MLflowLogger"]
@@ -67,8 +67,9 @@ class MLflowLogger(TrackerLogger):
 
     @property
     def experiment(self) -> Any:
-        """The MlflowClient (None on ranks other than 0): `logger.experiment.log_artifact(logger.run_id, path)`."""
-        return self._client if self.ensure_open() else None
+        """The MlflowClient on rank 0 (elsewhere an object whose every call does nothing):
+        `logger.experiment.log_artifact(logger.run_id, path)`."""
+        return self._client if self.ensure_open() else NoOpExperiment()
 
     def _open(self, run_id: Optional[str]) -> str:
         client_class, _ = _mlflow()

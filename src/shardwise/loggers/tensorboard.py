@@ -2,7 +2,8 @@
 # <save_dir>/<name>/version_<n>/ via torch.utils.tensorboard.SummaryWriter, plus the
 # same hparams.yaml the CSV logger writes. tensorboard is an optional extra, so it is
 # imported only when the writer is first needed and a missing install names the pip
-# command. Only global rank 0 creates a writer; other ranks make every call a no-op.
+# command. Only global rank 0 creates a writer; other ranks make every call a no-op. It is
+# the default logger when tensorboard is installed, as in Lightning.
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ from typing import Any, Mapping
 
 from shardwise.loggers.csv import (
     HPARAMS_FILE,
+    NoOpExperiment,
     VersionedLogDir,
     flatten_dict,
     hparams_to_dict,
@@ -27,7 +29,7 @@ def _summary_writer_class():
     except ImportError as err:  # torch raises ImportError when tensorboard is missing
         raise ImportError(
             'TensorBoardLogger needs the tensorboard package: pip install "shardwise[tensorboard]" '
-            "(or pip install tensorboard). The default CSVLogger has no extra dependency."
+            "(or pip install tensorboard). CSVLogger, the default without it, has no extra dependency."
         ) from err
     return SummaryWriter
 
@@ -48,8 +50,14 @@ class TensorBoardLogger(VersionedLogDir):
             _summary_writer_class()  # fail at construction, not at the first logged step
 
     @property
-    def experiment(self):
-        """The SummaryWriter (None on ranks other than 0), for images, histograms, ..."""
+    def experiment(self) -> Any:
+        """The SummaryWriter on rank 0, for images, histograms, ...; elsewhere an object whose every call does
+        nothing (Lightning's rank-zero experiment), so code written for rank 0 runs on all ranks."""
+        writer = self._open_writer()
+        return writer if writer is not None else NoOpExperiment()
+
+    def _open_writer(self) -> Any:
+        """The SummaryWriter, opened on first use; None on ranks other than 0."""
         if self._writer is None and rank_zero():
             os.makedirs(self.log_dir, exist_ok=True)
             kwargs = dict(self._writer_kwargs)
@@ -60,7 +68,7 @@ class TensorBoardLogger(VersionedLogDir):
 
     def log_hyperparams(self, params: Any) -> None:
         self._hparams.update(hparams_to_dict(params))
-        writer = self.experiment
+        writer = self._open_writer()
         if writer is None:
             return
         write_hparams(os.path.join(self.log_dir, HPARAMS_FILE), self._hparams)
@@ -69,7 +77,7 @@ class TensorBoardLogger(VersionedLogDir):
         writer.add_text("hparams", "| name | value |\n|---|---|\n" + rows)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        writer = self.experiment
+        writer = self._open_writer()
         if writer is None:
             return
         self.note_step(step)

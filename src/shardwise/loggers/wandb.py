@@ -20,7 +20,7 @@ import sys
 import warnings
 from typing import Any, Dict, Iterator, Optional, Set
 
-from shardwise.loggers.csv import rank_zero
+from shardwise.loggers.csv import NoOpExperiment, rank_zero
 from shardwise.loggers.tracker import TrackerLogger
 
 __all__ = ["WandbLogger"]
@@ -99,11 +99,11 @@ class WandbLogger(TrackerLogger):
 
     @property
     def experiment(self) -> Any:
-        """The wandb Run (None on ranks other than 0), for tables, media, `define_metric`, ...
+        """The wandb Run on rank 0 (elsewhere an object whose every call does nothing), for tables, media, ...
 
         Log through it with ``step=trainer.global_step``: the logger's rows use the Trainer's step as W&B's.
         """
-        return self._run if self.ensure_open() else None
+        return self._run if self.ensure_open() else NoOpExperiment()
 
     def _open(self, run_id: Optional[str]) -> str:
         wandb = _wandb()

@@ -34,7 +34,7 @@ from shardwise.callbacks.throughput import ThroughputMonitor
 from shardwise.distributed import context
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.distributed.launch import launch_script
-from shardwise.loggers import CSVLogger
+from shardwise.loggers import build_default_logger
 from shardwise.module import attached_trainer
 from shardwise.strategies.materialize import watch_meta_writes
 from shardwise.trainer.hooks import is_plateau
@@ -211,7 +211,7 @@ def default_callbacks(
 def build_loggers(logger: Any, default_root_dir: str) -> List[Any]:
     """Trainer(logger=True | False | None | a logger | [loggers]) -> the list of loggers."""
     if logger is True:
-        return [CSVLogger(default_root_dir)]
+        return [build_default_logger(default_root_dir)]  # TensorBoard if installed, else CSV
     if logger in (False, None):
         return []
     return list(logger) if isinstance(logger, (list, tuple)) else [logger]
