@@ -45,8 +45,8 @@ class Repo:
 class HubServer:
     """The hub's HTTP protocol over in-memory repos; `with HubServer(token="hf_x") as hub: hub.url`."""
 
-    def __init__(self, token: Optional[str] = None) -> None:
-        self.token = token
+    def __init__(self, token: Optional[str] = None, user: str = "tester") -> None:
+        self.token, self.user = token, user  # a repo created without an organisation goes to `user`
         self.repos: Dict[Tuple[str, str], Repo] = {}
         self.log: List[Tuple[str, str, int]] = []  # (method, path, status)
         self.cut_after: Dict[str, int] = {}
@@ -149,8 +149,8 @@ def _handler(hub: HubServer) -> type:
 
         def do_GET(self) -> None:
             path = urlparse(self.path).path
-            if path == "/api/agent-harnesses":  # huggingface_hub's user-agent registry: none here
-                return self._json(200, [])
+            if path == "/api/agent-harnesses":  # huggingface_hub's user-agent registry: empty here
+                return self._json(200, {})
             m = re.match(r"^/api/(models|datasets)/([^/]+/[^/]+)/(revision|tree)/([^/]+)(/.*)?$", path)
             if m:
                 repo = self._repo(_TYPES[m.group(1)], m.group(2))
@@ -221,7 +221,7 @@ def _handler(hub: HubServer) -> type:
                 if not self._authorised(None, write=True):
                     return
                 req = json.loads(body)
-                repo_id = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+                repo_id = f"{req.get('organization') or hub.user}/{req['name']}"
                 key = (req.get("type") or "model", repo_id)
                 if key in hub.repos:
                     return self._error(409, None, "You already created this model repo")
@@ -261,4 +261,41 @@ def _handler(hub: HubServer) -> type:
     return Handler
 
 
-__all__ = ["HubServer", "Repo"]
+
+def lay_cache(cache: str, repo_id: str, files: Dict[str, bytes], repo_type: str = "model", branch: str = "main") -> str:
+    """A repo laid in a hub cache folder as a download leaves it: blobs/<etag>, snapshots/<commit>/<file> linking
+    to the blob, refs/<branch> naming the commit. Returns the snapshot folder."""
+    import os
+
+    storage = os.path.join(cache, f"{repo_type}s--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(json.dumps(sorted((k, _git_sha(v)) for k, v in files.items())).encode()).hexdigest()
+    snapshot = os.path.join(storage, "snapshots", commit)
+    for name, data in files.items():
+        etag = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else _git_sha(data)
+        blob = os.path.join(storage, "blobs", etag)
+        os.makedirs(os.path.dirname(blob), exist_ok=True)
+        with open(blob, "wb") as fh:
+            fh.write(data)
+        link = os.path.join(snapshot, name)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    os.makedirs(os.path.join(storage, "refs"), exist_ok=True)
+    with open(os.path.join(storage, "refs", branch), "w") as fh:
+        fh.write(commit)
+    return snapshot
+
+
+def folder_files(folder: str) -> Dict[str, bytes]:
+    """Every file under `folder` by its '/'-separated relative path (a model folder as repo contents)."""
+    import os
+
+    out = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder).replace(os.sep, "/")] = fh.read()
+    return out
+
+
+__all__ = ["HubServer", "Repo", "folder_files", "lay_cache"]

@@ -112,15 +112,16 @@ def test_the_labels_are_exactly_the_assistant_tokens(chat, template):
 
 
 def test_the_cache_key_keeps_old_caches_and_separates_the_option(chat):
-    off = D.DataSpec(path=chat.path, max_seq_len=24)
-    on = D.DataSpec(path=chat.path, max_seq_len=24, assistant_only_loss=True)
+    off = D.DataSpec(path=chat.path, max_seq_len=24, append_eos=True, eval_split_ratio=0.05)  # the old defaults
+    on = D.DataSpec(path=chat.path, max_seq_len=24, append_eos=True, eval_split_ratio=0.05, assistant_only_loss=True)
     assert D.cache_key(off, chat.tok) != D.cache_key(on, chat.tok)
     # Off, the key is the one computed before the option existed (the spec without it).
     import dataclasses
     import hashlib
     import json
 
-    old_spec = {k: v for k, v in dataclasses.asdict(off).items() if k != "assistant_only_loss"}
+    later = ("assistant_only_loss", "split", "eval_split", "completion_only_loss", "revision")  # unset or default
+    old_spec = {k: v for k, v in dataclasses.asdict(off).items() if k not in later}
     blob = json.dumps(
         {
             "v": D.CACHE_VERSION,

@@ -35,8 +35,10 @@ def test_tokenizer_chat_template_is_used_when_present():
     tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
     assert D.resolve_chat_format("auto", tok) == "tokenizer"
     assert D.record_text([{"role": "user", "content": "hi"}], "tokenizer", tok) == "[user]hi"
-    with pytest.raises(ValueError, match="plain-text"):
-        D.record_text([{"role": "user", "content": "hi"}], "none", tok)
+    # 'none' adds no template: text as it is, messages by the tokenizer's own template only
+    assert D.record_text([{"role": "user", "content": "hi"}], "none", tok) == "[user]hi"
+    with pytest.raises(ValueError, match="has no template"):
+        D.record_text([{"role": "user", "content": "hi"}], "none", build_tokenizer(["hi"]))
 
 
 def test_packing_masks_boundaries_and_restarts_positions():

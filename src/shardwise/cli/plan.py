@@ -54,13 +54,14 @@ def plan_command(
     optimizer_variants: bool = True,
     sp_size: Optional[int] = None,
     tp_size: Optional[int] = None,
+    revision: Optional[str] = None,
 ) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
 
     Args:
-        model: a preset (see --help for the list), a path to a Hugging Face config.json or model
-            directory (no weights are read), or python:module.Class (a TrainModule with
-            example_batch(batch_size, seq_len), or a GPTConfig).
+        model: a preset (see --help for the list), a hub model id (org/name: only its config.json is
+            downloaded), a path to a Hugging Face config.json or model directory (no weights are read),
+            or python:module.Class (a TrainModule with example_batch(batch_size, seq_len), or a GPTConfig).
         devices: devices per node.
         num_nodes: number of nodes.
         device_memory: memory per device, e.g. 80GiB, 40GB, 24576MiB.
@@ -104,6 +105,7 @@ def plan_command(
             With neither --sp_size nor --tp_size, the full comparison also searches the degrees that
             divide the devices per node, the attention heads and the sequence length.
         tp_size: plan the FSDP configurations with tensor parallel of this degree (1: off).
+        revision: a hub model id's revision: a branch, tag or commit hash (default: main).
     """
     from shardwise.plan.core import plan
     from shardwise.plan.errors import PlanError
@@ -118,6 +120,12 @@ def plan_command(
         except (OSError, ValueError) as exc:
             raise PlanError(f"--deepspeed-config {deepspeed_config}: {exc}") from exc
     strategy_obj = _strategy(strategy) if strategy else None
+    from shardwise.recipes.hub import resolve_model
+
+    resolved = resolve_model(model, revision, config_only=True)  # a hub id: its config.json; anything else as given
+    if resolved != model and not json:
+        print(f"{model} (revision {revision or 'main'}): {resolved}")
+    model = resolved
     result = plan(
         model,
         batch_size=batch_size,

@@ -179,7 +179,7 @@ def convert(
 ) -> List[str]:
     """Write the model weights of checkpoint `ckpt` to `out`; returns the files written.
 
-    `base_model`: for an adapter checkpoint, the base model's folder: `out` becomes the merged model;
+    `base_model`: for an adapter checkpoint, the base model's folder or hub id: `out` becomes the merged model;
     for a full checkpoint of the fine-tuning recipe, the folder it fine-tuned: its config and tokenizer
     files go beside the weights, so `from_pretrained(out)` loads them."""
     cast = cast_dtype(dtype)
@@ -192,6 +192,10 @@ def convert(
     state = reader.trainer_state()  # read once (a sharded checkpoint reads and verifies a file for it)
     recipe = not adapter and is_recipe_checkpoint(state, infos)
     if base_model is not None and (not (adapter or recipe) or single_file):
+    if base_model is not None:  # a hub model id: its snapshot in the Hugging Face cache (a local folder as given)
+        from shardwise.recipes.hub import resolve_model
+
+        base_model = resolve_model(base_model)
         raise ValueError(
             "--base_model merges an adapter checkpoint into its base, or gives a fine-tuning recipe "
             "checkpoint its config, written as a folder: "

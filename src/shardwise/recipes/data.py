@@ -1,16 +1,19 @@
 """Chat / text records -> token blocks for causal-LM fine-tuning, tokenised once and cached on disk.
 
-Records come from a local jsonl / json / parquet file or a `save_to_disk`
-folder; chat messages are rendered with the tokenizer's chat template, or
-else with the tagged format (`<|system|> ... <|endoftext|> <|prompter|> ...`).
+Records come from a local file or folder (data_formats.py: the shapes
+users bring, checked before any worker starts); chat messages are rendered
+with the tokenizer's chat template, ChatML, or else with the tagged format
+(`<|system|> ... <|endoftext|> <|prompter|> ...`); prompt/completion records
+train on the completion only, as TRL's SFTTrainer.
 With packing, documents share fixed-length blocks without leaking into each
 other: each document's first label is -100, and under `packing="attention"`
 (the default) position ids restart per document, which Hugging Face models
 turn into a block-diagonal mask; `packing="loss"` masks only the boundary
 labels (packing.py). With `assistant_only_loss` only the assistant turns
 are labels (assistant_spans.py). Global rank 0 writes the token arrays to a
-cache folder keyed by everything that changes them; the other ranks
-memory-map the same files.
+cache folder keyed by everything that changes them (under HF_HOME unless
+cache_dir says otherwise, so runs share it; a lock keeps two concurrent
+runs from building one entry twice); the other ranks memory-map the files.
 `DataOptions` are the recipe's data options as the user gives them;
 `FinetuneData` is the DataModule that hands them to the Trainer, which runs
 its `prepare_data` (the tokenisation) before any rank reads the cache.
@@ -18,38 +21,47 @@ its `prepare_data` (the tokenisation) before any rank reads the cache.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.module import DataModule
-from shardwise.recipes import assistant_spans
-from shardwise.recipes.packing import (  # PACKING_MODES and the packers are read from here too
+from shardwise.recipes import assistant_spans, data_formats
+from shardwise.recipes.data_formats import (  # read from here too
+    ALPACA,
+    CHATML,  # noqa: F401
+    PROMPT_COMPLETION,
+    DatasetFieldError,  # noqa: F401
+    apply_chatml,
+    check_chatml_room,  # noqa: F401
+    resolve_text_field,
+)
+from shardwise.recipes.packing import (  # PACKING_MODES, the packers and the datasets are read from here too
     PACKING_MODES,  # noqa: F401
+    Examples,
+    PackedBlocks,
+    PadCollate,
     pack_documents,
     target_tokens,
     truncate_documents,
 )
 
 CACHE_VERSION = 1
-CHAT_FORMATS = ("auto", "tags", "tokenizer", "none")
+CHAT_FORMATS = ("auto", "tags", "tokenizer", "chatml", "none")
 ROLE_TAGS = {"system": "<|system|>", "user": "<|prompter|>", "assistant": "<|assistant|>"}
 END_TAG = "<|endoftext|>"
 _ROLE_ALIASES = {"human": "user", "prompter": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
-_AUTO_FIELDS = ("messages", "conversations", "text", "content")
-
-
-class DatasetFieldError(ValueError):
-    """The requested text field is not in the dataset (the message lists the fields that are)."""
+DEFAULT_EVAL_SPLIT_RATIO = 0.05  # held out when evaluation is asked for and the data has no eval split
 
 
 @dataclass
@@ -58,42 +70,60 @@ class DataOptions:
     `--data.max_seq_len` or, as before they were nested, `--max_seq_len`).
 
     Args:
-        dataset: .jsonl / .json / .parquet file, or a folder written by datasets' save_to_disk
-        dataset_text_field: record field with text or chat messages
-            (default: first of messages, conversations, text, content)
+        dataset: .jsonl / .json / .csv / .parquet file, a folder of them as a hub snapshot lays them out
+            (data/train-*.parquet, data/test-*.parquet), or a folder written by datasets' save_to_disk
+        dataset_text_field: record field with text or chat messages (default: prompt+completion when the
+            records have both, else the first of messages, conversations, text, content, else
+            instruction+input+output, Alpaca's fields)
+        dataset_split: the split trained on (default: train, else the only one)
+        eval_split: the split evaluated on (default: the one that goes with dataset_split -- test_sft for
+            train_sft -- else test / validation / eval when the data has one)
         chat_template_format: auto (the tokenizer's template, else tags) | tags
-            (<|system|>/<|prompter|>/<|assistant|>) | tokenizer | none (text used as is)
+            (<|system|>/<|prompter|>/<|assistant|>) | tokenizer | chatml (the tokenizer's template, else
+            ChatML) | none (text used as is; messages by the tokenizer's own template)
         max_seq_len: tokens per example / packed block
         packing: concatenate documents into max_seq_len blocks
         packing_mode: attention (no attention across documents) | loss (only boundary labels masked)
         add_special_tokens: let the tokenizer add its BOS/EOS
-        append_concat_token: end every document with EOS
-        eval_split_ratio: held-out fraction when the dataset has no test / validation split
-        cache_dir: tokenised-data cache (default <output_dir>/tokenized)
+        append_concat_token: end every document with EOS (default: plain text and completions that do not
+            end with it, as TRL; never after a chat rendering, whose template ends each turn itself)
+        eval_split_ratio: held-out fraction when the dataset has no eval split (default: 0.05 when
+            evaluation is asked for -- eval_steps, eval_strategy or an eval split named -- else 0: every
+            record is trained on)
+        cache_dir: tokenised-data cache (default $HF_HOME/shardwise/tokenized), shared by runs
         per_device_train_batch_size: examples per process per micro-batch
         per_device_eval_batch_size: examples per process per eval batch
         dataloader_num_workers: DataLoader worker processes
         assistant_only_loss: train on the assistant turns of chat data only (as TRL's option): the
             system and user turns and the assistant's turn headers get label -100
+        completion_only_loss: with prompt/completion (or Alpaca) records, train on the completion only
+            (TRL's option; default true)
     """
 
     dataset: str = ""
     dataset_text_field: Optional[str] = None
+    dataset_split: Optional[str] = None
+    eval_split: Optional[str] = None
     chat_template_format: str = "auto"
     max_seq_len: int = 2048
     packing: bool = True
     packing_mode: str = "attention"
     add_special_tokens: bool = False
-    append_concat_token: bool = True
-    eval_split_ratio: float = 0.05
+    append_concat_token: Optional[bool] = None
+    eval_split_ratio: Optional[float] = None
     cache_dir: Optional[str] = None
     per_device_train_batch_size: int = 1
     per_device_eval_batch_size: int = 1
     dataloader_num_workers: int = 0
     assistant_only_loss: bool = False
+    completion_only_loss: bool = True
 
-    def spec(self, text_field: str, seed: int) -> "DataSpec":
-        """What decides the token arrays: these options with the text field resolved and the split's seed."""
+    def spec(self, text_field: str, seed: int, evaluate: bool = False) -> "DataSpec":
+        """What decides the token arrays: these options with the text field resolved and the split's seed;
+        `evaluate`: evaluation was asked for, so records are held out where the data has no eval split."""
+        ratio = self.eval_split_ratio
+        if ratio is None:
+            ratio = DEFAULT_EVAL_SPLIT_RATIO if (evaluate or self.eval_split) else 0.0
         return DataSpec(
             path=os.path.abspath(self.dataset),
             text_field=text_field,
@@ -103,15 +133,19 @@ class DataOptions:
             packing_mode=self.packing_mode,
             add_special_tokens=self.add_special_tokens,
             append_eos=self.append_concat_token,
-            eval_split_ratio=self.eval_split_ratio,
+            eval_split_ratio=ratio,
             seed=seed,
             assistant_only_loss=self.assistant_only_loss,
+            split=self.dataset_split,
+            eval_split=self.eval_split,
+            completion_only_loss=self.completion_only_loss,
         )
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Everything that decides the token arrays; its hash names the cache entry."""
+    """Everything that decides the token arrays; its hash names the cache entry (with the data's
+    fingerprint and `revision`, a hub data set's resolved commit, when there is one)."""
 
     path: str
     text_field: Optional[str] = None
@@ -120,98 +154,41 @@ class DataSpec:
     packing: bool = True
     packing_mode: str = "attention"
     add_special_tokens: bool = False
-    append_eos: bool = True
-    eval_split_ratio: float = 0.05
+    append_eos: Optional[bool] = None
+    eval_split_ratio: float = 0.0
     seed: int = 42
     assistant_only_loss: bool = False
+    split: Optional[str] = None
+    eval_split: Optional[str] = None
+    completion_only_loss: bool = True
+    revision: Optional[str] = None
 
 
 # ------------------------------------------------------------------ records
-def _kind(path: str) -> str:
-    if os.path.isdir(path):
-        return "disk"
-    lower = path.lower()
-    if lower.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        return "json"
-    if lower.endswith(".parquet"):
-        return "parquet"
-    raise ValueError(
-        f"dataset {path!r}: use a .jsonl/.json file, a .parquet file, or a folder written by "
-        "datasets' save_to_disk (no hub names: shardwise does not download)."
-    )
+def dataset_columns(path: str, split: Optional[str] = None) -> List[str]:
+    """The record fields, read cheaply (first line / header / schema / saved features) for up-front checks."""
+    return data_formats.columns(path, split)
 
 
-def dataset_columns(path: str) -> List[str]:
-    """The record fields, read cheaply (first line / schema / saved features) for up-front checks."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"dataset {path!r} does not exist.")
-    kind = _kind(path)
-    if kind == "json" and not path.endswith(".gz"):
-        with open(path) as fh:
-            for line in fh:
-                if line.strip():
-                    first = json.loads(line) if path.endswith("jsonl") else None
-                    if first is None:  # a .json array / object: let datasets read it
-                        break
-                    return list(first)
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.read_schema(path).names)
-    return list(_load_splits(path, None)[0].column_names)
-
-
-def _load_splits(path: str, cache_dir: Optional[str]) -> Tuple[Any, Optional[Any]]:
-    """(train, eval or None): a `datasets` folder may carry its own test / validation split."""
-    import datasets
-
-    kind = _kind(path)
-    if kind == "disk":
-        loaded = datasets.load_from_disk(path)
-        if isinstance(loaded, datasets.DatasetDict):
-            train = loaded["train"] if "train" in loaded else loaded[list(loaded)[0]]
-            evaluation = next((loaded[s] for s in ("test", "validation", "eval") if s in loaded), None)
-            return train, evaluation
-        return loaded, None
-    builder = "json" if kind == "json" else "parquet"
-    return datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir), None
-
-
-def resolve_text_field(columns: Sequence[str], text_field: Optional[str], path: str) -> str:
-    if text_field is None:
-        for name in _AUTO_FIELDS:
-            if name in columns:
-                return name
-        raise DatasetFieldError(
-            f"dataset {path!r} has none of the usual text fields {list(_AUTO_FIELDS)}; "
-            f"its fields are {list(columns)}. Set dataset_text_field."
-        )
-    if text_field not in columns:
-        raise DatasetFieldError(
-            f"dataset_text_field={text_field!r} is not a field of {path!r}; its fields are {list(columns)}."
-        )
-    return text_field
+def _load_splits(path: str, cache_dir: Optional[str], split: Optional[str] = None, eval_split: Optional[str] = None):
+    return data_formats.load_splits(path, cache_dir, split, eval_split)
 
 
 def check_assistant_only_loss(options: DataOptions, text_field: str) -> None:
     """Up front (the recipe's validate_config): refuse assistant_only_loss where the data has no turns."""
     if options.assistant_only_loss:
-        path, first = options.dataset, None
+        check_assistant_only_pairs(text_field)
+        first = None
         if options.chat_template_format != "none":
-            if path.endswith(".jsonl"):
-                with open(path) as fh:
-                    first = json.loads(next(line for line in fh if line.strip())).get(text_field)
-            elif _kind(path) == "parquet":
-                import pyarrow.parquet as pq
-
-                first = pq.ParquetFile(path).read_row_group(0, columns=[text_field]).column(0)[0].as_py()
-            else:
-                first = _load_splits(path, None)[0][0][text_field]
+            train, _ = _load_splits(options.dataset, None, options.dataset_split, None)
+            first = train[0][text_field]
         assistant_spans.check_value(first, options.chat_template_format, text_field)
 
 
 # --------------------------------------------------------------- formatting
-def _normalise_messages(value: Any) -> List[Dict[str, str]]:
+def _normalise_messages(value: Any, any_role: bool = False) -> List[Dict[str, Any]]:
+    """role/content messages (ShareGPT's from/value too). `any_role`: a chat template renders them, so a
+    role such as `tool` and keys such as `tool_calls` are left to it; the tagged format has three roles."""
     out = []
     for msg in value:
         if not isinstance(msg, dict):
@@ -219,9 +196,13 @@ def _normalise_messages(value: Any) -> List[Dict[str, str]]:
         role = msg.get("role", msg.get("from"))
         content = msg.get("content", msg.get("value"))
         role = _ROLE_ALIASES.get(str(role).lower(), str(role).lower())
-        if role not in ROLE_TAGS:
-            raise ValueError(f"unknown chat role {role!r}; expected system / user / assistant.")
-        out.append({"role": role, "content": "" if content is None else str(content)})
+        if not any_role and role not in ROLE_TAGS:
+            raise ValueError(
+                f"chat role {role!r} has no tag in the tagged format (system / user / assistant); a tokenizer "
+                "chat template renders any role: use chat_template_format='tokenizer' (or 'chatml')."
+            )
+        rest = {k: v for k, v in msg.items() if k not in ("role", "from", "content", "value")} if any_role else {}
+        out.append({"role": role, "content": "" if content is None else str(content), **rest})
     return out
 
 
@@ -239,38 +220,43 @@ def format_tags_with_spans(messages: Sequence[Dict[str, str]]) -> Tuple[str, Lis
 def resolve_chat_format(chat_template_format: str, tokenizer: Any) -> str:
     if chat_template_format not in CHAT_FORMATS:
         raise ValueError(f"chat_template_format={chat_template_format!r}: use one of {CHAT_FORMATS}.")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat_template_format == "auto":
-        return "tokenizer" if getattr(tokenizer, "chat_template", None) else "tags"
-    if chat_template_format == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+        return "tokenizer" if has_template else "tags"
+    if chat_template_format == "chatml":
+        apply_chatml(tokenizer)
+        return "tokenizer"
+    if chat_template_format == "tokenizer" and not has_template:
         raise ValueError(
-            "chat_template_format='tokenizer' but the tokenizer has no chat_template; "
-            "use 'tags' (the <|system|>/<|prompter|>/<|assistant|> format) or 'auto'."
+            "chat_template_format='tokenizer' but the tokenizer has no chat_template; use 'chatml', 'tags' "
+            "(the <|system|>/<|prompter|>/<|assistant|> format) or 'auto'."
         )
     return chat_template_format
 
 
-def record_text(value: Any, chat_format: str, tokenizer: Any) -> str:
+def record_text(value: Any, chat_format: str, tokenizer: Any, generation_prompt: bool = False) -> str:
     if isinstance(value, str):
         return value  # already formatted text: used as is whatever the chat format
-    if chat_format == "none":
+    if chat_format == "none" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            "chat_template_format='none' needs a plain-text field, but the field holds "
-            f"{type(value).__name__}; use 'auto', 'tags' or 'tokenizer' for chat messages."
+            "chat_template_format='none' uses text as it is and messages with the tokenizer's own chat "
+            f"template, but the field holds {type(value).__name__} and the tokenizer has no template; use "
+            "'chatml' or 'tags' for chat messages."
         )
-    messages = _normalise_messages(value)
-    if chat_format == "tokenizer":
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return format_tags(messages)
+    if chat_format in ("tokenizer", "none"):
+        messages = _normalise_messages(value, any_role=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return format_tags(_normalise_messages(value))
 
 
 def record_text_and_spans(value: Any, chat_format: str, tokenizer: Any, field: str, record: int) -> Tuple[str, list]:
     """record_text and the character spans of its assistant turns (assistant_only_loss)."""
     assistant_spans.check_value(value, chat_format, field, record)
-    messages = _normalise_messages(value)
     if chat_format == "tokenizer":
+        messages = _normalise_messages(value, any_role=True)
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         return text, assistant_spans.template_spans(messages, tokenizer, text, record)
-    return format_tags_with_spans(messages)
+    return format_tags_with_spans(_normalise_messages(value))
 
 
 # -------------------------------------------------------------------- cache
@@ -292,9 +278,12 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def cache_key(spec: DataSpec, tokenizer: Any) -> str:
-    fields = asdict(spec)
+    later = ("split", "eval_split", "revision", "append_eos")  # unset: the key as before the option existed
+    fields = {k: v for k, v in asdict(spec).items() if v is not None or k not in later}
     if not fields["assistant_only_loss"]:
         del fields["assistant_only_loss"]  # off: the key of caches written before the option existed
+    if fields["completion_only_loss"]:
+        del fields["completion_only_loss"]
     blob = json.dumps(
         {
             "v": CACHE_VERSION,
@@ -308,31 +297,64 @@ def cache_key(spec: DataSpec, tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _render(
+    rows: Dict[str, List[Any]], field: str, chat_format: str, tokenizer: Any, spec: DataSpec, start: int
+) -> Tuple[Any, List[bool], Optional[List[np.ndarray]]]:
+    """One batch of records: (encoded, is-chat per record, target flags per token or None).
+
+    Prompt/completion (and Alpaca) records are tokenised as TRL does: the prompt alone (a conversation's
+    with its generation prompt) and prompt + completion, the completion starting where the two part."""
+    add = spec.add_special_tokens
+    if field in (PROMPT_COMPLETION, ALPACA):
+        prompts, texts, chat = [], [], []
+        for prompt, completion in data_formats.pairs(rows, field):
+            is_chat = not isinstance(prompt, str)
+            if is_chat and chat_format == "tags":
+                prompts.append(record_text(prompt, chat_format, tokenizer))
+            else:
+                prompts.append(record_text(prompt, chat_format, tokenizer, generation_prompt=True))
+            texts.append(
+                record_text(list(prompt) + list(completion), chat_format, tokenizer) if is_chat else prompt + completion
+            )
+            chat.append(is_chat)
+        encoded = tokenizer(texts, add_special_tokens=add)
+        prompt_ids = tokenizer(prompts, add_special_tokens=add)["input_ids"]
+        flags = [
+            np.arange(len(ids)) >= data_formats.common_prefix(p, ids)
+            for p, ids in zip(prompt_ids, encoded["input_ids"])
+        ]
+        return encoded, chat, (flags if spec.completion_only_loss else None)
+    values = rows[field]
+    chat = [not isinstance(v, str) for v in values]
+    if spec.assistant_only_loss:
+        rendered = [record_text_and_spans(v, chat_format, tokenizer, field, start + j) for j, v in enumerate(values)]
+        encoded = tokenizer([t for t, _ in rendered], add_special_tokens=add, return_offsets_mapping=True)
+        flags = [assistant_spans.token_targets(o, spans) for o, (_, spans) in zip(encoded["offset_mapping"], rendered)]
+        return encoded, chat, flags
+    return tokenizer([record_text(v, chat_format, tokenizer) for v in values], add_special_tokens=add), chat, None
+
+
 def _tokenize(
     dataset: Any, field: str, chat_format: str, tokenizer: Any, spec: DataSpec
 ) -> Tuple[List[List[int]], Optional[List[np.ndarray]]]:
-    """The documents' token ids and, with assistant_only_loss, which of their tokens are targets."""
+    """The documents' token ids and, with assistant_only_loss or completion-only prompt/completion records,
+    which of their tokens are targets.
+
+    EOS ends a document where append_eos says; unset, as TRL: after plain text and a text completion that
+    do not end with it, never after a chat rendering (the template already ends each turn)."""
     eos = tokenizer.eos_token_id
-    only_assistant = spec.assistant_only_loss
     docs: List[List[int]] = []
     targets: List[np.ndarray] = []
+    masked = False
     batch = 256
     for start in range(0, len(dataset), batch):
-        rows = dataset[start : start + batch][field]
-        if only_assistant:
-            rendered = [record_text_and_spans(v, chat_format, tokenizer, field, start + j) for j, v in enumerate(rows)]
-            texts = [text for text, _ in rendered]
-            encoded = tokenizer(texts, add_special_tokens=spec.add_special_tokens, return_offsets_mapping=True)
-            flags = [
-                assistant_spans.token_targets(o, spans) for o, (_, spans) in zip(encoded["offset_mapping"], rendered)
-            ]
-        else:
-            texts = [record_text(v, chat_format, tokenizer) for v in rows]
-            encoded = tokenizer(texts, add_special_tokens=spec.add_special_tokens)
+        encoded, chat, flags = _render(dataset[start : start + batch], field, chat_format, tokenizer, spec, start)
+        masked = flags is not None
         for j, ids in enumerate(encoded["input_ids"]):
             ids = list(ids)
-            flag = flags[j] if only_assistant else None
-            if spec.append_eos and eos is not None and (not ids or ids[-1] != eos):
+            flag = flags[j] if masked else None
+            append = spec.append_eos if spec.append_eos is not None else not chat[j]
+            if append and eos is not None and (not ids or ids[-1] != eos):
                 ids.append(eos)
                 if flag is not None:  # the EOS ends an answer when the document ends inside one
                     flag = np.append(flag, bool(flag[-1]) if len(flag) else False)
@@ -340,15 +362,18 @@ def _tokenize(
                 docs.append(ids)
                 if flag is not None:
                     targets.append(flag)
-    return docs, (targets if only_assistant else None)
+    return docs, (targets if masked else None)
 
 
 def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
     """Tokenise, split, pack and write the arrays to `folder` (atomically); return the summary."""
-    train, evaluation = _load_splits(spec.path, os.path.join(os.path.dirname(folder), "hf_datasets"))
+    hf_cache = os.path.join(os.path.dirname(folder), "hf_datasets")
+    train, evaluation = _load_splits(spec.path, hf_cache, spec.split, spec.eval_split)
     field = resolve_text_field(train.column_names, spec.text_field, spec.path)
     chat_format = resolve_chat_format(spec.chat_template_format, tokenizer)
+    pairs = field in (PROMPT_COMPLETION, ALPACA)
     if spec.assistant_only_loss:
+        check_assistant_only_pairs(field)
         assistant_spans.check_tokenizer(tokenizer)
         if len(train):
             assistant_spans.check_value(train[0][field], chat_format, field, 0)
@@ -360,6 +385,7 @@ def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     summary: Dict[str, Any] = {"spec": asdict(spec), "text_field": field, "chat_format": chat_format}
+    counted = "completion_tokens" if pairs else "assistant_tokens"
     for name, part in (("train", train), ("eval", evaluation)):
         if part is None or len(part) == 0:
             continue
@@ -374,15 +400,16 @@ def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
         examples = arrays["input_ids"].shape[0] if spec.packing else len(arrays["offsets"]) - 1
         summary[name] = {"records": len(part), "tokens": int(sum(len(d) for d in docs)), "examples": int(examples)}
         if targets is not None:
-            summary[name]["assistant_tokens"] = target_tokens(arrays, spec.packing)
+            summary[name][counted] = target_tokens(arrays, spec.packing)
     if "train" not in summary:
         raise ValueError(f"dataset {spec.path!r} produced no training examples.")
-    if spec.assistant_only_loss and summary["train"]["assistant_tokens"] == 0:
+    if summary["train"].get(counted, 1) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        what = "completion" if pairs else "assistant"
         raise ValueError(
-            f"assistant_only_loss: the training examples of {spec.path!r} hold no assistant tokens to train on "
-            f"(no assistant turns, or every one cut off by max_seq_len={spec.max_seq_len}). Check the data's "
-            "roles, raise max_seq_len, or turn assistant_only_loss off."
+            f"the training examples of {spec.path!r} hold no {what} tokens to train on (none in the records, or "
+            f"every one cut off by max_seq_len={spec.max_seq_len}). Check the data, raise max_seq_len, or turn "
+            f"{what}_only_loss off."
         )
     with open(os.path.join(tmp, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
@@ -393,67 +420,41 @@ def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
     return summary
 
 
+def check_assistant_only_pairs(field: str) -> None:
+    if field in (PROMPT_COMPLETION, ALPACA):
+        raise assistant_spans.AssistantSpanError(
+            f"assistant_only_loss with {field} records: they train on the completion only already "
+            "(completion_only_loss); turn assistant_only_loss off."
+        )
+
+
+def default_cache_dir() -> str:
+    """Where tokenised data is cached when cache_dir is unset: beside Hugging Face's own caches, shared by
+    runs (never inside output_dir, which is uploaded and exported)."""
+    from huggingface_hub import constants
+
+    return os.path.join(constants.HF_HOME, "shardwise", "tokenized")
+
+
+@contextlib.contextmanager
+def _entry_lock(cache_dir: str, key: str) -> Iterator[None]:
+    """Held while one entry is built: a second run with the same data waits, then finds it built. An
+    flock: the kernel drops it when its holder dies, so a killed build never blocks the next run. The
+    file goes when the build ends; a waiter then holds a lock on a deleted file, which is harmless: it
+    checks for the entry before building, and builds write a private folder renamed into place."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, f".{key}.lock")
+    with open(path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 # ----------------------------------------------------------------- datasets
-class PackedBlocks(Dataset):
-    """Fixed-length blocks; every item is a dict of int64 tensors of length max_seq_len."""
-
-    def __init__(self, folder: str, split: str, attention_boundaries: bool) -> None:
-        self.arrays = {
-            k: np.load(os.path.join(folder, f"{split}.{k}.npy"), mmap_mode="r")
-            for k in ("input_ids", "labels", "position_ids")
-        }
-        self.attention_boundaries = attention_boundaries
-
-    def __len__(self) -> int:
-        return int(self.arrays["input_ids"].shape[0])
-
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        item = {k: torch.from_numpy(np.asarray(v[i], dtype=np.int64)) for k, v in self.arrays.items()}
-        if not self.attention_boundaries:
-            item.pop("position_ids")  # plain causal attention across the block
-        return item
-
-
-class Examples(Dataset):
-    """One (truncated) document per item; `PadCollate` pads a batch. An item is its token ids, or with
-    assistant_only_loss a dict of input_ids and labels (-100 where the token is not a target)."""
-
-    def __init__(self, folder: str, split: str) -> None:
-        self.tokens = np.load(os.path.join(folder, f"{split}.tokens.npy"), mmap_mode="r")
-        self.offsets = np.load(os.path.join(folder, f"{split}.offsets.npy"))
-        targets = os.path.join(folder, f"{split}.targets.npy")
-        self.targets = np.load(targets, mmap_mode="r") if os.path.exists(targets) else None
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> Any:
-        where = slice(self.offsets[i], self.offsets[i + 1])
-        ids = torch.from_numpy(np.asarray(self.tokens[where], dtype=np.int64))
-        if self.targets is None:
-            return ids
-        keep = torch.from_numpy(np.array(self.targets[where], dtype=bool))  # a copy: the map is read-only
-        return {"input_ids": ids, "labels": ids.masked_fill(~keep, -100)}
-
-
-class PadCollate:
-    """Right-pad to the longest sequence in the batch; padding gets label -100 and attention 0."""
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, batch: List[Any]) -> Dict[str, torch.Tensor]:
-        items = [x if isinstance(x, dict) else {"input_ids": x, "labels": x} for x in batch]
-        longest = max(len(x["input_ids"]) for x in items)
-        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), longest), -100, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, x in enumerate(items):
-            n = len(x["input_ids"])
-            ids[row, :n], labels[row, :n], mask[row, :n] = x["input_ids"], x["labels"], 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 @dataclass
 class PreparedData:
     train: Dataset
@@ -465,10 +466,14 @@ class PreparedData:
 
 def build_on_rank0(spec: DataSpec, tokenizer: Any, cache_dir: str) -> str:
     """Global rank 0 builds the cache entry unless it exists; every rank gets the entry's folder."""
-    folder = os.path.join(cache_dir, cache_key(spec, tokenizer))
+    if spec.chat_template_format == "chatml":
+        apply_chatml(tokenizer)  # before the key: the template is part of it
+    key = cache_key(spec, tokenizer)
+    folder = os.path.join(cache_dir, key)
     if is_global_zero() and not os.path.exists(folder):
-        os.makedirs(cache_dir, exist_ok=True)
-        build_cache(spec, tokenizer, folder)
+        with _entry_lock(cache_dir, key):
+            if not os.path.exists(folder):  # another run may have built it while this one waited
+                build_cache(spec, tokenizer, folder)
     return folder
 
 
@@ -478,10 +483,14 @@ def load_prepared(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedDat
     Collective: every rank calls it.
     """
     env = detect_env()
-    folder = os.path.join(cache_dir, cache_key(spec, tokenizer))
+    if spec.chat_template_format == "chatml":
+        apply_chatml(tokenizer)
+    key = cache_key(spec, tokenizer)
+    folder = os.path.join(cache_dir, key)
     if not os.path.exists(folder) and (env.local_rank if env is not None else 0) == 0:
-        os.makedirs(cache_dir, exist_ok=True)  # this node does not share rank 0's disk
-        build_cache(spec, tokenizer, folder)
+        with _entry_lock(cache_dir, key):  # this node does not share rank 0's disk
+            if not os.path.exists(folder):
+                build_cache(spec, tokenizer, folder)
     ops.barrier("tokenised-cache-per-node")
     with open(os.path.join(folder, "summary.json")) as fh:
         summary = json.load(fh)

@@ -28,7 +28,13 @@ RENAMED = {
     "dataset_name": "dataset",
     "ddp_timeout": "timeout_s",
     "config": "config",
+    # The flags of the PEFT SFT recipe (its train.py) and TRL's SFTConfig.
+    "max_length": "max_seq_len",
+    "use_gradient_checkpointing": "gradient_checkpointing",
+    "use_4bit_quantization": "load_in_4bit",
+    "evaluation_strategy": "eval_strategy",
 }
+RECIPE_LORA_R = 64  # the PEFT SFT recipe's lora_r when --use_peft_lora comes without one
 # HF flags with no effect here, and why (one note each when passed).
 NOT_HONOURED = {
     "log_level": "shardwise prints rank 0's progress lines; set the Python logging level yourself for more",
@@ -107,6 +113,7 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     notes: List[str] = []
     parallelism: Dict[str, Any] = {}  # accelerate launch's --parallelism_config_* flags
     pairs = _pairs(argv)
+    _refuse_conflicts(pairs, ours)
     # The config file first, so the command line overrides it (as accelerate launch does).
     for name, value in pairs:
         if name in ("fsdp_config", "config_file"):
@@ -124,7 +131,13 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         elif flag in ours or flag == "config":
             values.append((flag, "true" if value is None else value))
         elif flag in RENAMED:
-            values.append((RENAMED[flag], value))
+            values.append((RENAMED[flag], "true" if value is None else value))
+        elif flag == "use_peft_lora":
+            given = any(n.replace("-", "_") in ("lora_r", "data.lora_r") for n, _ in pairs)
+            if value is not None and not _bool(value):
+                values.append(("lora_r", 0))  # the recipe ignores the LoRA options without it
+            elif not given:
+                values.append(("lora_r", RECIPE_LORA_R))
         elif flag in ("bf16", "fp16"):
             if value is None or _bool(value):
                 values.append(("precision", "bf16-mixed" if flag == "bf16" else "16-mixed"))
@@ -146,10 +159,10 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
                     "--use_reentrant True: shardwise checkpoints activations non-reentrantly (reentrant "
                     "checkpointing does not compose with FSDP's hooks); not honoured."
                 )
-        elif flag in ("evaluation_strategy", "eval_strategy", "save_strategy", "logging_strategy"):
+        elif flag == "logging_strategy":
             values += _interval_strategy(flag, value, notes)
         elif flag == "splits":
-            notes += _check_splits(value)
+            values += _splits(value)
         elif flag == "fsdp":
             file_values, file_notes = _fsdp_flag(value or "")
             values += list(file_values.items())
@@ -179,36 +192,38 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
 
 def _interval_strategy(flag: str, value: Optional[str], notes: List[str]) -> List[Tuple[str, Any]]:
     kind = str(value or "steps").strip().lower()
-    field = {
-        "evaluation_strategy": "eval_steps",
-        "eval_strategy": "eval_steps",
-        "save_strategy": "save_steps",
-        "logging_strategy": "logging_steps",
-    }[flag]
     if kind == "steps":
-        return []  # our *_steps options are step intervals already
-    if kind == "no" and field != "logging_steps":
-        return [(field, None)]
-    raise ValueError(
-        f"--{flag} {value}: shardwise finetune counts in optimizer steps; use --{flag} steps with "
-        f"--{field} N" + (" (or leave it unset for none)." if field != "logging_steps" else ".")
-    )
+        return []  # logging_steps is a step interval already
+    raise ValueError(f"--{flag} {value}: shardwise finetune logs every --logging_steps N optimizer steps; use steps.")
 
 
-def _check_splits(value: Optional[str]) -> List[str]:
+def _splits(value: Optional[str]) -> List[Tuple[str, Any]]:
+    """`--splits "train,test"`: the split trained on, then the one evaluated on."""
     names = [s.strip() for s in str(value or "").split(",") if s.strip()]
-    if (
-        not names
-        or names[0] != "train"
-        or len(names) > 2
-        or (len(names) == 2 and names[1] not in ("test", "validation", "eval"))
-    ):
+    if not names or len(names) > 2:
         raise ValueError(
-            f"--splits {value!r}: shardwise finetune trains on the 'train' split and evaluates on the "
-            "dataset's 'test' or 'validation' split (else it holds out eval_split_ratio); use "
-            "--splits train,test or omit it."
+            f"--splits {value!r}: name the split trained on and optionally the one evaluated on, e.g. "
+            "--splits train,test (or --dataset_split train_sft --eval_split test_sft)."
         )
-    return []  # what we do anyway
+    return [("dataset_split", names[0])] + ([("eval_split", names[1])] if len(names) == 2 else [])
+
+
+def _refuse_conflicts(pairs: Sequence[Tuple[str, Optional[str]]], ours: Any) -> None:
+    """Two spellings of one option with different values (--max_length 512 --max_seq_len 1024): refused by name.
+    One flag given twice is not a conflict: the later wins, as on any command line."""
+    seen: Dict[str, Tuple[str, str]] = {}
+    for name, value in pairs:
+        flag = name.replace("-", "_")
+        field = RENAMED.get(flag, flag) if flag not in ours else flag
+        if not flag or field not in ours:
+            continue
+        said = str("true" if value is None else value).strip().lower()
+        if field in seen and seen[field][0] != flag and seen[field][1] != said:
+            raise ValueError(
+                f"--{seen[field][0]} {seen[field][1]} and --{flag} {said} both set {field}, to different values; "
+                "give one of them."
+            )
+        seen[field] = (flag, said)
 
 
 def _fsdp_flag(value: str) -> Tuple[Dict[str, Any], List[str]]:

@@ -78,7 +78,7 @@ def snapshot_commit(path: str) -> Optional[str]:
 def cache_dir() -> str:
     from huggingface_hub import constants
 
-    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    return constants.HF_HUB_CACHE  # HF_HUB_CACHE, else $HF_HOME/hub, as huggingface_hub read them
 
 
 def _offline() -> bool:
@@ -293,6 +293,20 @@ def exported_files(folder: str, verify: Callable[[str], Any]) -> List[str]:
     return out
 
 
+def push_export(upload: "HubUpload", output_dir: str, adapter: bool = False) -> None:
+    """Start uploading the export in `output_dir` once it checks out: a model folder's config and every weight
+    file its index lists, or an adapter folder's config and weights."""
+    from shardwise.recipes.hf_model import inspect_model_folder
+
+    def verify_adapter(folder: str) -> None:
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not os.path.isfile(os.path.join(folder, f))]
+        if missing:
+            raise HubError(f"push_to_hub: the adapter export in {folder} lacks {missing}; nothing uploaded.")
+
+    folder = os.path.abspath(output_dir)
+    upload.start(folder, exported_files(folder, verify_adapter if adapter else inspect_model_folder))
+
+
 def _listdir(folder: str) -> List[str]:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
@@ -321,7 +335,8 @@ class HubUpload:
                 from huggingface_hub import HfApi
 
                 api = HfApi(token=self.token)
-                api.create_repo(self.repo_id, private=self.private, exist_ok=True)
+                # A bare name lands in the token's namespace: the returned URL names the repo in full.
+                self.repo_id = api.create_repo(self.repo_id, private=self.private, exist_ok=True).repo_id
                 info = api.upload_folder(
                     repo_id=self.repo_id,
                     folder_path=folder,
@@ -347,14 +362,49 @@ class HubUpload:
         return self.error
 
 
+class PushCheckpoints:
+    """hub_strategy every_save: each committed step checkpoint of `checkpoint` (a ModelCheckpoint) is uploaded to
+    last-checkpoint/ of the repo in the background (as Trainer's hub_strategy "checkpoint" does, so a run
+    resumes from it). Put it before the ModelCheckpoint: at a saving step it first lets a still-running upload
+    finish, so the checkpoint being uploaded is never pruned under it (training waits only then)."""
+
+    def __init__(self, upload: HubUpload, checkpoint: Any, every_n_steps: int) -> None:
+        self.upload, self.checkpoint, self.every_n_steps = upload, checkpoint, every_n_steps
+        self.pushed: Optional[str] = None
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            self.upload.wait()  # the ModelCheckpoint after us may now save and prune
+        self._push_new()
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        if trainer.is_global_zero and not self.every_n_steps:  # saving by epoch: prunes at the epoch's end
+            self.upload.wait()
+
+    def _push_new(self) -> None:
+        path = getattr(self.checkpoint, "last_model_path", None)
+        if path and path != self.pushed and os.path.isdir(path):  # committed: a checkpoint appears atomically
+            self.pushed = path
+            files = [
+                os.path.relpath(os.path.join(root, f), path).replace(os.sep, "/")
+                for root, _dirs, names in os.walk(path)
+                for f in names
+            ]
+            self.upload.start(path, files, "last-checkpoint")
+
+
 __all__ = [
     "HubError",
     "HubUpload",
+    "PushCheckpoints",
     "Snapshot",
     "check_push_options",
     "dataset_path",
     "exported_files",
     "is_hub_id",
+    "push_export",
     "resolve_dataset",
     "resolve_model",
     "resolve_snapshot",

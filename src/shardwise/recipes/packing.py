@@ -5,14 +5,18 @@ document's first label is -100, and under mode "attention" position ids
 restart per document (Hugging Face models turn that into a block-diagonal
 mask); mode "loss" masks only the boundary labels. With per-token target
 flags (assistant_only_loss) every token not flagged is -100 too. data.py
-tokenises and caches; these functions only arrange the arrays.
+tokenises and caches; these functions arrange the arrays, and the datasets
+below hand the cached arrays to the loaders.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+import os
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 PACKING_MODES = ("attention", "loss")
 
@@ -82,3 +86,63 @@ def target_tokens(arrays: Dict[str, np.ndarray], packing: bool) -> int:
         return int((arrays["labels"][:, 1:] != -100).sum())
     firsts = arrays["offsets"][:-1]
     return int(arrays["targets"].sum() - arrays["targets"][firsts].sum()) if len(firsts) else 0
+
+
+class PackedBlocks(Dataset):
+    """Fixed-length blocks; every item is a dict of int64 tensors of length max_seq_len."""
+
+    def __init__(self, folder: str, split: str, attention_boundaries: bool) -> None:
+        self.arrays = {
+            k: np.load(os.path.join(folder, f"{split}.{k}.npy"), mmap_mode="r")
+            for k in ("input_ids", "labels", "position_ids")
+        }
+        self.attention_boundaries = attention_boundaries
+
+    def __len__(self) -> int:
+        return int(self.arrays["input_ids"].shape[0])
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        item = {k: torch.from_numpy(np.asarray(v[i], dtype=np.int64)) for k, v in self.arrays.items()}
+        if not self.attention_boundaries:
+            item.pop("position_ids")  # plain causal attention across the block
+        return item
+
+
+class Examples(Dataset):
+    """One (truncated) document per item; `PadCollate` pads a batch. An item is its token ids, or with
+    assistant_only_loss a dict of input_ids and labels (-100 where the token is not a target)."""
+
+    def __init__(self, folder: str, split: str) -> None:
+        self.tokens = np.load(os.path.join(folder, f"{split}.tokens.npy"), mmap_mode="r")
+        self.offsets = np.load(os.path.join(folder, f"{split}.offsets.npy"))
+        targets = os.path.join(folder, f"{split}.targets.npy")
+        self.targets = np.load(targets, mmap_mode="r") if os.path.exists(targets) else None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Any:
+        where = slice(self.offsets[i], self.offsets[i + 1])
+        ids = torch.from_numpy(np.asarray(self.tokens[where], dtype=np.int64))
+        if self.targets is None:
+            return ids
+        keep = torch.from_numpy(np.array(self.targets[where], dtype=bool))  # a copy: the map is read-only
+        return {"input_ids": ids, "labels": ids.masked_fill(~keep, -100)}
+
+
+class PadCollate:
+    """Right-pad to the longest sequence in the batch; padding gets label -100 and attention 0."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, batch: List[Any]) -> Dict[str, torch.Tensor]:
+        items = [x if isinstance(x, dict) else {"input_ids": x, "labels": x} for x in batch]
+        longest = max(len(x["input_ids"]) for x in items)
+        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), longest), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, x in enumerate(items):
+            n = len(x["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = x["input_ids"], x["labels"], 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -1,0 +1,177 @@
+"""Hub ids for models and data sets, against a hub on 127.0.0.1 (tests/helpers/hub_server.py) and a hub cache laid
+out as a download leaves it: the real huggingface_hub client code runs, nothing reaches the internet.
+
+What users rely on: a snapshot is fetched once however many processes ask (one downloads under the lock, the
+others wait and say so), a dropped download resumes where it stopped, pickles are never fetched, a cached
+repo works with HF_HUB_OFFLINE=1 (finetune's checks and `shardwise plan`), and every mistake -- a wrong token,
+a missing revision, offline with nothing cached, a disk too small -- is refused before any worker starts,
+naming the fix. Training with hub names and --push_to_hub is tests/seeds/test_seed_003.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from filelock import FileLock
+from huggingface_hub import constants
+
+from helpers.hf import build_model_folder, chat_records, write_jsonl
+from helpers.hub_server import HubServer, folder_files, lay_cache
+from shardwise.recipes import hub
+from shardwise.recipes.data import DataOptions
+from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+
+TOKEN = "hf_test_token"
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    """The tiny model's files (plus a pickle the download must skip) and a chat data set, as repo contents."""
+    root = tmp_path_factory.mktemp("hub-repos")
+    model = folder_files(build_model_folder(str(root / "tiny"), chat_records(20), max_positions=64))
+    model["pytorch_model.bin"] = b"a pickle is never fetched"
+    (root / "chat").mkdir()
+    data = folder_files(os.path.dirname(write_jsonl(str(root / "chat" / "train.jsonl"), chat_records(40))))
+    return model, data
+
+
+@pytest.fixture
+def hub_env(tmp_path, monkeypatch):
+    """A fresh hub cache and a running local hub, for this process (huggingface_hub's constants) and its children."""
+    cache = str(tmp_path / "hf" / "hub")
+    server = HubServer(token=TOKEN).__enter__()
+    for name, value in (
+        ("HF_HUB_CACHE", cache),
+        ("ENDPOINT", server.url),
+        ("HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"),
+        ("HF_HUB_OFFLINE", False),
+    ):
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield server, cache
+    server.__exit__()
+
+
+def test_processes_sharing_a_cache_fetch_each_file_once(hub_env, repos, tmp_path):
+    server, cache = hub_env
+    model, _ = repos
+    server.add_repo("org/tiny", model)
+    # Two processes (two nodes sharing a file system) ask while a third holds the download lock: both wait, saying
+    # so; then one downloads and the other reads the same snapshot.
+    lock = FileLock(os.path.join(cache, ".locks", "shardwise", "models--org--tiny.lock"))
+    os.makedirs(os.path.dirname(lock.lock_file), exist_ok=True)
+    # The hub module alone (it needs huggingface_hub, not torch): a process that starts in a second.
+    code = (
+        "import importlib.util as u, sys; s = u.spec_from_file_location('hub', %r); m = u.module_from_spec(s); "
+        "sys.modules['hub'] = m; s.loader.exec_module(m); print(m.resolve_model('org/tiny'))" % hub.__file__
+    )
+    errs = [str(tmp_path / f"stderr{i}") for i in range(2)]
+    with lock:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
+            for err in errs
+        ]
+        deadline = time.time() + 120
+        while time.time() < deadline and not all("waiting for" in open(err).read() for err in errs):
+            assert all(p.poll() is None for p in procs), [open(err).read() for err in errs]
+            time.sleep(0.2)
+    outs = [(p.communicate(timeout=120)[0], open(err).read()) for p, err in zip(procs, errs)]
+    assert all(p.returncode == 0 for p in procs), outs
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1 and os.path.isdir(paths.pop())
+    assert all("waiting for another process to download model org/tiny" in err for _, err in outs), outs
+    wanted = [f for f in model if f != "pytorch_model.bin"]
+    assert {f: server.file_gets(f) for f in wanted} == {f: 1 for f in wanted}, server.log
+    assert server.file_gets("pytorch_model.bin") == 0
+
+
+def test_a_cut_download_resumes_where_it_stopped(hub_env):
+    server, cache = hub_env
+    big = os.urandom(constants.DOWNLOAD_CHUNK_SIZE + 200_000)  # the client keeps what it got in whole chunks
+    commit = server.add_repo("org/big", {"config.json": b"{}", "model.safetensors": big})
+    url = f"/org/big/resolve/{commit}/model.safetensors"
+    server.cut_after[url] = constants.DOWNLOAD_CHUNK_SIZE + 1000
+    path = hub.resolve_model("org/big")
+    with open(os.path.join(path, "model.safetensors"), "rb") as fh:
+        assert hashlib.sha256(fh.read()).digest() == hashlib.sha256(big).digest()
+    # The first GET stopped half-way; the second asked for the rest only (a 206 answer to its Range).
+    assert [(m, s) for m, p, s in server.log if p == url and m == "GET"] == [("GET", 599), ("GET", 206)]
+
+
+def test_mistakes_are_refused_before_any_worker_starts_naming_the_fix(hub_env, repos, monkeypatch, tmp_path):
+    server, cache = hub_env
+    model, data = repos
+    server.add_repo("org/tiny", model)
+    server.add_repo("org/chat", data, repo_type="dataset")
+    server.add_repo("org/private", model, private=True)
+    server.add_repo("org/pickles", {"config.json": model["config.json"], "pytorch_model.bin": b"x"})
+
+    def refused(**options):
+        cfg = FinetuneConfig(
+            model_path=options.pop("model", "org/tiny"),
+            data=DataOptions(dataset=options.pop("dataset", "org/chat"), max_seq_len=32),
+            output_dir=str(tmp_path / "out"),
+            devices=2,  # finetune() would start two workers: the error must come first
+            max_steps=1,
+            precision="32-true",
+            **options,
+        )
+        with pytest.raises(hub.HubError) as err:
+            finetune(cfg)
+        return str(err.value)
+
+    said = refused(model="org/private")
+    assert "HF_TOKEN" in said and "hf auth login" in said and "no token was given" in said
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    assert "has no access" in refused(model="org/private")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert os.path.isfile(os.path.join(hub.resolve_model("org/private"), "model.safetensors"))  # the right token
+    said = refused(revision="v2.0")
+    assert "revision 'v2.0' does not exist" in said
+    said = refused(dataset_revision="nope")
+    assert "data set 'org/chat': revision 'nope' does not exist" in said
+    said = refused(model="org/pickles")
+    assert "only PyTorch pickle weights (pytorch_model.bin)" in said and "safetensors" in said
+    assert "does not exist" in refused(model="org/missing")
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
+    said = refused(model="org/tiny", revision=None)
+    assert "GiB in the hub cache" in said and "HF_HUB_CACHE" in said
+    monkeypatch.undo()  # back to a real disk, then nothing cached and offline
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    said = refused(model="org/tiny")
+    assert "HF_HUB_OFFLINE=1" in said and str(tmp_path / "empty-cache") in said
+    assert not os.path.exists(str(tmp_path / "out"))  # no worker ran: nothing was written
+
+
+def test_offline_cache_as_a_download_leaves_it(tmp_path, repos, monkeypatch, capsys):
+    model, data = repos
+    cache = str(tmp_path / "hub")
+    snapshot = lay_cache(cache, "org/tiny", {k: v for k, v in model.items() if k != "pytorch_model.bin"})
+    lay_cache(cache, "org/chat", data, repo_type="dataset")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for name, url in (("ENDPOINT", ""), ("HUGGINGFACE_CO_URL_TEMPLATE", "/{repo_id}/resolve/{revision}/{filename}")):
+        monkeypatch.setattr(constants, name, "http://127.0.0.1:9" + url)  # nothing listens: offline must not ask
+    cfg = FinetuneConfig(
+        model_path="org/tiny", data=DataOptions(dataset="org/chat", max_seq_len=32), output_dir=str(tmp_path / "o")
+    )
+    checked = validate_config(cfg)
+    assert checked["folder"].path == snapshot
+    assert checked["data"].dataset.endswith(os.path.join("snapshots", checked["dataset_revision"], "train.jsonl"))
+    # A local folder is taken exactly as before.
+    assert hub.resolve_model(snapshot) == snapshot and hub.resolve_dataset(checked["data"].dataset) is None
+    from shardwise.cli import main
+
+    assert main(["plan", "--model", "org/tiny", "--devices", "2", "--device-memory", "8GiB", "--precision",
+                 "32-true", "--accelerator", "cpu", "--seq-len", "32", "--only", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"org/tiny (revision main): {snapshot}") and "fsdp" in out.lower()
