@@ -52,9 +52,12 @@ from shardwise.recipes.data import (
     DataOptions,
     FinetuneData,
     check_assistant_only_loss,
+    check_chatml_room,
     dataset_columns,
+    default_cache_dir,
     resolve_text_field,
 )
+from shardwise.recipes.data_formats import check_source
 from shardwise.recipes.hf_model import build_meta_model, export_hf_folder, inspect_model_folder
 from shardwise.recipes.lora_export import check_merge, export_lora
 from shardwise.recipes.parallel import build_recipe_strategy
@@ -64,6 +67,7 @@ from shardwise.trainer import Trainer
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
+INTERVAL_STRATEGIES = ("steps", "epoch", "no")
 DATA_OPTIONS = tuple(f.name for f in dataclasses.fields(DataOptions))
 
 
@@ -84,6 +88,8 @@ class FinetuneConfig:
         logging_steps: print / log the loss every n optimizer steps
         eval_steps: evaluate every n optimizer steps
         save_steps: sharded, resumable checkpoint every n optimizer steps
+        eval_strategy: steps (every eval_steps) | epoch (at each epoch's end) | no
+        save_strategy: steps (every save_steps) | epoch (at each epoch's end) | no
         save_total_limit: step checkpoints kept (besides last)
         precision: 32-true | bf16-mixed | bf16-true | 16-mixed (CUDA) ...
         learning_rate: peak learning rate
@@ -145,6 +151,8 @@ class FinetuneConfig:
     logging_steps: int = 10
     eval_steps: Optional[int] = None
     save_steps: Optional[int] = None
+    eval_strategy: str = "steps"
+    save_strategy: str = "steps"
     save_total_limit: int = 1
     # Optimisation
     precision: str = "bf16-mixed"
@@ -261,9 +269,14 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
             f"max_seq_len={data.max_seq_len} exceeds the model's maximum of {folder.max_positions} "
             f"positions (max_position_embeddings in {cfg.model_path}/config.json). Lower max_seq_len."
         )
-    columns = dataset_columns(data.dataset)
+    check_source(data.dataset, data.dataset_split, data.eval_split)  # empty, a malformed line, no such split
+    columns = dataset_columns(data.dataset, data.dataset_split)
     text_field = resolve_text_field(columns, data.dataset_text_field, data.dataset)
     check_assistant_only_loss(data, text_field)  # no turns (plain text, chat_template_format none): refused
+    check_chatml_room(data.chat_template_format, tok_dir, folder.config)
+    for name in ("eval_strategy", "save_strategy"):
+        if getattr(cfg, name) not in INTERVAL_STRATEGIES:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: use one of {INTERVAL_STRATEGIES}.")
     if data.chat_template_format not in CHAT_FORMATS:
         raise ValueError(f"chat_template_format={data.chat_template_format!r}: use one of {CHAT_FORMATS}.")
     if data.packing_mode not in PACKING_MODES:
@@ -346,8 +359,13 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
 _build_strategy = build_recipe_strategy  # the name tests and benchmarks/finetune_loading.py import
 
 
+def _evaluates(cfg: FinetuneConfig) -> bool:
+    return cfg.eval_strategy == "epoch" or (cfg.eval_strategy == "steps" and bool(cfg.eval_steps))
+
+
 def _callbacks(cfg: FinetuneConfig) -> List[Any]:
-    if not cfg.save_steps:
+    by_epoch = cfg.save_strategy == "epoch"
+    if cfg.save_strategy == "no" or not (cfg.save_steps or by_epoch):
         return []
     try:
         from shardwise.callbacks import ModelCheckpoint
@@ -359,7 +377,8 @@ def _callbacks(cfg: FinetuneConfig) -> List[Any]:
     return [
         ModelCheckpoint(
             dirpath=os.path.join(cfg.output_dir, "checkpoints"),
-            every_n_train_steps=cfg.save_steps,
+            every_n_train_steps=None if by_epoch else cfg.save_steps,
+            every_n_epochs=1 if by_epoch else None,
             save_top_k=cfg.save_total_limit,
         )
     ]
@@ -390,7 +409,11 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         accumulate_grad_batches=cfg.gradient_accumulation_steps,
         gradient_clip_val=cfg.max_grad_norm,
         log_every_n_steps=cfg.logging_steps,
-        val_check_interval=(cfg.eval_steps * cfg.gradient_accumulation_steps if cfg.eval_steps else None),
+        val_check_interval=(
+            cfg.eval_steps * cfg.gradient_accumulation_steps
+            if cfg.eval_steps and cfg.eval_strategy == "steps"
+            else None
+        ),
         callbacks=callbacks,
         enable_checkpointing=bool(callbacks),
         enable_progress_bar=cfg.enable_progress_bar,
@@ -404,10 +427,10 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
     data = FinetuneData(
         cfg.data,
-        cfg.data.spec(checked["text_field"], cfg.seed),
+        cfg.data.spec(checked["text_field"], cfg.seed, _evaluates(cfg)),
         tokenizer,
-        cache_dir=cfg.data.cache_dir or os.path.join(cfg.output_dir, "tokenized"),
-        evaluate=bool(cfg.eval_steps),
+        cache_dir=cfg.data.cache_dir or default_cache_dir(),
+        evaluate=_evaluates(cfg),
         pin_memory=trainer.accelerator == "cuda",
     )
 
