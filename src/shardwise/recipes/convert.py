@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from shardwise.checkpoint import adapters
+from shardwise.checkpoint import adapters, hf_convert
 from shardwise.checkpoint.convert import read_cast, write_weights
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, open_checkpoint
 from shardwise.dtypes import cast_dtype
@@ -114,6 +114,16 @@ def hf_names(infos: List[TensorInfo], config: Any, base_model: str) -> List[Tupl
             + "give --base_model the folder the run fine-tuned (its --model_path)."
         )
     return [(info, name) for name, info in by_name.items() if name in expected]
+
+
+def hub_layout(config: Any, names: List[str]) -> Callable[[Iterator[Tuple[str, Any]]], Iterator[Tuple[str, Any]]]:
+    """The stream of (model name, tensor) as save_pretrained writes it: transformers' conversion mapping
+    reverted (a Mixtral's fused experts written one by one, as on the hub), one group at a time."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return lambda stream: hf_convert.revert_stream(model, names, stream)
 
 
 def merge_into_base(base_model: str, adapter_dir: str, out: str, dtype: Any, max_shard_size: str) -> List[str]:
@@ -207,13 +217,14 @@ def convert(
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"--format {fmt!r}: use safetensors or torch.")
     names = {i.name: i.name for i in infos}  # checkpoint name -> name written
-    config = None
+    config, regroup = None, None
     if recipe and single_file:
         names = {i.name: i.name[len(PREFIX) :] for i in infos}
     elif recipe:  # refused before anything is written when the folder could not load
         base_model, config = base_config(state, reader.path, base_model)
         kept = hf_names(infos, config, base_model)
         infos, names = [i for i, _ in kept], {i.name: name for i, name in kept}
+        regroup = hub_layout(config, [name for _, name in kept])
 
     def model_files() -> List[str]:
         """config.json, the generation config and the tokenizer files, as the recipe's export writes them."""
@@ -231,6 +242,7 @@ def convert(
         single_file=single_file,
         state=state,
         model_files=model_files if config is not None else None,
+        regroup=regroup,
     )
     if not quiet:
         kind = f"{reader.format}, fine-tuning recipe" if recipe else reader.format

@@ -24,6 +24,8 @@ with its own torch.Generator) is refused by name.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -36,8 +38,19 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 # Writers whose result does not depend on the target's previous values: a full write by one of
 # them makes every earlier write to that tensor dead (its random draws still happen, on a temporary).
-_OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "exponential_", "log_normal_", "cauchy_",
-               "geometric_", "bernoulli_", "copy_"}
+_OVERWRITES = {
+    "uniform_",
+    "normal_",
+    "fill_",
+    "zero_",
+    "random_",
+    "exponential_",
+    "log_normal_",
+    "cauchy_",
+    "geometric_",
+    "bernoulli_",
+    "copy_",
+}
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 _NOT_RECORDED = {"set_", "resize_", "_local_scalar_dense"}  # storage plumbing / scalar reads
 
@@ -288,6 +301,8 @@ def _hf_init_on_meta() -> _Restore:
     here there is: the recording replays it, as `from_config` on a real device would have run it.
     """
     mu = sys.modules.get("transformers.modeling_utils")
+    if mu is None:
+        return _patch_on_import()
     model = getattr(mu, "PreTrainedModel", None)
     if model is None or not hasattr(mu, "get_torch_context_manager_or_global_device"):
         return _Restore(lambda: None)
@@ -305,6 +320,40 @@ def _hf_init_on_meta() -> _Restore:
 
     def undo() -> None:
         model.init_weights = original
+
+    return _Restore(undo)
+
+
+def _patch_on_import() -> _Restore:
+    """transformers imported for the first time inside the construction: patch it as soon as it loads
+    (a later patch would run post_init's draws after the head's own, not between them as eagerly)."""
+    state: Dict[str, Any] = {"restore": None}
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != "transformers.modeling_utils":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            load = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                load(module)
+                state["restore"] = _hf_init_on_meta()
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+
+    def undo() -> None:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        if state["restore"] is not None:
+            state["restore"].remove()
 
     return _Restore(undo)
 
