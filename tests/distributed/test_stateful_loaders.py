@@ -9,6 +9,11 @@ first epoch, then resumed from `last` to a step of the second epoch, must train 
 samples the uninterrupted run trained on from that step on, on every rank, without the warning that
 the epoch restarts. A mid-epoch checkpoint of those 2 ranks resumed on 1 process is refused by name:
 the loader's position cannot be re-split over another number of processes.
+
+Every run logs its batch fingerprints (callbacks/fingerprint.py), and `shardwise check fingerprints`
+compares them: the resumed runs equal the uninterrupted ones at every step, two different streams do
+not, and a map-style data set trained on 2 processes with batch 2 equals one process with batch 4
+(the fingerprint does not depend on how the global batch is split).
 """
 
 from __future__ import annotations
@@ -93,10 +98,20 @@ def _module():
     return Recorder()
 
 
+def _map_loader(batch_size=BATCH):
+    import torch
+    from torch.utils.data import DataLoader
+
+    return DataLoader([{"id": i, "x": torch.full((4,), float(i))} for i in range(N)], batch_size, shuffle=True)
+
+
 def _fit(root, strategy, make_loader, max_steps, ckpt_path=None):
+    import shardwise
     from shardwise import FSDPStrategy, Trainer
     from shardwise.callbacks import ModelCheckpoint
+    from shardwise.callbacks.fingerprint import BatchFingerprint
 
+    shardwise.seed_everything(0)
     module = _module()
     trainer = Trainer(
         accelerator="cpu",
@@ -107,7 +122,10 @@ def _fit(root, strategy, make_loader, max_steps, ckpt_path=None):
         enable_progress_bar=False,
         throughput=False,
         default_root_dir=root,
-        callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=100)],
+        callbacks=[
+            ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=100),
+            BatchFingerprint("id"),
+        ],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -124,6 +142,7 @@ def _runs(root):
             where = os.path.join(root, kind, strategy)
             out[kind, strategy, "stopped"] = _fit(where, strategy, make_loader, STOP)[0]
             out[kind, strategy, "resumed"] = _fit(where, strategy, make_loader, STEPS, ckpt_path="last")
+    _fit(os.path.join(root, "map", "2x2"), "ddp", _map_loader, 3)
     return out
 
 
@@ -145,6 +164,22 @@ def test_stateful_loaders_resume_exactly_under_ddp_and_fsdp(tmp_path):
                 assert resumed == full[STOP:], (kind, strategy, rank, resumed, full)
                 assert not [m for m in messages if "restarts" in m], messages
     assert ranks[0]["hf-stateful", "ddp", "resumed"][0] != ranks[1]["hf-stateful", "ddp", "resumed"][0]
+
+    # The fingerprints: what the sample lists above show, in one number per step.
+    from shardwise.cli import main as cli
+
+    def check(a, b):  # the exit status of `shardwise check fingerprints a b`: 0 the same batches, 1 not
+        return cli(["check", "fingerprints", str(tmp_path / a), str(tmp_path / b)])
+
+    for kind in LOADERS:
+        for strategy in ("ddp", "fsdp"):
+            assert check(f"{kind}/full", f"{kind}/{strategy}") == 0
+    assert check("hf-stateful/full", "user-iterable/full") == 1
+    _fit(str(tmp_path / "map" / "1x4"), "auto", lambda: _map_loader(2 * BATCH), 3)
+    assert check("map/2x2", "map/1x4") == 0
+    from shardwise.callbacks.fingerprint import read_fingerprints
+
+    assert sorted(read_fingerprints(str(tmp_path / "hf-stateful" / "fsdp"))) == list(range(1, STEPS + 1))
 
     # The 2 ranks' mid-epoch positions cannot be re-split over 1 process: refused, naming the loader.
     with pytest.raises(CheckpointMismatchError, match=r"saved mid-epoch by 2 process\(es\).*Shard.*this run has 1"):

@@ -12,6 +12,7 @@ from shardwise.callbacks.base import Callback
 from shardwise.callbacks.checkpoint import ModelCheckpoint
 from shardwise.callbacks.device_stats import DeviceStatsMonitor
 from shardwise.callbacks.early_stopping import EarlyStopping
+from shardwise.callbacks.fingerprint import BatchFingerprint
 from shardwise.callbacks.lr_monitor import LearningRateMonitor
 from shardwise.callbacks.model_summary import ModelSummary, RichModelSummary
 from shardwise.callbacks.progress import RichProgressBar
@@ -70,6 +71,7 @@ for _name, _reason in _NOT_PROVIDED.items():
     globals()[_name] = build_refused_class(_name, _HERE, _reason)
 
 __all__ = [
+    "BatchFingerprint",
     "Callback",
     "DeviceStatsMonitor",
     "EarlyStopping",

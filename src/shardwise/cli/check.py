@@ -4,6 +4,7 @@
     shardwise check train.py --init_args.n_layer 2 --batch_size 4
     shardwise check python:mypkg.MinGPT --init_args.config.n_layer 2 --data.class_path mypkg.Tokens
     shardwise check --config check.yaml
+    shardwise check fingerprints run_a/ run_b/      # two runs' BatchFingerprint files: the same data per step?
 
 The module is an import path (`pkg.mod.Class`, `python:` optional) or a
 script (`train.py`, `train.py:Class`; imported, so its `if __name__ ==
@@ -19,6 +20,12 @@ and the same steps on one process with the global batch, from the same seed
 (see shardwise/scaling). Exit status: 0 when the runs are equivalent within
 the tolerances the report states, 1 when they are not (the verdict names the
 first cause found and its fix) or a worker failed, 2 for a usage mistake.
+
+`shardwise check fingerprints A B` trains nothing: it compares two runs' per-step
+global batch fingerprints (callbacks/fingerprint.py; a folder or its
+batch_fingerprints.jsonl) and exits 0 when every step both took saw the same
+global batch -- a resumed run, or one on another number of processes, against
+the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -42,7 +49,14 @@ def parser() -> ArgumentParser:
     p.add_argument(
         "target",
         type=str,
-        help="the TrainModule: pkg.mod.Class, python:pkg.mod.Class, train.py or train.py:Class",
+        help="the TrainModule: pkg.mod.Class, python:pkg.mod.Class, train.py or train.py:Class; or `fingerprints`",
+    )
+    p.add_argument(
+        "runs",
+        type=str,
+        nargs="*",
+        default=[],
+        help="after `fingerprints`: the two runs to compare (folders or batch_fingerprints.jsonl files)",
     )
     p.add_argument(
         "--init_args",
@@ -116,7 +130,21 @@ def _strategy(value: str) -> Any:
     return obj if isinstance(obj, (Strategy, ParallelPlan)) else obj()
 
 
+def _compare_fingerprints(paths: List[str]) -> int:
+    from shardwise.callbacks.fingerprint import compare_fingerprints, read_fingerprints
+
+    if len(paths) != 2:
+        raise ValueError(f"check fingerprints takes two runs (folders or .jsonl files), got {len(paths)}: {paths}.")
+    same, sentence = compare_fingerprints(read_fingerprints(paths[0]), read_fingerprints(paths[1]))
+    print(sentence)
+    return 0 if same else 1
+
+
 def run(cfg: Any) -> int:
+    if cfg.target == "fingerprints":
+        return _compare_fingerprints(cfg.runs)
+    if cfg.runs:
+        raise ValueError(f"shardwise check takes one TrainModule, got {[cfg.target, *cfg.runs]}.")
     from shardwise.scaling import check
 
     p = parser()
