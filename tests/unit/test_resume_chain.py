@@ -144,7 +144,7 @@ def test_a_second_run_in_the_same_directory_fails_at_once_and_touches_nothing(tm
     try:
         with pytest.raises(
             CheckpointDirectoryBusyError,
-            match=r"Another run \(host .* pid \d+\) is saving "
+            match=r"Another run \(host .* pid \d+ since [^)]+\) is saving "
             r"checkpoints into .*own default_root_dir",
         ):
             fit(tmp_path, 3, checkpoint=ModelCheckpoint())

@@ -198,6 +198,9 @@ def _failed(exc: BaseException) -> Future:
     temporary checkpoint, instead of this rank raising alone while the others wait in a collective."""
     future: Future = Future()
     future.set_exception(exc)
+    # A synchronous save that failed: the other ranks, whose part succeeded, return None and commit at
+    # once; this rank must too (PendingCheckpoint.is_async), or it would wait for the next save alone.
+    future.synchronous = True  # type: ignore[attr-defined]
     return future
 
 

@@ -8,11 +8,12 @@ a flock when its process dies, however it dies, so the lock of a killed run
 is taken over by the next one without any stale-lock heuristics. The holder
 deletes the file when it ends; a run that locked a file which was deleted
 meanwhile notices (the path no longer names its inode) and tries again. The
-file holds the holder's host and pid, for the message only.
+file holds the holder's host, pid and start time, for the message only.
 """
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import os
 import socket
@@ -57,7 +58,8 @@ class DirectoryLock:
                 break
             os.close(fd)  # the previous holder deleted it between our open and our lock
         os.ftruncate(fd, 0)
-        os.write(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode())
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.write(fd, f"host {socket.gethostname()} pid {os.getpid()} since {since}\n".encode())
         self._fd = fd
 
     def release(self) -> None:

@@ -17,19 +17,22 @@ from there on.
 
 from __future__ import annotations
 
+import errno
 import io
+import itertools
 import os
+import shutil
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from shardwise.checkpoint import adapters, formats, layout, loader_state
 from shardwise.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
 from shardwise.checkpoint.formats import check_format_readable
-from shardwise.checkpoint.integrity import merge_checksum_parts
+from shardwise.checkpoint.integrity import merge_checksum_parts, write_error
 from shardwise.checkpoint.rng import capture_rng_states
 from shardwise.checkpoint.safety import safe_torch_load
 from shardwise.data import find_sampler
@@ -71,7 +74,9 @@ class PendingCheckpoint:
 
     @property
     def is_async(self) -> bool:
-        return self.future is not None
+        # The same answer on every rank: a synchronous save that failed on some ranks only hands those
+        # a completed Future (formats._failed), and all ranks must still commit together, now.
+        return self.future is not None and not getattr(self.future, "synchronous", False)
 
     def commit(self) -> str:
         error, errno_ = None, None
@@ -98,8 +103,83 @@ class PendingCheckpoint:
         if self.strategy.is_global_zero:
             merge_checksum_parts(self.tmp)  # an async save's per-rank checksums into the manifest
             layout.commit(self.tmp, self.final)
+            _LAST_BYTES[os.path.dirname(self.final)] = checkpoint_bytes(self.final)
         self.strategy.barrier("checkpoint-commit")
         return self.final
+
+
+# ------------------------------------------------------- room on the disk
+# The size of the last checkpoint committed in each directory by this process (rank 0): the next save's
+# estimate. Saves of one run differ only by a few bytes of trainer state.
+_LAST_BYTES: Dict[str, int] = {}
+
+
+def checkpoint_bytes(path: str) -> int:
+    """The bytes a checkpoint (one file, or a directory's files) takes."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
+
+
+def estimated_checkpoint_bytes(strategy: Any, directory: str, adapter: bool = False) -> Tuple[int, str]:
+    """(bytes the next checkpoint in `directory` will take, where that figure comes from), on rank 0.
+
+    The last checkpoint this process committed there, else the model's and the optimizers' state as held in
+    memory (a DTensor counts its global size; DeepSpeed's partitioned state counts this rank's part, so the
+    first estimate errs low: a save is refused only when it surely cannot fit).
+    """
+    if directory in _LAST_BYTES:
+        return _LAST_BYTES[directory], "the size of the last checkpoint saved there"
+    module = strategy.module
+    tensors = itertools.chain(
+        (p for p in module.parameters() if p.requires_grad or not adapter), [] if adapter else module.buffers()
+    )
+    total = sum(int(getattr(t, "ds_numel", t.numel())) * t.element_size() for t in tensors)
+    for opt in strategy.optimizers:
+        for per_param in getattr(opt, "state", {}).values():
+            if isinstance(per_param, dict):
+                total += sum(t.numel() * t.element_size() for t in per_param.values() if isinstance(t, torch.Tensor))
+    return total, "the model's and optimizers' state"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def check_room(strategy: Any, final: str, adapter: bool = False) -> None:
+    """Refuse, on every rank at once, a save whose folder cannot be made or whose disk cannot hold it.
+
+    Collective. Runs before anything is written, so a refused save leaves nothing behind and the previous
+    checkpoints, and `last`, as they were. Rank 0 needs room for the whole checkpoint (it writes it all on a
+    shared disk, or the one file), every other rank for its share (node-local disks).
+    """
+    directory = os.path.dirname(final)
+    problem: Optional[Tuple[str, int]] = None
+    need, basis = 0, ""
+    if strategy.is_global_zero:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            error = write_error(exc, directory)
+            problem = (str(error), error.errno)
+        need, basis = estimated_checkpoint_bytes(strategy, directory, adapter)
+    need = strategy.broadcast(need)
+    if problem is None and os.path.isdir(directory):
+        share = need if strategy.is_global_zero else need // max(1, strategy.world_size)
+        free = shutil.disk_usage(directory).free
+        if free < share:
+            problem = (
+                f"Not saving {final}: it needs about {_mib(share)} on rank {strategy.global_rank} "
+                f"({basis or 'its share of the checkpoint'}) and the filesystem holding {directory} has "
+                f"{_mib(free)} free. ENOSPC ({os.strerror(errno.ENOSPC)}): nothing was written and the previous "
+                "checkpoints and last.ckpt are untouched; free space or point the checkpoint directory at a "
+                "larger disk (ModelCheckpoint(dirpath=...) / default_root_dir=), then resume with "
+                "ckpt_path='last'.",
+                errno.ENOSPC,
+            )
+    reports = [r for r in ops.all_gather_object(problem) if r]
+    if reports:
+        raise CheckpointWriteError("; ".join(m for m, _ in reports), reports[0][1], final)
 
 
 # --------------------------------------------------------------------- save
@@ -209,10 +289,9 @@ def save_training_checkpoint(states: TrainingStates, path: str, wait: bool = Tru
     if strategy.module is None:
         raise CheckpointError("save_checkpoint() needs a set-up model: call it during or after fit().")
     final, token = strategy.broadcast((os.path.abspath(os.fspath(path)), layout.new_token()))
+    check_room(strategy, final, adapter=bool(adapters.record(states.module)))
     state = collect_state(states)
     tmp = layout.temp_path(final, token)
-    if strategy.is_global_zero:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
     strategy.barrier("checkpoint-start")
     future = strategy.save_checkpoint(tmp, state)
     pending = PendingCheckpoint(strategy, tmp, final, future)

@@ -39,6 +39,7 @@ from shardwise.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
+    CheckpointWriteError,
     CorruptCheckpointError,
 )
 from shardwise.checkpoint.integrity import (
@@ -55,6 +56,7 @@ from shardwise.checkpoint.layout import (
     read_manifest,
     read_trainer_state,
     remove_checkpoint,
+    save_torch_durably,
     write_trainer_state,
 )
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo
@@ -115,17 +117,96 @@ def read_params(path: str) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------- save / load
-def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> None:
-    """Every rank writes its ZeRO shard through the engine; rank 0 adds trainer state and the parameter list."""
-    engine = strategy.require_engine()
+class _RecordedErrors:
+    """While DeepSpeed's engine saves, its file writes record their failure instead of raising it.
+
+    The engine ends its save with a barrier: a rank whose write raised would leave the others waiting
+    in it until the collective timeout. Recorded, the error reaches every rank through the gather that
+    follows the save. Files go through save_torch_durably (checkpoint/layout.py) when the engine writes
+    with torch.save, so a full disk is named ENOSPC instead of torch's "unexpected pos".
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.error: Optional[BaseException] = None
+        self.saved: List[str] = []
+
+    def _guard(self, fn: Any, where: Any) -> Any:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.error is not None:  # the disk failed already: write nothing more
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except (OSError, RuntimeError) as exc:
+                self.error = write_error(exc, where(*args, **kwargs))
+                return None
+
+        return guarded
+
+    def __enter__(self) -> "_RecordedErrors":
+        ce = self.engine.checkpoint_engine
+        save = ce.save
+        if type(ce).__name__ == "TorchCheckpointEngine":
+
+            def save(state_dict: Any, path: str) -> None:  # noqa: F811 - the engine's own save, with errors named
+                save_torch_durably(state_dict, path)
+
+        ce.save = self._guard(save, lambda *a, **k: k.get("path") or a[1])
+        ce.makedirs = self._guard(ce.makedirs, lambda *a, **k: a[0])
+        self.engine._copy_recovery_script = self._guard(self.engine._copy_recovery_script, lambda *a, **k: a[0])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name in ((self.engine.checkpoint_engine, "save"), (self.engine.checkpoint_engine, "makedirs")):
+            owner.__dict__.pop(name, None)
+        self.engine.__dict__.pop("_copy_recovery_script", None)
+
+
+def _agree(strategy: Any, path: str, error: Optional[BaseException]) -> None:
+    """Every rank raises together when any rank's write failed (collective); the temporary directory goes."""
+    errors = [
+        e
+        for e in ops.all_gather_object(
+            None if error is None else (strategy.global_rank, str(error), getattr(error, "errno", 0))
+        )
+        if e
+    ]
+    if not errors:
+        return
     if strategy.is_global_zero:
-        os.makedirs(path, exist_ok=True)
-    strategy.barrier("deepspeed-save-start")
-    # The engine saves only what it owns; the trainer's state travels in trainer_state.pt.
-    engine.save_checkpoint(path, tag=ENGINE_TAG, client_state={}, save_latest=True)
+        remove_checkpoint(path)
+    message = f"Saving the DeepSpeed checkpoint {path} failed; the previous checkpoints are untouched. " + "; ".join(
+        f"rank {rank}: {text}" for rank, text, _ in errors
+    )
+    codes = [code for _, _, code in errors if code]
+    if codes:
+        raise CheckpointWriteError(message, codes[0], path)
+    raise CheckpointError(message)
+
+
+def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> None:
+    """Every rank writes its ZeRO shard through the engine; rank 0 adds trainer state and the parameter list.
+
+    A failed write on any rank (full disk, read-only folder) raises the same CheckpointWriteError on every
+    rank, right after the engine's save, and removes the temporary directory.
+    """
+    engine = strategy.require_engine()
     error: Optional[BaseException] = None
     if strategy.is_global_zero:
         try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            error = write_error(exc, path)
+    _agree(strategy, path, error)
+    # The engine saves only what it owns; the trainer's state travels in trainer_state.pt.
+    with _RecordedErrors(engine) as recorded:
+        engine.save_checkpoint(path, tag=ENGINE_TAG, client_state={}, save_latest=False)
+    error = recorded.error
+    if strategy.is_global_zero and error is None:
+        try:
+            # DeepSpeed's own tools (zero_to_fp32.py) find the tag here.
+            with open(os.path.join(path, "latest"), "w") as fh:
+                fh.write(ENGINE_TAG)
             write_trainer_state(path, state)
             info = {
                 "stage": strategy.stage,
@@ -136,31 +217,21 @@ def save_engine_checkpoint(strategy: Any, path: str, state: Dict[str, Any]) -> N
             write_json_durably(os.path.join(path, PARAMS_NAME), info)
         except (OSError, CheckpointError) as exc:
             error = write_error(exc, path)
-    strategy.barrier("deepspeed-save-end")
+    _agree(strategy, path, error)
     # Every file now exists: each rank hashes every world_size-th, rank 0 records them all.
     sums: Dict[str, Any] = {}
-    if error is None:
+    try:
+        files = [f for f in iter_files(path) if f != MANIFEST_NAME]
+        sums = hash_files(path, files[strategy.global_rank :: strategy.world_size])
+    except OSError as exc:
+        error = write_error(exc, path)
+    gathered = ops.all_gather_object(sums)
+    if error is None and strategy.is_global_zero:
         try:
-            files = [f for f in iter_files(path) if f != MANIFEST_NAME]
-            sums = hash_files(path, files[strategy.global_rank :: strategy.world_size])
-        except OSError as exc:
-            error = write_error(exc, path)
-    gathered = ops.all_gather_object((sums, None if error is None else str(error)))
-    if error is None and strategy.is_global_zero and not any(e for _, e in gathered):
-        try:
-            record_checksums(path, {k: v for part, _ in gathered for k, v in part.items()})
+            record_checksums(path, {k: v for part in gathered for k, v in part.items()})
         except (OSError, CheckpointError) as exc:
             error = write_error(exc, path)
-    strategy.barrier("deepspeed-checksums")
-    errors = [e for _, e in gathered if e] + (
-        [str(error)] if error is not None and not any(e for _, e in gathered) else []
-    )
-    if errors:
-        # Every rank knows and raises together (no rank left waiting); the
-        # temporary directory is removed here since no commit will follow.
-        if strategy.is_global_zero:
-            remove_checkpoint(path)
-        raise CheckpointError(f"Saving the DeepSpeed checkpoint {path} failed: " + "; ".join(errors))
+    _agree(strategy, path, error)
 
 
 def check_engine_files(path: str) -> None:
