@@ -72,6 +72,14 @@ def write_safetensors(
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _renamed(
+    reader: CheckpointReader, infos: List[TensorInfo], cast: Any, budget: int, names: Dict[str, str]
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """read_cast's (name, tensor) pairs under the names they are written as."""
+    for name, tensor in read_cast(reader, infos, cast, budget):
+        yield names[name], tensor
+
+
 def write_weights(
     reader: CheckpointReader,
     infos: List[TensorInfo],
@@ -84,11 +92,14 @@ def write_weights(
     single_file: bool,
     state: Dict[str, Any],
     model_files: Optional[Callable[[], List[str]]] = None,
+    regroup: Optional[Callable[[Iterator[Tuple[str, torch.Tensor]]], Iterator[Tuple[str, torch.Tensor]]]] = None,
 ) -> Tuple[List[str], int]:
     """Write the tensors `infos` of `reader`, each as `names[its name]`, floating ones cast to `cast`, into
     the one file `out` or the folder `out` (shards of at most `max_bytes`, then `model_files()`' files, then
-    the run's hyperparameters from the trainer `state` as hparams.json). Returns (the files written, the
-    bytes of tensor data)."""
+    the run's hyperparameters from the trainer `state` as hparams.json). `regroup` turns the stream of
+    (written name, tensor) into the one written (a model's layout into its hub layout). Returns (the files
+    written, the bytes of tensor data)."""
+    regroup = regroup or (lambda stream: stream)
     total_bytes = sum(_out_info(i, cast).nbytes for i in infos)
     # Small tensors are read in groups (one DCP request each costs a few ms),
     # never more bytes at once than the largest tensor or 4 MiB.
@@ -104,12 +115,12 @@ def write_weights(
                 "--max-shard-size, one at a time)."
             )
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        save_durably(fmt, {names[n]: t for n, t in read_cast(reader, infos, cast, budget)}, out, meta)
+        save_durably(fmt, dict(regroup(_renamed(reader, infos, cast, budget, names))), out, meta)
         written.append(out)
         return written, total_bytes
     writer = ShardWriter(out, max_bytes, fmt, meta)
-    for name, tensor in read_cast(reader, infos, cast, budget):
-        writer.add(names[name], tensor)
+    for name, tensor in regroup(_renamed(reader, infos, cast, budget, names)):
+        writer.add(name, tensor)
     written += writer.close()
     if model_files is not None:
         written += model_files()

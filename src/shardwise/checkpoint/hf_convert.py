@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -219,3 +219,22 @@ def revert_group(
         # A split's pieces are views of one tensor: safetensors refuses tensors that share memory.
         result[apply_renamings(target, renamings)] = t.clone(memory_format=torch.contiguous_format)
     return result
+
+
+def revert_stream(
+    model: nn.Module, names: Sequence[str], items: Iterable[Tuple[str, torch.Tensor]]
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(hub name, tensor) for a stream of full (model name, tensor) pairs: what `shardwise convert`
+    writes. `names` are every name the stream will hold; a group is converted when its last member
+    arrives, so only unfinished groups are held."""
+    groups, renamings = export_groups(model, names)
+    base = pretrained_model(model)
+    group_of = {name: group for group in groups for name, _ in group.members}
+    pending: Dict[int, Dict[str, torch.Tensor]] = {}
+    for name, tensor in items:
+        group = group_of[name]
+        got = pending.setdefault(id(group), {})
+        got[name] = tensor
+        if len(got) == len(group.members):
+            del pending[id(group)]
+            yield from revert_group(group, got, renamings, base).items()

@@ -187,19 +187,25 @@ def recompute_buffers(model: nn.Module) -> List[str]:
     """Recompute buffers that no checkpoint holds (RoPE inv_freq ...) after to_empty().
 
     HF models know how to compute them: `PreTrainedModel._init_weights(module)`
-    fills e.g. the rotary embedding's inv_freq from the config. We call it only
-    on modules that own non-persistent buffers and no parameters, so it never
-    touches a (sharded) weight. Returns the names it could not handle; the
-    strategy's uninitialised-tensor check then names them.
+    fills e.g. the rotary embedding's inv_freq from the config. A module that
+    also owns weights (Gemma 3's scaled embedding and its embed_scale) is
+    initialised with meta stand-ins lent for its parameters, so the call never
+    touches a loaded (sharded) weight. Returns the names it could not handle;
+    the strategy's uninitialised-tensor check then names them.
     """
     init = getattr(model, "_init_weights", None)
-    left = []
-    for name, mod in _non_persistent_buffer_owners(model):
-        if any(True for _ in mod.parameters(recurse=False)) or not callable(init):
-            left.append(name)
-            continue
-        init(mod)
-    return left
+    if not callable(init):
+        return [name for name, _ in _non_persistent_buffer_owners(model)]
+    for _, mod in _non_persistent_buffer_owners(model):
+        own = {k: p for k, p in mod._parameters.items() if p is not None}
+        try:
+            for k, p in own.items():
+                stand_in = torch.empty(full_shape(p), dtype=p.dtype, device="meta")
+                mod._parameters[k] = nn.Parameter(stand_in, p.requires_grad)
+            init(mod)
+        finally:
+            mod._parameters.update(own)
+    return []
 
 
 # ------------------------------------------------------------------ slicing
