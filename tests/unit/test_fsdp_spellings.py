@@ -99,3 +99,20 @@ def test_fsdp1_size_policy_does_not_enter_multihead_attention():
     model = Transformer(vocab_size=50, nlayers=1, nhid=64, ninp=32, nhead=4)
     names = [n for n, _ in select_units(model, partial(size_based_auto_wrap_policy, min_num_params=1000))]
     assert "encoder_layers.0.self_attn" in names and not any(n.endswith("out_proj") for n in names), names
+
+
+def test_integer_parameters_on_a_torch_whose_fully_shard_cannot_keep_them(monkeypatch):
+    """QLoRA's uint8 codes: torch 2.11's fully_shard asks every shard for gradients, which integer tensors
+    refuse (found on an H200). There they are left unsharded on one rank and refused by name on several."""
+    from shardwise.strategies import fsdp_compat
+
+    model = torch.nn.Linear(4, 4)
+    codes = torch.nn.Parameter(torch.zeros(8, 1, dtype=torch.uint8), requires_grad=False)
+    model.register_parameter("codes", codes)
+    assert fsdp_compat.fsdp_keeps_integer_params()  # the torch this suite pins shards them
+    assert fsdp_compat.integer_params_to_ignore(model, 4) == set()
+    monkeypatch.setattr(fsdp_compat, "fsdp_keeps_integer_params", lambda: False)
+    assert fsdp_compat.integer_params_to_ignore(model, 1) == {codes}
+    assert fsdp_compat.integer_params_to_ignore(torch.nn.Linear(2, 2), 4) == set()
+    with pytest.raises(RuntimeError, match=r"cannot shard integer parameters.*devices=1"):
+        fsdp_compat.integer_params_to_ignore(model, 2)

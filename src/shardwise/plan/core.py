@@ -226,7 +226,7 @@ def plan(
     cands, adapter_notes = check_candidates(adapters, cands, requested=requested)
     opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident, target=accelerator)
     expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
-    alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor)
+    alloc = Allocator(accelerator=accelerator, expandable_segments=expandable, factor=factor, gpu=hw.gpu)
     shared = dict(world=world, num_nodes=num_nodes, precision=precision, seq_len=seq_len, batch_size=batch_size)
     shared.update(device_memory=dev_mem, cpu_memory=cpu_mem, allocator=alloc, hw=hw, target=accelerator)
     shared.update(deepspeed_config=deepspeed_config, workers=workers, headroom=headroom)
@@ -510,7 +510,11 @@ class _Planner:
         )
         load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
         cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading
-        steady = sum(breakdown.get(k, 0.0) for k in ("parameters", "gradients", "optimizer"))
+        workspaces = self.allocator.workspace_bytes  # cuBLAS', held from the first matmul on (allocator.py)
+        if workspaces:
+            breakdown = {**breakdown, "temporary": breakdown.get("temporary", 0.0) + workspaces}
+            allocated += workspaces
+        steady = sum(breakdown.get(k, 0.0) for k in ("parameters", "gradients", "optimizer")) + workspaces
         if not largest_transient:  # no trace (fallback): the largest activation-sized block it counts
             largest_transient = breakdown.get("temporary", 0.0) / 2
         reserved = self.allocator.reserved(allocated, steady, largest_transient)

@@ -45,6 +45,7 @@ from shardwise.distributed import ops
 from shardwise.strategies import degrees, selective_ac
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.fsdp_compat import (
+    integer_params_to_ignore,
     note_accepted,
     offload_flag,
     precision_from_mixed_precision,
@@ -486,6 +487,9 @@ class FSDPStrategy(Strategy):
                 "nn.TransformerDecoderLayer} for the demo Transformer)."
             )
         kwargs = self._fsdp_kwargs()
+        ignored = integer_params_to_ignore(module, self.mesh.size())
+        if ignored:
+            kwargs["ignored_params"] = ignored
         for _, unit in units:
             fully_shard(unit, **kwargs)
         # The root unit also owns what no policy selected (embeddings, head).

@@ -10,10 +10,12 @@ and never a TypeError. The table of every name lives in shardwise/compat.py.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Optional, Set, Tuple
 
 import torch
+from torch import nn
 
 from shardwise.strategies.parallel import SHARDINGS
 
@@ -150,3 +152,42 @@ def precision_from_mixed_precision(mp: Any) -> str:
             f"reduces gradients in fp32 and keeps buffers in fp32; {', '.join(ignored)} is not honoured.",
         )
     return name
+
+
+def fsdp_keeps_integer_params() -> bool:
+    """Whether this torch's fully_shard can shard a frozen integer parameter (QLoRA's uint8 4-bit codes).
+
+    torch 2.11's FSDP2 wraps each shard as `nn.Parameter(shard)`, whose default requires_grad=True is
+    refused for integer dtypes ("only Tensors of floating point dtype can require gradients", seen on
+    an H200 with torch 2.11+cu130); later releases pass the original parameter's requires_grad. Read from
+    the installed source, since the fix has no flag of its own; unreadable source counts as the old code.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        source = inspect.getsource(FSDPParam._init_sharded_param)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    return "requires_grad=param.requires_grad" in source.replace(" ", "")
+
+
+def integer_params_to_ignore(module: nn.Module, shard_degree: int) -> Set[nn.Parameter]:
+    """Frozen integer parameters fully_shard must leave alone on a torch that cannot shard them.
+
+    Empty where torch shards them (the normal case). On one shard nothing is lost by leaving them
+    unsharded: each stays a plain tensor on its device. Across several shards they would be held whole
+    on every rank, which silently multiplies the 4-bit base's memory, so that is refused with the fix.
+    """
+    integer = {p for p in module.parameters() if not p.dtype.is_floating_point and not p.dtype.is_complex}
+    if not integer or fsdp_keeps_integer_params():
+        return set()
+    if shard_degree > 1:
+        raise RuntimeError(
+            f"This torch ({torch.__version__}) cannot shard integer parameters with FSDP2: its fully_shard "
+            f"asks each shard for gradients, which integer tensors refuse, and {len(integer)} such parameter(s) "
+            "are here (QLoRA's packed 4-bit codes). Sharding them over "
+            f"{shard_degree} ranks needs a torch whose fully_shard keeps their requires_grad=False (2.13 does, "
+            "2.11 does not). Upgrade torch, or train on one process (devices=1), where they are kept unsharded "
+            "at no cost."
+        )
+    return integer
