@@ -359,12 +359,27 @@ def _gather_collection(data: Any, group: Any, sync_grads: bool, device: torch.de
         return data
     tensor = data.contiguous()
     if sync_grads:
-        import torch.distributed.nn.functional as dist_fn  # autograd-aware collectives, loaded when asked
-
-        return torch.stack(dist_fn.all_gather(tensor, group=group))
+        return _AllGatherGrad.apply(tensor, group)
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, tensor, group=group)
     return torch.stack(out)
+
+
+class _AllGatherGrad(torch.autograd.Function):
+    """all_gather whose backward sums every rank's gradient of the stack and hands each rank its own row."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
 
 
 def drain_logs(module: TrainModule) -> List[LoggedValue]:
