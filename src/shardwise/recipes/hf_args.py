@@ -114,6 +114,7 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     parallelism: Dict[str, Any] = {}  # accelerate launch's --parallelism_config_* flags
     pairs = _pairs(argv)
     _refuse_conflicts(pairs, ours)
+    peft_off = False
     # The config file first, so the command line overrides it (as accelerate launch does).
     for name, value in pairs:
         if name in ("fsdp_config", "config_file"):
@@ -135,7 +136,7 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         elif flag == "use_peft_lora":
             given = any(n.replace("-", "_") in ("lora_r", "data.lora_r") for n, _ in pairs)
             if value is not None and not _bool(value):
-                values.append(("lora_r", 0))  # the recipe ignores the LoRA options without it
+                peft_off = True  # the recipe ignores the LoRA options without it: set last, over any --lora_r
             elif not given:
                 values.append(("lora_r", RECIPE_LORA_R))
         elif flag in ("bf16", "fp16"):
@@ -183,6 +184,8 @@ def translate_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
             )
         else:
             values.append((flag, value))  # unknown: jsonargparse names it and lists the valid options
+    if peft_off:
+        values.append(("lora_r", 0))
     if parallelism:
         mapped, mapped_notes = map_parallelism_config(parallelism, "--parallelism_config_*")
         values += list(mapped.items())
