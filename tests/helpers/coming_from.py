@@ -81,10 +81,10 @@ ROWS: List[Row] = [
     Row("Lightning", "`LightningDataModule`, `fit(model, datamodule=dm)`", "`shardwise.DataModule`, the same"),
     Row(
         "Lightning",
-        "`lightning.pytorch.demos.Transformer`, `WikiText2()`",
-        "`shardwise.demos.Transformer`, `WikiText2(data_dir)`",
-        "WikiText2 reads a local folder; shardwise never downloads",
-        lambda: bool(__import__("shardwise.demos", fromlist=["WikiText2"]).WikiText2),
+        "`lightning.pytorch.demos.Transformer`, `WikiText2()`, `LightningTransformer`",
+        "the same (Lightning's model, defaults and numbers)",
+        "WikiText2 reads `./data/wikitext-2.txt` (or `data_dir`); shardwise never downloads",
+        lambda: __import__("shardwise.demos", fromlist=["Transformer"]).Transformer().ninp == 200,
     ),
     Row(
         "Lightning",
@@ -309,15 +309,15 @@ ROWS: List[Row] = [
     # ------------------------------------------------ the HF recipe's train.py
     Row(
         "HF recipe",
-        "`--model_name meta-llama/...`",
-        "`--model_path <local folder>`",
-        "",
+        "`--model_name meta-llama/...` (`--model_revision`)",
+        "`--model_path meta-llama/...` (`--revision`): a hub id or a local folder",
+        "safetensors, config and tokenizer files only, downloaded once per cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE)",
         lambda: _argv("--model_name", "m") == ["--model_path", "m"],
     ),
     Row(
         "HF recipe",
-        "`--dataset_name ...`",
-        "`--dataset <file or folder>`",
+        "`--dataset_name ...` (`--dataset_config_name`)",
+        "`--dataset <hub id, file or folder>` (`--dataset_config`, `--dataset_revision`)",
         "",
         lambda: _argv("--dataset_name", "d") == ["--dataset", "d"],
     ),
@@ -401,10 +401,19 @@ ROWS: List[Row] = [
     ),
     Row(
         "HF recipe",
-        "`--log_level`, `--push_to_hub`, `--hub_private_repo`, `--hub_strategy`, `--report_to`",
+        "`--log_level`, `--report_to`",
         "named in one note line each, not honoured",
-        "shardwise never uploads; the HF folder is in output_dir",
-        lambda: len(_notes("--log_level", "info", "--push_to_hub")) == 2,
+        "",
+        lambda: len(_notes("--log_level", "info", "--report_to", "wandb")) == 2,
+    ),
+    Row(
+        "HF recipe",
+        "`--push_to_hub`, `--hub_model_id`, `--hub_private_repo`, `--hub_strategy end|every_save`, `--hub_token`",
+        "the same",
+        "uploaded from rank 0 in the background after the export is verified; every_save: each checkpoint to "
+        "last-checkpoint/",
+        lambda: _argv("--push_to_hub", "--hub_strategy", "every_save")
+        == ["--push_to_hub", "true", "--hub_strategy", "every_save"],
     ),
     Row(
         "HF recipe",

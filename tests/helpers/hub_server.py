@@ -65,7 +65,12 @@ class HubServer:
         self.httpd.server_close()
 
     def add_repo(
-        self, repo_id: str, files: Dict[str, bytes], repo_type: str = "model", private: bool = False, branch: str = "main"
+        self,
+        repo_id: str,
+        files: Dict[str, bytes],
+        repo_type: str = "model",
+        private: bool = False,
+        branch: str = "main",
     ) -> str:
         """A new commit of `files` on `branch`; returns its hash."""
         repo = self.repos.setdefault((repo_type, repo_id), Repo(repo_type, private))
@@ -223,8 +228,11 @@ def _handler(hub: HubServer) -> type:
                 req = json.loads(body)
                 repo_id = f"{req.get('organization') or hub.user}/{req['name']}"
                 key = (req.get("type") or "model", repo_id)
-                if key in hub.repos:
-                    return self._error(409, None, "You already created this model repo")
+                if key in hub.repos:  # the hub names the existing repo, which create_repo(exist_ok=True) returns
+                    message = "You already created this model repo"
+                    return self._json(
+                        409, {"error": message, "url": f"{hub.url}/{repo_id}"}, {"X-Error-Message": message}
+                    )
                 hub.repos[key] = Repo(key[0], private=req.get("visibility") == "private" or bool(req.get("private")))
                 return self._json(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
             m = re.match(r"^/api/(models|datasets)/([^/]+/[^/]+)/(preupload|commit)/([^/]+)$", path)
@@ -255,11 +263,11 @@ def _handler(hub: HubServer) -> type:
                     return self._error(400, None, f"unsupported commit operation {item['key']}")
             commit = hub.add_repo(m.group(2), files, repo.repo_type, repo.private, branch)
             return self._json(
-                200, {"commitUrl": f"{hub.url}/{m.group(2)}/commit/{commit}", "commitOid": commit, "pullRequestUrl": None}
+                200,
+                {"commitUrl": f"{hub.url}/{m.group(2)}/commit/{commit}", "commitOid": commit, "pullRequestUrl": None},
             )
 
     return Handler
-
 
 
 def lay_cache(cache: str, repo_id: str, files: Dict[str, bytes], repo_type: str = "model", branch: str = "main") -> str:
@@ -298,4 +306,26 @@ def folder_files(folder: str) -> Dict[str, bytes]:
     return out
 
 
-__all__ = ["HubServer", "Repo", "folder_files", "lay_cache"]
+def point_at(monkeypatch: object, server: HubServer, hf_home: str) -> str:
+    """This process (huggingface_hub's constants, read at import) and the processes it starts (the environment)
+    use `server` as the hub and `hf_home` as HF_HOME, online; returns the hub cache folder."""
+    import os
+
+    from huggingface_hub import constants
+
+    cache = os.path.join(hf_home, "hub")
+    for name, value in (
+        ("HF_HUB_CACHE", cache),
+        ("ENDPOINT", server.url),
+        ("HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"),
+        ("HF_HUB_OFFLINE", False),
+    ):
+        monkeypatch.setattr(constants, name, value)
+    for name, value in (("HF_HOME", hf_home), ("HF_ENDPOINT", server.url), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+        monkeypatch.setenv(name, value)
+    for name in ("HF_TOKEN", "HF_HUB_CACHE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    return cache
+
+
+__all__ = ["HubServer", "Repo", "folder_files", "lay_cache", "point_at"]

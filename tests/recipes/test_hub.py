@@ -20,11 +20,12 @@ import pytest
 from filelock import FileLock
 from huggingface_hub import constants
 
-from helpers.hf import build_model_folder, chat_records, write_jsonl
-from helpers.hub_server import HubServer, folder_files, lay_cache
 from shardwise.recipes import hub
 from shardwise.recipes.data import DataOptions
 from shardwise.recipes.finetune import FinetuneConfig, finetune, validate_config
+
+from helpers.hf import build_model_folder, chat_records, write_jsonl
+from helpers.hub_server import HubServer, folder_files, lay_cache, point_at
 
 TOKEN = "hf_test_token"
 
@@ -43,19 +44,8 @@ def repos(tmp_path_factory):
 @pytest.fixture
 def hub_env(tmp_path, monkeypatch):
     """A fresh hub cache and a running local hub, for this process (huggingface_hub's constants) and its children."""
-    cache = str(tmp_path / "hf" / "hub")
     server = HubServer(token=TOKEN).__enter__()
-    for name, value in (
-        ("HF_HUB_CACHE", cache),
-        ("ENDPOINT", server.url),
-        ("HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"),
-        ("HF_HUB_OFFLINE", False),
-    ):
-        monkeypatch.setattr(constants, name, value)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    cache = point_at(monkeypatch, server, str(tmp_path / "hf"))
     yield server, cache
     server.__exit__()
 
@@ -171,7 +161,27 @@ def test_offline_cache_as_a_download_leaves_it(tmp_path, repos, monkeypatch, cap
     assert hub.resolve_model(snapshot) == snapshot and hub.resolve_dataset(checked["data"].dataset) is None
     from shardwise.cli import main
 
-    assert main(["plan", "--model", "org/tiny", "--devices", "2", "--device-memory", "8GiB", "--precision",
-                 "32-true", "--accelerator", "cpu", "--seq-len", "32", "--only", "fsdp"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "org/tiny",
+                "--devices",
+                "2",
+                "--device-memory",
+                "8GiB",
+                "--precision",
+                "32-true",
+                "--accelerator",
+                "cpu",
+                "--seq-len",
+                "32",
+                "--only",
+                "fsdp",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(f"org/tiny (revision main): {snapshot}") and "fsdp" in out.lower()

@@ -59,6 +59,17 @@ from shardwise.recipes.data import (
 )
 from shardwise.recipes.data_formats import check_source
 from shardwise.recipes.hf_model import build_meta_model, export_hf_folder, inspect_model_folder
+from shardwise.recipes.hub import (
+    HubUpload,
+    PushCheckpoints,
+    check_push_options,
+    dataset_path,
+    is_hub_id,
+    push_export,
+    resolve_dataset,
+    resolve_model,
+    snapshot_commit,
+)
 from shardwise.recipes.lora_export import check_merge, export_lora
 from shardwise.recipes.parallel import build_recipe_strategy
 from shardwise.seed import seed_everything
@@ -80,7 +91,14 @@ class FinetuneConfig:
     or nested (`--data.max_seq_len 64`, `data: {max_seq_len: 64}`).
 
     Args:
-        model_path: local Hugging Face folder: config.json, *.safetensors, tokenizer files
+        model_path: a hub model id (org/name: its safetensors, config and tokenizer files are downloaded
+            once into the Hugging Face cache) or a local Hugging Face folder (config.json, *.safetensors,
+            tokenizer files)
+        revision: the model's hub revision: a branch, tag or commit hash (default: main)
+        dataset_config: a hub data set's config: the subfolder of the repo to read
+        dataset_revision: the data set's hub revision (default: main)
+        hub_token: the token for private or gated repos and for uploads (default: HF_TOKEN, or the one
+            `hf auth login` stored)
         tokenizer_path: tokenizer folder (default: model_path)
         data: the dataset and how it becomes token blocks and batches (DataOptions)
         max_steps: optimizer steps (-1: num_train_epochs)
@@ -139,11 +157,21 @@ class FinetuneConfig:
         load_in_4bit: QLoRA: base weights frozen in 4-bit NF4 (bitsandbytes, double quantisation),
             computed in the precision's dtype; needs lora_r > 0
         merge: with LoRA, also export the adapter merged into the base weights as a Hugging Face folder
+        push_to_hub: upload the exported folder (or the adapter folder) to the hub from global rank 0, in the
+            background, once it is written and verified
+        hub_model_id: the repo uploaded to, name or org/name (default: the output_dir's name)
+        hub_private_repo: create the repo private
+        hub_strategy: end (the final export) | every_save (also each save_steps checkpoint, into
+            last-checkpoint/ of the repo)
     """
 
     # What to train on
     model_path: str = ""
+    revision: Optional[str] = None
     tokenizer_path: Optional[str] = None
+    dataset_config: Optional[str] = None
+    dataset_revision: Optional[str] = None
+    hub_token: Optional[str] = None
     data: DataOptions = field(default_factory=DataOptions)
     # How long, how often
     max_steps: int = -1
@@ -197,6 +225,11 @@ class FinetuneConfig:
     lora_target_modules: Optional[List[str]] = None
     load_in_4bit: bool = False
     merge: bool = False
+    # Upload (opt-in)
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    hub_private_repo: bool = False
+    hub_strategy: str = "end"
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):  # parsed from a command line or a YAML file
@@ -252,11 +285,19 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
 
     data = cfg.data
     if not cfg.model_path:
-        raise ValueError("model_path is required: a local Hugging Face model folder.")
+        raise ValueError("model_path is required: a hub model id (org/name) or a local Hugging Face model folder.")
     if not data.dataset:
-        raise ValueError("dataset is required: a .jsonl / .parquet file or a datasets save_to_disk folder.")
-    folder = inspect_model_folder(cfg.model_path)
-    tok_dir = cfg.tokenizer_path or cfg.model_path
+        raise ValueError(
+            "dataset is required: a hub data set id (org/name), a .jsonl / .parquet file or a datasets folder."
+        )
+    hub_repo = check_push_options(cfg.push_to_hub, cfg.hub_model_id, cfg.hub_strategy, cfg.output_dir)
+    # Hub ids become snapshot folders in the Hugging Face cache (downloaded once per cache); local paths stay.
+    model_dir = resolve_model(cfg.model_path, cfg.revision, cfg.hub_token)
+    snapshot = resolve_dataset(data.dataset, cfg.dataset_revision, cfg.dataset_config, cfg.hub_token)
+    if snapshot is not None:
+        data = dataclasses.replace(data, dataset=dataset_path(snapshot.path))
+    folder = inspect_model_folder(model_dir)
+    tok_dir = resolve_model(cfg.tokenizer_path, cfg.revision, cfg.hub_token) if cfg.tokenizer_path else model_dir
     if cfg.tokenizer_path is None and not folder.has_tokenizer:
         raise ValueError(
             f"{cfg.model_path!r} has no tokenizer files (tokenizer.json / tokenizer.model); "
@@ -352,7 +393,15 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     check_4bit_config(cfg, strategy)  # load_in_4bit: LoRA, bitsandbytes, precision, no ZeRO-3 / offload
     check_lora_config(cfg, lambda: build_meta_model(folder, cfg.attn_implementation))  # LoRA options vs the model
     check_merge(cfg)
-    return {"folder": folder, "tokenizer_dir": tok_dir, "text_field": text_field, "strategy": strategy}
+    return {
+        "folder": folder,
+        "tokenizer_dir": tok_dir,
+        "text_field": text_field,
+        "strategy": strategy,
+        "data": data,  # cfg.data with a hub id replaced by its snapshot
+        "dataset_revision": snapshot.commit if snapshot is not None else None,
+        "hub_repo": hub_repo,
+    }
 
 
 # ------------------------------------------------------------------ running
@@ -398,6 +447,10 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     folder = checked["folder"]
     seed_everything(cfg.seed)
     callbacks = _callbacks(cfg)
+    upload = HubUpload(checked["hub_repo"], cfg.hub_private_repo, cfg.hub_token) if cfg.push_to_hub else None
+    if upload is not None and cfg.hub_strategy == "every_save" and callbacks:  # before the ModelCheckpoint
+        every = cfg.save_steps if cfg.save_strategy == "steps" else 0
+        callbacks.insert(0, PushCheckpoints(upload, callbacks[-1], every))
     trainer = Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
@@ -426,8 +479,11 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
     # (the tokenisation: rank 0 writes the cache) behind a barrier, then its setup on every rank.
     tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
     data = FinetuneData(
-        cfg.data,
-        cfg.data.spec(checked["text_field"], cfg.seed, _evaluates(cfg)),
+        checked["data"],
+        # The resolved commit of a hub data set joins the cache key: a new revision re-tokenises, the same never.
+        dataclasses.replace(
+            checked["data"].spec(checked["text_field"], cfg.seed, _evaluates(cfg)), revision=checked["dataset_revision"]
+        ),
         tokenizer,
         cache_dir=cfg.data.cache_dir or default_cache_dir(),
         evaluate=_evaluates(cfg),
@@ -453,10 +509,14 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         cfg.output_dir,
         config=folder.config,
         tokenizer=tokenizer,
-        source_dir=cfg.model_path,
+        source_dir=folder.path,
         max_shard_size=parse_bytes(cfg.max_shard_size),
         dtype=export_dtype,
     )
+    if upload is not None and trainer.is_global_zero:
+        push_export(upload, cfg.output_dir, adapter=bool(cfg.lora_r))  # verified first, then in the background
+    else:
+        upload = None
     result = FinetuneResult(
         output_dir=os.path.abspath(cfg.output_dir),
         losses=module.history,
@@ -470,6 +530,8 @@ def _run(cfg: FinetuneConfig, after_fit: Optional[Callable[[Any], Any]] = None) 
         with open(os.path.join(cfg.output_dir, "finetune_history.json"), "w") as fh:
             json.dump({k: v for k, v in dataclasses.asdict(result).items() if k != "extra"}, fh, indent=2)
     trainer.strategy.teardown()
+    if upload is not None:
+        upload.wait()  # the process ends when the upload does (training finished while it ran)
     return result
 
 
@@ -487,7 +549,12 @@ def finetune(
     """
 
     cfg = coerce_config(config)
-    validate_config(cfg)  # before any worker starts
+    checked = validate_config(cfg)  # before any worker starts; hub ids are downloaded here
+    # Pin the commits the hub ids resolved to, so every worker reads the same snapshots without asking the hub.
+    if is_hub_id(cfg.model_path):
+        cfg = dataclasses.replace(cfg, revision=snapshot_commit(checked["folder"].path))
+    if checked["dataset_revision"]:
+        cfg = dataclasses.replace(cfg, dataset_revision=checked["dataset_revision"])
     if detect_env() is None:
         devices = resolve_devices(cfg.devices, resolve_accelerator(cfg.accelerator))
         if cfg.num_nodes > 1:

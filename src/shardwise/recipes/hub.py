@@ -111,7 +111,8 @@ def _check_remote(
 
     try:
         files = [
-            f for f in HfApi(token=token).list_repo_tree(repo_id, revision=revision, repo_type=repo_type, recursive=True)
+            f
+            for f in HfApi(token=token).list_repo_tree(repo_id, revision=revision, repo_type=repo_type, recursive=True)
             if getattr(f, "size", None) is not None
         ]
     except EntryNotFoundError:
@@ -235,7 +236,9 @@ def resolve_snapshot(
     return Snapshot(repo_id, repo_type, revision, snapshot_commit(path) or revision, path)
 
 
-def resolve_model(name: str, revision: Optional[str] = None, token: Optional[str] = None, config_only: bool = False) -> str:
+def resolve_model(
+    name: str, revision: Optional[str] = None, token: Optional[str] = None, config_only: bool = False
+) -> str:
     """A local model folder for `name`: itself when it is a local path, else its hub snapshot."""
     if not is_hub_id(name):
         return name
@@ -286,7 +289,9 @@ def exported_files(folder: str, verify: Callable[[str], Any]) -> List[str]:
     """The files an export wrote at the top of `folder` (and in merged/), after `verify(folder)` accepts it."""
     verify(folder)
     out = []
-    for rel in sorted(os.listdir(folder)) + [os.path.join("merged", f) for f in _listdir(os.path.join(folder, "merged"))]:
+    for rel in sorted(os.listdir(folder)) + [
+        os.path.join("merged", f) for f in _listdir(os.path.join(folder, "merged"))
+    ]:
         if os.path.isfile(os.path.join(folder, rel)) and _matches(rel, MODEL_PATTERNS + ["README.md"]):
             if os.path.basename(rel) != "finetune_history.json":
                 out.append(rel.replace(os.sep, "/"))
@@ -299,7 +304,11 @@ def push_export(upload: "HubUpload", output_dir: str, adapter: bool = False) -> 
     from shardwise.recipes.hf_model import inspect_model_folder
 
     def verify_adapter(folder: str) -> None:
-        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not os.path.isfile(os.path.join(folder, f))]
+        missing = [
+            f
+            for f in ("adapter_config.json", "adapter_model.safetensors")
+            if not os.path.isfile(os.path.join(folder, f))
+        ]
         if missing:
             raise HubError(f"push_to_hub: the adapter export in {folder} lacks {missing}; nothing uploaded.")
 
@@ -378,6 +387,10 @@ class PushCheckpoints:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.upload.wait()  # the ModelCheckpoint after us may now save and prune
         self._push_new()
+
+    def on_fit_end(self, trainer: Any, module: Any) -> None:
+        if trainer.is_global_zero:  # the save of the last step is committed by now (ModelCheckpoint.on_train_end)
+            self._push_new()
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         if trainer.is_global_zero and not self.every_n_steps:  # saving by epoch: prunes at the epoch's end
