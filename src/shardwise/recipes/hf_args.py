@@ -26,6 +26,8 @@ RENAMED = {
     "model_name": "model_path",
     "model_name_or_path": "model_path",
     "dataset_name": "dataset",
+    "model_revision": "revision",  # TRL's ModelConfig
+    "dataset_config_name": "dataset_config",  # transformers' run_clm.py
     "ddp_timeout": "timeout_s",
     "config": "config",
     # The flags of the PEFT SFT recipe (its train.py) and TRL's SFTConfig.
@@ -39,11 +41,6 @@ RECIPE_LORA_R = 64  # the PEFT SFT recipe's lora_r when --use_peft_lora comes wi
 NOT_HONOURED = {
     "log_level": "shardwise prints rank 0's progress lines; set the Python logging level yourself for more",
     "log_level_replica": "only rank 0 prints progress",
-    "push_to_hub": "shardwise never uploads: the Hugging Face folder is written to output_dir; upload it with "
-    "`huggingface-cli upload`",
-    "hub_private_repo": "shardwise never uploads (see push_to_hub)",
-    "hub_strategy": "shardwise never uploads (see push_to_hub)",
-    "hub_model_id": "shardwise never uploads (see push_to_hub)",
     "report_to": "shardwise logs to CSV in output_dir",
     "do_train": "shardwise finetune always trains",
     "do_eval": "evaluation runs when eval_steps is set",
