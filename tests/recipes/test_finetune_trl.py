@@ -31,25 +31,37 @@ def setup(tmp_path_factory):
     return root, model, write_jsonl(str(root / "chat.jsonl"), [{"messages": r["messages"]} for r in records])
 
 
-def ours(setup, name, lora_r=0):
+def our_config(setup, name, lora_r=0, devices=1):
     root, model, data = setup
-    cfg = FinetuneConfig(
+    return FinetuneConfig(
         model_path=model,
         max_steps=STEPS,
         learning_rate=LR,
         lr_scheduler_type="constant",
         precision="32-true",
-        strategy="single",
-        devices=1,
+        strategy="single" if devices == 1 else "fsdp",
+        devices=devices,
         logging_steps=1,
         seed=0,
         **({"lora_r": lora_r, "lora_alpha": 8} if lora_r else {}),
         output_dir=str(root / name),
         data=DataOptions(
-            dataset=data, max_seq_len=128, packing=False, per_device_train_batch_size=RECORDS, cache_dir=str(root / "c")
+            dataset=data,
+            max_seq_len=128,
+            packing=False,
+            per_device_train_batch_size=RECORDS // devices,  # the whole data set per step either way
+            cache_dir=str(root / "c"),
         ),
     )
-    return [s["loss"] for s in finetune(cfg).losses]
+
+
+def ours(setup, name, lora_r=0):
+    return [s["loss"] for s in finetune(our_config(setup, name, lora_r)).losses]
+
+
+def both_under_fsdp(configs):
+    """One rank of one 2-process launch: the full and the LoRA run, one after the other."""
+    return [[s["loss"] for s in finetune(cfg).losses] for cfg in configs]
 
 
 def theirs(setup, name, lora_r=0):
@@ -101,10 +113,32 @@ def theirs(setup, name, lora_r=0):
     return losses
 
 
+TRL_LOSSES = {}
+
+
+def trl_losses(setup, lora_r):
+    if lora_r not in TRL_LOSSES:
+        TRL_LOSSES[lora_r] = theirs(setup, f"trl-{lora_r}", lora_r)
+    return TRL_LOSSES[lora_r]
+
+
+def assert_same(mine, reference):
+    assert len(mine) == len(reference) == STEPS
+    assert mine[-1] < mine[0]  # it trains
+    for a, b in zip(mine, reference):
+        assert abs(a - b) <= 1e-6 * abs(b), (mine, reference)
+
+
 @pytest.mark.parametrize("lora_r", [0, 4], ids=["full", "lora"])
 def test_losses_equal_trl_sft_trainer(setup, lora_r):
-    mine, trl_losses = ours(setup, f"ours-{lora_r}", lora_r), theirs(setup, f"trl-{lora_r}", lora_r)
-    assert len(mine) == len(trl_losses) == STEPS
-    assert mine[-1] < mine[0]  # it trains
-    for a, b in zip(mine, trl_losses):
-        assert abs(a - b) <= 1e-6 * abs(b), (mine, trl_losses)
+    assert_same(ours(setup, f"ours-{lora_r}", lora_r), trl_losses(setup, lora_r))
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_take_trls_steps(setup):
+    from shardwise.distributed.launch import launch
+
+    configs = [our_config(setup, f"fsdp-{r}", r, devices=2) for r in (0, 4)]
+    full, lora = launch(both_under_fsdp, configs, devices=2)[0]
+    assert_same(full, trl_losses(setup, 0))
+    assert_same(lora, trl_losses(setup, 4))
