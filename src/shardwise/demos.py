@@ -1,10 +1,13 @@
-# Ready-made pieces for the seed examples and the `shardwise demo` command: the
-# demo Transformer and word-level text datasets in the shape of Lightning's
-# WikiText2 demo (non-overlapping blocks of `block_size` token ids, target =
-# input shifted by one). Nothing here downloads: `WikiText2` reads a folder the
-# user already has, and `PythonDocsText` builds its corpus from the help texts
-# that ship inside every CPython installation (`pydoc_data.topics`), so demos
-# and tests run offline and start in well under a second.
+# Ready-made pieces for Lightning's demo scripts, the seed examples and the `shardwise demo`
+# command. `Transformer`, `WikiText2` and `LightningTransformer` are Lightning's
+# (`lightning.pytorch.demos`): the same model, defaults and numbers, so a Lightning script
+# importing them runs unchanged after the import rename. The word-level text datasets cut
+# non-overlapping blocks of `block_size` token ids (target = input shifted by one). Nothing
+# here downloads: `WikiText2` reads a file the user already has and names it when it is
+# missing, and `PythonDocsText` builds its corpus from the help texts that ship inside every
+# CPython installation (`pydoc_data.topics`), so demos and tests run offline and start in
+# well under a second. `LanguageModel` (the `shardwise demo` module) trains shardwise's own
+# demo model, `shardwise.models.Transformer` (causal attention, built on the meta device).
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -14,13 +17,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from shardwise.models.transformer import Transformer
+from shardwise.models.lightning_transformer import Transformer
+from shardwise.models.transformer import Transformer as CausalTransformer
 from shardwise.module import TrainModule
 
 __all__ = [
     "Transformer",
+    "LightningTransformer",
     "LanguageModel",
     "Dictionary",
     "TokenBlocks",
@@ -96,30 +101,34 @@ class TokenBlocks(Dataset[tuple[Tensor, Tensor]]):
 
 
 class WikiText2(TokenBlocks):
-    """WikiText-2 from a local folder, tokenised by whitespace.
+    """WikiText-2 from a local folder, tokenised by whitespace, as Lightning's demo dataset.
 
-    `data_dir` must contain the raw files: `wiki.train.tokens` /
-    `wiki.valid.tokens` (the official release) or `train.txt` / `valid.txt`
-    (PyTorch examples' copy; Lightning's single `wikitext-2.txt` is read as
-    the train split). The dictionary is always built from the train split so
-    ids agree across splits; a validation word missing from it maps to
-    `<unk>`. Blank lines keep their `<eos>`, matching Lightning's demo
-    tokenisation (whose default vocab_size, 33,278, is this count for the
-    standard files).
+    `WikiText2()` takes Lightning's arguments and defaults (`data_dir="./data"`, `block_size=35`,
+    `download=True`) and its length (`len(data) // block_size - 1` blocks), but never downloads:
+    `data_dir` must contain the raw files: `wikitext-2.txt` (the file Lightning downloads),
+    `wiki.train.tokens` / `wiki.valid.tokens` (the official release) or `train.txt` / `valid.txt`
+    (PyTorch examples' copy). The dictionary is always built from the train split so ids agree
+    across splits; a validation word missing from it maps to `<unk>`. Blank lines keep their
+    `<eos>`, matching Lightning's tokenisation (whose default vocab_size, 33,278, is this count for
+    the standard files).
     """
 
     _FILES: dict[str, tuple[str, ...]] = {
-        "train": ("wiki.train.tokens", "train.txt", "wikitext-2.txt"),
+        "train": ("wikitext-2.txt", "wiki.train.tokens", "train.txt"),
         "val": ("wiki.valid.tokens", "valid.txt"),
     }
+    URL = "https://raw.githubusercontent.com/pytorch/examples/main/word_language_model/data/wikitext-2/train.txt"
 
-    def __init__(self, data_dir: str | Path, block_size: int = 64, split: Split = "train") -> None:
+    def __init__(
+        self, data_dir: str | Path = "./data", block_size: int = 35, download: bool = True, split: Split = "train"
+    ) -> None:
+        del download  # Lightning's flag: shardwise reads what is there, and says what is missing
         root = Path(data_dir).expanduser()
         if not root.is_dir():
             raise FileNotFoundError(
                 f"WikiText-2 folder {str(root)!r} does not exist. shardwise never downloads data; "
-                "put wiki.train.tokens (or train.txt) there, or use PythonDocsText(), "
-                "which needs no files."
+                f"put wikitext-2.txt there (the file Lightning downloads: {self.URL}), or "
+                "wiki.train.tokens / train.txt, or use PythonDocsText(), which needs no files."
             )
         if split not in self._FILES:
             raise ValueError(f"split must be one of {sorted(self._FILES)}, got {split!r}")
@@ -133,13 +142,20 @@ class WikiText2(TokenBlocks):
             ids = [dictionary.word2idx.get(w, unk) for w in _words(self._read(root, split), skip_blank=False)]
         super().__init__(torch.tensor(ids, dtype=torch.long), dictionary, block_size)
 
+    def __len__(self) -> int:
+        # Lightning's count, one block fewer than fit when the stream divides unevenly: the same batches.
+        return max(self.data.numel() // self.block_size - 1, 0)
+
     @classmethod
     def _read(cls, root: Path, split: str) -> list[str]:
         for name in cls._FILES[split]:
             path = root / name
             if path.is_file():
                 return path.read_text(encoding="utf-8").splitlines()
-        raise FileNotFoundError(f"no {split} file in {str(root)!r}; looked for {', '.join(cls._FILES[split])}")
+        raise FileNotFoundError(
+            f"no {split} file in {str(root)!r}; looked for {', '.join(cls._FILES[split])}. shardwise never "
+            f"downloads: put one there (Lightning's demo downloads {cls.URL} as wikitext-2.txt)."
+        )
 
 
 class PythonDocsText(TokenBlocks):
@@ -193,10 +209,11 @@ def load_text_dataset(data_dir: str | Path | None = None, block_size: int = 64, 
 class LanguageModel(TrainModule):
     """The seed's LightningModule for the demo Transformer, as a TrainModule.
 
-    The model is built in `configure_model`, so under FSDP it is created on
-    the meta device and sharded before any weight exists. Used by
-    `shardwise demo`, the benchmarks and the tests; the examples spell the
-    same class out, since it is the code a user writes.
+    The model, shardwise's causal `shardwise.models.Transformer`, is built in
+    `configure_model`, so under FSDP it is created on the meta device and
+    sharded before any weight exists. Used by `shardwise demo`, the
+    benchmarks and the tests; the examples spell the same class out, since it
+    is the code a user writes.
     """
 
     def __init__(
@@ -212,11 +229,11 @@ class LanguageModel(TrainModule):
         super().__init__()
         self.vocab_size, self.lr, self.foreach = vocab_size, lr, foreach
         self.sizes = dict(nlayers=nlayers, nhid=nhid, ninp=ninp, nhead=nhead)
-        self.model: Transformer | None = None
+        self.model: CausalTransformer | None = None
 
     def configure_model(self) -> None:
         if self.model is None:  # idempotent
-            self.model = Transformer(vocab_size=self.vocab_size, **self.sizes)
+            self.model = CausalTransformer(vocab_size=self.vocab_size, **self.sizes)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         input, target = batch
@@ -232,3 +249,28 @@ class LanguageModel(TrainModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=self.foreach)
+
+
+class LightningTransformer(TrainModule):
+    """Lightning's `LightningTransformer` demo module: the demo Transformer on WikiText2, SGD at lr 0.1."""
+
+    def __init__(self, vocab_size: int = 33278) -> None:
+        super().__init__()
+        self.model = Transformer(vocab_size=vocab_size)
+
+    def forward(self, inputs: Tensor, target: Tensor) -> Tensor:
+        return self.model(inputs, target)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, target = batch
+        output = self(inputs, target)
+        return F.nll_loss(output, target.view(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def prepare_data(self) -> None:
+        WikiText2(download=True)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(WikiText2())

@@ -93,7 +93,7 @@ def test_fsdp1_size_policy_does_not_enter_multihead_attention():
 
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-    from shardwise.demos import Transformer
+    from shardwise.models import Transformer  # shardwise's demo model (shardwise.demos.Transformer is Lightning's)
     from shardwise.strategies.fsdp import select_units
 
     model = Transformer(vocab_size=50, nlayers=1, nhid=64, ninp=32, nhead=4)

@@ -1,0 +1,58 @@
+"""`shardwise.demos` is Lightning's demos module after the import rename: the demo Transformer is Lightning's
+model (defaults, parameter names, initialisation and forward: the same numbers from the same seed, recorded
+from Lightning 2.6.6 in tests/fixtures/lightning_demo_transformer.json), WikiText2 takes Lightning's
+arguments and never downloads, and LightningTransformer trains."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from lightning_compat.demo_probe import probe
+
+import shardwise
+from shardwise.demos import LightningTransformer, Transformer, WikiText2
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lightning_demo_transformer.json")
+
+
+def test_the_demo_transformer_is_lightnings():
+    lightning = json.load(open(FIXTURE))
+    mine = probe(Transformer)
+    assert mine["defaults"] == lightning["defaults"]  # vocab 33278, ninp 200, nhead 2, nhid 200, 2 layers, 0.2
+    assert mine["parameters_at_vocab_40"] == lightning["parameters_at_vocab_40"]
+    assert mine["names"] == lightning["names"]
+    for key in ("train_loss", "grad_norm", "eval_loss"):  # same init, same dropout draws, same forward
+        assert mine[key] == pytest.approx(lightning[key], rel=1e-6), key
+
+
+def test_wikitext2_takes_lightnings_arguments_and_never_downloads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="never downloads") as err:
+        WikiText2()
+    assert WikiText2.URL in str(err.value)
+    os.makedirs("data")
+    words = [f"w{i % 13}" for i in range(100)]
+    with open("data/wikitext-2.txt", "w") as fh:  # the file Lightning's WikiText2 downloads
+        fh.write("\n".join(" ".join(words[i : i + 10]) for i in range(0, 100, 10)) + "\n")
+    dataset = WikiText2(download=True)
+    assert dataset.block_size == 35 and dataset.data.numel() == 110  # 10 lines of 10 words + <eos>
+    assert len(dataset) == 110 // 35 - 1  # Lightning's count
+    inputs, target = dataset[1]
+    assert inputs.tolist() == dataset.data[35:70].tolist() and target.tolist() == dataset.data[36:71].tolist()
+
+    shardwise.seed_everything(0)
+    module = LightningTransformer(vocab_size=dataset.vocab_size)
+    losses = []
+
+    class Record(shardwise.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(float(outputs if torch.is_tensor(outputs) else outputs["loss"]))
+
+    trainer = shardwise.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Record()]
+    )
+    trainer.fit(module)  # prepare_data and train_dataloader read ./data/wikitext-2.txt
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
