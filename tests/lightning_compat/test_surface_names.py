@@ -127,3 +127,16 @@ def test_lightning_strategy_strings_map_or_refuse_by_name():
             build_strategy(name)
     with pytest.raises(NotProvidedError, match="ModelParallelStrategy .*tp_size"):
         shardwise.strategies.ModelParallelStrategy()
+
+
+def test_lightnings_ddp_strategy_arguments_port():
+    import datetime
+
+    from shardwise.strategies import DDPStrategy
+
+    ddp = DDPStrategy(find_unused_parameters=True, timeout=datetime.timedelta(minutes=2), start_method="spawn",
+                      broadcast_buffers=False)  # fmt: skip
+    assert ddp.timeout_s == 120.0
+    assert ddp.ddp_kwargs["broadcast_buffers"] is False and ddp.ddp_kwargs["find_unused_parameters"] is True
+    with pytest.raises(ValueError, match="process_group_backend='nccl'\\) on cpu: shardwise uses 'gloo'"):
+        DDPStrategy(process_group_backend="nccl").setup_environment()

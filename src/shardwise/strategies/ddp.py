@@ -5,11 +5,19 @@ with the same sharding-invariant init, so a DDP run starts from bitwise the
 same weights as an FSDP or single-device run with the same seed. Gradients
 live in DDP's communication buckets (gradient_as_bucket_view) instead of in
 a second copy, which is the lowest-memory DDP configuration.
+
+Lightning's DDPStrategy arguments port unchanged: `timeout` (a timedelta)
+is timeout_s; `start_method` ("popen", "spawn", "fork") is accepted and
+changes nothing, since shardwise's launcher starts the processes the same
+way whichever is named; `process_group_backend` must be the backend the
+device uses ("nccl" on CUDA, "gloo" elsewhere), checked at set-up; other
+keyword arguments go to torch's DistributedDataParallel, as in Lightning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -32,15 +40,39 @@ class DDPStrategy(Strategy):
         bucket_cap_mb: Optional[float] = None,
         timeout_s: float = 1800.0,
         compile: Any = None,
+        timeout: Optional[datetime.timedelta] = None,  # Lightning's spelling of timeout_s
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        **ddp_kwargs: Any,  # further DistributedDataParallel arguments (broadcast_buffers=False, ...)
     ) -> None:
+        if timeout is not None:
+            timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"DDPStrategy(start_method={start_method!r}): use 'popen', 'spawn' or 'fork'.")
+        if process_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"DDPStrategy(process_group_backend={process_group_backend!r}): shardwise uses 'nccl' on CUDA "
+                "and 'gloo' elsewhere; leave it out."
+            )
         super().__init__(precision=precision, timeout_s=timeout_s, compile=compile)
+        self.process_group_backend = process_group_backend
         self.ddp_kwargs = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            **ddp_kwargs,
         )
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+
+    def setup_environment(self) -> None:
+        wanted = "nccl" if self.accelerator == "cuda" else "gloo"
+        if self.process_group_backend not in (None, wanted):
+            raise ValueError(
+                f"DDPStrategy(process_group_backend={self.process_group_backend!r}) on {self.accelerator}: "
+                f"shardwise uses {wanted!r} there; leave process_group_backend out."
+            )
+        super().setup_environment()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)  # with compile=True its blocks are compiled there, before DDP
