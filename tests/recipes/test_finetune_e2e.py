@@ -1,6 +1,7 @@
 # End to end: a tiny Llama (random weights, saved by the test) and a locally
-# built tokenizer are fine-tuned on chat data with FSDP on 2 processes; the
-# loss falls, the exported Hugging Face folder loads with from_pretrained,
+# built tokenizer are fine-tuned on chat data with FSDP on 2 processes, both
+# named by hub id from a hub cache laid out as a download leaves it, with
+# HF_HUB_OFFLINE=1; the loss falls, the exported Hugging Face folder loads with from_pretrained,
 # holds exactly the trained weights, and generates. Also, in one process:
 # rank-0 loading reproduces from_pretrained's model bit for bit (tied
 # embeddings, activation-checkpoint wrappers), and a sharded export with an
@@ -17,18 +18,26 @@ from shardwise.recipes.data import DataOptions
 from shardwise.recipes.finetune import FinetuneConfig, finetune
 
 from helpers.hf import build_model_folder, chat_records, gather_trained_weights, write_jsonl
+from helpers.hub_server import folder_files, lay_cache
 
 
 @pytest.mark.slow
-def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
+def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path, monkeypatch):
+    from huggingface_hub import constants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     records = chat_records(240)
     model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
     data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
     out = str(tmp_path / "out")
+    cache = str(tmp_path / "hub")
+    lay_cache(cache, "org/tiny", folder_files(model_dir))
+    lay_cache(cache, "org/chat", {"train.jsonl": open(data, "rb").read()}, repo_type="dataset")
+    for name, value in (("HF_HUB_CACHE", cache), ("HF_HUB_OFFLINE", True)):
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = FinetuneConfig(
-        model_path=model_dir,
+        model_path="org/tiny",
         max_steps=30,
         learning_rate=3e-3,
         lr_scheduler_type="cosine",
@@ -43,7 +52,7 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path):
         output_dir=out,
         seed=7,
         data=DataOptions(
-            dataset=data, max_seq_len=64, packing=True, per_device_train_batch_size=2, eval_split_ratio=0.1
+            dataset="org/chat", max_seq_len=64, packing=True, per_device_train_batch_size=2, eval_split_ratio=0.1
         ),
     )
     result = finetune(cfg, after_fit=gather_trained_weights)

@@ -399,7 +399,7 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
         "text_field": text_field,
         "strategy": strategy,
         "data": data,  # cfg.data with a hub id replaced by its snapshot
-        "dataset_revision": snapshot.commit if snapshot is not None else None,
+        "dataset_revision": snapshot.commit if snapshot is not None else snapshot_commit(data.dataset),
         "hub_repo": hub_repo,
     }
 
@@ -550,11 +550,10 @@ def finetune(
 
     cfg = coerce_config(config)
     checked = validate_config(cfg)  # before any worker starts; hub ids are downloaded here
-    # Pin the commits the hub ids resolved to, so every worker reads the same snapshots without asking the hub.
-    if is_hub_id(cfg.model_path):
-        cfg = dataclasses.replace(cfg, revision=snapshot_commit(checked["folder"].path))
-    if checked["dataset_revision"]:
-        cfg = dataclasses.replace(cfg, dataset_revision=checked["dataset_revision"])
+    # The workers get the snapshot folders the hub ids resolved to: they read the same files and never ask the hub.
+    if any(is_hub_id(name) for name in (cfg.model_path, cfg.tokenizer_path, cfg.data.dataset)):
+        local = {"model_path": checked["folder"].path, "data": checked["data"], "dataset_config": None}
+        cfg = dataclasses.replace(cfg, tokenizer_path=cfg.tokenizer_path and checked["tokenizer_dir"], **local)
     if detect_env() is None:
         devices = resolve_devices(cfg.devices, resolve_accelerator(cfg.accelerator))
         if cfg.num_nodes > 1:
