@@ -339,11 +339,30 @@ def enter_hook(module: TrainModule, hook: str) -> str:
     return previous
 
 
-def hyperparameters_to_log(module: Any) -> Dict[str, Any]:
-    """The module's hparams for the loggers: none after save_hyperparameters(logger=False)."""
-    if module is None or not getattr(module, "_log_hyperparams", True):
-        return {}
-    return dict(getattr(module, "hparams", {}) or {})
+def hyperparameters_to_log(module: Any, datamodule: Any = None) -> Dict[str, Any]:
+    """The module's and the datamodule's hparams, merged, for the loggers (as Lightning logs them); an
+    owner that called save_hyperparameters(logger=False) contributes none. A name both record with
+    different values is an error: the logged run would say one of them."""
+    merged: Dict[str, Any] = {}
+    for owner in (module, datamodule):
+        if owner is None or not getattr(owner, "_log_hyperparams", True):
+            continue
+        values = dict(getattr(owner, "hparams", {}) or {})
+        clash = sorted(k for k in values.keys() & merged.keys() if not _same(merged[k], values[k]))
+        if clash:
+            raise ValueError(
+                f"The module and the datamodule both record the hyperparameters {clash} with different values; "
+                "the loggers could show only one. Rename one, or leave it out (save_hyperparameters(ignore=...))."
+            )
+        merged.update(values)
+    return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors and arrays with several elements
+        return False
 
 
 def _gather_collection(data: Any, group: Any, sync_grads: bool, device: torch.device) -> Any:

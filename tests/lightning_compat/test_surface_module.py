@@ -163,6 +163,26 @@ def test_hyperparameters_saved_with_logger_false_reach_no_logger(tmp_path):
     assert not any(isinstance(c, ModelSummary) for c in trainer.callbacks)
 
 
+def test_the_loggers_get_the_module_and_datamodule_hyperparameters_merged(tmp_path):
+    logger = CSVLogger(str(tmp_path))
+    trainer = L.Trainer(**QUIET, max_steps=1, logger=logger, enable_checkpointing=False)
+    trainer.fit(Regressor(hidden=5), datamodule=Data(batch_size=4))
+    written = open(os.path.join(logger.log_dir, "hparams.yaml")).read()
+    assert "hidden: 5" in written and "batch_size: 4" in written
+
+    class Clashing(Data):
+        def __init__(self, hidden=7):
+            super().__init__()
+            self.save_hyperparameters()
+
+    with pytest.raises(ValueError, match=r"both record the hyperparameters \['hidden'\] with different values"):
+        L.Trainer(**QUIET, max_steps=1, logger=CSVLogger(str(tmp_path)), enable_checkpointing=False).fit(
+            Regressor(hidden=5), datamodule=Clashing()
+        )
+    # Without a logger nothing shows them, so nothing clashes (Lightning's rule too).
+    L.Trainer(**QUIET, max_steps=1, logger=False, enable_checkpointing=False).fit(Regressor(), datamodule=Clashing())
+
+
 def test_sync_batchnorm_converts_where_processes_share_a_batch():
     def net():
         return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())

@@ -17,7 +17,7 @@ import torch
 
 from shardwise.callbacks import EarlyStopping, ModelCheckpoint
 from shardwise.distributed import env
-from shardwise.module import TrainModule
+from shardwise.module import TrainModule, hyperparameters_to_log
 
 
 class TrainerAttributes:
@@ -94,6 +94,12 @@ class TrainerAttributes:
     @property
     def optimizers(self) -> List[torch.optim.Optimizer]:
         return self.strategy.optimizers
+
+    @property
+    def logged_hyperparameters(self) -> Dict[str, Any]:
+        """What the loggers receive as hyperparameters: the module's and the datamodule's, merged (none
+        without a logger, so a clash between the two matters only where something would show it)."""
+        return hyperparameters_to_log(self.module, self.datamodule) if self.loggers else {}
 
     @property
     def num_devices(self) -> int:

@@ -26,7 +26,7 @@ from shardwise.distributed import faults
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.metrics import MetricStore, settle
-from shardwise.module import TrainModule, attach, drain_logs, enter_hook, hyperparameters_to_log
+from shardwise.module import TrainModule, attach, drain_logs, enter_hook
 from shardwise.plan.advice import check_before_fit
 from shardwise.seed import apply_cublas_workspace_config
 from shardwise.state import TrainState
@@ -286,7 +286,7 @@ class Trainer(TrainerAttributes):
             )
             if ckpt_path is not None:
                 self._restore(ckpt_path)
-            setup.setup_loggers(self.loggers, self.strategy, hyperparameters_to_log(self.module))
+            setup.setup_loggers(self.loggers, self.strategy, self.logged_hyperparameters)
             lightning_hooks.call_both(self, "on_fit_start")
             options.before_training(self)  # the sanity check; max_time's clock; detect_anomaly
             lightning_hooks.call_both(self, "on_train_start")
@@ -478,7 +478,7 @@ class Trainer(TrainerAttributes):
         self._setup(module, need_train_data=False, stage=stage)
         if ckpt_path is not None:
             self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
-        setup.setup_loggers(self.loggers, self.strategy, hyperparameters_to_log(self.module))
+        setup.setup_loggers(self.loggers, self.strategy, self.logged_hyperparameters)
 
     # -------------------------------------------------------------- validation
     def validate(
@@ -510,6 +510,6 @@ class Trainer(TrainerAttributes):
             raise ValueError("validate() needs dataloaders (none were given here or to fit()).")
         if ckpt_path is not None:  # a training checkpoint, optimizers included ("best" as test() takes it)
             self._restore(evaluation.resolve_ckpt_path(self, ckpt_path, self._configure_optimizers))
-        setup.setup_loggers(self.loggers, self.strategy, hyperparameters_to_log(self.module))
+        setup.setup_loggers(self.loggers, self.strategy, self.logged_hyperparameters)
         with lightning_hooks.running(self, "validate"):  # on_exception if it fails, teardown("validate")
             return [run_validation(self)]
