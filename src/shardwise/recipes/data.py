@@ -180,8 +180,7 @@ def check_assistant_only_loss(options: DataOptions, text_field: str) -> None:
         check_assistant_only_pairs(text_field)
         first = None
         if options.chat_template_format != "none":
-            train, _ = _load_splits(options.dataset, None, options.dataset_split, None)
-            first = train[0][text_field]
+            first = data_formats.first_record(options.dataset, options.dataset_split).get(text_field)
         assistant_spans.check_value(first, options.chat_template_format, text_field)
 
 

@@ -226,6 +226,24 @@ def columns(path: str, split: Optional[str] = None) -> List[str]:
     return list(load_splits(path, None, split, None)[0].column_names)
 
 
+def first_record(path: str, split: Optional[str] = None) -> Dict[str, Any]:
+    """The first record, read cheaply (a line, a row group, a CSV row) for up-front checks."""
+    kind = source_kind(path)
+    if kind == "folder":
+        return first_record(folder_splits(path)[pick_splits(path, split, None)[0]][0])
+    if kind == "json" and path.lower().endswith(".jsonl"):
+        with open(path, encoding="utf-8") as fh:
+            return json.loads(next(line for line in fh if line.strip()))
+    if kind == "csv":
+        with open(path, newline="", encoding="utf-8") as fh:
+            return next(csv.DictReader(fh))
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).read_row_group(0).slice(0, 1).to_pylist()[0]
+    return load_splits(path, None, split, None)[0][0]
+
+
 def load_splits(
     path: str, cache_dir: Optional[str], split: Optional[str], eval_split: Optional[str]
 ) -> Tuple[Any, Any]:
