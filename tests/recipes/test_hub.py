@@ -10,6 +10,7 @@ naming the fix. Training with hub names and --push_to_hub is tests/seeds/test_se
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -142,6 +143,18 @@ def test_mistakes_are_refused_before_any_worker_starts_naming_the_fix(hub_env, r
     assert not os.path.exists(str(tmp_path / "out"))  # no worker ran: nothing was written
 
 
+def test_a_failed_upload_keeps_the_folder_and_says_how_to_retry(hub_env, tmp_path, capsys):
+    server, _ = hub_env
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    upload = hub.HubUpload("me/model", private=True, token="hf_wrong")
+    upload.start(str(folder), ["config.json"])
+    assert upload.wait() is not None and (folder / "config.json").exists()
+    assert f"retry with: hf upload --private me/model {folder} ." in capsys.readouterr().err
+    assert ("model", "me/model") not in server.repos
+
+
 def test_offline_cache_as_a_download_leaves_it(tmp_path, repos, monkeypatch, capsys):
     model, data = repos
     cache = str(tmp_path / "hub")
@@ -157,6 +170,24 @@ def test_offline_cache_as_a_download_leaves_it(tmp_path, repos, monkeypatch, cap
     checked = validate_config(cfg)
     assert checked["folder"].path == snapshot
     assert checked["data"].dataset.endswith(os.path.join("snapshots", checked["dataset_revision"], "train.jsonl"))
+    # Another revision of the data set is another snapshot, so another tokenisation cache key; the same one
+    # resolves to the same key again (nothing re-tokenised).
+    from transformers import AutoTokenizer
+
+    from shardwise.recipes.data import cache_key
+
+    fewer = b"".join(data["train.jsonl"].splitlines(keepends=True)[:20])
+    lay_cache(cache, "org/chat", {"train.jsonl": fewer}, "dataset", "v2")
+    tokenizer = AutoTokenizer.from_pretrained(snapshot)
+
+    def key(**options):
+        again = validate_config(dataclasses.replace(cfg, **options))
+        spec = dataclasses.replace(again["data"].spec(again["text_field"], 0), revision=again["dataset_revision"])
+        return cache_key(spec, tokenizer), again["dataset_revision"]
+
+    (main_key, main_rev), (v2_key, v2_rev) = key(), key(dataset_revision="v2")
+    assert main_rev == checked["dataset_revision"] and v2_rev != main_rev and v2_key != main_key
+    assert key() == (main_key, main_rev)
     # A local folder is taken exactly as before.
     assert hub.resolve_model(snapshot) == snapshot and hub.resolve_dataset(checked["data"].dataset) is None
     from shardwise.cli import main
