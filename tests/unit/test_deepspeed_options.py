@@ -87,3 +87,14 @@ def test_logging_batch_size_must_agree_with_the_loader():
         DeepSpeedConfigError, match="train_micro_batch_size_per_gpu=4 but the DataLoader's batch_size=8"
     ):
         strategy.configure_training(micro_batch_size=8)
+
+
+def test_fp16_overflow_is_deepspeeds_to_skip_not_the_health_checks():
+    """Under DeepSpeed's fp16 loss scaler an inf gradient is its overflow signal: it skips the step and lowers
+    the scale. The health check read it as a failure and stopped the run (found on an H200); it checks the
+    loss only there, as it does under torch's GradScaler."""
+    from shardwise.trainer.nonfinite import _checks_grads
+
+    assert not _checks_grads(DeepSpeedStrategy(stage=2, config={"fp16": {"enabled": True}}))
+    assert _checks_grads(DeepSpeedStrategy(stage=2, config={"bf16": {"enabled": True}}))
+    assert _checks_grads(DeepSpeedStrategy(stage=2))

@@ -107,8 +107,8 @@ class Allocator:
             return ["CPU target: no caching allocator, reserved = allocated"]
         common = (
             f"{self.workspace_bytes / 2**20:.0f} MiB of cuBLAS workspaces ({MATMUL_THREADS} threads) are added to "
-            "the traced peak; steady state (parameters, gradients, optimizer state) is reused block for block; transient = "
-            "allocated - steady (activations, gathered units, logits, step temporaries)"
+            "the traced peak; steady state (parameters, gradients, optimizer state) is reused block for block; "
+            "transient = allocated - steady (activations, gathered units, logits, step temporaries)"
         )
         if self.expandable_segments:
             return [

@@ -31,7 +31,7 @@ from shardwise.plan import analytic, variants
 from shardwise.plan.adapters import build_adapters, check_candidates, compute_dtype_name
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
 from shardwise.plan.candidates import Candidate, batch_splits, check_layout, from_strategy, requested_candidates
-from shardwise.plan.cost import Hardware, step_cost
+from shardwise.plan.cost import Hardware, gpu_of_this_machine, step_cost
 from shardwise.plan.errors import PlanError
 from shardwise.plan.inputs import validate_inputs
 from shardwise.plan.jobs import Setting, TraceJob, run_jobs
@@ -129,7 +129,7 @@ def plan(
     cpu_memory: Union[None, str, int] = None,
     candidates: Optional[Iterable[Union[str, ParallelPlan, Candidate, Any]]] = None,
     accelerator: str = "cuda",
-    gpu: str = "a100",
+    gpu: Optional[str] = None,
     interconnect: str = "nvlink",
     network: str = "infiniband",
     reserved_factor: Optional[float] = None,
@@ -205,6 +205,7 @@ def plan(
         reserved_factor,
     )
     world, seq_len, dev_mem, cpu_mem, factor = layout
+    gpu = gpu or gpu_of_this_machine()  # the step-time model's and cuBLAS workspaces' GPU
     hw = Hardware(gpu=gpu if accelerator == "cuda" else "cpu", interconnect=interconnect, network=network)
     if strategy is not None:
         if candidates is not None:

@@ -36,6 +36,21 @@ GPUS: Dict[str, Dict[str, float]] = {
     "v100": dict(half=125e12, single=15.7e12),
     "cpu": dict(half=1e12, single=1e12),
 }
+
+
+def gpu_of_this_machine(default: str = "a100") -> str:
+    """The GPUS entry for the CUDA device this process sees (a Trainer planning its own run), else `default`."""
+    import re
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return default
+    name = torch.cuda.get_device_name().lower()
+    found = [g for g in GPUS if g != "cpu" and re.search(rf"(?<![a-z0-9]){g}(?![0-9])", name)]
+    return found[0] if found else default
+
+
 # Achievable collective bus bandwidth per GPU, bytes/s.
 INTERCONNECTS: Dict[str, float] = {
     "nvlink": 200e9,  # A100 NVLink 3 (DGX / HGX), NCCL bus bandwidth

@@ -220,6 +220,12 @@ class DeepSpeedStrategy(Strategy):
         self.config = self._build_config()
         self.grad_scaler = None  # DeepSpeed scales fp16 losses itself
 
+    @property
+    def scales_fp16_loss(self) -> bool:
+        """fp16 under DeepSpeed's loss scaler: an inf gradient is its overflow signal (it skips that step
+        and lowers the scale), not an error; found on an H200, where the health check stopped such runs."""
+        return bool((getattr(self, "config", None) or {}).get("fp16", {}).get("enabled"))
+
     def setup_fake_environment(self, env: Any, fake_mode: Any) -> None:
         # The engine allocates its flat buffers and partitions in C++ and Python outside the
         # module's materialisation, so there is no fake mode to honour; the planner traces a

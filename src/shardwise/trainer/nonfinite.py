@@ -205,8 +205,9 @@ def _verdict(numbers: List[float], with_loss: bool, check_grads: bool = True) ->
 
 
 def _checks_grads(strategy: Any) -> bool:
-    # With fp16 loss scaling an inf gradient is the scaler's overflow signal, not an error.
-    return getattr(strategy, "grad_scaler", None) is None
+    # With fp16 loss scaling (torch's GradScaler, or DeepSpeed's own scaler) an inf gradient is the
+    # scaler's overflow signal, not an error: the scaler skips that step.
+    return getattr(strategy, "grad_scaler", None) is None and not getattr(strategy, "scales_fp16_loss", False)
 
 
 def agree(
