@@ -18,7 +18,9 @@ or the run it resumed wrote inside that directory, and a run that ends for
 any reason but a crash (max_steps, max_epochs, a stop request) saves its
 final step, as Lightning does. With FSDPStrategy(async_save=True) the
 write continues in the background and is committed (then `last` moved,
-old ones pruned) at the next save or at the end of training.
+old ones pruned) at the first step after every rank's write has ended
+(one small all-reduce per step while a write is outstanding), at the
+latest at the next save or at the end of training.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from shardwise.checkpoint import layout
 from shardwise.checkpoint.errors import CheckpointWriteError
-from shardwise.checkpoint.integrity import check_writable
+from shardwise.checkpoint.integrity import check_writable, write_error
 from shardwise.checkpoint.lock import CheckpointDirectoryBusyError, DirectoryLock
 
 _FIELD = re.compile(r"\{([^{}:!]+)([^{}]*)\}")
@@ -143,8 +145,14 @@ class ModelCheckpoint:
             self._lock = None
 
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if not getattr(trainer, "is_last_microbatch", True):
+            return
+        # An async save is committed (`last` moved, old ones pruned) at the first step after every rank's
+        # write has ended, so a write that failed stops the run then, not a whole interval later.
+        if self._pending is not None and self._pending.is_async and self._pending.written_everywhere():
+            self._finish_pending()
         n = self.every_n_train_steps
-        if n and getattr(trainer, "is_last_microbatch", True) and trainer.global_step % n == 0:
+        if n and trainer.global_step % n == 0:
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
@@ -321,9 +329,24 @@ class ModelCheckpoint:
         self._pending, self._after_commit = None, None
         if pending is None:
             return
-        pending.commit()
-        if after is not None:
+        final = pending.commit()
+        if after is None:
+            return
+        # Rank 0 moves `last` and prunes; a failure there (the disk turned read-only) stops every rank.
+        problem = None
+        try:
             after()
+        except OSError as exc:
+            error = write_error(exc, final)
+            problem = (str(error), error.errno)
+        problem = pending.strategy.broadcast(problem)
+        if problem is not None:
+            raise CheckpointWriteError(
+                f"{final} is saved, but moving last.ckpt to it or removing older checkpoints failed on rank 0: "
+                f"{problem[0]}",
+                problem[1],
+                final,
+            )
 
     def _owns(self, path: str) -> bool:
         """Only checkpoints directly inside this run's resolved directory are ever deleted."""

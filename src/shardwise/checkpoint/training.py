@@ -78,6 +78,15 @@ class PendingCheckpoint:
         # a completed Future (formats._failed), and all ranks must still commit together, now.
         return self.future is not None and not getattr(self.future, "synchronous", False)
 
+    def written_everywhere(self) -> bool:
+        """Whether every rank's background write has ended, well or not (collective: one all-reduce).
+
+        Not on the checkpoint group: DCP's own background collectives may still be running on it.
+        """
+        future = getattr(self.future, "upload_completion", self.future)
+        done = not isinstance(future, Future) or future.done()
+        return bool(ops.reduce(float(done), "min").item() > 0) if ops.is_initialized() else done
+
     def commit(self) -> str:
         error, errno_ = None, None
         try:
@@ -92,7 +101,7 @@ class PendingCheckpoint:
         reports = [r for r in ops.all_gather_object((error, errno_), group=group) if r[0]]
         if reports:
             if self.strategy.is_global_zero:
-                layout.remove_checkpoint(self.tmp)
+                _remove_quietly(self.tmp)
             message = f"Saving {self.final} failed; the previous checkpoints are untouched. " + "; ".join(
                 e for e, _ in reports
             )
@@ -100,12 +109,37 @@ class PendingCheckpoint:
             if codes:  # a filesystem error (ENOSPC, EROFS, ...): keep it an OSError with its errno
                 raise CheckpointWriteError(message, codes[0], self.final)
             raise CheckpointError(message)
+        # The rename can fail too (the folder turned read-only since the write began, as an async save's
+        # commit at the next save may find it): every rank learns it from rank 0, none waits alone.
+        failure: Optional[Tuple[str, int]] = None
         if self.strategy.is_global_zero:
-            merge_checksum_parts(self.tmp)  # an async save's per-rank checksums into the manifest
-            layout.commit(self.tmp, self.final)
-            _LAST_BYTES[os.path.dirname(self.final)] = checkpoint_bytes(self.final)
-        self.strategy.barrier("checkpoint-commit")
+            try:
+                try:  # an async save's per-rank checksums into the manifest
+                    merge_checksum_parts(self.tmp)
+                except OSError:  # a full disk: the rename below needs no room, and loading reads the parts
+                    pass
+                layout.commit(self.tmp, self.final)
+                _LAST_BYTES[os.path.dirname(self.final)] = checkpoint_bytes(self.final)
+            except OSError as exc:
+                error_ = write_error(exc, self.final)
+                failure = (str(error_), error_.errno)
+                _remove_quietly(self.tmp)
+        failure = self.strategy.broadcast(failure)
+        if failure is not None:
+            raise CheckpointWriteError(
+                f"Committing {self.final} failed; the previous checkpoints are untouched. rank 0: {failure[0]}",
+                failure[1],
+                self.final,
+            )
         return self.final
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove a temporary checkpoint; on a read-only disk it stays, hidden, and the next run removes it."""
+    try:
+        layout.remove_checkpoint(path)
+    except OSError:
+        pass
 
 
 # ------------------------------------------------------- room on the disk

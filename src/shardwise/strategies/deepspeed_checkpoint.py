@@ -174,7 +174,10 @@ def _agree(strategy: Any, path: str, error: Optional[BaseException]) -> None:
     if not errors:
         return
     if strategy.is_global_zero:
-        remove_checkpoint(path)
+        try:
+            remove_checkpoint(path)
+        except OSError:  # a read-only disk: it stays, hidden, and the next run removes it
+            pass
     message = f"Saving the DeepSpeed checkpoint {path} failed; the previous checkpoints are untouched. " + "; ".join(
         f"rank {rank}: {text}" for rank, text, _ in errors
     )
