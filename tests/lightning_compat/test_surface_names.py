@@ -47,6 +47,8 @@ NAMES = {
         "LRSchedulerTypeUnion", "OptimizerLRScheduler", "OptimizerLRSchedulerConfig", "STEP_OUTPUT",
         "TRAIN_DATALOADERS",
     ],
+    "lightning.pytorch.utilities.exceptions": ["MisconfigurationException"],
+    "lightning.pytorch.utilities.seed": ["isolate_rng"],
 }  # fmt: skip
 
 
@@ -107,6 +109,15 @@ def test_rank_zero_helpers_and_grad_norm_behave_as_lightnings(monkeypatch):
     assert float(norms["grad_2.0_norm/bias"]) == pytest.approx(4 * 2**0.5)
     total = torch.cat([layer.weight.grad.flatten(), layer.bias.grad]).norm()
     assert float(norms["grad_2.0_norm_total"]) == pytest.approx(float(total))
+
+    from shardwise.utilities.seed import isolate_rng
+
+    torch.manual_seed(1)
+    first = torch.rand(1)
+    torch.manual_seed(1)
+    with isolate_rng():
+        torch.rand(3)
+    assert torch.equal(torch.rand(1), first)  # as if the block had drawn nothing
 
     hp = AttributeDict(lr=0.1)
     hp.layers = 2

@@ -59,6 +59,10 @@ class TrainerAttributes:
         return self.strategy.local_rank
 
     @property
+    def node_rank(self) -> int:
+        return self.strategy.node_rank
+
+    @property
     def is_global_zero(self) -> bool:
         # Before set-up the strategy has no rank yet and answers True in every process (the demo's header
         # printed once per rank): the process's own answer holds from the start, and agrees once it is set up.

@@ -1,0 +1,17 @@
+"""The exception names Lightning scripts raise and catch (`lightning.pytorch.utilities.exceptions`).
+
+A template that raises `MisconfigurationException` for a bad setting, or a
+script that catches it, ports by the import rename. shardwise's own checks
+raise ValueError / TypeError; MisconfigurationException is an Exception as in
+Lightning, for the user's code.
+"""
+
+from __future__ import annotations
+
+
+class MisconfigurationException(Exception):
+    """A setting that cannot work (Lightning's name)."""
+
+
+class SIGTERMException(SystemExit):
+    """Lightning raises it when a SIGTERM arrives; here a preemption signal ends fit with exit code 75."""
