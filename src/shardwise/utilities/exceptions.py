@@ -14,4 +14,5 @@ class MisconfigurationException(Exception):
 
 
 class SIGTERMException(SystemExit):
-    """Lightning raises it when a SIGTERM arrives; here a preemption signal ends fit with exit code 75."""
+    """Lightning raises it when a SIGTERM arrives. Never raised here: a preemption signal (SIGTERM among them)
+    ends fit after the step in progress, saved, with exit code 75."""
