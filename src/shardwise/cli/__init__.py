@@ -154,4 +154,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return status
 
 
-__all__ = ["COMMANDS", "main", "normalise"]
+# Lightning's `lightning.pytorch.cli` names, loaded on first use: they import torch and the Trainer.
+_LIGHTNING_CLI = (
+    "LightningArgumentParser",
+    "LightningCLI",
+    "ReduceLROnPlateau",
+    "SaveConfigCallback",
+    "instantiate_class",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_CLI:
+        return getattr(importlib.import_module("shardwise.cli.lightning_cli"), name)
+    raise AttributeError(f"module 'shardwise.cli' has no attribute {name!r}")
+
+
+__all__ = ["COMMANDS", "main", "normalise", *_LIGHTNING_CLI]
