@@ -73,7 +73,7 @@ def run_one(name: str, dry: bool, limit_s: float) -> Dict[str, Any]:
         if isinstance(exc, KeyboardInterrupt):
             raise
         status, detail = "FAIL", f"{type(exc).__name__}: {exc}".strip()
-        data = {"traceback": traceback.format_exc()[-4000:]}
+        data = {**getattr(exc, "data", {}), "traceback": traceback.format_exc()[-4000:]}
     return {"status": status, "seconds": round(time.perf_counter() - start, 2), "detail": detail, "data": data}
 
 

@@ -24,6 +24,14 @@ class Skip(Exception):
     """The check cannot run here (no CUDA, a package missing): reported as SKIP with this reason."""
 
 
+class SmokeFailure(AssertionError):
+    """A failed check that carries what it saw (kept in the check's data beside the traceback)."""
+
+    def __init__(self, message: str, data: dict) -> None:
+        super().__init__(message)
+        self.data = data
+
+
 def require_cuda() -> None:
     if not torch.cuda.is_available():
         raise Skip("needs CUDA (torch.cuda.is_available() is False)")

@@ -24,6 +24,7 @@ import shardwise
 from shardwise.smoke.common import (
     GPTModule,
     Skip,
+    SmokeFailure,
     StepLosses,
     counting_data,
     finite,
@@ -454,10 +455,13 @@ def check_deterministic(dry: bool, limit_s: float) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the GPU test suite
-# The subset the smoke test runs, riskiest first (the multi-rank engines on CUDA, then checkpoints moving
-# between the GPU and the CPU, the planner against CUDA's allocator). test_one_gpu_paths_gpu.py is the checks
-# above, already run; test_parity_gpu.py and test_recipe_gpu.py take minutes: `pytest tests/gpu` runs them all.
+# The subset the smoke test runs, riskiest first: the recipe and the strategies' parity failed on the first
+# GPU (an H200, 2026-11-28) for causes not yet read, then the multi-rank engines on CUDA, checkpoints moving
+# between the GPU and the CPU, the planner against CUDA's allocator. test_one_gpu_paths_gpu.py is the checks
+# above, already run. The whole output of a failed run is kept in the check's data ("output").
 PYTEST_SUBSET = (
+    "test_recipe_gpu.py",
+    "test_parity_gpu.py",
     "test_fsdp_gpu.py",
     "test_deepspeed_gpu.py",
     "test_checkpoint_moves_gpu.py",
@@ -480,5 +484,6 @@ def check_pytest_gpu(dry: bool, limit_s: float) -> Dict[str, Any]:
     lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
     summary = lines[-1] if lines else "(no output)"
     if proc.returncode not in (0, 5):
-        raise AssertionError(f"pytest tests/gpu: {summary}\n{proc.stdout[-2500:]}")
+        # Every traceback, not a tail: the first GPU run lost four failures' causes to a 2,500-character tail.
+        raise SmokeFailure(f"pytest tests/gpu: {summary}\n{proc.stdout[-2500:]}", {"output": proc.stdout[-400_000:]})
     return {"summary": summary, "output_tail": proc.stdout[-1500:], "detail": summary.strip("= ")}
