@@ -131,7 +131,10 @@ def _output_shapes(group: LoadGroup, shapes: Dict[str, List[int]], base: Any) ->
     try:
         out = convert_group(group, lambda key: meta[key], base)
     except Exception as exc:  # transformers' own operation failed on these shapes
-        raise ConversionError(f"{_describe(group)} fails on the checkpoint's shapes: {exc}") from exc
+        raise ConversionError(
+            f"{_describe(group)} fails on the checkpoint's shapes: {exc}. The checkpoint does not hold what its "
+            "config.json describes; re-save it with save_pretrained from a model that loads, or fix config.json."
+        ) from exc
     return {name: list(t.shape) for name, t in out.items()}
 
 
