@@ -2,7 +2,9 @@
 # (node ranks 0 and 1, 2 processes each) fine-tune with HYBRID_SHARD --
 # parameters sharded within a node, replicated across the two -- and must
 # reproduce the per-step losses of one process with the same global batch
-# (4 accumulated micro-batches; same data order, same weights).
+# (4 accumulated micro-batches; same data order, same weights). The model and data set are named by hub id and
+# served by a hub on 127.0.0.1 (tests/helpers/hub_server.py): the four workers of the two nodes and the
+# reference share one hub cache, and each file is fetched from the hub exactly once.
 from __future__ import annotations
 
 import json
@@ -58,17 +60,23 @@ def _losses(out):
 
 
 @pytest.mark.slow
-def test_two_launchers_hybrid_shard_match_one_node(tmp_path):
+def test_two_launchers_hybrid_shard_match_one_node(tmp_path, monkeypatch):
     from shardwise.distributed.env import find_free_port
 
     from helpers.hf import build_model_folder, chat_records, write_jsonl
+    from helpers.hub_server import HubServer, folder_files, point_at
 
     records = chat_records(120)
     model = build_model_folder(str(tmp_path / "model"), records)
-    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
+    os.makedirs(tmp_path / "data")
+    data = write_jsonl(str(tmp_path / "data" / "train.jsonl"), records)
+    hub = HubServer().__enter__()
+    hub.add_repo("org/tiny", folder_files(model))
+    hub.add_repo("org/chat", folder_files(os.path.dirname(data)), repo_type="dataset")
+    point_at(monkeypatch, hub, str(tmp_path / "hf"))  # the launches inherit HF_ENDPOINT and HF_HOME
     config = tmp_path / "run.yaml"
     config.write_text(
-        f"model_path: {model}\ndataset: {data}\nmax_seq_len: 64\nmax_steps: 6\nlogging_steps: 1\n"
+        "model_path: org/tiny\ndataset: org/chat\nmax_seq_len: 64\nmax_steps: 6\nlogging_steps: 1\n"
         "learning_rate: 0.003\nprecision: 32-true\neval_split_ratio: 0\nseed: 3\n"
         f"cache_dir: {tmp_path / 'cache'}\n"
     )
@@ -122,3 +130,6 @@ def test_two_launchers_hybrid_shard_match_one_node(tmp_path):
     assert set(a) == set(b)
     for name in a:
         assert (a[name] - b[name]).abs().max() < 1e-5, name
+    # Five processes on two "nodes" sharing the hub cache: one download of each file (the others waited for it).
+    assert all(hub.file_gets(f) == 1 for f in ("model.safetensors", "config.json", "train.jsonl")), hub.log
+    hub.__exit__()
