@@ -192,15 +192,7 @@ def materialize_module(
     else:
         replays = recorded_targets(module, meta_names)
         replayed = {id(t) for _, by_sid in replays for ts in by_sid.values() for t, _ in ts}
-        modules = list(module.named_modules())
-        for fqn, mod in reversed(modules):  # children first, as eager construction
-            fn = find_reset_fn(mod)
-            own = [t for t in list(mod._parameters.values()) + list(mod._buffers.values()) if t is not None]
-            if fn is None or (own and all(id(t) in replayed for t in own)):
-                continue  # the replayed construction below writes this module's tensors
-            with torch.random.fork_rng(devices=rng_devices(device)):
-                torch.manual_seed(module_seed(seed, fqn))
-                reset_own(mod, fn)
+        reset_each_module(module, seed, skip=replayed, device=device)
         for record, by_sid in replays:
             record.replay(set(by_sid), lambda sid, storage, by_sid=by_sid: _write_replayed(storage, by_sid[sid]))
     for name, t in targets:
@@ -209,6 +201,26 @@ def materialize_module(
     targets = [(name, t) for name, t in targets if name in meta_names]
     check_initialized(targets, versions, user_hook=init_weights is not None)
     return len(meta_names)
+
+
+@torch.no_grad()
+def reset_each_module(
+    module: nn.Module, seed: int, skip: Optional[set] = None, device: Optional[torch.device] = None
+) -> None:
+    """Each module's own reset_parameters() under its per-module seed, children first (the module docstring).
+
+    The initialisation for tensors no recorded construction wrote; also usable from an init_weights() hook
+    to get the same weights under every engine, ZeRO-3's zero.Init included (`skip`: ids of tensors the
+    replay writes, whose modules are left alone).
+    """
+    for fqn, mod in reversed(list(module.named_modules())):  # children first, as eager construction
+        fn = find_reset_fn(mod)
+        own = [t for t in list(mod._parameters.values()) + list(mod._buffers.values()) if t is not None]
+        if fn is None or (skip and own and all(id(t) in skip for t in own)):
+            continue  # the replayed construction writes this module's tensors
+        with torch.random.fork_rng(devices=rng_devices(device)):
+            torch.manual_seed(module_seed(seed, fqn))
+            reset_own(mod, fn)
 
 
 def recorded_targets(
