@@ -47,6 +47,11 @@ NAMES = {
         "LRSchedulerTypeUnion", "OptimizerLRScheduler", "OptimizerLRSchedulerConfig", "STEP_OUTPUT",
         "TRAIN_DATALOADERS",
     ],
+    # The loggers and CLI classes provided so far. Lightning also exports CometLogger, LitLogger and
+    # MLFlowLogger (loggers), OptimizerCallable, LRSchedulerCallable and ArgsType (cli), and the demos:
+    # add each here once it exists, real or refused by name.
+    "lightning.pytorch.loggers": ["CSVLogger", "Logger", "TensorBoardLogger", "WandbLogger"],
+    "lightning.pytorch.cli": ["LightningCLI", "LightningArgumentParser", "SaveConfigCallback"],
     "lightning.pytorch.utilities.exceptions": ["MisconfigurationException"],
     "lightning.pytorch.utilities.seed": ["isolate_rng"],
 }  # fmt: skip
