@@ -304,7 +304,14 @@ def pairs(rows: Dict[str, List[Any]], shape: str) -> List[Tuple[Any, Any]]:
     if shape == ALPACA:
         extras = rows.get("input") or [None] * len(rows["instruction"])
         return [(alpaca_prompt(i, x), str(o)) for i, x, o in zip(rows["instruction"], extras, rows["output"])]
-    return list(zip(rows["prompt"], rows["completion"]))
+    out = list(zip(rows["prompt"], rows["completion"]))
+    for prompt, completion in out:
+        if isinstance(prompt, str) != isinstance(completion, str):
+            raise ValueError(
+                f"a prompt/completion record mixes text and messages (prompt {type(prompt).__name__}, completion "
+                f"{type(completion).__name__}): give both as text, or both as lists of role/content messages."
+            )
+    return out
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
