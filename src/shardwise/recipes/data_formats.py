@@ -105,15 +105,21 @@ def eval_split_for(train_split: str, splits: Sequence[str]) -> Optional[str]:
 
 
 def pick_splits(path: str, split: Optional[str], eval_split: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
-    """(train split, eval split or None) by name, checked against the source; None names for a single file."""
+    """(train split, eval split or None) by name, checked against the source (None for a single file).
+
+    A source with one split (a file, or a folder holding only train files) has no eval split to name: an
+    eval split asked for there is held out of it instead (eval_split_ratio), as for the recipe's
+    `--splits train,test` on data that has only a train split."""
     splits = available_splits(path)
-    if splits is None or (len(splits) == 1 and split is None and eval_split is None):
-        if split not in (None, "train") and not splits:
+    if not splits or len(splits) == 1:
+        only = splits[0] if splits else None
+        if split not in (None, "train", only):
             raise ValueError(
-                f"dataset_split={split!r}, but {path!r} is one file with no named splits; drop dataset_split, "
-                "or give a folder whose files name the splits (data/train_sft-*.parquet ...)."
+                f"dataset_split={split!r}, but {path!r} has "
+                + (f"one split only, {only!r}" if only else "no named splits (one file)")
+                + "; drop dataset_split, or give a folder whose files name the splits (data/train_sft-*.parquet ...)."
             )
-        return (splits[0] if splits else None), None
+        return only, None
     train = split or ("train" if "train" in splits else splits[0])
     if train not in splits:
         raise ValueError(f"dataset_split={train!r} is not a split of {path!r}; its splits are {splits}.")
