@@ -28,12 +28,15 @@ each micro-batch's mean counts the same, as in Lightning.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from shardwise.metrics import is_metric, metric_step_value
 from shardwise.module_hooks import EPOCH_ONLY_HOOKS, LOG_LEVELS, ModuleHooks
@@ -204,6 +207,18 @@ class TrainModule(ModuleHooks, nn.Module):
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.trainer.print(*args, **kwargs)
 
+    def freeze(self) -> None:
+        """No parameter requires grad, and eval mode (inference with a trained module, as Lightning's)."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Every parameter requires grad again, and train mode."""
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
+
     def save_hyperparameters(
         self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True, **values: Any
     ) -> None:
@@ -303,6 +318,43 @@ class DataModule:
         """As TrainModule.save_hyperparameters: __init__'s arguments (or the names, dict or Namespace given)."""
         record_hyperparameters(self, args, ignore, frame, values)
         self._log_hyperparams = bool(logger)
+
+    @classmethod
+    def from_datasets(
+        cls,
+        train_dataset: Any = None,
+        val_dataset: Any = None,
+        test_dataset: Any = None,
+        predict_dataset: Any = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **datamodule_kwargs: Any,
+    ) -> "DataModule":
+        """A datamodule whose loaders read these datasets (a dataset, or a list / dict of them), the training
+        one shuffled, as Lightning's; batch_size and num_workers also reach __init__ where it takes them."""
+
+        def loaders(datasets: Any, shuffle: bool = False) -> Any:
+            if isinstance(datasets, dict):
+                return {k: loaders(v, shuffle) for k, v in datasets.items()}
+            if isinstance(datasets, (list, tuple)):
+                return [loaders(v, shuffle) for v in datasets]
+            shuffle = shuffle and not isinstance(datasets, IterableDataset)
+            return DataLoader(datasets, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers)
+
+        params = inspect.signature(cls.__init__).parameters
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        sizes = {"batch_size": batch_size, "num_workers": num_workers}
+        sizes = {k: v for k, v in sizes.items() if takes_all or k in params}
+        datamodule = cls(**datamodule_kwargs, **sizes)
+        for name, datasets, shuffle in (
+            ("train_dataloader", train_dataset, True),
+            ("val_dataloader", val_dataset, False),
+            ("test_dataloader", test_dataset, False),
+            ("predict_dataloader", predict_dataset, False),
+        ):
+            if datasets is not None:
+                setattr(datamodule, name, functools.partial(loaders, datasets, shuffle))
+        return datamodule
 
     def prepare_data(self) -> None: ...
 

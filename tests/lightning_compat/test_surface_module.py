@@ -183,6 +183,19 @@ def test_the_loggers_get_the_module_and_datamodule_hyperparameters_merged(tmp_pa
     L.Trainer(**QUIET, max_steps=1, logger=False, enable_checkpointing=False).fit(Regressor(), datamodule=Clashing())
 
 
+def test_from_datasets_freeze_and_unfreeze():
+    data = L.LightningDataModule.from_datasets(TensorDataset(X, Y), val_dataset=[TensorDataset(X, Y)], batch_size=4)
+    train = data.train_dataloader()
+    assert len(train) == 4 and isinstance(train.sampler, torch.utils.data.RandomSampler)  # shuffled, as Lightning's
+    assert [len(loader) for loader in data.val_dataloader()] == [4]
+    assert dict(Data.from_datasets(TensorDataset(X, Y), batch_size=2).hparams) == {"batch_size": 2}  # reaches __init__
+    module = Regressor()
+    module.freeze()
+    assert not module.training and not any(p.requires_grad for p in module.parameters())
+    module.unfreeze()
+    assert module.training and all(p.requires_grad for p in module.parameters())
+
+
 def test_sync_batchnorm_converts_where_processes_share_a_batch():
     def net():
         return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
