@@ -34,7 +34,7 @@ class LambdaCallback(Callback):
     def __init__(self, **hooks: Callable[..., Any]) -> None:
         for name, fn in hooks.items():
             if not callable(getattr(Callback, name, None)) or name.startswith("_"):
-                raise TypeError(f"LambdaCallback({name}=...): {name!r} is not a callback hook (see Callback's methods).")
+                raise TypeError(f"LambdaCallback({name}=...): {name!r} is not a hook of Callback.")
             if not callable(fn):
                 raise TypeError(f"LambdaCallback({name}={fn!r}): pass a function.")
             setattr(self, name, fn)

@@ -19,9 +19,9 @@ from shardwise.strategies.ddp import DDPStrategy
 from shardwise.strategies.deepspeed import DeepSpeedStrategy
 from shardwise.strategies.fsdp import FSDPStrategy
 from shardwise.strategies.names import LIGHTNING_NAMES, REFUSED_NAMES, TABLE, valid_names
-from shardwise.utilities.refusal import build_refused_class
 from shardwise.strategies.parallel import ENGINE_CLASSES, ParallelPlan
 from shardwise.strategies.single import SingleDeviceStrategy
+from shardwise.utilities.refusal import build_refused_class
 
 # `shardwise convert` / `inspect` read DeepSpeed's checkpoint directories through this reader;
 # checkpoint/ names no strategy, so the strategy side registers it.

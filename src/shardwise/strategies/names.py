@@ -89,4 +89,13 @@ def key_of(name: str, allow_ac: bool = False) -> Tuple[str, bool]:
     return key, ac
 
 
-__all__ = ["TABLE", "ALIASES", "SHORT_ALIASES", "LIGHTNING_NAMES", "REFUSED_NAMES", "AC_SUFFIX", "key_of", "valid_names"]
+__all__ = [
+    "TABLE",
+    "ALIASES",
+    "SHORT_ALIASES",
+    "LIGHTNING_NAMES",
+    "REFUSED_NAMES",
+    "AC_SUFFIX",
+    "key_of",
+    "valid_names",
+]

@@ -31,8 +31,17 @@ from shardwise.plan.advice import check_before_fit
 from shardwise.seed import apply_cublas_workspace_config
 from shardwise.state import TrainState
 from shardwise.strategies import Strategy, build_strategy
-from shardwise.trainer import arguments, automatic, datamodules, evaluation, lightning_hooks, loaders, nonfinite, setup
-from shardwise.trainer import weighting
+from shardwise.trainer import (
+    arguments,
+    automatic,
+    datamodules,
+    evaluation,
+    lightning_hooks,
+    loaders,
+    nonfinite,
+    setup,
+    weighting,
+)
 from shardwise.trainer.attributes import TrainerAttributes
 from shardwise.trainer.hooks import call_callbacks, call_module, takes_batch_idx, update_lr_schedulers
 from shardwise.trainer.manual import UserOptimization
