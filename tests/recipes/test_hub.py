@@ -133,8 +133,12 @@ def test_mistakes_are_refused_before_any_worker_starts_naming_the_fix(hub_env, r
     assert "only PyTorch pickle weights (pytorch_model.bin)" in said and "safetensors" in said
     assert "does not exist" in refused(model="org/missing")
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
-    said = refused(model="org/tiny", revision=None)
-    assert "GiB in the hub cache" in said and "HF_HUB_CACHE" in said
+    server.add_repo("org/other", {k: v for k, v in model.items() if k != "pytorch_model.bin"})
+    said = refused(model="org/other")
+    size = sum(len(v) for k, v in model.items() if k != "pytorch_model.bin") / 2**20  # the pickle is not counted
+    assert f"model 'org/other' (revision main) needs {size:.2f} MiB in the hub cache" in said, said
+    assert "only 0.00 MiB are free" in said and "HF_HUB_CACHE" in said
+    hub.resolve_model("org/tiny")  # cached already: nothing to fit on the disk
     monkeypatch.undo()  # back to a real disk, then nothing cached and offline
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -96,6 +96,10 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(os.path.basename(name), p) for p in patterns)
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _free_bytes(folder: str) -> int:
     while not os.path.exists(folder):
         folder = os.path.dirname(folder) or "."
@@ -132,12 +136,18 @@ def _check_remote(
     wanted = [f for f in files if patterns is None or _matches(f.path, patterns)]
     if repo_type == "dataset":
         wanted = [f for f in wanted if not _matches(f.path, DATASET_IGNORE)]
-    need = sum(int(f.size) for f in wanted)
+    from huggingface_hub.file_download import repo_folder_name
+
+    # What the cache holds already (blobs are named by their etag: the LFS sha256, else the git blob id) is free.
+    blobs = os.path.join(cache_dir(), repo_folder_name(repo_id=repo_id, repo_type=repo_type), "blobs")
+    need = sum(
+        int(f.size) for f in wanted if not os.path.exists(os.path.join(blobs, f.lfs.sha256 if f.lfs else f.blob_id))
+    )
     free = _free_bytes(cache_dir())
     if need > free:
         raise HubError(
-            f"{what} {repo_id!r} (revision {revision}) needs {need / 2**30:.2f} GiB in the hub cache {cache_dir()} "
-            f"but only {free / 2**30:.2f} GiB are free there. Free space, or point HF_HUB_CACHE (or HF_HOME) at a "
+            f"{what} {repo_id!r} (revision {revision}) needs {_size(need)} in the hub cache {cache_dir()} "
+            f"but only {_size(free)} are free there. Free space, or point HF_HUB_CACHE (or HF_HOME) at a "
             "larger disk."
         )
 
