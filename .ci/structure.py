@@ -29,7 +29,7 @@ MAX_LINES, MAX_PRIVATE = 600, 5
 # Top imports bottom only. Each entry is a package (`cli/`) or a top-level module (`step.py`) of
 # src/shardwise; `__init__.py` is the package root. docs/architecture.md's layer table lists the same.
 LAYERS = (
-    ("commands", ("cli/", "recipes/", "scaling/", "smoke/", "demos.py", "__init__.py")),
+    ("commands", ("cli/", "recipes/", "scaling/", "smoke/", "demos/", "__init__.py")),
     ("the loop", ("trainer/",)),
     ("planning", ("plan/",)),
     ("run state", ("callbacks/", "loggers/", "metrics.py", "module.py", "module_hooks.py", "module_weights.py")),
@@ -49,7 +49,7 @@ LAYERS = (
 ALIASES = {"adapters/export.py": "recipes/lora_export.py"}
 # Packages above the Trainer (they may import it): the CLI, the recipes, `shardwise check`, the demo, the package root,
 # the GPU smoke test (python -m shardwise.smoke).
-ABOVE_TRAINER = ("cli", "recipes", "scaling", "demos.py", "__init__.py", "trainer", "smoke")
+ABOVE_TRAINER = ("cli", "recipes", "scaling", "demos", "__init__.py", "trainer", "smoke")
 
 
 def files():

@@ -1,13 +1,12 @@
-# Ready-made pieces for Lightning's demo scripts, the seed examples and the `shardwise demo`
-# command. `Transformer`, `WikiText2` and `LightningTransformer` are Lightning's
-# (`lightning.pytorch.demos`): the same model, defaults and numbers, so a Lightning script
-# importing them runs unchanged after the import rename. The word-level text datasets cut
-# non-overlapping blocks of `block_size` token ids (target = input shifted by one). Nothing
-# here downloads: `WikiText2` reads a file the user already has and names it when it is
-# missing, and `PythonDocsText` builds its corpus from the help texts that ship inside every
-# CPython installation (`pydoc_data.topics`), so demos and tests run offline and start in
-# well under a second. `LanguageModel` (the `shardwise demo` module) trains shardwise's own
-# demo model, `shardwise.models.Transformer` (causal attention, built on the meta device).
+# Lightning's `lightning.pytorch.demos.transformer` names and shardwise's text demos. `Transformer`,
+# `WikiText2` and `LightningTransformer` are Lightning's: the same model, defaults and numbers, so a
+# Lightning script importing them runs unchanged after the import rename. The word-level text datasets
+# cut non-overlapping blocks of `block_size` token ids (target = input shifted by one). Nothing here
+# downloads: `WikiText2` reads a file the user already has and names it when it is missing, and
+# `PythonDocsText` builds its corpus from the help texts that ship inside every CPython installation
+# (`pydoc_data.topics`), so demos and tests run offline and start in well under a second.
+# `LanguageModel` (the `shardwise demo` module) trains shardwise's own demo model,
+# `shardwise.models.Transformer` (causal attention, built on the meta device).
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,11 +18,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from shardwise.models.lightning_transformer import Transformer
+from shardwise.models.lightning_transformer import PositionalEncoding, Transformer
 from shardwise.models.transformer import Transformer as CausalTransformer
 from shardwise.module import TrainModule
 
 __all__ = [
+    "PositionalEncoding",
     "Transformer",
     "LightningTransformer",
     "LanguageModel",
