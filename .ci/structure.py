@@ -39,7 +39,7 @@ LAYERS = (
     (
         "step core",
         ("step.py", "health.py", "losses.py", "precision.py", "memory/", "flops.py", "data.py", "state.py",
-         "dtypes.py", "seed.py", "sysmem.py", "fqn.py", "ulysses.py", "sdpa.py", "utilities/"),
+         "dtypes.py", "seed.py", "sysmem.py", "fqn.py", "ulysses.py", "sdpa.py", "utilities/", "corpus/"),
     ),
     ("processes", ("distributed/", "_version.py")),
 )

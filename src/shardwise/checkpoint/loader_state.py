@@ -11,8 +11,11 @@ each rank takes its own back on resume -- as Lightning does for
 StatefulDataLoader. A position split over N ranks cannot be re-split over M by
 anyone but the loader itself, so a mid-epoch resume on another number of
 ranks is refused with the loader's name instead of silently repeating or
-skipping samples. At an epoch boundary nothing is restored: the next epoch
-starts from a fresh iterator at any world size.
+skipping samples -- unless the loader says its position is global
+(`elastic_state = True`, as shardwise.corpus.PackedMixture does): then every
+rank holds the same state, which resumes at any world size. At an epoch
+boundary nothing is restored: the next epoch starts from a fresh iterator at
+any world size.
 """
 
 from __future__ import annotations
@@ -88,6 +91,16 @@ def restore(loader: Any, saved: Optional[Dict[str, Any]], rank: int, world_size:
             f"{_name(part)}. Resume with the same kind of loader, or from a checkpoint taken at an epoch's end."
         )
     ranks = len(saved["per_rank"])
+    if getattr(part, "elastic_state", False):
+        # A global position, the same on every rank (shardwise.corpus.PackedMixture): valid at any world size.
+        if any(s != saved["per_rank"][0] for s in saved["per_rank"]):
+            raise CheckpointMismatchError(
+                f"The checkpoint's ranks hold different positions of {saved['kind']}, whose position should be "
+                "the same on every rank: the ranks took different numbers of samples (unequal batch sizes?). "
+                "Resume from an earlier checkpoint."
+            )
+        part.load_state_dict(saved["per_rank"][0])
+        return True
     if ranks != world_size:
         raise CheckpointMismatchError(
             f"The checkpoint was saved mid-epoch by {ranks} process(es), each with its own position in its "

@@ -35,6 +35,7 @@ COMMANDS = {
     "convert": "turn a checkpoint into consolidated safetensors or a torch file",
     "inspect": "list what a checkpoint holds",
     "check": "prove a TrainModule trains the same on N ranks as on one process (CPU, before renting GPUs)",
+    "prepare": "tokenise corpora with all cores into memory-mapped token shards (resumable)",
 }
 
 # Exceptions whose message is the whole story for a user: (class name in the MRO, exit status).
