@@ -132,6 +132,7 @@ def test_mistakes_are_refused_before_any_worker_starts_naming_the_fix(hub_env, r
     said = refused(model="org/pickles")
     assert "only PyTorch pickle weights (pytorch_model.bin)" in said and "safetensors" in said
     assert "does not exist" in refused(model="org/missing")
+    real_disk_usage = hub.shutil.disk_usage
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     server.add_repo("org/other", {k: v for k, v in model.items() if k != "pytorch_model.bin"})
     said = refused(model="org/other")
@@ -139,8 +140,11 @@ def test_mistakes_are_refused_before_any_worker_starts_naming_the_fix(hub_env, r
     assert f"model 'org/other' (revision main) needs {size:.2f} MiB in the hub cache" in said, said
     assert "only 0.00 MiB are free" in said and "HF_HUB_CACHE" in said
     hub.resolve_model("org/tiny")  # cached already: nothing to fit on the disk
-    monkeypatch.undo()  # back to a real disk, then nothing cached and offline
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(hub.shutil, "disk_usage", real_disk_usage)
+    # A tokenizer repo has no weights, and needs none.
+    server.add_repo("org/tok", {k: v for k, v in model.items() if k.startswith(("tokenizer", "special"))})
+    assert os.path.isfile(os.path.join(hub.resolve_tokenizer("org/tok"), "tokenizer.json"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))  # nothing cached, offline
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     said = refused(model="org/tiny")
     assert "HF_HUB_OFFLINE=1" in said and str(tmp_path / "empty-cache") in said

@@ -68,6 +68,7 @@ from shardwise.recipes.hub import (
     push_export,
     resolve_dataset,
     resolve_model,
+    resolve_tokenizer,
     snapshot_commit,
 )
 from shardwise.recipes.lora_export import check_merge, export_lora
@@ -297,7 +298,7 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     if snapshot is not None:
         data = dataclasses.replace(data, dataset=dataset_path(snapshot.path))
     folder = inspect_model_folder(model_dir)
-    tok_dir = resolve_model(cfg.tokenizer_path, cfg.revision, cfg.hub_token) if cfg.tokenizer_path else model_dir
+    tok_dir = resolve_tokenizer(cfg.tokenizer_path, cfg.revision, cfg.hub_token) if cfg.tokenizer_path else model_dir
     if cfg.tokenizer_path is None and not folder.has_tokenizer:
         raise ValueError(
             f"{cfg.model_path!r} has no tokenizer files (tokenizer.json / tokenizer.model); "

@@ -35,6 +35,7 @@ from typing import Any, Callable, List, Optional, Sequence
 # What a model needs: weights, config, tokenizer (incl. sentencepiece / tiktoken), generation config, chat template.
 MODEL_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.jinja", "merges.txt", "vocab.txt", "*.tiktoken"]
 CONFIG_PATTERNS = ["config.json"]
+TOKENIZER_PATTERNS = [p for p in MODEL_PATTERNS if p != "*.safetensors"]
 PICKLE_PATTERNS = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
 DATA_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".csv", ".arrow")
 DATASET_IGNORE = ["*.py", ".gitattributes"]  # no loading scripts: datasets no longer runs them
@@ -256,6 +257,13 @@ def resolve_model(
     return resolve_snapshot(name, "model", revision, token, patterns, "model").path
 
 
+def resolve_tokenizer(name: str, revision: Optional[str] = None, token: Optional[str] = None) -> str:
+    """A local tokenizer folder for `name`: itself when it is a local path, else its hub snapshot (no weights)."""
+    if not is_hub_id(name):
+        return name
+    return resolve_snapshot(name, "model", revision, token, TOKENIZER_PATTERNS, "tokenizer").path
+
+
 def resolve_dataset(
     name: str, revision: Optional[str] = None, config: Optional[str] = None, token: Optional[str] = None
 ) -> Optional[Snapshot]:
@@ -431,5 +439,6 @@ __all__ = [
     "resolve_dataset",
     "resolve_model",
     "resolve_snapshot",
+    "resolve_tokenizer",
     "snapshot_commit",
 ]
