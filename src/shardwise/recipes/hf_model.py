@@ -84,8 +84,8 @@ def inspect_model_folder(path: str) -> ModelFolder:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ModelFolderError(
-            f"model path {path!r} is not a folder. Give a local Hugging Face model folder "
-            "(config.json + *.safetensors + tokenizer files); shardwise does not download."
+            f"model path {path!r} is not a folder. Give a hub model id (org/name: downloaded into the Hugging "
+            "Face cache) or a local Hugging Face model folder (config.json + *.safetensors + tokenizer files)."
         )
     present = sorted(os.listdir(path))
     if "config.json" not in present:
