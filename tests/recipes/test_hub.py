@@ -151,6 +151,26 @@ def test_mistakes_are_refused_before_any_worker_starts_naming_the_fix(hub_env, r
     assert not os.path.exists(str(tmp_path / "out"))  # no worker ran: nothing was written
 
 
+def test_push_export_checks_the_adapter_folder_then_uploads_it(hub_env, tmp_path, monkeypatch):
+    server, _ = hub_env
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"r": 4}')
+    (folder / "finetune_history.json").write_text("{}")  # the run's log, not the export
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "state.json").write_text("{}")
+    with pytest.raises(hub.HubError, match=r"lacks \['adapter_model.safetensors'\]; nothing uploaded"):
+        hub.push_export(hub.HubUpload("org/adapter"), str(folder), adapter=True)
+    (folder / "adapter_model.safetensors").write_bytes(os.urandom(1000))
+    upload = hub.HubUpload("org/adapter")
+    hub.push_export(upload, str(folder), adapter=True)
+    assert upload.wait() is None
+    assert sorted(server.files("org/adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    for name, data in server.files("org/adapter").items():
+        assert hashlib.sha256(data).digest() == hashlib.sha256((folder / name).read_bytes()).digest()
+
+
 def test_a_failed_upload_keeps_the_folder_and_says_how_to_retry(hub_env, tmp_path, capsys):
     server, _ = hub_env
     folder = tmp_path / "export"
