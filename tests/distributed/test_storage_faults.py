@@ -234,3 +234,36 @@ def _check(strategy, reports, disk, out):
     for before, after in (("enospc", "erofs"), ("erofs", "resumed")):
         shared = sorted(set(runs[before]) & set(runs[after]))
         assert shared and all(runs[before][k] == runs[after][k] for k in shared), (strategy, before, after, runs)
+
+
+def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    import collections
+
+    from shardwise import Trainer
+    from shardwise.checkpoint import CheckpointWriteError, layout, training
+
+    from helpers.checkpoints import Net, loader
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    trainer.fit(Net(), loader())
+    directory = tmp_path / "checkpoints"
+    before = sorted(os.listdir(directory))
+    size = os.path.getsize(os.path.realpath(directory / "last.ckpt"))
+    usage = collections.namedtuple("usage", "total used free")
+    # Beside the run's checkpoints the estimate is the last one's size; in a new folder, the model's and
+    # optimizer's state in memory (smaller than the file, never larger: a save is refused only when sure).
+    for target, basis, free in (
+        (directory / "next.ckpt", "last checkpoint", size - 1),
+        (tmp_path / "new" / "a.ckpt", "state", 100),
+    ):
+        monkeypatch.setattr(training.shutil, "disk_usage", lambda path, free=free: usage(2**30, 2**30 - free, free))
+        with pytest.raises(CheckpointWriteError) as err:
+            trainer.save_checkpoint(str(target))
+        message = str(err.value)
+        assert err.value.errno == errno.ENOSPC and "ENOSPC" in message and str(target) in message, message
+        assert basis in message and "free" in message and "nothing was written" in message, message
+        assert not os.path.exists(target) and not [n for n in os.listdir(target.parent) if n.startswith(".")]
+    assert sorted(os.listdir(directory)) == before
+    assert layout.read_manifest(layout.latest_checkpoint(str(directory)))["global_step"] == 2
