@@ -210,6 +210,27 @@ def test_sync_batchnorm_converts_where_processes_share_a_batch():
         apply_sync_batchnorm(net(), world_size=2, device=torch.device("cpu"))
 
 
+def test_a_saved_lightning_config_s_trainer_arguments_are_accepted_at_their_defaults(tmp_path):
+    # What Lightning's CLI writes for every Trainer argument a config does not set.
+    defaults = dict(benchmark=None, inference_mode=True, use_distributed_sampler=True, profiler=None,
+                    barebones=False, reload_dataloaders_every_n_epochs=0, enable_autolog_hparams=True,
+                    model_registry=None, enable_model_summary=True, sync_batchnorm=False)  # fmt: skip
+    L.Trainer(**QUIET, **defaults)
+    for name, value, instead in (("profiler", "simple", "profile_steps"), ("barebones", True, "logger=False"),
+                                 ("use_distributed_sampler", False, "set yours on the DataLoader"),
+                                 ("reload_dataloaders_every_n_epochs", 1, "built once per fit")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"Trainer\\({name}={value!r}\\) is not supported: .*{instead}"):
+            L.Trainer(**QUIET, **{name: value})
+    with pytest.raises(ValueError, match="benchmark=True, deterministic=True"):
+        L.Trainer(**QUIET, benchmark=True, deterministic=True)
+    logger = CSVLogger(str(tmp_path))
+    L.Trainer(**QUIET, max_steps=1, logger=logger, enable_checkpointing=False, enable_autolog_hparams=False).fit(
+        Regressor(hidden=5), DataLoader(TensorDataset(X, Y), batch_size=8)
+    )
+    hparams = os.path.join(logger.log_dir, "hparams.yaml")
+    assert not os.path.exists(hparams) or "hidden" not in open(hparams).read()
+
+
 def test_callbacks_given_as_a_class_or_name_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="pass a callback object or a list of them"):
         L.Trainer(**QUIET, callbacks=EarlyStopping)

@@ -15,6 +15,8 @@ import signal
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+import torch
+
 from shardwise.callbacks import ModelSummary
 from shardwise.strategies import Strategy
 
@@ -158,6 +160,50 @@ def check_non_finite(non_finite: str, strategy: Strategy) -> str:
             "overflowing steps."
         )
     return non_finite
+
+
+def lightning_extras(
+    benchmark: Optional[bool],
+    deterministic: bool,
+    inference_mode: bool,
+    use_distributed_sampler: bool,
+    profiler: Any,
+    barebones: bool,
+    reload_dataloaders_every_n_epochs: int,
+    enable_autolog_hparams: bool,
+    model_registry: Optional[str],
+) -> bool:
+    """Lightning's Trainer arguments shardwise has no loop option for: their defaults (what a saved
+    Lightning config spells out) change nothing; benchmark is applied; inference_mode either way gives the
+    same numbers; the others are refused naming what to use. Returns enable_autolog_hparams."""
+    if benchmark and deterministic:
+        raise ValueError(
+            "Trainer(benchmark=True, deterministic=True): cuDNN's autotuner picks kernels by timing, which is "
+            "not deterministic; drop one."
+        )
+    if benchmark is not None or deterministic:  # as Lightning: None keeps torch's setting unless deterministic
+        torch.backends.cudnn.benchmark = bool(benchmark)
+    if not isinstance(inference_mode, bool):
+        raise ValueError(f"Trainer(inference_mode={inference_mode!r}): use True or False.")
+    refusals = [
+        ("use_distributed_sampler", use_distributed_sampler, use_distributed_sampler is not True,
+         "the training loader's sampler is replaced by a distributed, resumable one unless it is already a "
+         "DistributedSampler or a custom sampler, which are kept: set yours on the DataLoader"),
+        ("profiler", profiler, profiler is not None,
+         "use Trainer(profile_steps=(first, last)) for torch.profiler traces of those optimizer steps"),
+        ("barebones", barebones, bool(barebones),
+         "turn the extras off one by one: logger=False, enable_progress_bar=False, enable_checkpointing=False, "
+         "throughput=False"),
+        ("reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs, reload_dataloaders_every_n_epochs != 0,
+         "the loaders are built once per fit; vary the data inside the dataset, by the epoch the sampler's "
+         "set_epoch or trainer.current_epoch gives"),
+        ("model_registry", model_registry, model_registry is not None,
+         "shardwise uploads nothing at the end of fit; push the exported folder yourself"),
+    ]  # fmt: skip
+    for name, value, refused, instead in refusals:
+        if refused:
+            raise ValueError(f"Trainer({name}={value!r}) is not supported: {instead}.")
+    return bool(enable_autolog_hparams)
 
 
 def lightning_callbacks(callbacks: Any, enable_model_summary: Optional[bool]) -> List[Any]:

@@ -103,7 +103,9 @@ class TrainerAttributes:
     def logged_hyperparameters(self) -> Dict[str, Any]:
         """What the loggers receive as hyperparameters: the module's and the datamodule's, merged (none
         without a logger, so a clash between the two matters only where something would show it)."""
-        return hyperparameters_to_log(self.module, self.datamodule) if self.loggers else {}
+        if not self.loggers or not getattr(self, "enable_autolog_hparams", True):  # Trainer(enable_autolog_hparams=)
+            return {}
+        return hyperparameters_to_log(self.module, self.datamodule)
 
     @property
     def num_devices(self) -> int:

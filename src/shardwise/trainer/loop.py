@@ -97,6 +97,16 @@ class Trainer(TrainerAttributes):
         gpus: Optional[int] = None,
         plugins: Any = None,
         compile: Any = None,  # torch.compile: True (each repeated block), "model", CompileOptions (options.py)
+        # Lightning's remaining arguments, so its scripts and saved CLI configs port; their defaults change
+        # nothing, other values are honoured or refused by name (arguments.lightning_extras):
+        benchmark: Optional[bool] = None,
+        inference_mode: bool = True,
+        use_distributed_sampler: bool = True,
+        profiler: Any = None,
+        barebones: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
+        enable_autolog_hparams: bool = True,
+        model_registry: Optional[str] = None,
     ) -> None:
         # Everything is validated here, in the process the user started,
         # before any worker is spawned or any weight allocated.
@@ -181,6 +191,10 @@ class Trainer(TrainerAttributes):
         self._set_up = False
         options.apply(self, fast_dev_run, num_sanity_val_steps, overfit_batches, max_time, min_epochs, min_steps,
                       detect_anomaly, limit_test_batches, limit_predict_batches, compile)  # fmt: skip
+        self.enable_autolog_hparams = arguments.lightning_extras(
+            benchmark, deterministic, inference_mode, use_distributed_sampler, profiler, barebones,
+            reload_dataloaders_every_n_epochs, enable_autolog_hparams, model_registry,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ reporting
     @property
