@@ -302,9 +302,10 @@ class DataModule:
     """
 
     prepare_data_per_node: bool = True
+    trainer: Any = None  # also for a subclass whose __init__ does not call super().__init__()
 
     def __init__(self) -> None:
-        self.trainer: Any = None
+        self.trainer = None
 
     @property
     def hparams(self) -> AttributeDict:

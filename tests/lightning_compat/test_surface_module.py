@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardwise as L
 from shardwise.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary
 from shardwise.loggers import CSVLogger
+from shardwise.module_weights import constructor_arguments
 from shardwise.trainer.options import apply_sync_batchnorm
 
 X, Y = torch.randn(16, 3, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1)
@@ -100,6 +101,9 @@ def test_save_hyperparameters_takes_lightnings_forms():
 
     assert dict(Config({"depth": 2}).hparams) == {"depth": 2}
     assert Config(argparse.Namespace(depth=3)).hparams.depth == 3
+    # load_from_checkpoint hands a saved dict back as the one argument it came from, as Lightning does.
+    assert constructor_arguments(Config, {"depth": 2}, {}) == {"config": {"depth": 2}}
+    assert constructor_arguments(Named, {"a": 1, "c": 4, "gone": 0}, {"b": 5}) == {"a": 1, "b": 5, "c": 4}
 
     class Wrong(L.LightningModule):
         def __init__(self, a=1):
