@@ -51,8 +51,11 @@ def test_each_subcommand_from_a_config_file(config, tmp_path):
     # the other subcommands, each with the Trainer method's own arguments; test from the config fit saved
     saved_config = os.path.join(cli.trainer.log_dir, "config.yaml")
     test = LightningCLI(
-        LitAutoEncoder, MyDataModule, args=["test", "--config", saved_config, "--ckpt_path", checkpoint]
+        LitAutoEncoder,
+        MyDataModule,
+        args=["test", "--config", saved_config, "--model.hidden_dim", "16", "--ckpt_path", checkpoint],
     )
+    assert test.model.hparams.hidden_dim == 8  # the checkpoint's hyper-parameters win, as in Lightning
     assert isinstance(test.model.configure_optimizers()[1][0], torch.optim.lr_scheduler.StepLR)
     assert sorted(test.trainer.callback_metrics) == ["test_loss", "test_loss_epoch"]
     validate = LightningCLI(LitAutoEncoder, MyDataModule, args=["validate", "--config", config, "--verbose", "false"])

@@ -11,7 +11,8 @@ method's own arguments (`--ckpt_path`, ...) and runs it; with `run=False` the sc
 itself. `cli.model`, `cli.datamodule`, `cli.trainer`, `cli.config`, `cli.config_init` and
 `cli.subcommand` are Lightning's attributes; `model_class=None` or `subclass_mode_model=True` takes any
 TrainModule by class path (likewise the datamodule). The config of a fit is saved as `config.yaml` in
-the run's log folder (SaveConfigCallback, `save_config_kwargs={"overwrite": True}`).
+the run's log folder (SaveConfigCallback, `save_config_kwargs={"overwrite": True}`). A `--ckpt_path`
+naming a checkpoint gives the module the hyper-parameters saved in it, as Lightning does.
 
 One difference: an optimizer given on the command line is built inside `configure_optimizers`, from the
 parameters the module has then (after `configure_model` and sharding), where Lightning builds it from
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise._version import __version__
+from shardwise.checkpoint.reader import open_checkpoint
 from shardwise.module import DataModule, TrainModule
 from shardwise.seed import seed_everything
 from shardwise.trainer import Trainer
@@ -228,6 +230,7 @@ class LightningCLI:
             self.parser.parse_object(args) if isinstance(args, (dict, Namespace)) else self.parser.parse_args(args)
         )
         self.subcommand: Optional[str] = self.config["subcommand"] if run else None
+        self._parse_ckpt_path()
         self._set_seed()
         self.before_instantiate_classes()
         self.instantiate_classes()
@@ -277,6 +280,24 @@ class LightningCLI:
         return config.get(str(self.subcommand), config).get(key, default)
 
     # ------------------------------------------------------------------ building
+    def _parse_ckpt_path(self) -> None:
+        """`--ckpt_path` naming a checkpoint: its saved hyper-parameters become the model's arguments, over the
+        config and the command line (Lightning's order), so the module is built in the checkpoint's shape."""
+        if not self.subcommand:
+            return
+        ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        if not ckpt_path or not os.path.exists(str(ckpt_path)):
+            return  # "last", "best", or nothing: the Trainer resolves those
+        hparams = open_checkpoint(str(ckpt_path)).trainer_state().get("hyper_parameters") or {}
+        model = self.config[self.subcommand].get("model")
+        if not hparams or model is None:
+            return
+        accepted = model.get("init_args", model) if self.subclass_mode_model else model
+        known = {k: v for k, v in hparams.items() if k in accepted}  # only what the constructor takes
+        if known:
+            key = "model.init_args" if self.subclass_mode_model else "model"
+            self.config = self.parser.parse_object({self.subcommand: {key: known}}, self.config)
+
     def _set_seed(self) -> None:
         seed = self._get(self.config, "seed_everything")
         if seed is False or seed is None:
