@@ -113,6 +113,7 @@ def _check_remote(
     """Online: the repo's file list, before anything is fetched: pickles-only refused, the disk checked."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
 
     try:
         files = [
@@ -137,8 +138,6 @@ def _check_remote(
     wanted = [f for f in files if patterns is None or _matches(f.path, patterns)]
     if repo_type == "dataset":
         wanted = [f for f in wanted if not _matches(f.path, DATASET_IGNORE)]
-    from huggingface_hub.file_download import repo_folder_name
-
     # What the cache holds already (blobs are named by their etag: the LFS sha256, else the git blob id) is free.
     blobs = os.path.join(cache_dir(), repo_folder_name(repo_id=repo_id, repo_type=repo_type), "blobs")
     need = sum(
@@ -228,7 +227,7 @@ def resolve_snapshot(
                 _check_remote(repo_id, repo_type, revision, token, allow_patterns, what)
             except HubError:
                 raise
-            except Exception as exc:  # unreachable: snapshot_download falls back to the cache or says why
+            except Exception as exc:  # the hub cannot be reached: snapshot_download uses the cache or says why
                 if not type(exc).__name__.endswith(("ConnectError", "TimeoutException", "OfflineModeIsEnabled")):
                     raise _explain(exc, repo_id, repo_type, revision, token, what) from exc
         try:
