@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import types
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -128,6 +129,16 @@ def record_hyperparameters(
     hparams.update({k: v for k, v in recorded.items() if k not in ignored})
     for name in ignored:  # a subclass may drop what its base class recorded
         hparams.pop(name, None)
+    modules = sorted(k for k, v in hparams.items() if isinstance(v, torch.nn.Module))
+    if modules:
+        # A checkpoint keeps plain data only (it is loaded without executing code), so such a value comes back
+        # as its repr and load_from_checkpoint could not rebuild the module from it; its weights are saved anyway.
+        warnings.warn(
+            f"save_hyperparameters: {modules} are nn.Module instances, whose weights the checkpoint saves anyway "
+            f"and which a checkpoint cannot hold as hyperparameters; leave them out with "
+            f"self.save_hyperparameters(ignore={modules}).",
+            stacklevel=3,
+        )
 
 
 def _groups(names: List[str], sizes: Dict[str, int]) -> List[List[str]]:

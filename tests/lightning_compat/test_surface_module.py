@@ -82,6 +82,14 @@ class Data(L.LightningDataModule):
 
 def test_save_hyperparameters_takes_lightnings_forms():
     module = Regressor(8, lr=0.5, net=torch.nn.Linear(1, 1), extra=3)
+
+    class KeepsNet(L.LightningModule):
+        def __init__(self, net=None):
+            super().__init__()
+            self.save_hyperparameters()
+
+    with pytest.warns(UserWarning, match=r"\['net'\] are nn.Module instances.*ignore=\['net'\]"):
+        KeepsNet(net=torch.nn.Linear(1, 1))  # a checkpoint could only hold its repr
     assert isinstance(module.hparams, L.utilities.AttributeDict)
     assert dict(module.hparams) == {"hidden": 8, "lr": 0.5, "extra": 3}  # ignore= left net out, **extra flattened
     assert module.hparams.lr == module.hparams["lr"] == 0.5
