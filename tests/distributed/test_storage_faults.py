@@ -267,3 +267,42 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeyp
         assert not os.path.exists(target) and not [n for n in os.listdir(target.parent) if n.startswith(".")]
     assert sorted(os.listdir(directory)) == before
     assert layout.read_manifest(layout.latest_checkpoint(str(directory)))["global_step"] == 2
+
+
+_KILLED_CONVERT = """
+import os, signal, sys
+from shardwise.recipes import convert as command
+
+real = command.write_weights
+
+def then_killed(*args, **kwargs):  # every byte written, killed before the folder is renamed into place
+    result = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+command.write_weights = then_killed
+command.convert(sys.argv[1], sys.argv[2], quiet=True)
+"""
+
+
+def test_convert_killed_before_it_finishes_leaves_no_output(tmp_path):
+    import sys
+
+    from shardwise import Trainer
+    from shardwise.recipes.convert import convert
+
+    from helpers.checkpoints import Net, loader
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    trainer.fit(Net(), loader())
+    ckpt = os.path.join(tmp_path, "checkpoints", "last.ckpt")
+    out = tmp_path / "weights"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_CONVERT, ckpt, str(out)], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    # Only a hidden temporary folder, never a folder at OUT that looks complete.
+    assert not out.exists() and [n for n in os.listdir(tmp_path) if n.startswith(".weights.tmp-")]
+    written = convert(ckpt, str(out), quiet=True)
+    assert written and all(p.startswith(str(out) + os.sep) and os.path.exists(p) for p in written), written
+    assert "model.safetensors" in os.listdir(out)

@@ -37,6 +37,7 @@ and tokenizer files are then written as the recipe's own export writes them
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -161,6 +162,7 @@ def _adapter_outputs(
     max_shard_size: str,
     base_model: Optional[str],
     quiet: bool,
+    shown_as: Optional[str] = None,
 ) -> List[str]:
     """An adapter checkpoint as a PEFT adapter folder, or merged into `base_model` (adapters.py)."""
     tensors = dict(read_cast(reader, infos, None if base_model else cast))  # adapters are small
@@ -174,7 +176,7 @@ def _adapter_outputs(
         kind = f"merged into {base_model}" if base_model else "a PEFT adapter folder"
         print(f"converted {reader.path} (adapter checkpoint, step {reader.manifest.get('global_step')}) -> {kind}:")
         for path in written:
-            print(f"  {path}")
+            print(f"  {_shown(path, out, shown_as)}")
     return written
 
 
@@ -191,7 +193,46 @@ def convert(
 
     `base_model`: for an adapter checkpoint, the base model's folder or hub id: `out` becomes the merged model;
     for a full checkpoint of the fine-tuning recipe, the folder it fine-tuned: its config and tokenizer
-    files go beside the weights, so `from_pretrained(out)` loads them."""
+    files go beside the weights, so `from_pretrained(out)` loads them.
+
+    A new folder is written under a hidden temporary name beside it and renamed into place at the end, so
+    a convert killed midway leaves no folder at `out` (nor weights without their config); a file is
+    written through a temporary name of its own. An existing folder is updated file by file, each whole."""
+    if os.path.splitext(out)[1].lower() in _FILE_SUFFIXES or os.path.lexists(out):
+        return _convert(ckpt, out, dtype, max_shard_size, fmt, quiet, base_model)
+    final = os.path.abspath(out)
+    stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{os.getpid()}")
+    try:
+        written = _convert(ckpt, stage, dtype, max_shard_size, fmt, quiet, base_model, shown_as=final)
+        os.rename(stage, final)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return [final + path[len(stage) :] for path in written]
+
+
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def _shown(path: str, out: str, shown_as: Optional[str]) -> str:
+    """A path inside the temporary folder as it is named once renamed into place."""
+    return shown_as + path[len(out) :] if shown_as and path.startswith(out) else path
+
+
+def _convert(
+    ckpt: str,
+    out: str,
+    dtype: str,
+    max_shard_size: str,
+    fmt: Optional[str],
+    quiet: bool,
+    base_model: Optional[str],
+    shown_as: Optional[str] = None,
+) -> List[str]:
+    if base_model is not None:  # a hub model id: its snapshot in the Hugging Face cache (a local folder as given)
+        from shardwise.recipes.hub import resolve_model
+
+        base_model = resolve_model(base_model)
     cast = cast_dtype(dtype)
     reader = open_checkpoint(ckpt)
     infos = reader.tensors()
@@ -202,17 +243,13 @@ def convert(
     state = reader.trainer_state()  # read once (a sharded checkpoint reads and verifies a file for it)
     recipe = not adapter and is_recipe_checkpoint(state, infos)
     if base_model is not None and (not (adapter or recipe) or single_file):
-    if base_model is not None:  # a hub model id: its snapshot in the Hugging Face cache (a local folder as given)
-        from shardwise.recipes.hub import resolve_model
-
-        base_model = resolve_model(base_model)
         raise ValueError(
             "--base_model merges an adapter checkpoint into its base, or gives a fine-tuning recipe "
             "checkpoint its config, written as a folder: "
             + (f"give a folder as OUT, not {out!r}." if adapter or recipe else f"{reader.path} is neither.")
         )
     if adapter and not single_file:
-        return _adapter_outputs(reader, infos, adapter, out, cast, max_shard_size, base_model, quiet)
+        return _adapter_outputs(reader, infos, adapter, out, cast, max_shard_size, base_model, quiet, shown_as)
     fmt = fmt or ("torch" if suffix in (".pt", ".pth", ".bin") else "safetensors")
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"--format {fmt!r}: use safetensors or torch.")
@@ -251,5 +288,5 @@ def convert(
             f"{len(infos)} tensors, {total_bytes / 1e6:.1f} MB:"
         )
         for path in written:
-            print(f"  {path}")
+            print(f"  {_shown(path, out, shown_as)}")
     return written
