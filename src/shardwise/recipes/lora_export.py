@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from shardwise.adapters.lora import base_weight_name, lora_layers
+from shardwise.checkpoint.errors import CheckpointWriteError
+from shardwise.checkpoint.integrity import write_error
 from shardwise.distributed import ops
 from shardwise.fqn import canonical_name
 from shardwise.recipes.hf_model import export_hf_folder, export_items, gathered
@@ -96,8 +98,17 @@ def _write_adapter(peft_model: Any, folder: str, state: Dict[str, torch.Tensor])
         os.makedirs(out, exist_ok=True)
         config = copy.copy(config)
         config.inference_mode = True
+        # The weights through a temporary name, then the config: a kill or a full disk midway never leaves
+        # a cut weights file, nor a config beside weights of an earlier export.
+        weights = os.path.join(out, ADAPTER_FILES[1])
+        partial = os.path.join(out, f".{ADAPTER_FILES[1]}.partial")
+        try:
+            save_file(selected, partial, metadata={"format": "pt"})
+            os.replace(partial, weights)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
         config.save_pretrained(out)
-        save_file(selected, os.path.join(out, ADAPTER_FILES[1]), metadata={"format": "pt"})
 
 
 @torch.no_grad()
@@ -122,10 +133,13 @@ def export_adapter(model: nn.Module, folder: str) -> str:
             # The base embedding is not saved beside the adapter (the vocabulary is the base model's).
             _write_adapter(peft_model, folder, state)
         except ValueError as exc:
-            error = str(exc)
+            error = (str(exc), None)
+        except OSError as exc:  # a full disk, a read-only folder: named, and raised on every rank
+            named = write_error(exc, folder)
+            error = (str(named), named.errno)
     error = ops.broadcast_object(error)  # every rank raises, none waits in a later collective
     if error:
-        raise ValueError(error)
+        raise ValueError(error[0]) if error[1] is None else CheckpointWriteError(error[0], error[1], folder)
     return folder
 
 
