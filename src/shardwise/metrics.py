@@ -13,8 +13,9 @@ A torchmetrics `Metric` logged as the value (`self.log("acc", self.acc)`)
 works as in Lightning: per step the batch value its last forward returned
 (`self.acc(preds, target)`; none if only `update` was called), per epoch its
 own `compute()` -- the metric's own cross-rank sync, so `sync_dist` and
-`reduce_fx` do not apply -- and then `reset()`, which Lightning also does at
-each epoch's end to a metric logged only per step.
+`reduce_fx` do not apply. Every Metric logged in an epoch, per step or per
+epoch, is `reset()` once the epoch's end hooks have run (reset_metric_objects),
+as Lightning does: `on_train_epoch_end` still sees the whole epoch's state.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class MetricStore:
         self._progress: Dict[str, Any] = {}
         self._logged: Dict[str, Any] = {}
         self._epoch: Dict[str, _EpochValue] = {}
-        self._step_metrics: Dict[int, Any] = {}  # Metric objects logged only per step: reset at the epoch's end
+        self._to_reset: Dict[int, Any] = {}  # Metric objects logged this epoch: reset after its end hooks
         self._evaluating = False  # validation / test: step values reach loggers only, as in Lightning
 
     def clear(self) -> None:
@@ -140,12 +141,12 @@ class MetricStore:
     def separate_epoch(self) -> Iterator[None]:
         """Accumulate epoch values apart from the current epoch's, which are back on exit (validation, test)."""
         outer, self._epoch = self._epoch, {}
-        outer_metrics, self._step_metrics = self._step_metrics, {}
+        outer_metrics, self._to_reset = self._to_reset, {}
         outer_evaluating, self._evaluating = self._evaluating, True
         try:
             yield
         finally:
-            self._epoch, self._step_metrics = outer, outer_metrics
+            self._epoch, self._to_reset = outer, outer_metrics
             self._evaluating = outer_evaluating
 
     def record(self, logs: Iterable[LoggedValue], suffix_epoch: bool = True, batch: Any = None) -> Dict[str, Any]:
@@ -169,10 +170,9 @@ class MetricStore:
                 if item.prog_bar:
                     self._progress[item.name] = value  # one entry per metric (Lightning shows name_step)
             if item.metric is not None:
+                self._to_reset[id(item.metric)] = item.metric
                 if item.on_epoch:
                     self._accumulate_metric(item, forked)
-                else:
-                    self._step_metrics[id(item.metric)] = item.metric
                 continue
             if item.on_epoch:
                 weight = item.batch_size
@@ -220,7 +220,6 @@ class MetricStore:
             total, weight = totals.get(name), entry.weight
             if entry.metric is not None:  # every rank reaches this point: the metric's own sync pairs up
                 value = _computed(name, entry.metric)
-                entry.metric.reset()
             elif entry.reduce_fx == "mean":
                 if entry.sync_dist:  # exact global mean: reduce numerator and denominator
                     pair = ops.reduce(torch.tensor([total, weight], dtype=torch.float64), "sum")
@@ -236,11 +235,14 @@ class MetricStore:
             if entry.prog_bar:
                 self._progress[name] = value
         self._epoch.clear()
-        for metric in self._step_metrics.values():
-            metric.reset()
-        self._step_metrics.clear()
         self._logged.update(out)
         return out
+
+    def reset_metric_objects(self) -> None:
+        """Reset every torchmetrics Metric logged this epoch: after the epoch's end hooks, as Lightning does."""
+        for metric in self._to_reset.values():
+            metric.reset()
+        self._to_reset.clear()
 
 
 def _computed(name: str, metric: Any) -> float:

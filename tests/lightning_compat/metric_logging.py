@@ -1,7 +1,8 @@
 """A Lightning-style classifier that logs torchmetrics objects, run by test_metric_logging.py on one
 process and on two (DDP); importable by the spawned workers.
 
-training_step calls the metric (forward: the batch value) and logs the object per step and per epoch;
+training_step calls the metric (forward: the batch value) and logs the object per step and per epoch,
+and on_train_epoch_end computes it and logs it again, as torchmetrics' documentation does;
 validation_step only updates its metrics and logs them per epoch, one of them through a
 MetricCollection and log_dict; test_step logs a metric object per step and per epoch. Every rank
 records the predictions and targets it saw, so the test can compute what torchmetrics gives over the
@@ -39,6 +40,7 @@ class Classifier(L.TrainModule):
         self.test_acc = MulticlassAccuracy(num_classes=CLASSES)
         self.seen = {"train": [], "val": [], "test": []}  # (epoch, preds, targets, batch value)
         self.batch_values = []
+        self.hook_values = []
 
     def _preds(self, stage, batch):
         x, y = batch
@@ -52,6 +54,11 @@ class Classifier(L.TrainModule):
         self.batch_values.append(float(batch_value))
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         return F.cross_entropy(logits, y)
+
+    def on_train_epoch_end(self):
+        # torchmetrics' documented pattern: the epoch's state is still there in this hook
+        self.hook_values.append(float(self.train_acc.compute()))
+        self.log("train_acc_hook", self.train_acc)
 
     def validation_step(self, batch, batch_idx):
         logits, y = self._preds("val", batch)
@@ -98,6 +105,7 @@ def run(strategy: str = "auto", devices: int = 1) -> dict:
     )
     loader = lambda seed: DataLoader(data(seed), batch_size=BATCH)  # noqa: E731
     trainer.fit(module, loader(1), loader(2))
+    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     tested = trainer.test(module, loader(3), verbose=False)
     return {
         "train": values.train,
@@ -106,5 +114,7 @@ def run(strategy: str = "auto", devices: int = 1) -> dict:
         "test_callback_metrics": sorted(trainer.callback_metrics),
         "seen": module.seen,
         "batch_values": module.batch_values,
+        "hook_values": module.hook_values,
+        "fit_callback_metrics": fit_metrics,
         "step_values_reset": module.train_acc._update_count == 0,  # reset at the epoch's end
     }

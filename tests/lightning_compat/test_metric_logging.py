@@ -39,6 +39,9 @@ def _check(results):
             assert val["val_acc"] == pytest.approx(_over(seen, "val", epoch, MulticlassAccuracy), rel=1e-6)
             assert val["val_prec"] == pytest.approx(_over(seen, "val", epoch, MulticlassPrecision), rel=1e-6)
             assert val["val_rec"] == pytest.approx(_over(seen, "val", epoch, MulticlassRecall), rel=1e-6)
+        # on_train_epoch_end still sees the epoch's state; what it logs there is the same epoch value
+        assert result["hook_values"] == [e["train_acc_epoch"] for e in result["train"]]
+        assert result["fit_callback_metrics"]["train_acc_hook"] == result["train"][1]["train_acc_epoch"]
         # the step value is the last batch's forward result on this rank
         assert result["train"][-1]["train_acc_step"] == pytest.approx(result["batch_values"][-1], rel=1e-6)
         assert result["train"][0]["train_acc_epoch"] != result["train"][1]["train_acc_epoch"]  # reset between epochs

@@ -332,6 +332,7 @@ def end_epoch(trainer: Any, hook: str, suffix: bool = True, monitoring_last: boo
     call_module(trainer, hook)
     record_logs(trainer)
     results.update(trainer.metrics.finish_epoch(suffix))
+    trainer.metrics.reset_metric_objects()  # torchmetrics objects: after the module's hook, which may compute them
     trainer.log_metrics(results)
     if monitoring_last:
         call_callbacks(trainer, hook, monitoring=True)
