@@ -29,7 +29,7 @@ MAX_LINES, MAX_PRIVATE = 600, 5
 # Top imports bottom only. Each entry is a package (`cli/`) or a top-level module (`step.py`) of
 # src/shardwise; `__init__.py` is the package root. docs/architecture.md's layer table lists the same.
 LAYERS = (
-    ("commands", ("cli/", "recipes/", "scaling/", "smoke/", "demos/", "__init__.py")),
+    ("commands", ("cli/", "recipes/", "scaling/", "smoke/", "demos/", "plugins/", "tuner.py", "__init__.py")),
     ("the loop", ("trainer/",)),
     ("planning", ("plan/",)),
     ("run state", ("callbacks/", "loggers/", "metrics.py", "module.py", "module_hooks.py", "module_weights.py")),

@@ -52,6 +52,16 @@ NAMES = {
     # add each here once it exists, real or refused by name.
     "lightning.pytorch.loggers": ["CSVLogger", "Logger", "TensorBoardLogger", "WandbLogger"],
     "lightning.pytorch.cli": ["LightningCLI", "LightningArgumentParser", "SaveConfigCallback"],
+    "lightning.pytorch.plugins": [
+        "AsyncCheckpointIO", "BitsandbytesPrecision", "CheckpointIO", "DeepSpeedPrecision", "DoublePrecision",
+        "FSDPPrecision", "HalfPrecision", "LayerSync", "MixedPrecision", "Precision", "TorchCheckpointIO",
+        "TorchSyncBatchNorm", "TransformerEnginePrecision", "XLACheckpointIO", "XLAPrecision",
+    ],
+    "lightning.pytorch.plugins.environments": [
+        "ClusterEnvironment", "KubeflowEnvironment", "LSFEnvironment", "LightningEnvironment", "MPIEnvironment",
+        "SLURMEnvironment", "TorchElasticEnvironment", "XLAEnvironment",
+    ],
+    "lightning.pytorch.tuner": ["Tuner"],
     "lightning.pytorch.utilities.exceptions": ["MisconfigurationException"],
     "lightning.pytorch.utilities.seed": ["isolate_rng"],
 }  # fmt: skip
