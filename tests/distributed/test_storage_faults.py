@@ -306,3 +306,31 @@ def test_convert_killed_before_it_finishes_leaves_no_output(tmp_path):
     written = convert(ckpt, str(out), quiet=True)
     assert written and all(p.startswith(str(out) + os.sep) and os.path.exists(p) for p in written), written
     assert "model.safetensors" in os.listdir(out)
+
+
+def test_lora_export_on_a_full_disk_leaves_nothing_and_names_enospc(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    import safetensors.torch
+    from peft import LoraConfig
+    from torch import nn
+
+    from shardwise.adapters.lora import apply_lora
+    from shardwise.checkpoint import CheckpointWriteError
+    from shardwise.recipes import lora_export
+
+    model = apply_lora(
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), LoraConfig(r=2, target_modules=["0"])
+    )
+    real = safetensors.torch.save_file
+
+    def half_then_full(tensors, path, metadata=None):  # the disk fills up halfway through the weights
+        real(tensors, path, metadata=metadata)
+        os.truncate(path, os.path.getsize(path) // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_full)
+    folder = tmp_path / "adapter"
+    with pytest.raises(CheckpointWriteError) as err:
+        lora_export.export_adapter(model, str(folder))
+    assert err.value.errno == errno.ENOSPC and "ENOSPC" in str(err.value) and str(folder) in str(err.value)
+    assert os.listdir(folder) == []  # no cut weights file, no config that would promise them
