@@ -1,5 +1,9 @@
 """shardwise: one TrainModule, one Trainer argument from one device to DDP, FSDP2 and DeepSpeed ZeRO."""
 
+import importlib
+import sys
+from typing import Any
+
 from shardwise import plan  # the planner package, callable: shardwise.plan(model, ...) (see plan/__init__.py)
 from shardwise._version import __version__
 from shardwise.callbacks import Callback, EarlyStopping, ModelCheckpoint
@@ -33,6 +37,16 @@ Fabric = build_refused_class(
     "the Trainer is the one entry point; move the Fabric loop's body into a LightningModule's training_step "
     "and call Trainer(...).fit(module) with the same strategy and devices.",
 )
+# Lightning 2.x code writes `L.pytorch.callbacks.ModelCheckpoint(...)` in its body, not only in imports:
+# after `import shardwise as L`, L.pytorch is this package.
+pytorch = sys.modules[__name__]
+_LAZY_SUBMODULES = ("demos", "cli", "plugins", "tuner")  # loaded on first use: `L.pytorch.demos.Transformer`
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -95,6 +95,9 @@ def test_the_core_classes_are_shardwise_own_not_copies():
     import shardwise.callbacks as callbacks
 
     assert L.LightningModule is L.TrainModule and L.LightningDataModule is L.DataModule
+    # Code that writes L.pytorch.<module>.<name> in its body (not only in imports) after `import lightning as L`.
+    assert L.pytorch.callbacks.ModelCheckpoint is callbacks.ModelCheckpoint and L.pytorch.Trainer is L.Trainer
+    assert L.pytorch.tuner.Tuner is importlib.import_module("shardwise.tuner").Tuner
     assert L.Callback is callbacks.Callback and L.seed_everything(3, workers=True) == 3
     # The callbacks Lightning has that shardwise provides do something; only the listed ones refuse.
     provided = {"Callback", "DeviceStatsMonitor", "EarlyStopping", "LambdaCallback", "LearningRateMonitor",
