@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -268,6 +269,79 @@ def install_worker(collective_timeout_s: Optional[float] = None) -> None:
         except (OSError, ValueError, RuntimeError):
             pass
         flight.start_dump_thread(directory, global_rank())
+        start_stall_check(directory, global_rank(), int(os.environ.get("WORLD_SIZE", "1")))
+
+
+# ----------------------------------------------------------------- the stall check (worker side)
+STALL_ENV = "SHARDWISE_STALL_CHECK_S"
+DEFAULT_STALL_S = 20.0
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks ran different collectives and wait for each other: one was reached by only some ranks."""
+
+
+def stall_seconds(environ=os.environ) -> float:
+    """How long every rank must stand still before the stall check compares their collectives (0: never)."""
+    raw = environ.get(STALL_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_STALL_S
+    except ValueError:
+        raise ValueError(f"{STALL_ENV}={raw!r}: use a number of seconds (0 turns the stall check off)") from None
+    return max(value, 0.0)
+
+
+def start_stall_check(directory: Optional[str], rank: int, world: int) -> None:
+    """Rank 0's daemon thread: when no rank of this node has moved for `stall_seconds()`, compare their
+    flight records; if they ran different collectives, fail now naming where, instead of after the
+    collective timeout (30 minutes by default). Costs a file read a second; the comparison runs only
+    while every rank stands still, and a slow step (the ranks agree) only delays the next look."""
+    stall_s = stall_seconds()
+    if rank != 0 or world < 2 or not stall_s or not directory:
+        return
+
+    def watch() -> None:
+        looked = 0.0
+        while True:
+            time.sleep(1.0)
+            now = time.time()
+            records = progress.read_all(directory)
+            if len(records) < world or any(p.age(now) < stall_s for p in records.values()):
+                continue  # someone is still moving (or on another node): nothing to compare yet
+            if now - looked < stall_s:
+                continue
+            looked = now
+            try:
+                message = _mismatch(directory, rank, world, stall_s)
+            except Exception:  # a diagnostic: never the reason a run fails
+                continue
+            if message:
+                record_exception(CollectiveMismatchError(message))
+                os._exit(1)
+
+    threading.Thread(target=watch, name="shardwise-stall-check", daemon=True).start()
+
+
+def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Optional[str]:
+    peers = [r for r in range(world) if r != rank]
+    asked = flight.request_dumps(directory)
+    flight.write_dump(directory, rank)
+    flight.wait_for_dumps(directory, peers, asked, timeout_s=5.0)
+    finding = flight.describe(flight.read_dumps(directory), range(world))
+    if finding is None or len({e.signature for e in finding.entries.values()}) < 2:
+        return None  # the ranks agree so far: a slow step, not a wrong one
+    # They disagree: look again with each collective's Python stack (slower), to say where it began.
+    asked = flight.request_dumps(directory, stacks=True)
+    flight.write_dump(directory, rank, stacks=True)
+    flight.wait_for_dumps(directory, peers, asked, timeout_s=45.0)  # symbolising takes 5-6 s a rank, more under load
+    where = flight.first_divergence(flight.read_dumps(directory)) or finding.text
+    return (
+        f"The ranks ran different collectives and are waiting for each other: {where}. A collective that "
+        "only some ranks reach (a forward of a sharded model, a sync_dist log, a barrier or all_gather "
+        "under `if trainer.is_global_zero:` / `global_rank == 0`) waits for ranks that never come. Run it "
+        "on every rank (use its result on one). (No rank moved for "
+        f"{stall_s:.0f} s; {STALL_ENV} sets how long, 0 turns this check off.)"
+    )
 
 
 def apply_collective_timeout(timeout_s: float) -> None:

@@ -104,7 +104,7 @@ def _plain_entries(dump: dict) -> List[dict]:
     return out
 
 
-def write_dump(directory: Optional[str], rank: int) -> bool:
+def write_dump(directory: Optional[str], rank: int, stacks: bool = False) -> bool:
     """This rank's flight records to `flight.<rank>.json` (written whole, then renamed; no records is
     an answer too: the asking rank stops waiting); False without a recorder or a directory."""
     if not directory or not os.path.isdir(directory):
@@ -115,7 +115,8 @@ def write_dump(directory: Optional[str], rank: int) -> bool:
         # torch's dump of this very process, in memory: still read as plain containers only. Without
         # the Python stacks: symbolising them imports torch._inductor on first use (5-6 s, measured);
         # the verdict takes each rank's stack from its traceback or faulthandler instead.
-        dump = loads_plain(_dump_fr_trace(True, False, False))
+        # (`stacks`: the stall check's second look, when the ranks already disagree; worth the wait.)
+        dump = loads_plain(_dump_fr_trace(True, stacks, False))
     except Exception:  # no recorder in this build, or nothing recorded: a diagnostic, never a failure
         return False
     entries = _plain_entries(dump)
@@ -129,13 +130,14 @@ def write_dump(directory: Optional[str], rank: int) -> bool:
     return True
 
 
-def request_dumps(directory: Optional[str]) -> float:
-    """Ask every rank's dump thread for its records now; the time of the request."""
+def request_dumps(directory: Optional[str], stacks: bool = False) -> float:
+    """Ask every rank's dump thread for its records now (with each collective's Python stack when
+    `stacks`); the time of the request."""
     now = time.time()
     if directory and os.path.isdir(directory):
         try:
             with open(os.path.join(directory, REQUEST), "w") as fh:
-                fh.write(repr(now))
+                fh.write(repr(now) + (" stacks" if stacks else ""))
         except OSError:
             pass
     return now
@@ -186,7 +188,12 @@ def start_dump_thread(directory: Optional[str], rank: int) -> None:
                 continue
             if asked > served:
                 served = asked
-                write_dump(directory, rank)
+                try:
+                    with open(request) as fh:
+                        stacks = "stacks" in fh.read()
+                except OSError:
+                    stacks = False
+                write_dump(directory, rank, stacks=stacks)
 
     _thread = threading.Thread(target=serve, name="shardwise-flight", daemon=True)
     _thread.start()
@@ -429,6 +436,47 @@ def describe(
             found.last = {r: max(seqs) for r, seqs in by_rank.items() if seqs}
             findings.append(found)
     return min(findings, key=lambda f: (f.time_ns, f.seq)) if findings else None
+
+
+_LOOP = ("trainer" + os.sep, "step.py")  # the code that calls the user's hooks
+
+
+def entry_hook(frames: Iterable[Sequence]) -> Optional[str]:
+    """Where the Trainer handed over to user code on the way to this collective: the outermost user
+    frame inside shardwise's (a callback's hook, training_step), else shardwise's own innermost frame."""
+    user = own = None
+    for name, file, line in frames:  # innermost first
+        path = str(file)
+        if f"{os.sep}shardwise{os.sep}" in path:
+            own = f"{name} ({os.path.basename(path)}:{line}, shardwise)"
+            if any(f"{os.sep}shardwise{os.sep}{loop}" in path for loop in _LOOP):
+                break  # the loop's own call (the training step's forward) when no user frame came first
+        elif not any(m in path for m in _MACHINERY):
+            user = f"{name} ({os.path.basename(path)}:{line})"
+    return user or own
+
+
+def first_divergence(dumps: Dict[int, List[Entry]]) -> Optional[str]:
+    """The first collective the ranks reached from different places in their code (by each entry's
+    stack): where a collective only some ranks run was entered, even when its op and shapes matched
+    another rank's later one and the disagreement showed up collectives afterwards. None without stacks."""
+    best = None
+    groups: Dict[Tuple[str, str], Dict[int, Dict[int, Entry]]] = {}
+    for rank, entries in dumps.items():
+        for e in entries:
+            groups.setdefault(e.group, {}).setdefault(rank, {})[e.seq] = e
+    for group, by_rank in groups.items():
+        for seq in sorted({q for seqs in by_rank.values() for q in seqs}):
+            at = {r: seqs[seq] for r, seqs in by_rank.items() if seq in seqs and seqs[seq].frames}
+            hooks = {r: entry_hook(e.frames) for r, e in at.items()}
+            if len(at) < 2 or len(set(hooks.values())) < 2:
+                continue
+            time_ns = min(e.time_ns for e in at.values())
+            parts = "; ".join(f"rank {r} called {at[r].describe()} from {hooks[r]}" for r in sorted(at))
+            if best is None or time_ns < best[0]:
+                best = (time_ns, f"collective #{seq} of {group_name(group)}: {parts}")
+            break
+    return best[1] if best else None
 
 
 def report(finding: Finding, hooks: Optional[Dict[int, str]] = None, stacks: Optional[Dict[int, str]] = None) -> str:

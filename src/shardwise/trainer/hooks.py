@@ -46,6 +46,8 @@ def call_callbacks(trainer: Any, hook: str, *args: Any, monitoring: Optional[boo
         for callback, fn in defining:
             if monitoring is not None and isinstance(callback, MONITORING) != monitoring:
                 continue
+            # Named with its class: a collective only some ranks reach in it is then blamed on it.
+            mark_progress(f"{type(callback).__name__}.{hook}", trainer.state.global_step)
             fn(trainer, module, *args, **kwargs)
     finally:
         if previous is not None:
