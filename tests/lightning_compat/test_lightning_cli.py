@@ -40,7 +40,7 @@ def test_each_subcommand_from_a_config_file(config, tmp_path):
     assert cli.model.hparams.hidden_dim == 8 and cli.model.hparams.learning_rate == 0.02
     assert cli.datamodule.batch_size == 4 and cli.trainer.max_epochs == 1
     optimizer = cli.trainer.optimizers[0]
-    assert isinstance(optimizer, torch.optim.Adam)  # the CLI's optimizer replaced the module's
+    assert type(optimizer) is torch.optim.Adam  # the CLI's optimizer replaced the module's; torch's Adam
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001)  # 0.01, stepped once by StepLR(gamma=0.1)
     saved = yaml.safe_load(open(os.path.join(cli.trainer.log_dir, "config.yaml")))
     assert saved["optimizer"]["class_path"] == "torch.optim.Adam" and saved["model"]["hidden_dim"] == 8
@@ -71,6 +71,10 @@ def test_each_subcommand_from_a_config_file(config, tmp_path):
     assert [tuple(p.shape) for p in predict.predictions] == [(4, 64), (4, 64)]  # 8 test images in batches of 4
 
 
+class Adam(torch.optim.Adam):
+    """Another optimizer named Adam (as bitsandbytes has): `--optimizer Adam` still means torch's."""
+
+
 def test_subclass_mode_and_the_class_path_spelling(tmp_path):
     cli = LightningCLI(
         args=["fit", "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
@@ -84,8 +88,11 @@ def test_subclass_mode_and_the_class_path_spelling(tmp_path):
             "6",
         ]
         + ["--optimizer", '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}', "--trainer.max_steps", "1"]
-        + ["--trainer.logger", "false", "--seed_everything", "7"],
+        + ["--trainer.logger", "false", "--seed_everything", "7"]
+        + ["--lr_scheduler", "ReduceLROnPlateau", "--lr_scheduler.monitor", "train_loss"],
     )
+    configured = cli.model.configure_optimizers()  # Lightning's plateau form: the scheduler names its monitor
+    assert configured["lr_scheduler"]["monitor"] == "train_loss" and configured["lr_scheduler"]["scheduler"].monitor
     assert isinstance(cli.model, LitAutoEncoder) and cli.model.hparams.hidden_dim == 6
     assert isinstance(cli.datamodule, MyDataModule) and cli.datamodule.batch_size == 6
     assert (

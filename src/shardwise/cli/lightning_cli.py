@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import MethodType
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
@@ -226,9 +227,10 @@ class LightningCLI:
                 subcommands.add_subcommand(name, sub, help=kwargs["description"])
         else:
             self._add_arguments(self.parser)
-        self.config = (
-            self.parser.parse_object(args) if isinstance(args, (dict, Namespace)) else self.parser.parse_args(args)
-        )
+        if isinstance(args, (dict, Namespace)):
+            self.config = self.parser.parse_object(args)
+        else:
+            self.config = self.parser.parse_args(_torch_short_names(sys.argv[1:] if args is None else list(args)))
         self.subcommand: Optional[str] = self.config["subcommand"] if run else None
         self._parse_ckpt_path()
         self._set_seed()
@@ -392,6 +394,38 @@ class LightningCLI:
         after = getattr(self, f"after_{subcommand}", None)
         if callable(after):
             after()
+
+
+_SHORT_NAMES = {"--optimizer": torch.optim, "--lr_scheduler": torch.optim.lr_scheduler}
+
+
+def _torch_short_names(argv: List[str]) -> List[str]:
+    """`--optimizer Adam` means torch's Adam even when another package with an `Adam` is imported (bitsandbytes
+    has one; jsonargparse would call the short name ambiguous); `--lr_scheduler ReduceLROnPlateau` means the
+    one with `monitor`. Full class paths and JSON specs pass as they are."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if key in _SHORT_NAMES and not eq and i + 1 < len(argv):
+            out.append(arg)
+            i += 1
+            value = argv[i]
+            out.append(_full_name(key, value))
+        elif key in _SHORT_NAMES and eq:
+            out.append(f"{key}={_full_name(key, value)}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def _full_name(key: str, value: str) -> str:
+    if not value.isidentifier():
+        return value  # a class path, a JSON spec
+    if key == "--lr_scheduler" and value == "ReduceLROnPlateau":
+        return f"{__name__}.ReduceLROnPlateau"
+    return f"{_SHORT_NAMES[key].__name__}.{value}" if hasattr(_SHORT_NAMES[key], value) else value
 
 
 def _first_line(doc: Optional[str]) -> str:
