@@ -285,7 +285,7 @@ command.convert(sys.argv[1], sys.argv[2], quiet=True)
 """
 
 
-def test_convert_killed_before_it_finishes_leaves_no_output(tmp_path):
+def test_convert_killed_before_it_finishes_leaves_no_output(tmp_path, monkeypatch):
     import sys
 
     from shardwise import Trainer
@@ -306,6 +306,18 @@ def test_convert_killed_before_it_finishes_leaves_no_output(tmp_path):
     written = convert(ckpt, str(out), quiet=True)
     assert written and all(p.startswith(str(out) + os.sep) and os.path.exists(p) for p in written), written
     assert "model.safetensors" in os.listdir(out)
+    # A disk that fills up: ENOSPC named with the output's path and the fix, nothing left behind.
+    from shardwise.checkpoint import CheckpointWriteError, hf_shards
+
+    def full(tensors, path, metadata=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setitem(hf_shards.SAVERS, "safetensors", full)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointWriteError) as err:
+        convert(ckpt, str(tmp_path / "again"), quiet=True)
+    assert err.value.errno == errno.ENOSPC and "free space" in str(err.value), str(err.value)
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 def test_lora_export_on_a_full_disk_leaves_nothing_and_names_enospc(tmp_path, monkeypatch):

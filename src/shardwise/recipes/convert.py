@@ -36,6 +36,7 @@ and tokenizer files are then written as the recipe's own export writes them
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -45,6 +46,8 @@ import torch
 
 from shardwise.checkpoint import adapters, hf_convert
 from shardwise.checkpoint.convert import read_cast, write_weights
+from shardwise.checkpoint.errors import CheckpointWriteError
+from shardwise.checkpoint.integrity import write_error
 from shardwise.checkpoint.reader import CheckpointReader, TensorInfo, open_checkpoint
 from shardwise.dtypes import cast_dtype
 from shardwise.memory import parse_bytes
@@ -198,17 +201,25 @@ def convert(
     A new folder is written under a hidden temporary name beside it and renamed into place at the end, so
     a convert killed midway leaves no folder at `out` (nor weights without their config); a file is
     written through a temporary name of its own. An existing folder is updated file by file, each whole."""
-    if os.path.splitext(out)[1].lower() in _FILE_SUFFIXES or os.path.lexists(out):
-        return _convert(ckpt, out, dtype, max_shard_size, fmt, quiet, base_model)
-    final = os.path.abspath(out)
-    stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{os.getpid()}")
     try:
-        written = _convert(ckpt, stage, dtype, max_shard_size, fmt, quiet, base_model, shown_as=final)
-        os.rename(stage, final)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return [final + path[len(stage) :] for path in written]
+        if os.path.splitext(out)[1].lower() in _FILE_SUFFIXES or os.path.lexists(out):
+            return _convert(ckpt, out, dtype, max_shard_size, fmt, quiet, base_model)
+        final = os.path.abspath(out)
+        stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{os.getpid()}")
+        try:
+            written = _convert(ckpt, stage, dtype, max_shard_size, fmt, quiet, base_model, shown_as=final)
+            os.rename(stage, final)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        return [final + path[len(stage) :] for path in written]
+    except OSError as exc:  # a full disk, a read-only folder: the errno in words, where, and the fix
+        if isinstance(exc, CheckpointWriteError) or exc.errno not in _WRITE_ERRNOS:
+            raise
+        raise write_error(exc, out) from exc
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
