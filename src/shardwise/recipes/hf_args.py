@@ -41,7 +41,7 @@ RECIPE_LORA_R = 64  # the PEFT SFT recipe's lora_r when --use_peft_lora comes wi
 NOT_HONOURED = {
     "log_level": "shardwise prints rank 0's progress lines; set the Python logging level yourself for more",
     "log_level_replica": "only rank 0 prints progress",
-    "report_to": "shardwise logs to CSV in output_dir",
+    "report_to": "shardwise logs to TensorBoard (CSV without tensorboard installed) in output_dir/shardwise_logs",
     "do_train": "shardwise finetune always trains",
     "do_eval": "evaluation runs when eval_steps is set",
 }
