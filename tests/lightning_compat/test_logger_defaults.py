@@ -1,12 +1,14 @@
 """Loggers as Lightning's: TensorBoard is the default when installed, CSVLogger has an `experiment`, and
 `experiment` on ranks other than 0 is an object whose every call does nothing (code written for rank 0,
-such as the GAN example's `self.logger.experiment.add_image(...)`, runs on every rank)."""
+such as the GAN example's `self.logger.experiment.add_image(...)`, runs on every rank), and the loggers take
+Lightning's arguments (prefix, flush_logs_every_n_steps, sub_dir, default_hp_metric; log_graph refused)."""
 
 from __future__ import annotations
 
 import csv
 import os
 
+import pytest
 import torch
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
@@ -68,3 +70,22 @@ def test_experiment_on_other_ranks_does_nothing(tmp_path, monkeypatch):
         assert experiment.log_metrics({"a": 1.0}, step=0) is None
         assert experiment["anything"].add_scalar("a", 1.0) is None
     assert not os.listdir(tmp_path)  # nothing written on a rank other than 0
+
+
+def test_lightnings_logger_arguments(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv", prefix="train", flush_logs_every_n_steps=1)
+    csv_logger.log_metrics({"loss": 0.5}, step=1)  # written at once: flush_logs_every_n_steps=1
+    with open(csv_logger.metrics_file, newline="") as fh:
+        assert list(csv.DictReader(fh)) == [{"step": "1", "train-loss": "0.5"}]
+
+    tb = TensorBoardLogger(str(tmp_path), name="tb", prefix="train", sub_dir="sub", default_hp_metric=False)
+    assert tb.log_dir == str(tmp_path / "tb" / "version_0" / "sub")
+    tb.log_metrics({"loss": 0.5}, step=1)
+    tb.finalize("success")
+    events = EventAccumulator(tb.log_dir)
+    events.Reload()
+    assert events.Tags()["scalars"] == ["train-loss"]
+    with pytest.raises(ValueError, match="add_graph"):
+        TensorBoardLogger(str(tmp_path), log_graph=True)

@@ -47,6 +47,11 @@ def to_scalar(value: Any) -> Any:
     return value
 
 
+def add_prefix(metrics: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+    """Lightning's logger `prefix`: every name becomes `<prefix>-<name>`."""
+    return {f"{prefix}-{k}": v for k, v in metrics.items()} if prefix else metrics
+
+
 def flatten_dict(d: Mapping, prefix: str = "", sep: str = "/") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in d.items():
@@ -227,8 +232,10 @@ class CSVLogger(VersionedLogDir):
     """Log metrics to ``<save_dir>/<name>/version_<n>/metrics.csv``.
 
     ``version=None`` picks the next free number; a string version is used as the
-    directory name as is. Call pattern (from the Trainer): log_hyperparams(dict),
-    log_metrics(dict, step), save(), finalize(status).
+    directory name as is. ``prefix`` is put before every metric name (``prefix-name``),
+    and rows are written every ``flush_logs_every_n_steps`` log calls (Lightning's
+    arguments; ``flush_every_n_steps`` is the same). Call pattern (from the Trainer):
+    log_hyperparams(dict), log_metrics(dict, step), save(), finalize(status).
     """
 
     def __init__(
@@ -236,12 +243,15 @@ class CSVLogger(VersionedLogDir):
         save_dir: str,
         name: str = "shardwise_logs",
         version: int | str | None = None,
-        flush_every_n_steps: int = 100,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+        flush_every_n_steps: int | None = None,
     ):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._chosen_version = version
-        self._flush_every = max(1, flush_every_n_steps)
+        self._prefix = prefix
+        self._flush_every = max(1, flush_logs_every_n_steps if flush_every_n_steps is None else flush_every_n_steps)
         self._columns: list[str] = []  # the header currently on disk
         self._pending: list[dict[str, Any]] = []
         self._hparams: dict[str, Any] = {}
@@ -264,7 +274,7 @@ class CSVLogger(VersionedLogDir):
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         if not rank_zero():
             return
-        row = {k: to_scalar(v) for k, v in flatten_dict(metrics).items()}
+        row = {k: to_scalar(v) for k, v in flatten_dict(add_prefix(metrics, self._prefix)).items()}
         if step is not None:
             row["step"] = int(step)
         self.note_step(step)

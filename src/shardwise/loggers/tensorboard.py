@@ -13,6 +13,7 @@ from shardwise.loggers.csv import (
     HPARAMS_FILE,
     NoOpExperiment,
     VersionedLogDir,
+    add_prefix,
     flatten_dict,
     hparams_to_dict,
     rank_zero,
@@ -35,19 +36,53 @@ def _summary_writer_class():
 
 
 class TensorBoardLogger(VersionedLogDir):
-    """Log scalars to TensorBoard: ``tensorboard --logdir <save_dir>/<name>``."""
+    """Log scalars to TensorBoard: ``tensorboard --logdir <save_dir>/<name>``.
+
+    Lightning's arguments: ``prefix`` is put before every metric name (``prefix-name``); ``sub_dir``
+    groups the run's files in ``<save_dir>/<name>/version_<n>/<sub_dir>``; ``default_hp_metric`` is
+    accepted and changes nothing, since the hyper-parameters go to a text table and hparams.yaml rather
+    than TensorBoard's HPARAMS tab and its placeholder metric; ``log_graph=True`` is refused (write the
+    graph with ``logger.experiment.add_graph(model, example_input)``). Other keywords go to the
+    SummaryWriter.
+    """
 
     def __init__(
-        self, save_dir: str, name: str = "shardwise_logs", version: int | str | None = None, **writer_kwargs: Any
+        self,
+        save_dir: str,
+        name: str = "shardwise_logs",
+        version: int | str | None = None,
+        log_graph: bool = False,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: str | None = None,
+        **writer_kwargs: Any,
     ):
+        if log_graph:
+            raise ValueError(
+                "TensorBoardLogger(log_graph=True) is not supported: the Trainer does not trace the model with "
+                "an example input. Write the graph yourself, e.g. in on_fit_start: "
+                "self.logger.experiment.add_graph(model, example_input)."
+            )
+        del default_hp_metric  # no HPARAMS tab, so no placeholder metric for it (class docstring)
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._chosen_version = version
+        self._prefix = prefix
+        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
         self._writer_kwargs = writer_kwargs
         self._writer = None
         self._hparams: dict[str, Any] = {}
         if rank_zero():
             _summary_writer_class()  # fail at construction, not at the first logged step
+
+    @property
+    def sub_dir(self) -> str | None:
+        return self._sub_dir
+
+    @property
+    def log_dir(self) -> str:
+        log_dir = super().log_dir
+        return os.path.join(log_dir, self._sub_dir) if self._sub_dir else log_dir
 
     @property
     def experiment(self) -> Any:
@@ -81,7 +116,7 @@ class TensorBoardLogger(VersionedLogDir):
         if writer is None:
             return
         self.note_step(step)
-        for key, value in flatten_dict(metrics).items():
+        for key, value in flatten_dict(add_prefix(metrics, self._prefix)).items():
             value = to_scalar(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 writer.add_scalar(key, value, global_step=step)
