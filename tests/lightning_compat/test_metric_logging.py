@@ -119,3 +119,11 @@ def test_test_and_validate_name_their_metrics_as_lightning():
     fresh = shardwise.Trainer(**options)
     (tested,) = fresh.test(_Keys(), loader(), verbose=False)
     assert sorted(tested) == ["test_loss_epoch", "test_only"] and fresh.global_step == 0
+
+
+def test_a_metric_collection_given_to_log_names_log_dict():
+    from torchmetrics import MetricCollection
+
+    collection = MetricCollection({"acc": MulticlassAccuracy(num_classes=3)})
+    with pytest.raises(TypeError, match=r"self.log_dict\(collection\)"):
+        ml.Classifier().log("metrics", collection)
