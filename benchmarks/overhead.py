@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import shardwise
 from shardwise import FSDPStrategy, Trainer
-from shardwise.demos import LanguageModel, PythonDocsText, Transformer
+from shardwise.demos import LanguageModel, PythonDocsText
+from shardwise.models import Transformer  # what LanguageModel trains (shardwise.demos.Transformer is Lightning's)
 
 LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 SIZE = dict(nlayers=4, nhid=1024, ninp=256, nhead=4)
