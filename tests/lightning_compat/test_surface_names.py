@@ -28,6 +28,12 @@ NAMES = {
         "SpikeDetection", "StochasticWeightAveraging", "TQDMProgressBar", "ThroughputMonitor", "Timer",
         "WeightAveraging",
     ],
+    # Lightning's module paths scripts import single callbacks from.
+    "lightning.pytorch.callbacks.model_checkpoint": ["ModelCheckpoint"],
+    "lightning.pytorch.callbacks.early_stopping": ["EarlyStopping"],
+    "lightning.pytorch.callbacks.lr_monitor": ["LearningRateMonitor"],
+    "lightning.pytorch.callbacks.callback": ["Callback"],
+    "lightning.pytorch.callbacks.model_summary": ["ModelSummary"],
     "lightning.pytorch.strategies": [
         "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy",
         "SingleDeviceStrategy", "Strategy",
