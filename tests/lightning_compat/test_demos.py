@@ -52,7 +52,7 @@ def test_wikitext2_takes_lightnings_arguments_and_never_downloads(tmp_path, monk
 
     class Record(shardwise.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            losses.append(float(outputs if torch.is_tensor(outputs) else outputs["loss"]))
+            losses.append(float((outputs if torch.is_tensor(outputs) else outputs["loss"]).detach()))
 
     trainer = shardwise.Trainer(
         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Record()]
