@@ -34,6 +34,7 @@ NAMES = {
     "lightning.pytorch.callbacks.lr_monitor": ["LearningRateMonitor"],
     "lightning.pytorch.callbacks.callback": ["Callback"],
     "lightning.pytorch.callbacks.model_summary": ["ModelSummary"],
+    "lightning.pytorch.callbacks.progress": ["RichProgressBar", "TQDMProgressBar"],
     "lightning.pytorch.strategies": [
         "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy",
         "SingleDeviceStrategy", "Strategy",

@@ -15,17 +15,9 @@ from shardwise.callbacks.early_stopping import EarlyStopping
 from shardwise.callbacks.fingerprint import BatchFingerprint
 from shardwise.callbacks.lr_monitor import LearningRateMonitor
 from shardwise.callbacks.model_summary import ModelSummary, RichModelSummary
-from shardwise.callbacks.progress import RichProgressBar
+from shardwise.callbacks.progress import RichProgressBar, TQDMProgressBar
 from shardwise.callbacks.throughput import ThroughputMonitor
 from shardwise.utilities.refusal import build_refused_class
-
-
-class TQDMProgressBar(RichProgressBar):
-    """Lightning's tqdm bar: the progress bar here is RichProgressBar, drawn every `refresh_rate` batches."""
-
-    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
-        super().__init__(refresh_rate=refresh_rate, leave=leave)
-        self.process_position = process_position
 
 
 class LambdaCallback(Callback):

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from shardwise import memory
 
-__all__ = ["RichProgressBar"]
+__all__ = ["RichProgressBar", "TQDMProgressBar"]
 
 
 def _fmt(value: Any) -> str:
@@ -285,3 +285,11 @@ class RichProgressBar:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class TQDMProgressBar(RichProgressBar):
+    """Lightning's tqdm bar: the progress bar here is RichProgressBar, drawn every `refresh_rate` batches."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self.process_position = process_position
