@@ -170,7 +170,11 @@ def estimated_checkpoint_bytes(strategy: Any, directory: str, adapter: bool = Fa
     )
     total = sum(int(getattr(t, "ds_numel", t.numel())) * t.element_size() for t in tensors)
     for opt in strategy.optimizers:
-        for per_param in getattr(opt, "state", {}).values():
+        try:
+            states = list(getattr(opt, "state", {}).values())
+        except Exception:  # noqa: BLE001 - an engine's optimizer wrapper without a plain `state`: count the model
+            states = []
+        for per_param in states:
             if isinstance(per_param, dict):
                 total += sum(t.numel() * t.element_size() for t in per_param.values() if isinstance(t, torch.Tensor))
     return total, "the model's and optimizers' state"
