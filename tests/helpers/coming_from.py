@@ -412,8 +412,10 @@ ROWS: List[Row] = [
         "the same",
         "uploaded from rank 0 in the background after the export is verified; every_save: each checkpoint to "
         "last-checkpoint/",
-        lambda: _argv("--push_to_hub", "--hub_strategy", "every_save")
-        == ["--push_to_hub", "true", "--hub_strategy", "every_save"],
+        lambda: (
+            _argv("--push_to_hub", "--hub_strategy", "every_save")
+            == ["--push_to_hub", "true", "--hub_strategy", "every_save"]
+        ),
     ),
     Row(
         "HF recipe",
