@@ -26,11 +26,12 @@ def _close(a: float, b: float) -> bool:
 
 
 # transformer.py shuffles its training loader (shuffle=True): shardwise replaces that sampler with its
-# resumable one, so the batches may come in another order than torch's RandomSampler gives Lightning
-# (docs/coming-from.md); measured: test_loss 7.046532 vs 7.046696 after 3 steps (2.3e-5 relative), not
-# yet traced to that cause. strict: the day it matches, this marker must go.
+# resumable one, whose order is not torch's RandomSampler's (docs/coming-from.md), so the batches differ:
+# test_loss 7.046532 vs Lightning's 7.046696 after 3 steps (2.3e-5 relative). With shuffle=False in both
+# runs (measured by editing a scratch copy) they agree: 7.0464493 vs 7.0464492, the same weights. strict:
+# the day the orders agree, this marker must go.
 ONE_PROCESS = [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="2.3e-5 off Lightning's, see above"))
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="the shuffled loader's order differs, see above"))
     if name == "transformer"
     else name
     for name in sorted(PORTS)
