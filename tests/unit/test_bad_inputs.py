@@ -11,7 +11,9 @@ returns None follows Lightning's rule instead: the batch is skipped, not refused
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 import types
 
 import pytest
@@ -105,6 +107,19 @@ def _wandb_missing(monkeypatch):
     WandbLogger(project="p")
 
 
+def _mlflow_unreachable():
+    from shardwise.loggers import MLflowLogger
+
+    with socket.socket() as sock:  # a port nothing listens on: bound, then closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    try:
+        MLflowLogger(tracking_uri=f"http://127.0.0.1:{port}")
+    finally:
+        assert time.monotonic() - started < 15  # bounded: MLflow's own client retried for 262 s
+
+
 def _fit(module, data=None):
     def run(tmp_path):
         before = _weights(module)
@@ -149,6 +164,7 @@ CASES = {
     "tp_not_dividing_world": (lambda t, m: _degrees(3, 1), ValueError, r"= 3 does not divide the 2 processes"),
     "sp_not_dividing_world": (lambda t, m: _degrees(1, 3), ValueError, r"= 3 does not divide the 2 processes"),
     "logger_without_package": (lambda t, m: _wandb_missing(m), ImportError, r"pip install .*shardwise\[wandb\]"),
+    "logger_server_unreachable": (lambda t, m: _mlflow_unreachable(), ConnectionError, r"cannot be reached.*CSVLogger"),
     "dict_without_loss": (lambda t, m: _fit(Returns({"out": 1.0}))(t), TypeError, r"a dict with a 'loss' key"),
     "int_from_training_step": (lambda t, m: _fit(Returns(3))(t), TypeError, r"must return a loss tensor"),
     "loader_yields_nothing": (lambda t, m: _fit(Net(), EMPTY)(t), ValueError, r"(?i)empty|no batch"),

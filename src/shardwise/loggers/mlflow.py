@@ -8,8 +8,11 @@
 # reported, not silently dropped.
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any, Dict, List, Optional, Set
+from urllib.parse import urlparse
 
 from shardwise.loggers.csv import NoOpExperiment, rank_zero
 from shardwise.loggers.tracker import TrackerLogger, warn_changed
@@ -18,6 +21,28 @@ __all__ = ["MLflowLogger"]
 
 # MLflow's limits for one log_batch call and one parameter value.
 _BATCH_METRICS, _BATCH_PARAMS, _PARAM_CHARS = 1000, 100, 6000
+
+
+# How long the logger waits for an http(s) tracking server to accept a connection before refusing the run.
+# MLflow's own client retries an unreachable server for minutes (262 s measured) before its first error.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def check_reachable(tracking_uri: Optional[str], timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse, within `timeout_s`, an http(s) tracking server that does not accept a connection."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return  # a file store, databricks, or MLflow's local default: nothing to reach over the network
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"MLflowLogger: the tracking server {uri} cannot be reached ({err}; waited at most {timeout_s:g} s). "
+            "Start the server or fix tracking_uri / MLFLOW_TRACKING_URI; to train without it, pass "
+            "logger=CSVLogger(...) (the metrics can be imported into MLflow later)."
+        ) from None
 
 
 def _mlflow():
@@ -60,6 +85,7 @@ class MLflowLogger(TrackerLogger):
         self._client: Any = None
         if rank_zero():
             _mlflow()  # fail at construction, not at the first logged step
+            check_reachable(tracking_uri)
 
     @property
     def log_dir(self) -> Optional[str]:
