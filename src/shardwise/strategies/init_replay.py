@@ -65,6 +65,13 @@ def recorded_tensors(module: nn.Module) -> Optional[Tuple["InitRecord", Dict[str
     return entry if entry is not None and not entry[0].replayed else None
 
 
+def forget_recorded(module: nn.Module) -> None:
+    """Drop the recordings of `module`'s tree (an init_weights() hook replaced the replay): their ops and
+    constants need not live as long as the model."""
+    for sub in module.modules():
+        _BOUND.pop(sub, None)
+
+
 class InitReplayError(RuntimeError):
     """The model's construction did something on the meta device that cannot be redone on real tensors."""
 

@@ -35,7 +35,14 @@ from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp
 
 from shardwise.adapters.quantize import reset_4bit_fn
 from shardwise.seed import module_seed, rng_devices
-from shardwise.strategies.init_replay import InitRecord, Ref, record_init, recorded_tensors, view_of
+from shardwise.strategies.init_replay import (
+    InitRecord,
+    Ref,
+    forget_recorded,
+    record_init,
+    recorded_tensors,
+    view_of,
+)
 
 
 class UninitializedParameterError(RuntimeError):
@@ -188,6 +195,7 @@ def materialize_module(
     versions = {id(t): (t._version, _local(t)._version) for _, t in targets}
 
     if init_weights is not None:
+        forget_recorded(module)
         init_weights()
     else:
         replays = recorded_targets(module, meta_names)
