@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.callbacks import DeviceStatsMonitor
-from shardwise.demos import Transformer, load_text_dataset
+from shardwise.demos import load_text_dataset
+from shardwise.models import Transformer
 
 SIZES = {
     "tiny": dict(nlayers=2, nhid=256, ninp=64, nhead=4),
