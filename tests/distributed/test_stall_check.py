@@ -73,6 +73,9 @@ def test_forward_on_rank_zero_only_in_a_callback_is_named_in_seconds(monkeypatch
 
     assert "CollectiveMismatchError" in message and "different collectives" in message
     first = message.splitlines()[0]
-    assert "rank 0 called all_gather" in first and "from on_train_epoch_end (test_stall_check.py:" in first, first
+    assert "rank 0 called all_gather" in first, first
+    # Where it began comes from each collective's Python stack; on a loaded machine the stacks can miss the
+    # check's wait (seen once in a full suite run), and then the message says so instead of guessing.
+    assert "from on_train_epoch_end (test_stall_check.py:" in first or "stacks were not read in time" in first, first
     assert "No rank moved for 4 s" in message  # the workers read the variable: this is the check's doing
     assert elapsed < 60, f"named after {elapsed:.0f} s"

@@ -334,7 +334,9 @@ def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Optional
     asked = flight.request_dumps(directory, stacks=True)
     flight.write_dump(directory, rank, stacks=True)
     flight.wait_for_dumps(directory, peers, asked, timeout_s=45.0)  # symbolising takes 5-6 s a rank, more under load
-    where = flight.first_divergence(flight.read_dumps(directory)) or finding.text
+    where = flight.first_divergence(flight.read_dumps(directory))
+    if where is None:  # stacks not back in time (seen on a loaded 2-core machine): what differs, without where
+        where = f"{finding.text} (where it began is not known: the ranks' Python stacks were not read in time)"
     return (
         f"The ranks ran different collectives and are waiting for each other: {where}. A collective that "
         "only some ranks reach (a forward of a sharded model, a sync_dist log, a barrier or all_gather "
