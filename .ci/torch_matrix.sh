@@ -22,8 +22,8 @@ work=${TORCH_MATRIX_DIR:-/tmp/shardwise-torch-matrix}
 py=${PYTHON:-python3}
 mkdir -p "$work/wheels"
 
-# The claimed lower bound, read from pyproject.toml's `"torch>=X,<=Y"` so the default follows the claim.
-lower=$(sed -n 's/^ *"torch>=\([0-9.]*\),.*/\1/p' pyproject.toml | head -1)
+# The claimed lower bound, read from pyproject.toml's `"torch>=X"` (or `"torch>=X,<=Y"`) so the default follows the claim.
+lower=$(sed -n 's/^ *"torch>=\([0-9.]*\)[,"].*/\1/p' pyproject.toml | head -1)
 # torch 2.11: what the GPU machines we are lent carry. Run once when it is the lower bound too.
 if [ $# -gt 0 ]; then
   versions=("$@")
