@@ -13,11 +13,12 @@ file holds the holder's host, pid and start time, for the message only.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import os
 import socket
-from typing import Optional
+from typing import Iterator, Optional
 
 from shardwise.checkpoint.errors import CheckpointError
 
@@ -72,6 +73,29 @@ class DirectoryLock:
             pass
         finally:
             os.close(fd)  # releases the flock
+
+
+@contextlib.contextmanager
+def waiting_lock(path: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created), waiting for a live holder; the file goes when done.
+
+    For work one process does and the others wait for (a cache entry built once). As with
+    DirectoryLock, a lock taken on a file its holder deleted meanwhile is taken again on the new one,
+    so two waiters never both think they hold it; a killed holder's flock is dropped by the kernel.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _same_file(fd, path):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still locked: nobody can hold a lock on this inode now
+        os.close(fd)
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -21,18 +21,17 @@ its `prepare_data` (the tokenisation) before any rank reads the cache.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
+from shardwise.checkpoint.lock import waiting_lock
 from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.module import DataModule
@@ -435,22 +434,10 @@ def default_cache_dir() -> str:
     return os.path.join(constants.HF_HOME, "shardwise", "tokenized")
 
 
-@contextlib.contextmanager
-def _entry_lock(cache_dir: str, key: str) -> Iterator[None]:
-    """Held while one entry is built: a second run with the same data waits, then finds it built. An
-    flock: the kernel drops it when its holder dies, so a killed build never blocks the next run. The
-    file goes when the build ends; a waiter then holds a lock on a deleted file, which is harmless: it
-    checks for the entry before building, and builds write a private folder renamed into place."""
-    os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, f".{key}.lock")
-    with open(path, "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+def _entry_lock(cache_dir: str, key: str):
+    """Held while one entry is built: a second run with the same data waits, then finds it built (it
+    checks for the entry before building, and builds write a private folder renamed into place)."""
+    return waiting_lock(os.path.join(cache_dir, f".{key}.lock"))
 
 
 # ----------------------------------------------------------------- datasets
