@@ -19,8 +19,11 @@ host. Every constant is a named, documented assumption; `--interconnect`,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
+
+import torch
 
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
@@ -40,10 +43,6 @@ GPUS: Dict[str, Dict[str, float]] = {
 
 def gpu_of_this_machine(default: str = "a100") -> str:
     """The GPUS entry for the CUDA device this process sees (a Trainer planning its own run), else `default`."""
-    import re
-
-    import torch
-
     if not torch.cuda.is_available():
         return default
     name = torch.cuda.get_device_name().lower()

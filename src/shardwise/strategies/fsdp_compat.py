@@ -10,6 +10,7 @@ and never a TypeError. The table of every name lives in shardwise/compat.py.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any, Optional, Set, Tuple
@@ -154,6 +155,7 @@ def precision_from_mixed_precision(mp: Any) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=1)
 def fsdp_keeps_integer_params() -> bool:
     """Whether this torch's fully_shard can shard a frozen integer parameter (QLoRA's uint8 4-bit codes).
 
