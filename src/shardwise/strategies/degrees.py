@@ -18,6 +18,7 @@ from typing import Any, List, Optional, Sequence
 
 FLAGS = ("tp_size", "sp_size")  # how the Trainer's strategy, the recipe and the CLI spell the degrees
 FIELDS = ("tp", "sp")  # how a ParallelPlan spells them
+EP_FLAG, EP_FIELD = "ep_size", "ep"  # the expert-parallel degree: the Trainer's / recipe's spelling, a plan's
 
 
 def said(tp: int, sp: int, names: Sequence[str] = FLAGS) -> str:
@@ -224,6 +225,95 @@ def plan_problem(
     )
 
 
+# ---------------------------------------------------------------------- expert parallel
+# ep splits the experts of a mixture-of-experts model over ep ranks carved out of the data-parallel shard
+# ranks (torchtitan's layout): those ranks read different samples and exchange tokens by all-to-all.
+
+
+def expert_degree_problem(ep: int, dp_shard: int, name: str = EP_FLAG) -> Optional[str]:
+    """The ep ranks are carved out of the FSDP shard ranks: ep must divide dp_shard."""
+    if ep == 1 or (dp_shard >= 1 and dp_shard % ep == 0):
+        return None
+    return (
+        f"{name}={ep} does not divide the {dp_shard} data-parallel shard ranks: the expert-parallel ranks are "
+        f"taken from the ranks FSDP shards over (the processes divided by tp x sp and by the replicas). Use a "
+        f"world of a multiple of {ep} shard ranks, or an {name} that divides {dp_shard}."
+    )
+
+
+def experts_problem(
+    ep: int, num_experts: Optional[int], model: str = "the model", name: str = EP_FLAG
+) -> Optional[str]:
+    """Each ep rank holds num_experts / ep whole experts."""
+    if ep == 1 or num_experts is None:
+        return None
+    if num_experts < 1:
+        return f"{name}={ep}: {model} has no experts (not a mixture-of-experts model). Leave {name} at 1."
+    if num_experts % ep == 0:
+        return None
+    fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+    return (
+        f"{name}={ep} does not divide {model}'s {num_experts} experts: each expert-parallel rank holds an equal "
+        f"number of whole experts. Use {name} in {fits}."
+    )
+
+
+def expert_engine_problem(engine: str, ep: int, name: str = EP_FLAG) -> Optional[str]:
+    """Expert parallel is a dimension of the FSDP strategy's mesh."""
+    if ep == 1 or engine == "fsdp":
+        return None
+    why = (
+        "ZeRO partitions every parameter over the whole world and has no mesh dimension for experts"
+        if (engine == "deepspeed")
+        else f"engine {engine!r} has no device mesh to place experts on"
+    )
+    return (
+        f"{name}={ep} with engine {engine!r}: expert parallel runs with FSDP only ({why}). Use strategy='fsdp' "
+        f"(FSDPStrategy(..., ep_size={ep}); shardwise finetune: --strategy fsdp --ep_size {ep})."
+    )
+
+
+def expert_combination_problem(
+    ep: int, tp: int = 1, sp: int = 1, offload: bool = False, compiled: bool = False, name: str = EP_FLAG
+) -> Optional[str]:
+    """What expert parallel is not combined with here: tp, sp, CPU offload, torch.compile."""
+    if ep == 1:
+        return None
+    if tp > 1:
+        return (
+            f"{name}={ep} with tp_size={tp}: expert parallel with tensor parallel is not supported (the experts "
+            "would need a tensor-parallel plan of their own). Use ep_size with FSDP alone, or tp_size without "
+            "ep_size."
+        )
+    if sp > 1:
+        return (
+            f"{name}={ep} with sp_size={sp}: expert parallel with sequence parallel is not supported yet (the "
+            "experts' gradients would have to be summed over the sp ranks too). Use ep_size or sp_size."
+        )
+    if offload:
+        return (
+            f"{name}={ep} with cpu_offload (CPU offload): FSDP2's offload does not take the experts' two-dimensional "
+            "(FSDP x ep) parameters. Drop cpu_offload; ep already divides the experts' memory by ep_size."
+        )
+    if compiled:
+        return (
+            f"compile with {name}={ep}: torch.compile with expert parallel is not supported here yet (the token "
+            "all-to-all inside each block is not compiled and tested). Drop compile, or ep_size."
+        )
+    return None
+
+
+def quantized_experts_problem(ep: int, what: str = "QLoRA (4-bit base weights)") -> Optional[str]:
+    """bitsandbytes quantizes nn.Linear weights; stacked [experts, out, in] expert weights are no Linear."""
+    if ep == 1:
+        return None
+    return (
+        f"{EP_FLAG}={ep} with {what}: bitsandbytes quantizes nn.Linear layers, and the experts' weights are "
+        "stacked three-dimensional tensors it cannot quantize or split over ep ranks. Use LoRA (16-bit base "
+        "weights) with ep_size, or QLoRA without it."
+    )
+
+
 __all__ = [
     "FLAGS",
     "FIELDS",
@@ -243,4 +333,11 @@ __all__ = [
     "sequence_problem",
     "split_problem",
     "plan_problem",
+    "EP_FLAG",
+    "EP_FIELD",
+    "expert_degree_problem",
+    "experts_problem",
+    "expert_engine_problem",
+    "expert_combination_problem",
+    "quantized_experts_problem",
 ]

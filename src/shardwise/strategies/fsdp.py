@@ -245,6 +245,7 @@ class FSDPStrategy(Strategy):
         compile: Any = None,
         tp_size: int = 1,
         sp_size: int = 1,
+        ep_size: int = 1,
         **_unknown: Any,
     ) -> None:
         # Lightning / Accelerate / FSDP1 spellings (fsdp_compat.py): enums and objects become our
@@ -280,7 +281,7 @@ class FSDPStrategy(Strategy):
                 "activation_checkpointing_policy, sharding_strategy, cpu_offload, state_dict_type, "
                 "device_mesh, limit_all_gathers, reshard_after_forward, precision, timeout_s, async_save, "
                 "accumulation_sync, optimizer_on_local_shards, activation_checkpointing_mode, "
-                "selective_ac_option, compile, tp_size, sp_size, and Lightning's / torch's "
+                "selective_ac_option, compile, tp_size, sp_size, ep_size, and Lightning's / torch's "
                 "mixed_precision, activation_checkpointing, use_orig_params, sync_module_states, "
                 "backward_prefetch, forward_prefetch."
             )
@@ -320,7 +321,7 @@ class FSDPStrategy(Strategy):
         self.reshard_after_forward = (
             sharding_strategy != "SHARD_GRAD_OP" if reshard_after_forward is None else reshard_after_forward
         )
-        for name, value in zip(degrees.FLAGS, (tp_size, sp_size)):
+        for name, value in zip(degrees.FLAGS + (degrees.EP_FLAG,), (tp_size, sp_size, ep_size)):
             degrees.refuse(degrees.value_problem(name, value))
         shape = tuple(device_mesh.shape if isinstance(device_mesh, DeviceMesh) else device_mesh or (1, -1))
         # The strategy's configuration, kept once: sharding, offload, mesh degrees (refused now, named, when
@@ -332,6 +333,7 @@ class FSDPStrategy(Strategy):
             dp_shard=shape[-1],
             tp=tp_size,
             sp=sp_size,
+            ep=ep_size,
             offload_params=bool(cpu_offload),
             offload_optimizer=bool(cpu_offload),
         )
@@ -339,6 +341,7 @@ class FSDPStrategy(Strategy):
         self.world_mesh: Optional[DeviceMesh] = None  # (dp_replicate, dp_shard, sp, tp), when tp or sp > 1
         self.tp_mesh: Optional[DeviceMesh] = None
         self.sp_mesh: Optional[DeviceMesh] = None
+        self.ep_mesh = self.expert_mesh = None  # under ep: the experts' placement, their FSDP2 mesh (mesh.py)
         self._manual_units: List[nn.Module] = []
 
     @property
@@ -360,6 +363,10 @@ class FSDPStrategy(Strategy):
     @property
     def sp_size(self) -> int:
         return self.plan.sp
+
+    @property
+    def ep_size(self) -> int:
+        return self.plan.ep
 
     @property
     def parallel_plan(self) -> Any:
@@ -393,7 +400,7 @@ class FSDPStrategy(Strategy):
 
         One all-gather of three numbers per rank, once an epoch: a sampler of the user's own that splits
         by global rank would otherwise train each rank's shard of a different sample, silently."""
-        if self.world_mesh is None or self.fake_mode is not None:
+        if self.world_mesh is None or self.fake_mode is not None or not self.layout.has_model_parallel:
             return
         found = check_same_within_groups(batch, self.layout.batch_groups())
         if found is not None:
@@ -425,12 +432,13 @@ class FSDPStrategy(Strategy):
         self._build_meshes(env.world_size)
 
     def _build_meshes(self, world_size: int) -> None:
-        if isinstance(self.device_mesh_arg, DeviceMesh) and self.plan.tp == self.plan.sp == 1:
+        if isinstance(self.device_mesh_arg, DeviceMesh) and self.plan.tp == self.plan.sp == self.plan.ep == 1:
             self.mesh = self.device_mesh_arg  # the user's own: FSDP2 shards over it as it is
             return
         layout = ParallelMesh.from_plan(self.plan, world_size, getattr(self, "num_nodes", 1) or 1)
         meshes = layout.build(self.root_device.type)
         self.world_mesh, self.mesh, self.sp_mesh, self.tp_mesh = meshes.world, meshes.fsdp, meshes.sp, meshes.tp
+        self.ep_mesh, self.expert_mesh = meshes.ep, meshes.expert_fsdp
 
     def _fsdp_kwargs(self) -> dict:
         kwargs: dict = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
@@ -469,6 +477,10 @@ class FSDPStrategy(Strategy):
             from shardwise.strategies.sequence_parallel import apply_sequence_parallel
 
             apply_sequence_parallel(module, self.sp_mesh)
+        if self.ep_mesh is not None:  # experts split over ep (strategies/experts.py), sharded apart below
+            from shardwise.strategies.experts import apply_expert_parallel
+
+            apply_expert_parallel(module, self.ep_mesh, type(module).__name__)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(
                 module,
@@ -490,6 +502,10 @@ class FSDPStrategy(Strategy):
         ignored = integer_params_to_ignore(module, self.mesh.size())
         if ignored:
             kwargs["ignored_params"] = ignored
+        if self.expert_mesh is not None:  # each experts module its own unit first, over dp_shard / ep
+            from shardwise.strategies.experts import shard_experts
+
+            shard_experts(module, self.expert_mesh, self.mesh.size(), kwargs)
         for _, unit in units:
             fully_shard(unit, **kwargs)
         # The root unit also owns what no policy selected (embeddings, head).

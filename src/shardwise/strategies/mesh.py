@@ -11,6 +11,12 @@ Nothing else in the package does rank arithmetic: a new dimension (expert, pipel
 layout and every answer follows. `build` makes the DeviceMeshes with one set of dimension names;
 `check_same_within_groups` lets a strategy prove on an epoch's first batch that each batch group read
 the same samples, instead of training on mismatched shards silently.
+
+Expert parallel (ep) is carved out of dp_shard, torchtitan's layout: the dp_shard coordinate is
+(dp_shard // ep, dp_shard % ep), ep varying fastest, so the rank numbering and every answer above stay
+those of the plan without ep, the ep ranks read different samples (they are data-parallel ranks) and
+exchange tokens by all-to-all inside their `expert_group`; FSDP2 shards the other parameters over
+dp_shard as before and the experts over `expert_shard_group` (dp_shard / ep ranks).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from shardwise.strategies.parallel import FILL, MeshDims, ParallelPlan
 
 DIMS = ("dp_replicate", "dp_shard", "sp", "tp")  # the world's dimensions, outermost first
 SHARD_SP = "dp_shard_sp"  # FSDP2's shard dimension under sequence parallel: dp_shard and sp flattened
+# Under expert parallel the world's DeviceMesh splits dp_shard in two, ep the inner part (EXPERT_DIMS).
+EXPERT_SHARD = "dp_shard_mod_ep"  # the experts' FSDP dimension: dp_shard / ep ranks holding the same experts
+EXPERT_DIMS = ("dp_replicate", EXPERT_SHARD, "ep", "sp", "tp")
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class ParallelMesh:
     def from_plan(cls, plan: ParallelPlan, world_size: int, num_nodes: int = 1) -> "ParallelMesh":
         """The layout of `plan` on `world_size` ranks (ValueError, naming the fix, if it cannot be laid out)."""
         dims = plan.mesh(world_size, num_nodes)
-        if dims.tp * dims.sp == 1:
+        if dims.tp * dims.sp * dims.ep == 1:
             two_d = plan.engine == "fsdp" and plan.dp_degrees != (1, FILL)
         else:
             two_d = dims.dp_replicate > 1
@@ -76,6 +85,11 @@ class ParallelMesh:
     def has_model_parallel(self) -> bool:
         """Whether any rank shares its batch with another (tp or sp > 1)."""
         return self.batch_group_size > 1
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks that split the experts between them and exchange tokens (ep)."""
+        return self.dims.ep
 
     # ------------------------------------------------------------------ one rank
     def coordinates(self, rank: int) -> Dict[str, int]:
@@ -127,6 +141,24 @@ class ParallelMesh:
         """The ranks that hold `rank`'s shard as replicas (the all-reduce of HSDP / NO_SHARD)."""
         return self.group(rank, ("dp_replicate",))
 
+    def expert_rank(self, rank: int) -> int:
+        """`rank`'s index in its expert group: it holds experts [i * E/ep, (i + 1) * E/ep)."""
+        return self.coordinates(rank)["dp_shard"] % self.dims.ep
+
+    def expert_group(self, rank: int) -> List[int]:
+        """The ep ranks that split the experts and exchange tokens with `rank` (consecutive dp_shard ranks)."""
+        ep = self.dims.ep
+        return [
+            r
+            for r in self.group(rank, ("dp_shard",))
+            if self.coordinates(r)["dp_shard"] // ep == (self.coordinates(rank)["dp_shard"] // ep)
+        ]
+
+    def expert_shard_group(self, rank: int) -> List[int]:
+        """The ranks FSDP2 shards `rank`'s experts over: dp_shard ranks holding the same experts (dp_shard / ep)."""
+        ep, mine = self.dims.ep, self.expert_rank(rank)
+        return [r for r in self.group(rank, ("dp_shard",)) if self.coordinates(r)["dp_shard"] % ep == mine]
+
     # ------------------------------------------------------------------ DeviceMeshes
     def build(self, device_type: str) -> "Meshes":
         """The DeviceMeshes of this layout (collective: every rank of the world calls it).
@@ -136,6 +168,8 @@ class ParallelMesh:
         dimensions, FSDP2 on (dp_replicate,) dp_shard x sp flattened, tp and sp on their own 1-D meshes.
         """
         d = self.dims
+        if d.ep > 1:
+            return self._build_expert(device_type)
         if not self.has_model_parallel:
             if self.replicate_dim:
                 fsdp = init_device_mesh(device_type, (d.dp_replicate, d.dp_shard), mesh_dim_names=DIMS[:2])
@@ -158,6 +192,22 @@ class ParallelMesh:
             tp=world["tp"] if d.tp > 1 else None,
         )
 
+    def _build_expert(self, device_type: str) -> "Meshes":
+        """Under ep: one world mesh over EXPERT_DIMS; FSDP2's mesh flattens (dp_shard_mod_ep, ep) back into
+        dp_shard (with dp_replicate before it when there are replicas); the experts' FSDP2 mesh is
+        dp_shard_mod_ep (same replicas); the ep mesh places the experts and carries the token all-to-all."""
+        d = self.dims
+        shape = (d.dp_replicate, d.dp_shard // d.ep, d.ep, d.sp, d.tp)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_DIMS)
+        fsdp = world[EXPERT_SHARD, "ep"]._flatten("dp_shard")
+        experts = world[EXPERT_SHARD]
+        if d.dp_replicate > 1:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                fsdp = world["dp_replicate", "dp_shard"]
+            experts = world["dp_replicate", EXPERT_SHARD]
+        return Meshes(fsdp=fsdp, world=world, ep=world["ep"], expert_fsdp=experts)
+
 
 @dataclass
 class Meshes:
@@ -167,6 +217,8 @@ class Meshes:
     world: Optional[DeviceMesh] = None
     sp: Optional[DeviceMesh] = None
     tp: Optional[DeviceMesh] = None
+    ep: Optional[DeviceMesh] = None  # the experts' placement and token all-to-all (expert parallel)
+    expert_fsdp: Optional[DeviceMesh] = None  # FSDP2's mesh for the experts: dp_shard / ep (and replicas)
 
 
 def check_same_within_groups(batch: Any, groups: Sequence[Sequence[int]]) -> Optional[List[int]]:
@@ -196,4 +248,4 @@ def _leaves(obj: Any) -> Iterator[Any]:
         yield obj
 
 
-__all__ = ["ParallelMesh", "Meshes", "DIMS", "check_same_within_groups"]
+__all__ = ["ParallelMesh", "Meshes", "DIMS", "EXPERT_DIMS", "check_same_within_groups"]

@@ -38,6 +38,7 @@ class MeshDims:
     dp_shard: int
     tp: int = 1
     sp: int = 1
+    ep: int = 1  # expert parallel: carved out of dp_shard (ep divides it), so not a factor of the world
 
     @property
     def world_size(self) -> int:
@@ -57,6 +58,10 @@ class ParallelPlan:
     tp, sp: tensor and sequence parallel degrees (FSDP only). The world is a (dp_replicate, dp_shard,
         sp, tp) mesh, tp varying fastest; the ranks of an sp or tp group read the same samples, FSDP
         shards over the data-parallel and sp ranks together (docs/parallelism.md).
+    ep: expert parallel degree (FSDP only): the experts of a mixture-of-experts model split over ep
+        ranks carved out of dp_shard (ep divides it; the ep ranks read different samples and exchange
+        tokens by all-to-all); FSDP shards the other parameters over dp_shard and the experts over
+        dp_shard / ep (torchtitan's layout).
     sharding: FSDP's sharding ("" means FULL_SHARD for FSDP; other engines have none).
     zero_stage: DeepSpeed's ZeRO stage (None: the strategy's default, 2, or the user's config).
     ac: activation checkpointing of `blocks`: "none" | "full" | "selective" (selective_ac.py;
@@ -74,6 +79,7 @@ class ParallelPlan:
     dp_shard: int = FILL
     tp: int = 1
     sp: int = 1
+    ep: int = 1
     sharding: str = ""
     zero_stage: Optional[int] = None
     ac: str = "none"
@@ -126,7 +132,7 @@ class ParallelPlan:
             base = f"FSDP {self.sharding}"
         else:
             base = "DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
-        for degree, short in ((self.sp, "sp"), (self.tp, "tp")):
+        for degree, short in ((self.sp, "sp"), (self.tp, "tp"), (self.ep, "ep")):
             if degree > 1:
                 base += f" x {short} {degree}"
         if self.offload_optimizer:  # (FSDP offloads both; ZeRO's parameter offload rides on it)
@@ -145,7 +151,7 @@ class ParallelPlan:
         if self.engine == "fsdp":
             extra = "" if self.sharding == "FULL_SHARD" else f', sharding_strategy="{self.sharding}"'
             off = ", cpu_offload=True" if self.offload else ""
-            dims = "".join(f", {n}_size={d}" for n, d in (("sp", self.sp), ("tp", self.tp)) if d > 1)
+            dims = "".join(f", {n}_size={d}" for n, d in (("sp", self.sp), ("tp", self.tp), ("ep", self.ep)) if d > 1)
             return f"FSDPStrategy(auto_wrap_policy={{{block}}}{extra}{dims}{ac}{off})"
         off = (", offload_optimizer=True" if self.offload_optimizer else "") + (
             ", offload_parameters=True" if self.offload_params else ""
@@ -209,7 +215,8 @@ class ParallelPlan:
                 f"device_mesh={(replicate, shard)} has {replicate * shard} ranks but the world size is "
                 f"{dp}; replicate x shard must equal it."
             )
-        return MeshDims(replicate, shard, self.tp, self.sp)
+        degrees.refuse(degrees.expert_degree_problem(self.ep, shard, degrees.EP_FIELD))
+        return MeshDims(replicate, shard, self.tp, self.sp, self.ep)
 
     # ------------------------------------------------------------------ strategy
     def strategy_options(self) -> Dict[str, Any]:
@@ -226,6 +233,8 @@ class ParallelPlan:
                 out["tp_size"] = self.tp
             if self.sp > 1:
                 out["sp_size"] = self.sp
+            if self.ep > 1:
+                out["ep_size"] = self.ep
         elif self.engine == "deepspeed":
             if self.zero_stage is not None:
                 out["stage"] = self.zero_stage
@@ -316,9 +325,13 @@ def _as_blocks(value: Any) -> Any:
 
 def _validate(p: ParallelPlan) -> None:
     """Refuse what no engine can run, naming the field."""
-    for field_name in degrees.FIELDS:
+    for field_name in degrees.FIELDS + (degrees.EP_FIELD,):
         degrees.refuse(degrees.value_problem(field_name, getattr(p, field_name)))
     degrees.refuse(degrees.engine_problem(p.engine, p.tp, p.sp, degrees.FIELDS))
+    degrees.refuse(degrees.expert_engine_problem(p.engine, p.ep, degrees.EP_FIELD))
+    degrees.refuse(
+        degrees.expert_combination_problem(p.ep, p.tp, p.sp, p.offload, p.compile != "none", degrees.EP_FIELD)
+    )
     for field_name in ("dp_replicate", "dp_shard"):
         value = getattr(p, field_name)
         if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != FILL):
