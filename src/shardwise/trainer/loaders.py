@@ -5,17 +5,24 @@ module's own train_dataloader() / val_dataloader(); they are resolved in the
 workers, with the process group up, so that a datamodule's prepare_data runs
 once per node behind a barrier before any rank reads what it prepared. The
 loop takes `limit_*_batches` of a loader (a count or a fraction of it), and an
-empty loader is an error that says why it is empty.
+empty loader is an error that says why it is empty. At N data-parallel ranks
+the run says once, on rank 0, what its training order does that Lightning's
+would not (`announce_order`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, Optional, Tuple, Union
+import warnings
+from typing import Any, Callable, Iterator, Optional, Set, Tuple, Union
 
 from torch.utils.data import IterableDataset
 
 from shardwise.checkpoint.rng import restore_rng_states
+from shardwise.data import find_sampler
+from shardwise.distributed import env
+
+_announced: Set[str] = set()  # what this process has said already: each notice once
 
 
 def resolve_data(
@@ -112,6 +119,34 @@ def empty_epoch_error(loader: Any, epoch: int) -> ValueError:
         f"{describe_empty(loader)} Check the dataset (an IterableDataset must yield "
         "samples on every rank, every epoch)."
     )
+
+
+def announce_order(loader: Any, weighted: bool) -> None:
+    """On global rank 0, once: an unshuffled training loader kept so at N ranks (Lightning shuffles it
+    there), and an epoch end whose repeated samples count in a mean loss (`weighted`: the module has
+    loss_weight, which gives them weight zero)."""
+    sampler = find_sampler(loader)
+    if sampler is None or sampler.num_replicas < 2 or not env.is_global_zero():
+        return
+    ranks = sampler.num_replicas
+    if sampler.kept_unshuffled and "unshuffled" not in _announced:
+        _announced.add("unshuffled")
+        print(
+            f"The training DataLoader is not shuffled (shuffle=False): at {ranks} data-parallel ranks shardwise "
+            "keeps its order, so every number of ranks reads the same global batches. Lightning would shuffle "
+            "it here (its DistributedSampler shuffles every training loader). To shuffle, build it with "
+            "DataLoader(..., shuffle=True)."
+        )
+    if sampler.repeated_samples and not weighted and "repeated" not in _announced:
+        _announced.add("repeated")
+        warnings.warn(
+            f"The training DataLoader's {sampler.length} samples per epoch do not fill the same number of "
+            f"batches of {sampler.batch_size} on each of {ranks} ranks: {sampler.repeated_samples} sample(s) "
+            "are repeated in each epoch's last step (a rank one batch short trains one sample again) and count "
+            "in its mean loss. Use drop_last=True, a dataset size that fills whole batches on every rank, or a "
+            "summed loss with loss_weight(batch) (the repeats then weigh nothing).",
+            stacklevel=3,
+        )
 
 
 def position_sampler(loader: Any, state: Any) -> None:

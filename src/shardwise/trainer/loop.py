@@ -366,7 +366,8 @@ class Trainer(TrainerAttributes):
         loader = self.train_dataloader
         self.num_training_batches = loaders.batches_to_train(loader, self.limit_train_batches, self.val_check_interval)
         pass_idx, window = takes_batch_idx(self.module.training_step), self.accumulate_grad_batches
-        self.weighting = weighting.maybe_build(self.module, self.strategy)
+        self.weighting = weighting.maybe_build(self.module, self.strategy, loader)  # the loader: its repeats
+        loaders.announce_order(loader, weighted=self.weighting is not None)
         if self._preemption_requested():  # signalled during set-up or a restore: no step has started
             self.should_stop = True
         while not self._done() and (self.max_epochs == -1 or state.epoch < self.max_epochs):

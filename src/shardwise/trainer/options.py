@@ -42,6 +42,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from shardwise.data import epoch_length
 from shardwise.metrics import MetricStore
 from shardwise.trainer.arguments import is_int
 from shardwise.trainer.hooks import call_callbacks, call_module
@@ -283,9 +284,9 @@ def estimated_stepping_batches(trainer: Any, loader: Any) -> Union[int, float]:
             and not isinstance(loader.sampler, DistributedSampler)
             and not isinstance(dataset, IterableDataset)
         ):
-            samples = math.ceil(len(dataset) / world)  # DistributedSampler's share: padded to equal
-            size = loader.batch_size or 1
-            batches = samples // size if loader.drop_last else math.ceil(samples / size)
+            size = loader.batch_size or 1  # the sampler's shares (data.py): rank 0's is the longest, in batches
+            samples = epoch_length(len(loader.sampler), world, size, loader.drop_last)
+            batches = math.ceil(math.ceil(samples / world) / size)
         else:
             batches = length(loader)
         batches = limit(trainer.limit_train_batches, batches)

@@ -20,6 +20,11 @@ every item's loss) / G. The step's global mean loss is the sum over ranks of
 each rank's summed losses / G; the Trainer's health-check all-reduce carries
 it (nonfinite.agree), so logging it costs no collective of its own.
 
+An epoch that does not divide over the ranks leaves a rank one batch short;
+the sampler gives it a batch of one repeated sample (data.ResumableSampler),
+which counts here with weight zero and a loss scale of zero: every sample of
+the epoch counts once, and N ranks give the one-process step.
+
 Resume stays exact: nothing is taken from the loader before the loop asks for
 a window's first batch (a checkpoint, saved after an optimizer step, finds
 the loader where the loop without prefetching leaves it), and nothing once
@@ -34,23 +39,33 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional
 
 import torch
 
+from shardwise.data import find_sampler
 from shardwise.module import LoggedValue
 
 LOSS_METRIC = "train_loss"  # the step's global mean loss, as the Trainer logs it
 
 
-def maybe_build(module: Any, strategy: Any) -> Optional["StepWeighting"]:
-    """A StepWeighting when the module defines `loss_weight`, else None (the loss is a mean: as always)."""
+def maybe_build(module: Any, strategy: Any, loader: Any = None) -> Optional["StepWeighting"]:
+    """A StepWeighting when the module defines `loss_weight`, else None (the loss is a mean: as always).
+    `loader`: the train loader, whose sampler says which batch of the epoch is a padding repeat."""
     loss_weight = getattr(module, "loss_weight", None)
-    return StepWeighting(loss_weight, strategy) if callable(loss_weight) else None
+    if not callable(loss_weight):
+        return None
+    sampler = find_sampler(loader)
+    padded = sampler.padded_batch if sampler is not None and sampler.padding else None
+    return StepWeighting(loss_weight, strategy, padded)
 
 
 class StepWeighting:
     """The current optimizer step's global weight, the loss scale it gives, and the step's mean loss."""
 
-    def __init__(self, loss_weight: Callable[[Any], Any], strategy: Any) -> None:
+    def __init__(
+        self, loss_weight: Callable[[Any], Any], strategy: Any, padded: Optional[Callable[[int], bool]] = None
+    ) -> None:
         self.loss_weight = loss_weight
         self.strategy = strategy
+        self.padded = padded  # batch_idx -> whether that batch is the sampler's padding repeat (weight zero)
+        self._scales: Any = None  # (loss_scale, inverse) of the step's real micro-batches
         self.total: Optional[torch.Tensor] = None  # G: sum of loss_weight over the step, all ranks
         self.loss_scale: Optional[torch.Tensor] = None  # gradient_sum_scale / G, what each loss is multiplied by
         self.inverse: Optional[torch.Tensor] = None  # 1 / G (0 when G is 0: nothing to average)
@@ -76,13 +91,19 @@ class StepWeighting:
             taken = list(itertools.islice(iterator, max(size, 0)))
             if not taken:
                 return
-            self.begin(taken)
-            yield from taken
+            padding = [self.padded is not None and self.padded(first + i) for i in range(len(taken))]
+            self.begin(taken, padding)
+            for batch, repeat in zip(taken, padding):
+                self._for_batch(repeat)  # read by the loop as it trains this batch
+                yield batch
 
-    def begin(self, window: List[Any]) -> None:
-        """Start a step over `window` (this rank's micro-batches): agree on G across ranks."""
+    def begin(self, window: List[Any], padding: Optional[List[bool]] = None) -> None:
+        """Start a step over `window` (this rank's micro-batches; `padding` marks the sampler's repeats,
+        which weigh nothing): agree on G across ranks."""
         local = torch.zeros((), dtype=torch.float64)
-        for batch in window:
+        for batch, repeat in zip(window, padding or [False] * len(window)):
+            if repeat:
+                continue
             weight = self.loss_weight(batch)
             # A tensor stays where it is (a CUDA count is not read back here); a number is a CPU scalar.
             local = local + (
@@ -95,8 +116,14 @@ class StepWeighting:
         self.inverse = torch.where(total > 0, 1.0 / total.clamp_min(1e-300), torch.zeros_like(total)).float()
         self.loss_scale = self.inverse * strategy.gradient_sum_scale
         self.total = total
+        self._scales = (self.loss_scale, self.inverse)
         self.local_loss = torch.zeros((), device=strategy.root_device)
         self.step_loss = None
+
+    def _for_batch(self, repeat: bool) -> None:
+        """The loss scale and share of the batch about to be trained: zero for a padding repeat."""
+        scale, inverse = self._scales
+        self.loss_scale, self.inverse = (torch.zeros_like(scale), torch.zeros_like(inverse)) if repeat else self._scales
 
     def add(self, loss: torch.Tensor) -> None:
         """Count one micro-batch's summed loss (before its backward) in this rank's share of the step's mean."""
