@@ -13,25 +13,30 @@ last: a chunk whose record exists is done and is never tokenised again, so an
 interrupted run, started again with the same arguments, continues. The plan
 (the chunks) is written first and a re-run with other inputs or another
 tokenizer is refused. `index.json`, written at the end, is what
-`TokenCorpus` (shards.py) reads.
+`TokenCorpus` (shards.py) reads. `encode_chunks` is the same pool for any
+encoder of records (the fine-tuning recipe's chat, prompt/completion and text
+records): it keeps one entry per record, empty ones included, and a per-token
+loss mask (`<chunk>.mask`, one byte a token) when the encoder gives one.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 INDEX, PLAN = "index.json", "plan.json"
 FORMAT_VERSION = 1
 _BATCH_DOCS = 512  # documents tokenised per tokenizer call: the worker's memory, whatever the chunk
+TEXT_LINE = "\0line"  # the column a .txt input's lines are read into
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,26 @@ class Chunk:
     start: int  # byte offset (jsonl/text), row group (parquet), row (hf)
     end: int  # exclusive
     size: int  # bytes (jsonl/text) or rows: the progress line's measure
+    first: int = -1  # the chunk's first record's number in its input; -1: known only by counting (jsonl/text)
+
+
+_ROWS: Dict[str, Any] = {}  # "rows:NAME" inputs: datasets objects handed in by the caller (register_rows)
+
+
+def register_rows(name: str, dataset: Any) -> str:
+    """An in-memory (or memory-mapped) datasets.Dataset as an input, read by row slices; returns its source name."""
+    _ROWS[name] = dataset
+    return f"rows:{name}"
+
+
+def rows_of(source: str) -> int:
+    """The records of a "rows:" or "hf:" input."""
+    return len(_hf_dataset(source))
 
 
 def _kind(source: str) -> str:
+    if source.startswith("rows:"):
+        return "rows"
     if source.startswith("hf:") or (os.path.isdir(source) and os.path.exists(os.path.join(source, "state.json"))):
         return "hf"
     lower = source.lower()
@@ -62,6 +84,8 @@ def _kind(source: str) -> str:
 def _hf_dataset(source: str) -> Any:
     import datasets
 
+    if source.startswith("rows:"):
+        return _ROWS[source[5:]]
     if not source.startswith("hf:"):
         return datasets.load_from_disk(source)
     name, _, split = source[3:].partition(":")
@@ -73,7 +97,7 @@ def plan_chunks(sources: Sequence[str], chunk_bytes: int, chunk_rows: int) -> Li
     chunks: List[Chunk] = []
     for i, source in enumerate(sources):
         kind = _kind(source)
-        if kind != "hf" and not os.path.exists(source):
+        if kind not in ("hf", "rows") and not os.path.exists(source):
             raise FileNotFoundError(f"prepare: input {source!r} does not exist.")
         if kind in ("jsonl", "text"):
             size = os.path.getsize(source)
@@ -88,7 +112,10 @@ def plan_chunks(sources: Sequence[str], chunk_bytes: int, chunk_rows: int) -> Li
             rows = len(_hf_dataset(source))
             bounds = list(range(0, rows, chunk_rows)) + [rows]
             parts = [(a, b, b - a) for a, b in zip(bounds, bounds[1:])]
-        chunks += [Chunk(f"{i:04d}-{j:06d}", source, kind, a, b, n) for j, (a, b, n) in enumerate(parts)]
+        firsts = (
+            [-1] * len(parts) if kind in ("jsonl", "text") else list(itertools.accumulate([0] + [n for *_, n in parts]))
+        )
+        chunks += [Chunk(f"{i:04d}-{j:06d}", source, kind, a, b, n, firsts[j]) for j, (a, b, n) in enumerate(parts)]
     return chunks
 
 
@@ -106,34 +133,60 @@ def _lines(path: str, start: int, end: int) -> Iterator[bytes]:
             yield line
 
 
-def _documents(chunk: Chunk, text_key: str) -> Iterator[str]:
+def _columns(rows: List[Dict[str, Any]]) -> Dict[str, List[Any]]:
+    """Records as columns (datasets' batch layout): a field a record lacks is None there."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: [row.get(k) for row in rows] for k in keys}
+
+
+def record_batches(chunk: Chunk) -> Iterator[Tuple[int, int, Dict[str, List[Any]]]]:
+    """(number of the batch's first record within the chunk, records, the records as columns), a batch of
+    at most _BATCH_DOCS records at a time: the reader's memory, whatever the chunk. A text line is {TEXT_LINE: line}."""
+    at = 0
     if chunk.kind in ("jsonl", "text"):
-        for number, line in enumerate(_lines(chunk.source, chunk.start, chunk.end)):
+        rows: List[Any] = []
+        for line in _lines(chunk.source, chunk.start, chunk.end):
             if not line.strip():
                 continue
             if chunk.kind == "text":
-                yield line.decode("utf-8").rstrip("\n")
-                continue
-            record = json.loads(line)
-            if text_key not in record:
-                raise ValueError(
-                    f"{chunk.source}: a record (bytes {chunk.start}-{chunk.end}) has no {text_key!r} field "
-                    f"(it has {sorted(record)}): pass text_key= (--text_key) naming the text field."
-                )
-            yield record[text_key]
+                rows.append({TEXT_LINE: line.decode("utf-8").rstrip("\n")})
+            else:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(
+                        f"{chunk.source}: a line (bytes {chunk.start}-{chunk.end}) is a JSON {type(record).__name__}, "
+                        "not an object of fields: each line must be one record."
+                    )
+                rows.append(record)
+            if len(rows) == _BATCH_DOCS:
+                yield at, len(rows), _columns(rows)
+                at, rows = at + len(rows), []
+        if rows:
+            yield at, len(rows), _columns(rows)
     elif chunk.kind == "parquet":
         import pyarrow.parquet as pq
 
-        table = pq.ParquetFile(chunk.source).read_row_group(chunk.start, columns=[text_key])
-        yield from table.column(text_key).to_pylist()
+        table = pq.ParquetFile(chunk.source).read_row_group(chunk.start)
+        for at in range(0, table.num_rows, _BATCH_DOCS):
+            part = table.slice(at, _BATCH_DOCS)
+            yield at, part.num_rows, part.to_pydict()
     else:
         data = _hf_dataset(chunk.source)
         for row in range(chunk.start, chunk.end, _BATCH_DOCS):
-            yield from data[row : min(row + _BATCH_DOCS, chunk.end)][text_key]
+            stop = min(row + _BATCH_DOCS, chunk.end)
+            yield row - chunk.start, stop - row, data[row:stop]
+
+
+def _records_before(chunk: Chunk) -> int:
+    """The records of the chunk's input before it (JSON lines and text: counted only when asked, for a message)."""
+    if chunk.first >= 0:
+        return chunk.first
+    return sum(1 for line in _lines(chunk.source, 0, chunk.start) if line.strip())
 
 
 # ------------------------------------------------------------------ the workers
-_TOKENIZER: Any = None
+class RecordError(ValueError):
+    """A record an encoder cannot read (encode_chunk names the input it is in)."""
 
 
 def _load_tokenizer(name: str) -> Any:
@@ -142,50 +195,146 @@ def _load_tokenizer(name: str) -> Any:
     return AutoTokenizer.from_pretrained(name)
 
 
-def _init_worker(tokenizer: str) -> None:
-    global _TOKENIZER
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
-    _TOKENIZER = _load_tokenizer(tokenizer)
+class TextEncoder:
+    """prepare's encoder: each record's `text_key` (a .txt input's line), tokenised, with EOS when asked;
+    empty documents are dropped (a pre-training stream keeps no record numbers)."""
+
+    def __init__(self, tokenizer: Any, text_key: str, append_eos: bool) -> None:
+        self.tokenizer, self.text_key = tokenizer, text_key
+        self.eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
+
+    def __call__(self, columns: Dict[str, List[Any]], count: int, first: int) -> List[Tuple[List[int], None]]:
+        texts = columns.get(TEXT_LINE) or columns.get(self.text_key) or [None] * count
+        for j, text in enumerate(texts):
+            if text is None:
+                fields = sorted(k for k, v in columns.items() if v[j] is not None)
+                raise RecordError(
+                    f"record {first + j} has no {self.text_key!r} field (it has {fields}): pass text_key= "
+                    "(--text_key) naming the text field."
+                )
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [(doc + self.eos, None) for doc in ids if doc or self.eos]
 
 
-def _batches(docs: Iterator[str]) -> Iterator[List[str]]:
-    batch: List[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == _BATCH_DOCS:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+Encoded = List[Tuple[Sequence[int], Optional[Any]]]  # per record: its token ids, and its loss mask or None
+Encoder = Callable[[Dict[str, List[Any]], int, int], Encoded]  # (columns, records, first record's number)
+_ENCODER: Optional[Encoder] = None
+_COUNTER: Any = None  # tokens written by every worker so far (a shared integer: the progress while chunks run)
 
 
-def tokenize_chunk(chunk: Chunk, out_dir: str, text_key: str, dtype: str, append_eos: bool) -> Dict[str, Any]:
-    """Tokenise one chunk into its shard (in a worker); returns its record."""
-    tok = _TOKENIZER
-    eos = [tok.eos_token_id] if append_eos and tok.eos_token_id is not None else []
+def _init_encoder(encoder: Encoder, counter: Any) -> None:
+    global _ENCODER, _COUNTER
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _ENCODER, _COUNTER = encoder, counter
+
+
+def encode_chunk(chunk: Chunk, out_dir: str, dtype: str) -> Dict[str, Any]:
+    """Encode one chunk's records into its shard (in a worker): one document per record, an empty one included,
+    so document i of the input is record i; with masks, `<chunk>.mask` holds one byte per token. Returns its record."""
     base = os.path.join(out_dir, chunk.name)
-    tokens, starts = 0, []
-    with open(base + ".tokens.tmp", "wb") as f:
-        for batch in _batches(_documents(chunk, text_key)):
-            ids = tok(batch, add_special_tokens=False)["input_ids"]
-            for doc in ids:
-                if doc or eos:
-                    starts.append(tokens)
-                    tokens += len(doc) + len(eos)
-            flat = np.fromiter((t for doc in ids for t in doc + eos), dtype=dtype)
-            f.write(flat.tobytes())
+    tokens, starts, masked = 0, [], None
+    with open(base + ".tokens.tmp", "wb") as f, open(base + ".mask.tmp", "wb") as m:
+        for at, count, columns in record_batches(chunk):
+            first = (chunk.first if chunk.first >= 0 else 0) + at
+            try:
+                docs = _ENCODER(columns, count, first)  # type: ignore[misc]
+            except RecordError as exc:
+                raise RecordError(f"{chunk.source} (bytes {chunk.start}-{chunk.end}): {exc}") from None
+            except ValueError:
+                if chunk.first >= 0:
+                    raise
+                _ENCODER(columns, count, _records_before(chunk) + at)  # the same error, its record numbered in the file
+                raise
+            lengths = [len(ids) for ids, _ in docs]
+            starts += list(itertools.accumulate([tokens] + lengths[:-1])) if docs else []
+            n = sum(lengths)
+            tokens += n
+            f.write(np.fromiter(itertools.chain.from_iterable(ids for ids, _ in docs), dtype=dtype, count=n).tobytes())
+            masked = docs[0][1] is not None if docs and masked is None else masked
+            if masked:
+                m.write(np.concatenate([np.asarray(flags, dtype=np.uint8) for _, flags in docs]).tobytes())
+            if _COUNTER is not None:
+                with _COUNTER.get_lock():
+                    _COUNTER.value += n
     np.save(base + ".starts.tmp.npy", np.asarray(starts, dtype=np.int64))
     os.replace(base + ".tokens.tmp", base + ".tokens")
     os.replace(base + ".starts.tmp.npy", base + ".starts.npy")
-    record = {"name": chunk.name, "tokens": tokens, "documents": len(starts), "size": chunk.size}
+    if masked:
+        os.replace(base + ".mask.tmp", base + ".mask")
+    else:
+        os.remove(base + ".mask.tmp")
+    record = {
+        "name": chunk.name,
+        "tokens": tokens,
+        "documents": len(starts),
+        "size": chunk.size,
+        "masked": bool(masked),
+    }
     with open(base + ".json.tmp", "w") as f:
         json.dump(record, f)
     os.replace(base + ".json.tmp", base + ".json")  # the chunk is done once this exists
     return record
 
 
+def encode_chunks(
+    chunks: Sequence[Chunk],
+    out_dir: str,
+    encoder: Encoder,
+    dtype: str,
+    num_proc: Optional[int] = None,
+    on_progress: Optional[Callable[[int, int, int], None]] = None,
+    on_chunk: Optional[Callable[[Dict[str, Any]], None]] = None,
+) -> List[Dict[str, Any]]:
+    """Encode `chunks` into shards in `out_dir` with `num_proc` workers (default: every core this process may
+    use); finished chunks (their record exists) are not encoded again. `on_progress(tokens, size done, size
+    total)` is called about once a second and after each chunk, `on_chunk(record)` after each chunk.
+    Returns the chunks' records, in order."""
+    records: Dict[str, Dict[str, Any]] = {}
+    for chunk in chunks:
+        done = os.path.join(out_dir, chunk.name + ".json")
+        if os.path.exists(done):
+            with open(done) as f:
+                records[chunk.name] = json.load(f)
+    todo = [c for c in chunks if c.name not in records]
+    workers = max(1, min(num_proc or len(os.sched_getaffinity(0)), len(todo) or 1))
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    counter = multiprocessing.get_context(method).Value("q", sum(r["tokens"] for r in records.values()))
+    total, size = sum(c.size for c in chunks), sum(r["size"] for r in records.values())
+
+    def report(record: Optional[Dict[str, Any]] = None) -> None:
+        if record is not None and on_chunk is not None:
+            on_chunk(record)
+        if on_progress is not None:
+            on_progress(int(counter.value), size, total)
+
+    _init_encoder(encoder, counter)
+    if workers == 1:
+        for chunk in todo:
+            records[chunk.name] = record = encode_chunk(chunk, out_dir, dtype)
+            size += chunk.size
+            report(record)
+    elif todo:
+        # fork, as prepare: the workers inherit the encoder (and its tokenizer) set above; a dead worker fails the
+        # run (BrokenProcessPool), and chunks finished before a failure stay done.
+        init = (None, ()) if method == "fork" else (_init_encoder, (encoder, counter))
+        with ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context(method), initializer=init[0], initargs=init[1]
+        ) as pool:
+            pending = {pool.submit(encode_chunk, c, out_dir, dtype) for c in todo}
+            while pending:
+                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    record = future.result()
+                    records[record["name"]] = record
+                    size += record["size"]
+                    report(record)
+                report()
+    _init_encoder(None, None)  # type: ignore[arg-type]
+    return [records[c.name] for c in chunks]
+
+
 # ------------------------------------------------------------------ the driver
-def _token_dtype(vocab_size: int) -> str:
+def token_dtype(vocab_size: int) -> str:
     if vocab_size <= 2**16:
         return "uint16"
     if vocab_size <= 2**32:
@@ -250,13 +399,14 @@ def prepare(
         raise ValueError("prepare needs at least one input file or dataset.")
     os.makedirs(out_dir, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # set before any use: the workers are processes
-    vocab = len(_load_tokenizer(tokenizer))
+    tok = _load_tokenizer(tokenizer)
+    vocab = len(tok)
     settings = {
         "format_version": FORMAT_VERSION,
         "inputs": [os.path.abspath(s) if not s.startswith("hf:") else s for s in inputs],
         "tokenizer": tokenizer,
         "vocab_size": vocab,
-        "dtype": _token_dtype(vocab),
+        "dtype": token_dtype(vocab),
         "text_key": text_key,
         "append_eos": append_eos,
     }
@@ -277,35 +427,13 @@ def prepare(
         with open(plan_path + ".tmp", "w") as f:
             json.dump({"settings": settings, "chunks": [asdict(c) for c in chunks]}, f)
         os.replace(plan_path + ".tmp", plan_path)
-    records: Dict[str, Dict[str, Any]] = {}
-    for chunk in chunks:
-        done = os.path.join(out_dir, chunk.name + ".json")
-        if os.path.exists(done):
-            with open(done) as f:
-                records[chunk.name] = json.load(f)
-    todo = [c for c in chunks if c.name not in records]
+    todo = [c for c in chunks if not os.path.exists(os.path.join(out_dir, c.name + ".json"))]
     meter = _Progress(sum(c.size for c in todo), progress)
-    workers = max(1, min(num_proc or len(os.sched_getaffinity(0)), len(todo) or 1))
-    jobs = [(c, out_dir, text_key, settings["dtype"], append_eos) for c in todo]
-    if todo:
-        _init_worker(tokenizer)
-    if todo and workers == 1:
-        for job in jobs:
-            records[job[0].name] = record = tokenize_chunk(*job)
-            meter.update(record, len(todo))
-    elif todo:
-        # fork where there is one (as datasets.map): the workers start in milliseconds with the tokenizer loaded
-        # above; a spawned worker would import torch and transformers first. A worker that dies fails the run
-        # (BrokenProcessPool) instead of hanging it; chunks finished before a failure stay done.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        init = (None, ()) if method == "fork" else (_init_worker, (tokenizer,))
-        with ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context(method), initializer=init[0], initargs=init[1]
-        ) as pool:
-            for future in as_completed([pool.submit(tokenize_chunk, *job) for job in jobs]):
-                record = future.result()
-                records[record["name"]] = record
-                meter.update(record, len(todo))
+    encoder = TextEncoder(tok, text_key, append_eos)
+    shards = encode_chunks(
+        chunks, out_dir, encoder, settings["dtype"], num_proc, on_chunk=lambda r: meter.update(r, len(todo))
+    )
+    records = {r["name"]: r for r in shards}
     index = {
         **settings,
         "shards": [records[c.name] for c in chunks],

@@ -4,14 +4,16 @@ The shards prepare.py wrote are concatenated in their index order into one
 token stream; nothing is read into memory until a slice of it is asked for,
 so opening a corpus of any size costs a few kilobytes per shard. `window`
 returns tokens [start, end) of the stream and where documents begin inside
-it, which is all that packing into fixed-length samples needs.
+it, which is all that packing into fixed-length samples needs. A corpus
+encoded with loss masks (the fine-tuning recipe's cache) also has one mask
+byte per token, which `read` returns beside the tokens.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -40,6 +42,8 @@ class TokenCorpus:
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # each shard's first token
         self._tokens: List[np.ndarray] = [None] * len(self.names)  # type: ignore[list-item]
         self._starts: List[np.ndarray] = [None] * len(self.names)  # type: ignore[list-item]
+        self._masks: List[np.ndarray] = [None] * len(self.names)  # type: ignore[list-item]
+        self.masked = bool(self.names) and all(s.get("masked") for s in self.index["shards"] if s["tokens"] > 0)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +55,24 @@ class TokenCorpus:
             self._tokens[i] = np.memmap(base + ".tokens", dtype=self.dtype, mode="r")
             self._starts[i] = np.load(base + ".starts.npy", mmap_mode="r")
         return self._tokens[i], self._starts[i]
+
+    def read(self, start: int, end: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """(tokens [start, end) of the stream as int64, their loss mask as bool or None when there is none)."""
+        tokens, masks = [], []
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < end:
+            shard_tokens, _ = self._shard(i)
+            lo, hi = int(start - self.offsets[i]), int(min(end, self.offsets[i + 1]) - self.offsets[i])
+            tokens.append(np.asarray(shard_tokens[lo:hi], dtype=np.int64))
+            if self.masked:
+                if self._masks[i] is None:
+                    self._masks[i] = np.memmap(os.path.join(self.path, self.names[i]) + ".mask", np.uint8, mode="r")
+                masks.append(np.asarray(self._masks[i][lo:hi], dtype=bool))
+            start = int(self.offsets[i]) + hi
+            i += 1
+        if not tokens:
+            return np.zeros(0, dtype=np.int64), (np.zeros(0, dtype=bool) if self.masked else None)
+        return np.concatenate(tokens), (np.concatenate(masks) if self.masked else None)
 
     def window(self, start: int, end: int) -> Tuple[np.ndarray, np.ndarray]:
         """(tokens [start, end) of the stream as int64, offsets within it where a document begins)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +34,7 @@ from shardwise.checkpoint.lock import waiting_lock
 from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.module import DataModule
-from shardwise.recipes import assistant_spans, data_formats
+from shardwise.recipes import assistant_spans, data_formats, token_cache
 from shardwise.recipes.data_formats import (  # read from here too
     ALPACA,
     CHATML,  # noqa: F401
@@ -50,12 +49,12 @@ from shardwise.recipes.packing import (  # PACKING_MODES, the packers and the da
     Examples,
     PackedBlocks,
     PadCollate,
-    pack_documents,
-    target_tokens,
-    truncate_documents,
+    pack_documents,  # noqa: F401
+    target_tokens,  # noqa: F401
+    truncate_documents,  # noqa: F401
 )
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: token shards + masks (token_cache.py); 1 stored labels and positions
 CHAT_FORMATS = ("auto", "tags", "tokenizer", "chatml", "none")
 ROLE_TAGS = {"system": "<|system|>", "user": "<|prompter|>", "assistant": "<|assistant|>"}
 END_TAG = "<|endoftext|>"
@@ -332,90 +331,61 @@ def _render(
     return tokenizer([record_text(v, chat_format, tokenizer) for v in values], add_special_tokens=add), chat, None
 
 
-def _tokenize(
-    dataset: Any, field: str, chat_format: str, tokenizer: Any, spec: DataSpec
-) -> Tuple[List[List[int]], Optional[List[np.ndarray]]]:
-    """The documents' token ids and, with assistant_only_loss or completion-only prompt/completion records,
-    which of their tokens are targets.
+class RecordEncoder:
+    """A batch of records (as columns) -> per record its token ids and, with assistant_only_loss or
+    completion-only prompt/completion records, which of its tokens are targets: what each corpus worker
+    runs (corpus/prepare.py's encode_chunks; forked workers inherit it with its tokenizer).
 
     EOS ends a document where append_eos says; unset, as TRL: after plain text and a text completion that
     do not end with it, never after a chat rendering (the template already ends each turn)."""
-    eos = tokenizer.eos_token_id
-    docs: List[List[int]] = []
-    targets: List[np.ndarray] = []
-    masked = False
-    batch = 256
-    for start in range(0, len(dataset), batch):
-        encoded, chat, flags = _render(dataset[start : start + batch], field, chat_format, tokenizer, spec, start)
-        masked = flags is not None
+
+    def __init__(self, tokenizer: Any, field: str, chat_format: str, spec: DataSpec) -> None:
+        self.tokenizer, self.field, self.chat_format, self.spec = tokenizer, field, chat_format, spec
+        needed = {PROMPT_COMPLETION: ("prompt", "completion"), ALPACA: ("instruction", "output")}
+        self.needed = needed.get(field, (field,))
+
+    def __call__(self, rows: Dict[str, List[Any]], count: int, first: int) -> List[Tuple[List[int], Any]]:
+        for name in self.needed:  # a field no record of the batch has: None for each, as datasets reads it
+            rows.setdefault(name, [None] * count)
+        encoded, chat, flags = _render(rows, self.field, self.chat_format, self.tokenizer, self.spec, first)
+        eos = self.tokenizer.eos_token_id
+        out = []
         for j, ids in enumerate(encoded["input_ids"]):
             ids = list(ids)
-            flag = flags[j] if masked else None
-            append = spec.append_eos if spec.append_eos is not None else not chat[j]
+            flag = flags[j] if flags is not None else None
+            append = self.spec.append_eos if self.spec.append_eos is not None else not chat[j]
             if append and eos is not None and (not ids or ids[-1] != eos):
                 ids.append(eos)
                 if flag is not None:  # the EOS ends an answer when the document ends inside one
                     flag = np.append(flag, bool(flag[-1]) if len(flag) else False)
-            if ids:
-                docs.append(ids)
-                if flag is not None:
-                    targets.append(flag)
-    return docs, (targets if masked else None)
+            out.append((ids, flag))
+        return out
 
 
-def build_cache(spec: DataSpec, tokenizer: Any, folder: str) -> Dict[str, Any]:
-    """Tokenise, split, pack and write the arrays to `folder` (atomically); return the summary."""
-    hf_cache = os.path.join(os.path.dirname(folder), "hf_datasets")
-    train, evaluation = _load_splits(spec.path, hf_cache, spec.split, spec.eval_split)
-    field = resolve_text_field(train.column_names, spec.text_field, spec.path)
+def build_cache(
+    spec: DataSpec, tokenizer: Any, folder: str, num_proc: Optional[int] = None, report: Any = None
+) -> Dict[str, Any]:
+    """Tokenise (num_proc worker processes, default every core), split and write the entry `folder`
+    (token_cache.py: renamed into place when complete); return the summary. `report(progress)` hears how far."""
+    hf_cache = os.path.join(os.path.dirname(folder), "hf_datasets")  # only for what datasets must read
+    train, evaluation, names, first = token_cache.record_sources(
+        spec.path, spec.split, spec.eval_split, hf_cache, os.path.basename(folder)
+    )
+    field = resolve_text_field(names, spec.text_field, spec.path)
     chat_format = resolve_chat_format(spec.chat_template_format, tokenizer)
     pairs = field in (PROMPT_COMPLETION, ALPACA)
     if spec.assistant_only_loss:
         check_assistant_only_pairs(field)
         assistant_spans.check_tokenizer(tokenizer)
-        if len(train):
-            assistant_spans.check_value(train[0][field], chat_format, field, 0)
-    if evaluation is None and spec.eval_split_ratio > 0 and len(train) > 1:
-        n_eval = max(1, int(round(len(train) * spec.eval_split_ratio)))
-        split = train.train_test_split(test_size=n_eval, seed=spec.seed, shuffle=True)
-        train, evaluation = split["train"], split["test"]
-    tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    summary: Dict[str, Any] = {"spec": asdict(spec), "text_field": field, "chat_format": chat_format}
-    counted = "completion_tokens" if pairs else "assistant_tokens"
-    for name, part in (("train", train), ("eval", evaluation)):
-        if part is None or len(part) == 0:
-            continue
-        docs, targets = _tokenize(part, field, chat_format, tokenizer, spec)
-        arrays = (
-            pack_documents(docs, spec.max_seq_len, spec.packing_mode, targets)
-            if spec.packing
-            else truncate_documents(docs, spec.max_seq_len, targets)
-        )
-        for key, arr in arrays.items():
-            np.save(os.path.join(tmp, f"{name}.{key}.npy"), arr)
-        examples = arrays["input_ids"].shape[0] if spec.packing else len(arrays["offsets"]) - 1
-        summary[name] = {"records": len(part), "tokens": int(sum(len(d) for d in docs)), "examples": int(examples)}
-        if targets is not None:
-            summary[name][counted] = target_tokens(arrays, spec.packing)
-    if "train" not in summary:
-        raise ValueError(f"dataset {spec.path!r} produced no training examples.")
-    if summary["train"].get(counted, 1) == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        what = "completion" if pairs else "assistant"
-        raise ValueError(
-            f"the training examples of {spec.path!r} hold no {what} tokens to train on (none in the records, or "
-            f"every one cut off by max_seq_len={spec.max_seq_len}). Check the data, raise max_seq_len, or turn "
-            f"{what}_only_loss off."
-        )
-    with open(os.path.join(tmp, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another node's rank built it first: theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return summary
+        if first:
+            assistant_spans.check_value(first.get(field), chat_format, field, 0)
+    masks = spec.assistant_only_loss or (pairs and spec.completion_only_loss)
+    counted = ("completion_tokens" if pairs else "assistant_tokens") if masks else None
+    head = {"spec": asdict(spec), "text_field": field, "chat_format": chat_format}
+    encoder = RecordEncoder(tokenizer, field, chat_format, spec)
+    return token_cache.build(
+        folder, spec, encoder, (train, evaluation), len(tokenizer), head, counted, num_proc, report
+    )
 
 
 def check_assistant_only_pairs(field: str) -> None:

@@ -5,18 +5,24 @@ document's first label is -100, and under mode "attention" position ids
 restart per document (Hugging Face models turn that into a block-diagonal
 mask); mode "loss" masks only the boundary labels. With per-token target
 flags (assistant_only_loss) every token not flagged is -100 too. data.py
-tokenises and caches; these functions arrange the arrays, and the datasets
-below hand the cached arrays to the loaders.
+tokenises and caches (token_cache.py: the tokens, a mask byte per token and
+the split's documents in order); the datasets below read that cache through
+memory maps and derive the labels and position ids of an item when it is
+read, by the rules pack_documents / truncate_documents apply to documents
+held in memory (the reference the cache is tested against).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from shardwise.corpus.shards import TokenCorpus
 
 PACKING_MODES = ("attention", "loss")
 
@@ -88,46 +94,75 @@ def target_tokens(arrays: Dict[str, np.ndarray], packing: bool) -> int:
     return int(arrays["targets"].sum() - arrays["targets"][firsts].sum()) if len(firsts) else 0
 
 
-class PackedBlocks(Dataset):
-    """Fixed-length blocks; every item is a dict of int64 tensors of length max_seq_len."""
+class _Documents(Dataset):
+    """A cache entry's documents (token_cache.py): the token stream and its masks through memory maps
+    (corpus.TokenCorpus), each document's first token (`docs.npy`, one more for the stream's end) and the
+    split's documents in training order (`<split>.docs.npy`). Nothing is read until an item is asked for."""
+
+    def __init__(self, folder: str, split: str) -> None:
+        self.corpus = TokenCorpus(folder)
+        self.starts = np.load(os.path.join(folder, "docs.npy"), mmap_mode="r")
+        self.order = np.load(os.path.join(folder, f"{split}.docs.npy"), mmap_mode="r")
+        with open(os.path.join(folder, "summary.json")) as fh:
+            self.block = int(json.load(fh)["spec"]["max_seq_len"])
+
+    def _read(self, doc: int, lo: int, hi: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        first = int(self.starts[doc])
+        return self.corpus.read(first + lo, first + hi)
+
+
+class PackedBlocks(_Documents):
+    """Fixed-length blocks of the split's documents back to back (the last, partial block dropped); every item
+    is a dict of int64 tensors of length max_seq_len, labels and position ids derived as pack_documents does."""
 
     def __init__(self, folder: str, split: str, attention_boundaries: bool) -> None:
-        self.arrays = {
-            k: np.load(os.path.join(folder, f"{split}.{k}.npy"), mmap_mode="r")
-            for k in ("input_ids", "labels", "position_ids")
-        }
+        super().__init__(folder, split)
+        self.cum = np.load(os.path.join(folder, f"{split}.cum.npy"), mmap_mode="r")  # tokens before each document
         self.attention_boundaries = attention_boundaries
 
     def __len__(self) -> int:
-        return int(self.arrays["input_ids"].shape[0])
+        return int(self.cum[-1]) // self.block
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        item = {k: torch.from_numpy(np.asarray(v[i], dtype=np.int64)) for k, v in self.arrays.items()}
-        if not self.attention_boundaries:
-            item.pop("position_ids")  # plain causal attention across the block
+        if not 0 <= i < len(self):
+            raise IndexError(f"block {i} of {len(self)}")
+        a, b = i * self.block, (i + 1) * self.block
+        k = int(np.searchsorted(self.cum, a, side="right")) - 1
+        tokens, masks = [], []
+        is_start = np.zeros(self.block, dtype=bool)
+        while k < len(self.order) and self.cum[k] < b:
+            begin, end = int(self.cum[k]), int(self.cum[k + 1])
+            if begin >= a:
+                is_start[begin - a] = True
+            ids, mask = self._read(int(self.order[k]), max(a, begin) - begin, min(b, end) - begin)
+            tokens.append(ids)
+            masks.append(mask)
+            k += 1
+        ids = np.concatenate(tokens)
+        drop = is_start if masks[0] is None else is_start | ~np.concatenate(masks)
+        item = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(np.where(drop, -100, ids))}
+        if self.attention_boundaries:  # else plain causal attention across the block
+            idx = np.arange(self.block)
+            item["position_ids"] = torch.from_numpy(
+                idx - np.maximum.accumulate(np.where(is_start | (idx == 0), idx, 0))
+            )
         return item
 
 
-class Examples(Dataset):
-    """One (truncated) document per item; `PadCollate` pads a batch. An item is its token ids, or with
+class Examples(_Documents):
+    """One document per item, cut at max_seq_len; `PadCollate` pads a batch. An item is its token ids, or with
     assistant_only_loss a dict of input_ids and labels (-100 where the token is not a target)."""
 
-    def __init__(self, folder: str, split: str) -> None:
-        self.tokens = np.load(os.path.join(folder, f"{split}.tokens.npy"), mmap_mode="r")
-        self.offsets = np.load(os.path.join(folder, f"{split}.offsets.npy"))
-        targets = os.path.join(folder, f"{split}.targets.npy")
-        self.targets = np.load(targets, mmap_mode="r") if os.path.exists(targets) else None
-
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.order)
 
     def __getitem__(self, i: int) -> Any:
-        where = slice(self.offsets[i], self.offsets[i + 1])
-        ids = torch.from_numpy(np.asarray(self.tokens[where], dtype=np.int64))
-        if self.targets is None:
+        doc = int(self.order[i])
+        ids, keep = self._read(doc, 0, min(int(self.starts[doc + 1] - self.starts[doc]), self.block))
+        ids = torch.from_numpy(ids)
+        if keep is None:
             return ids
-        keep = torch.from_numpy(np.array(self.targets[where], dtype=bool))  # a copy: the map is read-only
-        return {"input_ids": ids, "labels": ids.masked_fill(~keep, -100)}
+        return {"input_ids": ids, "labels": ids.masked_fill(~torch.from_numpy(keep), -100)}
 
 
 class PadCollate:
