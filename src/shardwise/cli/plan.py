@@ -54,6 +54,7 @@ def plan_command(
     optimizer_variants: bool = True,
     sp_size: Optional[int] = None,
     tp_size: Optional[int] = None,
+    ep_size: Optional[int] = None,
     revision: Optional[str] = None,
 ) -> int:
     """Predict per-device memory for each training configuration and pick the fastest that fits.
@@ -105,6 +106,9 @@ def plan_command(
             With neither --sp_size nor --tp_size, the full comparison also searches the degrees that
             divide the devices per node, the attention heads and the sequence length.
         tp_size: plan the FSDP configurations with tensor parallel of this degree (1: off).
+        ep_size: plan the FSDP configurations of a mixture-of-experts model with expert parallel of this degree
+            (1: off). Without it, a model with experts is also planned at every degree that divides its experts
+            and the devices (FSDP FULL_SHARD with and without checkpointing).
         revision: a hub model id's revision: a branch, tag or commit hash (default: main).
     """
     from shardwise.plan.core import plan
@@ -159,6 +163,7 @@ def plan_command(
         optimizer_variants=optimizer_variants,
         tp_size=tp_size,
         sp_size=sp_size,
+        ep_size=ep_size,
     )
     if json:
         print(to_json(result))

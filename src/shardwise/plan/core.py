@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from shardwise.plan import analytic, variants
+from shardwise.plan import analytic, moe, parallel, variants
 from shardwise.plan.adapters import build_adapters, check_candidates, compute_dtype_name
 from shardwise.plan.allocator import Allocator, expandable_segments_from_env
 from shardwise.plan.candidates import Candidate, batch_splits, check_layout, from_strategy, requested_candidates
@@ -151,6 +151,7 @@ def plan(
     optimizer_variants: bool = True,
     tp_size: Optional[int] = None,
     sp_size: Optional[int] = None,
+    ep_size: Optional[int] = None,
 ) -> Plan:
     """Predict per-device memory and step time for each configuration; recommend the fastest that fits.
 
@@ -184,6 +185,7 @@ def plan(
         tp_size, sp_size: plan the FSDP configurations at these tensor / sequence parallel degrees (1 turns
             one off); neither given, when nothing in the default comparison fits, the degrees are searched
             (plan/parallel.py).
+        ep_size: expert parallel degree of a mixture-of-experts model's FSDP rows (default: searched; plan/moe.py).
     """
     start = time.perf_counter()
     if not 0.0 <= headroom < 1.0:
@@ -224,6 +226,7 @@ def plan(
     cands, parallel_notes = with_parallel_degrees(
         cands, spec, seq_len, world, num_nodes, tp_size, sp_size, requested=requested
     )
+    cands, ep_notes = parallel.with_expert_degrees(cands, spec, world, num_nodes, ep_size, requested=requested)
     cands, adapter_notes = check_candidates(adapters, cands, requested=requested)
     opt = resolve_optimizer(optimizer, foreach=foreach, fused=fused, paged_resident=paged_resident, target=accelerator)
     expandable = expandable_segments_from_env() if expandable_segments is None else bool(expandable_segments)
@@ -232,7 +235,7 @@ def plan(
     shared.update(device_memory=dev_mem, cpu_memory=cpu_mem, allocator=alloc, hw=hw, target=accelerator)
     shared.update(deepspeed_config=deepspeed_config, workers=workers, headroom=headroom)
     planner = _Planner(spec, cands, optimizer=opt, all_micro=all_micro_batches, **shared)
-    planner.notes += adapter_notes + parallel_notes
+    planner.notes += adapter_notes + parallel_notes + ep_notes
     estimates = planner.run()
     if any(accounting_for(c.plan).analytic_states for c in cands) and (
         opt.paged or opt.state_scale != 1.0 or opt.name != "adamw"
@@ -250,6 +253,7 @@ def plan(
             estimates += more.run()
             planner.notes += search_notes + [n for n in more.notes if n not in planner.notes]
             best, reason = recommend(estimates, dev_mem, headroom=headroom, cpu_memory=cpu_mem)
+    planner.notes += moe.worst_case_notes(moe.moe_facts(spec), estimates, seq_len, precision)
     tried: List[Dict[str, Any]] = []
     if optimizer_variants and variants.worth_trying(opt.name, estimates, best, spec.kind, adapters):
 
@@ -508,6 +512,7 @@ class _Planner:
             accumulation_sync=sync,
             shape=layer_shape(self.spec),
             replicated_flops_per_token=replicated_flops(self.spec, cand.plan),
+            experts=moe.moe_facts(self.spec),
         )
         load = self.params * (2 if self.precision in ("bf16-true", "16-true") else 4)
         cpu = host * self.per_node + load  # offloaded state of this node's ranks + one full copy for loading

@@ -27,6 +27,7 @@ import torch
 
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
+from shardwise.plan.moe import MoEFacts, expert_comm_bytes
 from shardwise.strategies.accounting import accounting_for
 
 # Dense bf16 peak FLOP/s (fp32 runs use the TF32 / fp32 figure), device memory for reference.
@@ -109,6 +110,7 @@ def step_cost(
     accumulation_sync: str = "reduce_scatter",
     shape: Optional[Tuple[int, int, int]] = None,
     replicated_flops_per_token: float = 0.0,
+    experts: Optional[MoEFacts] = None,
 ) -> StepCost:
     """Modelled seconds per optimizer step for one device's `batch_size` sequences.
 
@@ -116,6 +118,9 @@ def step_cost(
     sequence / tensor parallel; a tp x sp group's micro-batch (cand.micro_batch sequences) is split
     over its devices, so each computes as much as a device without them, plus what it repeats for its
     group (replicated_flops_per_token: a bundled GPT's head under sp, plan/parallel.py).
+    experts: a mixture-of-experts model's facts (plan/moe.py): under expert parallel FSDP moves less of the
+    experts, and the routed tokens' all-to-all is added, on the intra-node link when the ep group fits in
+    a node (the network otherwise) and not hidden: the experts wait for their tokens.
     """
     half = precision not in ("32-true", "64-true")
     peak = GPUS[hw.gpu]["half" if half else "single"]
@@ -150,8 +155,24 @@ def step_cost(
         hidden, kv_dim, layers = shape
         tokens = cand.micro_batch * seq_len
         parallel_bytes = acct.activation_comm_bytes(cand.plan, tokens, hidden, kv_dim, layers, k, precision)
-    exposed = max(0.0, comm - OVERLAP * compute) + parallel_bytes / intra
-    comm, comm_bytes = comm + parallel_bytes / intra, comm_bytes + parallel_bytes
+    a2a_seconds = 0.0
+    if experts is not None and cand.plan.ep > 1 and w > 1:
+        saved, a2a = expert_comm_bytes(
+            experts,
+            cand.plan,
+            w,
+            k,
+            cand.micro_batch * seq_len,
+            2.0 if half else 4.0,
+            2.0 if precision in ("bf16-true", "16-true") else 4.0,
+            2.0 if half else 4.0,
+        )
+        comm = max(0.0, comm - saved / flat_bw)
+        comm_bytes = max(0.0, comm_bytes - saved) + a2a
+        per_node = max(1, w // max(1, num_nodes))
+        a2a_seconds = a2a / (intra if cand.plan.ep <= per_node else min(intra, inter))
+    exposed = max(0.0, comm - OVERLAP * compute) + parallel_bytes / intra + a2a_seconds
+    comm, comm_bytes = comm + parallel_bytes / intra + a2a_seconds, comm_bytes + parallel_bytes
     return StepCost(
         seconds=compute + exposed + offload, compute=compute, comm=comm, offload=offload, comm_bytes=comm_bytes
     )

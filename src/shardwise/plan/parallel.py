@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
+from shardwise.plan import moe
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
 from shardwise.plan.presets import ModelSpec, divisors
@@ -164,6 +165,67 @@ def search_parallel(
     return extra, notes
 
 
+def with_expert_degrees(
+    cands: List[Candidate], spec: ModelSpec, world: int, num_nodes: int, ep_size: Optional[int], *, requested: bool
+) -> Tuple[List[Candidate], List[str]]:
+    """The candidates with expert parallel: at `ep_size` when given, or plus the searched degrees for a MoE model.
+
+    requested: the user named the configurations (then one that cannot take ep_size is an error). A user's
+    strategy object keeps its own degree and is only checked."""
+    facts = moe.moe_facts(spec)
+    if ep_size is not None:
+        problem = degrees.value_problem(degrees.EP_FLAG, ep_size)
+        if problem:
+            raise PlanError(problem)
+    for c in cands:
+        problem = moe.ep_problem(facts, spec.name, c.plan.ep, world, c.plan)
+        if problem:
+            raise PlanError(problem)
+    if ep_size is not None and ep_size > 1:
+        out = []
+        for c in cands:
+            if c.strategy is not None:
+                if c.plan.ep != ep_size:
+                    raise PlanError(
+                        f"Your strategy object runs ep {c.plan.ep}, but --ep_size asks for {ep_size}: give the "
+                        "degree to the strategy (FSDPStrategy(ep_size=)) only."
+                    )
+                out.append(c)
+                continue
+            problem = moe.ep_problem(facts, spec.name, ep_size, world, c.plan)
+            if problem is None:
+                try:
+                    out.append(replace(c, plan=replace(c.plan, ep=ep_size)))
+                    continue
+                except ValueError as exc:
+                    problem = str(exc)
+            if requested or facts is None or "experts" in problem:
+                raise PlanError(f"{c.config_label} at ep {ep_size}: {problem}")
+        if not out:
+            raise PlanError(
+                f"No configuration runs ep {ep_size}: expert parallel is FSDP's (FULL_SHARD or SHARD_GRAD_OP, "
+                "without CPU offload, sequence or tensor parallel)."
+            )
+        return out, []
+    if ep_size is not None or requested or facts is None:
+        return cands, []
+    found = moe.searched_ep(facts, world, num_nodes)
+    extra = []
+    for ep in found:
+        for ac in ("none", "full"):
+            plan = ParallelPlan("fsdp", ep=ep, ac=ac)
+            if moe.ep_problem(facts, spec.name, ep, world, plan) is None:
+                extra.append(Candidate(plan))
+    notes = [f"{spec.name}: {facts.describe()}."]
+    if found:
+        notes.append(
+            "Expert parallel searched at ep "
+            + ", ".join(str(e) for e in found)
+            + " (FSDP FULL_SHARD with and without AC; --ep_size N plans the FSDP rows at one degree)."
+        )
+    return cands + [c for c in extra if c not in cands], notes
+
+
 def _at_degrees(cands: Sequence[Candidate], tp: int, sp: int, requested: bool) -> List[Candidate]:
     out = []
     for c in cands:
@@ -212,6 +274,7 @@ __all__ = [
     "degree_problem",
     "searched_degrees",
     "with_parallel_degrees",
+    "with_expert_degrees",
     "search_parallel",
     "layer_shape",
     "replicated_flops",

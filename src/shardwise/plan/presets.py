@@ -32,6 +32,7 @@ from shardwise.models import GPT, PRESETS, Block, GPTConfig, Transformer, transf
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.plan.adapters import apply_adapters
 from shardwise.plan.errors import PlanError
+from shardwise.plan.moe import MOE_ALIASES, MOE_PRESETS, idle_flops_per_token, moe_facts, moe_preset_config
 
 # The seed's demo Transformer sizes; vocabulary is WikiText-2's (Lightning's default
 # for the demo) and the sequence length is Lightning's WikiText2 block size.
@@ -72,7 +73,7 @@ _LLAMA_31 = dict(
 
 
 def preset_names() -> List[str]:
-    return sorted(PRESETS) + sorted(TRANSFORMER_PRESETS) + sorted(HF_PRESETS)
+    return sorted(PRESETS) + sorted(TRANSFORMER_PRESETS) + sorted(HF_PRESETS) + sorted(MOE_PRESETS)
 
 
 @dataclass
@@ -165,7 +166,7 @@ class ModelSpec:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), with causal attention."""
         counts = self.param_counts()
-        dense = 2.0 * counts["total"]
+        dense = 2.0 * counts["total"] - idle_flops_per_token(moe_facts(self)) / 3.0  # a token skips idle experts
         if self.kind == "transformer":  # decoder layers attend twice (self + cross)
             attn = 2.0 * 2 * self.depth * 3 * seq_len * self.hidden / 2
         else:
@@ -310,6 +311,9 @@ def resolve_model(model: Any, example_batch: Any = None) -> ModelSpec:
 
 def preset_spec(name: str) -> ModelSpec:
     key = _ALIASES.get(name.lower().strip(), name.lower().strip())
+    key = MOE_ALIASES.get(key, key)
+    if key in MOE_PRESETS:  # Hugging Face mixture-of-experts models, from their published configs
+        return hf_config_spec(key, moe_preset_config(key))
     if key in PRESETS:
         return gpt_spec(key, PRESETS[key])
     if key in TRANSFORMER_PRESETS:

@@ -60,6 +60,7 @@ from shardwise.plan.adapters import fake_4bit_weights, fill_quant_states, quant_
 from shardwise.plan.candidates import Candidate
 from shardwise.plan.errors import PlanError
 from shardwise.plan.kernels import target_attention
+from shardwise.plan.moe_trace import balanced_dispatch
 from shardwise.plan.optim import OptimizerChoice, resolve_optimizer
 from shardwise.plan.presets import ModelSpec, meta_copy, spec_batch
 from shardwise.strategies.accounting import View, accounting_for
@@ -415,6 +416,7 @@ def trace(
             batches = [spec_batch(spec, micro_batch, seq_len) for _ in range(accumulation)]
             tracker.register(strategy.unwrap(model), optimizers)
             hooks = recorder.hook_blocks(strategy.unwrap(model), spec.block_classes)
+            undo_dispatch = balanced_dispatch(strategy.unwrap(model))  # fake tensors hold no routing
             try:
                 with tracker, _fake_4bit(quant_state):
                     result.params = tracker.current_breakdown["parameters"]
@@ -424,6 +426,7 @@ def trace(
             finally:
                 for handle in hooks:
                     handle.remove()
+                undo_dispatch()
             recorder.fold()
             recorder.synthesize_second_step(result.grads, result.optimizer)
     except (PlanError, TraceFailed):
