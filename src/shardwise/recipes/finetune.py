@@ -150,6 +150,11 @@ class FinetuneConfig:
             the model's own tp_plan (FSDP; divides the attention and key/value heads)
         sp_size: sequence-parallel degree (Ulysses): each sample's sequence split over this many ranks
             (FSDP; divides the attention and key/value heads and max_seq_len)
+        ep_size: expert-parallel degree for a mixture-of-experts model: its experts split over this many
+            ranks, which read different samples and trade tokens by all-to-all (FSDP; divides the experts
+            and the data-parallel ranks)
+        router_aux_loss_coef: a mixture-of-experts model's load-balancing loss coefficient, trained over the
+            global batch (default: the model config's, trained when its output_router_logits is true)
         lora_r: LoRA rank through PEFT (0: full fine-tuning, every weight trained)
         lora_alpha: LoRA scaling numerator (PEFT's lora_alpha)
         lora_dropout: dropout on the LoRA path
@@ -219,6 +224,8 @@ class FinetuneConfig:
     torch_compile: bool = False
     tp_size: int = 1
     sp_size: int = 1
+    ep_size: int = 1
+    router_aux_loss_coef: Optional[float] = None
     # Adapters (LoRA / QLoRA through PEFT and bitsandbytes)
     lora_r: int = 0
     lora_alpha: int = 16

@@ -24,6 +24,7 @@ from typing import Any, Dict
 
 from shardwise.distributed.env import detect_env, resolve_accelerator, resolve_devices
 from shardwise.recipes.hf_model import model_block_names
+from shardwise.recipes.moe import check_experts
 from shardwise.strategies import CLASSES, build_strategy, degrees, names
 from shardwise.strategies.fsdp_compat import sharding_strategy_name
 from shardwise.strategies.parallel import PLANS, ParallelPlan
@@ -93,6 +94,8 @@ def check_parallel(cfg: Any, folder: Any, engine: str = "fsdp") -> None:
     tp, sp = cfg.tp_size, cfg.sp_size
     for name, value in zip(degrees.FLAGS, (tp, sp)):
         degrees.refuse(degrees.value_problem(name, value))
+    # ep_size: the model's experts, the engine, the world, and what ep is not combined with
+    check_experts(cfg, folder, engine, recipe_world_size(cfg))
     if tp * sp == 1:
         return
     degrees.refuse(degrees.engine_problem(engine, tp, sp))
@@ -239,9 +242,12 @@ def build_recipe_strategy(cfg: Any, folder: Any) -> Any:
         # DeepSpeed's own cpu_offload: the optimizer, and the parameters too when the stage (which
         # may come from the user's DeepSpeed config, unknown here) is 3.
         extra["cpu_offload"] = True if cfg.cpu_offload else None
-    owned.update(tp_size="tp_size", sp_size="sp_size")
+    owned.update(tp_size="tp_size", sp_size="sp_size", ep_size="ep_size")
     if cfg.tp_size * cfg.sp_size > 1:  # fsdp only (check_parallel); the plan lays out the mesh
         fields.update(tp=cfg.tp_size, sp=cfg.sp_size)
+    ep = int(getattr(cfg, "ep_size", 1) or 1)
+    if ep > 1:  # fsdp only (check_parallel); carved out of the data-parallel shard ranks (strategies/mesh.py)
+        fields[degrees.EP_FIELD] = ep
     plan = ParallelPlan(**fields)  # the run's one plan
     options = check_strategy_options(cfg, CLASSES[plan.engine], owned, implied)
     return build_strategy(plan, blocks=blocks, **{**extra, **options})

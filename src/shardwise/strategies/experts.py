@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.expert_parallel import experts_forward, is_experts
 from shardwise.strategies import degrees
+from shardwise.strategies.expert_parallel_hf import install_hf_dispatch, is_hf_experts
 
 __all__ = ["apply_expert_parallel", "find_experts", "shard_experts", "count_experts"]
 
@@ -78,7 +79,9 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, model_name: st
             setattr(experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
         experts.expert_group = ep_mesh.get_group()
         experts.num_experts_total = total
-        if not getattr(experts, "routes_tokens_itself", False):
+        if is_hf_experts(experts):  # transformers' own all-to-all around the model's experts code
+            install_hf_dispatch(experts, ep_mesh, total)
+        elif not getattr(experts, "routes_tokens_itself", False):
             experts.forward = types.MethodType(_ep_forward, experts)
     return len(found)
 
@@ -92,5 +95,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, divide_factor: float, fsd
     for _, experts in find_experts(module):
         fully_shard(experts, **{**fsdp_kwargs, "mesh": mesh})
         experts.set_gradient_divide_factor(float(divide_factor))
+        if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM, divide after
+            experts.set_force_sum_reduction_for_comms(True)
         units.append(experts)
     return units

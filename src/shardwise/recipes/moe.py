@@ -1,0 +1,113 @@
+"""Mixture-of-experts Hugging Face models in the fine-tuning recipe: their facts, router losses, ep checks.
+
+A transformers MoE config spells its experts differently per family (Qwen3-MoE `num_experts`, Mixtral
+`num_local_experts`, both `num_experts_per_tok`; `router_aux_loss_coef`, and `router_z_loss_coef` where
+the model has a z-loss); `moe_facts` reads them once. The recipe trains on a loss SUMMED over target
+tokens that the Trainer divides by the step's global target tokens (recipes/causal_lm.py); the router's
+load-balancing loss joins it the same way: `router_aux` asks the model for its router logits, and
+`expert_parallel.router_losses` counts the tokens each expert got over every data-parallel rank (one
+all-reduce of detached counts per micro-batch) and sums this rank's router probabilities, so the term
+summed over ranks is the global micro-batch's, whatever the data-parallel / ep split. transformers' own
+`aux_loss` is per rank (its counts are the rank's alone), which would make the step depend on the split.
+`check_experts` refuses an `ep_size` the model folder cannot take, before any worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from shardwise.expert_parallel import router_losses
+from shardwise.strategies import degrees
+
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # how HF configs count experts
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """What the recipe needs of an MoE config: experts per layer, experts per token, loss coefficients."""
+
+    num_experts: int
+    top_k: int
+    aux_coef: float
+    z_coef: float
+
+
+def moe_facts(config: Any, aux_coef: Optional[float] = None) -> Optional[MoEFacts]:
+    """The config's MoE facts, or None for a dense model (no expert count, or no router output).
+
+    The router losses train as transformers trains them: with the config's coefficients when its
+    `output_router_logits` is true, not at all otherwise; `aux_coef` (the recipe's router_aux_loss_coef)
+    sets the load-balancing coefficient instead, and a z-loss the config has then trains too."""
+    experts = next((getattr(config, f) for f in EXPERT_FIELDS if isinstance(getattr(config, f, None), int)), 0)
+    if experts < 2 or not hasattr(config, "output_router_logits"):
+        return None
+    on = aux_coef is not None or bool(getattr(config, "output_router_logits", False))
+    own = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    return MoEFacts(
+        num_experts=int(experts),
+        top_k=int(getattr(config, "num_experts_per_tok", 1) or 1),
+        aux_coef=(own if aux_coef is None else float(aux_coef)) if on else 0.0,
+        z_coef=float(getattr(config, "router_z_loss_coef", 0.0) or 0.0) if on else 0.0,
+    )
+
+
+def check_experts(cfg: Any, folder: Any, engine: str, world: int) -> None:
+    """Refuse an ep_size the run cannot honour (the rules' texts are strategies/degrees.py's); ep_size 1 passes.
+
+    `engine`: the strategy name's ("auto" when the name is auto); `world`: the run's processes."""
+    ep = int(getattr(cfg, "ep_size", 1) or 1)
+    degrees.refuse(degrees.value_problem(degrees.EP_FLAG, ep))
+    if ep == 1:
+        return
+    if engine == "auto":
+        raise ValueError(
+            f"ep_size={ep} with strategy='auto': expert parallel is a dimension of the FSDP strategy's mesh, and "
+            f"'auto' may choose another engine. Use --strategy fsdp --ep_size {ep}."
+        )
+    config = folder.config
+    model = f"{type(config).__name__} ({cfg.model_path}/config.json)"
+    facts = moe_facts(config)
+    degrees.refuse(degrees.experts_problem(ep, facts.num_experts if facts else 0, model))
+    degrees.refuse(degrees.expert_engine_problem(engine, ep))
+    shard_ranks = world // max(1, cfg.tp_size * cfg.sp_size)
+    if "hybrid" in str(cfg.strategy).lower() or "HYBRID" in str(cfg.sharding_strategy).upper():
+        shard_ranks = 0  # the replicas split the world in a way only the launched mesh knows: FSDPStrategy checks
+    if shard_ranks:
+        degrees.refuse(degrees.expert_degree_problem(ep, shard_ranks))
+    offload = bool(cfg.cpu_offload or "offload" in str(cfg.strategy).lower())
+    degrees.refuse(degrees.expert_combination_problem(ep, cfg.tp_size, cfg.sp_size, offload, bool(cfg.torch_compile)))
+    if cfg.load_in_4bit:
+        degrees.refuse(degrees.quantized_experts_problem(ep))
+
+
+def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: MoEFacts) -> Optional[torch.Tensor]:
+    """The router losses of one micro-batch as a SUMMED loss term (coef x balance [+ z coef x z-loss]), or None.
+
+    `outputs.router_logits`: one [rows, experts] tensor per MoE layer (the model's own record). Padding rows
+    (attention_mask 0) are left out, as transformers' `load_balancing_loss_func` leaves them out. The
+    global counts are logged through `model.expert_load` when the model carries one (the per-expert
+    token counts and the dead-expert warning)."""
+    logits = getattr(outputs, "router_logits", None)
+    if not logits or (facts.aux_coef == 0.0 and facts.z_coef == 0.0 and getattr(model, "expert_load", None) is None):
+        return None
+    # transformers' formula takes the layers together (its f and P average over every layer's rows before
+    # they multiply), so the layers go in as one entry of rows_per_token = layers.
+    rows = torch.cat([layer.reshape(-1, layer.shape[-1]) for layer in logits])
+    # The experts each row chose, as the router chose them (top-k of the softmax, as HF's loss recomputes).
+    top_k_index = torch.topk(rows.float().softmax(dim=-1), facts.top_k, dim=-1).indices
+    mask = batch.get("attention_mask")
+    mask = None if mask is None else mask.reshape(-1).repeat(len(logits))
+    losses = router_losses([(rows, top_k_index)], facts.num_experts, mask=mask, rows_per_token=len(logits))
+    load = getattr(model, "expert_load", None)
+    if load is not None:
+        load.add(losses.counts)
+    term = losses.balance * facts.aux_coef
+    if facts.z_coef:
+        term = term + losses.z * facts.z_coef
+    return term
+
+
+__all__ = ["EXPERT_FIELDS", "MoEFacts", "moe_facts", "check_experts", "router_aux"]
