@@ -36,6 +36,7 @@ COMMANDS = {
     "inspect": "list what a checkpoint holds",
     "check": "prove a TrainModule trains the same on N ranks as on one process (CPU, before renting GPUs)",
     "prepare": "tokenise corpora with all cores into memory-mapped token shards (resumable)",
+    "pretrain": "pre-train a Hugging Face causal LM from scratch on prepared corpora",
 }
 
 # Exceptions whose message is the whole story for a user: (class name in the MRO, exit status).

@@ -47,6 +47,7 @@ from shardwise.distributed import ops
 from shardwise.losses import chunked_cross_entropy
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.recipes import hf_model
+from shardwise.recipes.moe import moe_facts, router_aux
 from shardwise.strategies.sequence_parallel_hf import split_batch
 
 HISTORY_KEY = "finetune_history"  # the module's losses so far, in every checkpoint's trainer state
@@ -74,6 +75,7 @@ class CausalLMModule(TrainModule):
     # Under ZeRO-3 the loader writes the partitions itself (hf_model._place);
     # the strategy must not gather the whole model for it.
     init_weights_partitioned = True
+    log_prefix = "finetune"  # the recipe's name in its printed lines (recipes/pretrain.py says "pretrain")
 
     def __init__(self, cfg: Any, folder: Any, total_steps: Union[int, Callable[[], int]]) -> None:
         """`cfg`: the FinetuneConfig; `folder`: an hf_model.ModelFolder; `total_steps`: the schedule's
@@ -86,6 +88,8 @@ class CausalLMModule(TrainModule):
         self.load_report: Any = None
         self.parameter_counts: Dict[str, int] = {}  # full-size trainable / total elements
         self.converters: List[Any] = []  # adapters/converters.py: applied in configure_model, hooked per step
+        # An MoE model's router losses join the training loss (recipes/moe.py); None for a dense model.
+        self.moe = moe_facts(folder.config, getattr(cfg, "router_aux_loss_coef", None))
         self._window: List[torch.Tensor] = []
         # (step, lr, this rank's share of the step's mean loss on the device) until the next log line:
         # reading a loss back to the host every step would stall the device queue.
@@ -144,9 +148,9 @@ class CausalLMModule(TrainModule):
         # become a block-diagonal mask (data.py).
         return self.model(**batch, use_cache=False).loss
 
-    def _summed_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def _summed_loss(self, batch: Dict[str, torch.Tensor], router: bool = False) -> torch.Tensor:
         """Cross-entropy of each token's prediction of the next, summed over the target tokens
-        (under sp: over this rank's slice of the sequence)."""
+        (under sp: over this rank's slice of the sequence); `router`: plus an MoE model's router losses."""
         split = self._sp_split(batch)
         if split is not None:
             inputs, targets = split
@@ -154,10 +158,13 @@ class CausalLMModule(TrainModule):
             inputs = {k: v for k, v in batch.items() if k != "labels"}
             # The model's own shift, without copying the logits: the labels move left by one instead.
             targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-        logits = self.model(**inputs, use_cache=False).logits
+        router = router and self.moe is not None
+        outputs = self.model(**inputs, use_cache=False, **({"output_router_logits": True} if router else {}))
         # Chunk by chunk in float32, with no float32 copy of the logits kept for backward (losses.py):
         # at a 128k vocabulary that copy and its gradient outweighed the logits themselves.
-        return chunked_cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        loss = chunked_cross_entropy(outputs.logits, targets, ignore_index=-100, reduction="sum")
+        aux = router_aux(self.model, outputs, inputs, self.moe) if router else None
+        return loss if aux is None else loss + aux
 
     def on_train_start(self) -> None:
         self._t0 = time.time()
@@ -168,7 +175,7 @@ class CausalLMModule(TrainModule):
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # Summed: the Trainer divides by the step's global target tokens and logs the mean as train_loss.
-        return self._summed_loss(batch)
+        return self._summed_loss(batch, router=True)
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         mesh = self._sp_mesh()
@@ -202,7 +209,7 @@ class CausalLMModule(TrainModule):
             entry = {"step": self.trainer.global_step, "eval_loss": float(total[0] / total[1])}
             self.eval_history.append(entry)
             if self.trainer.is_global_zero:
-                print(f"[finetune] step {entry['step']}: eval_loss {entry['eval_loss']:.4f}", flush=True)
+                print(f"[{self.log_prefix}] step {entry['step']}: eval_loss {entry['eval_loss']:.4f}", flush=True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if not self._window:
@@ -245,7 +252,8 @@ class CausalLMModule(TrainModule):
             if self.trainer.is_global_zero:
                 rate = step / max(1e-9, time.time() - self._t0)
                 print(
-                    f"[finetune] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} ({rate:.2f} steps/s)",
+                    f"[{self.log_prefix}] step {step}: loss {entry['loss']:.4f} lr {entry['lr']:.3g} "
+                    f"({rate:.2f} steps/s)",
                     flush=True,
                 )
 
