@@ -21,6 +21,7 @@ its `prepare_data` (the tokenisation) before any rank reads the cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from shardwise.checkpoint.lock import waiting_lock
 from shardwise.distributed import ops
 from shardwise.distributed.env import detect_env, is_global_zero
 from shardwise.module import DataModule
-from shardwise.recipes import assistant_spans, data_formats, token_cache
+from shardwise.recipes import assistant_spans, data_formats, data_wait, token_cache
 from shardwise.recipes.data_formats import (  # read from here too
     ALPACA,
     CHATML,  # noqa: F401
@@ -96,6 +97,8 @@ class DataOptions:
             system and user turns and the assistant's turn headers get label -100
         completion_only_loss: with prompt/completion (or Alpaca) records, train on the completion only
             (TRL's option; default true)
+        dataset_num_proc: processes that tokenise the data set (default: every core this process may use;
+            the tokens are the same for any number)
     """
 
     dataset: str = ""
@@ -115,6 +118,7 @@ class DataOptions:
     dataloader_num_workers: int = 0
     assistant_only_loss: bool = False
     completion_only_loss: bool = True
+    dataset_num_proc: Optional[int] = None
 
     def spec(self, text_field: str, seed: int, evaluate: bool = False) -> "DataSpec":
         """What decides the token arrays: these options with the text field resolved and the split's seed;
@@ -420,34 +424,32 @@ class PreparedData:
     folder: str
 
 
-def build_on_rank0(spec: DataSpec, tokenizer: Any, cache_dir: str) -> str:
-    """Global rank 0 builds the cache entry unless it exists; every rank gets the entry's folder."""
+def _entry(spec: DataSpec, tokenizer: Any, cache_dir: str) -> Tuple[str, str]:
     if spec.chat_template_format == "chatml":
         apply_chatml(tokenizer)  # before the key: the template is part of it
     key = cache_key(spec, tokenizer)
-    folder = os.path.join(cache_dir, key)
-    if is_global_zero() and not os.path.exists(folder):
+    return key, os.path.join(cache_dir, key)
+
+
+def _build_if_missing(
+    spec: DataSpec, tokenizer: Any, cache_dir: str, num_proc: Optional[int] = None, report: Any = None
+) -> str:
+    key, folder = _entry(spec, tokenizer, cache_dir)
+    if not os.path.exists(folder):
         with _entry_lock(cache_dir, key):
             if not os.path.exists(folder):  # another run may have built it while this one waited
-                build_cache(spec, tokenizer, folder)
+                build_cache(spec, tokenizer, folder, num_proc, report)
     return folder
 
 
-def load_prepared(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData:
-    """After rank 0's build (and a barrier): build it again on a node that cannot see it, then load it.
+def build_on_rank0(spec: DataSpec, tokenizer: Any, cache_dir: str, num_proc: Optional[int] = None) -> str:
+    """Global rank 0 builds the cache entry unless it exists; every rank gets the entry's folder."""
+    if is_global_zero():
+        return _build_if_missing(spec, tokenizer, cache_dir, num_proc)
+    return _entry(spec, tokenizer, cache_dir)[1]
 
-    Collective: every rank calls it.
-    """
-    env = detect_env()
-    if spec.chat_template_format == "chatml":
-        apply_chatml(tokenizer)
-    key = cache_key(spec, tokenizer)
-    folder = os.path.join(cache_dir, key)
-    if not os.path.exists(folder) and (env.local_rank if env is not None else 0) == 0:
-        with _entry_lock(cache_dir, key):  # this node does not share rank 0's disk
-            if not os.path.exists(folder):
-                build_cache(spec, tokenizer, folder)
-    ops.barrier("tokenised-cache-per-node")
+
+def _load(spec: DataSpec, tokenizer: Any, folder: str) -> PreparedData:
     with open(os.path.join(folder, "summary.json")) as fh:
         summary = json.load(fh)
     has_eval = "eval" in summary
@@ -464,21 +466,75 @@ def load_prepared(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedDat
     return PreparedData(train, evaluation, collate, summary, folder)
 
 
-def prepare_data(spec: DataSpec, tokenizer: Any, cache_dir: str) -> PreparedData:
+def load_prepared(spec: DataSpec, tokenizer: Any, cache_dir: str, num_proc: Optional[int] = None) -> PreparedData:
+    """After rank 0's build (and a barrier): build it again on a node that cannot see it, then load it.
+
+    Collective: every rank calls it.
+    """
+    env = detect_env()
+    key, folder = _entry(spec, tokenizer, cache_dir)
+    if not os.path.exists(folder) and (env.local_rank if env is not None else 0) == 0:
+        _build_if_missing(spec, tokenizer, cache_dir, num_proc)  # this node does not share rank 0's disk
+    ops.barrier("tokenised-cache-per-node")
+    return _load(spec, tokenizer, folder)
+
+
+def prepare_data(spec: DataSpec, tokenizer: Any, cache_dir: str, num_proc: Optional[int] = None) -> PreparedData:
     """Build the cache on global rank 0 (then on any node that cannot see it), load it everywhere."""
-    build_on_rank0(spec, tokenizer, cache_dir)
+    build_on_rank0(spec, tokenizer, cache_dir, num_proc)
     ops.barrier("tokenised-cache")
-    return load_prepared(spec, tokenizer, cache_dir)
+    return load_prepared(spec, tokenizer, cache_dir, num_proc)
+
+
+_GENERATIONS: Dict[str, int] = {}  # builds of an entry coordinated so far by this process (store keys stay fresh)
+
+
+def prepare_waiting(
+    spec: DataSpec, tokenizer: Any, cache_dir: str, num_proc: Optional[int] = None, stall_s: float = 1800.0
+) -> PreparedData:
+    """prepare_data for a running process group, with no collective that times out while the data is tokenised:
+    global rank 0 builds while every other rank waits on its progress in the store (data_wait.py), then local
+    rank 0 of a node that cannot see the entry builds it while that node's ranks wait. Collective."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return prepare_data(spec, tokenizer, cache_dir, num_proc)
+    env, rank = detect_env(), dist.get_rank()
+    store = distributed_c10d._get_default_store()
+    key, folder = _entry(spec, tokenizer, cache_dir)
+    _GENERATIONS[key] = generation = _GENERATIONS.get(key, 0) + 1
+    base = f"shardwise/tokenised/{key}/{generation}"
+    build = functools.partial(_build_if_missing, spec, tokenizer, cache_dir, num_proc)
+    board = data_wait.Board(store, f"{base}/global", os.path.join(cache_dir, f".{key}.progress.json"))
+    if rank == 0:
+        data_wait.run_posting(board, "global rank 0", lambda report: build(report))
+    else:
+        data_wait.wait_for(board, "global rank 0", f"rank {rank}", stall_s)
+    node_rank, local_rank = (env.node_rank, env.local_rank) if env is not None else (0, rank)
+    node = data_wait.Board(store, f"{base}/node{node_rank}")
+    who = f"local rank 0 of node {node_rank}"
+    if local_rank == 0:
+        if rank == 0:
+            node.post({"phase": "done"})
+        else:  # builds only where this node does not see rank 0's entry
+            data_wait.run_posting(node, who, lambda report: build(report))
+    else:
+        data_wait.wait_for(node, who, f"rank {rank}", stall_s)
+    return _load(spec, tokenizer, folder)
 
 
 class FinetuneData(DataModule):
     """The recipe's data for the Trainer, which calls prepare_data on each node's local rank 0 behind a
     barrier, then setup on every rank, then the loaders.
 
-    prepare_data tokenises on global rank 0 only, so a cache folder every node
-    shares is built once; setup builds it again where a node cannot see it
-    (load_prepared) and memory-maps it. The eval loader exists only with
-    `evaluate` (the recipe's eval_steps).
+    One process: prepare_data tokenises. Several: prepare_data does nothing
+    (the Trainer's barrier after it would time out under a long tokenisation)
+    and setup tokenises on global rank 0 while the other ranks wait on its
+    progress (prepare_waiting), so a cache folder every node shares is built
+    once; a node that cannot see it builds its own. Every rank then
+    memory-maps it. The eval loader exists only with `evaluate` (the recipe's
+    eval_steps).
     """
 
     def __init__(
@@ -498,10 +554,14 @@ class FinetuneData(DataModule):
         self.prepared: Optional[PreparedData] = None
 
     def prepare_data(self) -> None:
-        build_on_rank0(self.spec, self.tokenizer, self.cache_dir)
+        if detect_env() is None or not detect_env().is_distributed:
+            build_on_rank0(self.spec, self.tokenizer, self.cache_dir, self.options.dataset_num_proc)
 
     def setup(self, stage: str) -> None:
-        self.prepared = load_prepared(self.spec, self.tokenizer, self.cache_dir)
+        strategy = getattr(getattr(self, "trainer", None), "strategy", None)
+        stall_s = float(getattr(strategy, "timeout_s", 1800.0))
+        num_proc = self.options.dataset_num_proc
+        self.prepared = prepare_waiting(self.spec, self.tokenizer, self.cache_dir, num_proc, stall_s)
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         return DataLoader(
