@@ -75,8 +75,9 @@ def resume_then_reference(resumed: PretrainConfig, reference: PretrainConfig):
 def _corpora(root: str):
     from transformers import LlamaConfig
 
-    from helpers.hf import COLOURS, THINGS, build_tokenizer
     from shardwise.corpus import prepare
+
+    from helpers.hf import COLOURS, THINGS, build_tokenizer
 
     rng = random.Random(0)
     facts = [f"the {thing} is {COLOURS[i % len(COLOURS)]} ." for i, thing in enumerate(THINGS)]
@@ -185,8 +186,9 @@ def test_exported_folder_loads_with_the_trained_logits(runs):
 
 
 def test_bad_input_is_refused_before_launch(tmp_path, capsys):
-    from helpers.hf import build_tokenizer
     from shardwise.corpus import prepare
+
+    from helpers.hf import build_tokenizer
 
     tok = build_tokenizer(["alpha beta gamma delta"] * 4)
     tok.save_pretrained(str(tmp_path / "tok"))
