@@ -1,0 +1,150 @@
+"""Hugging Face mixture-of-experts models fine-tuned under expert parallel by the recipe, against one process.
+
+A tiny Qwen3-MoE and a tiny Mixtral (4 experts, top-2, 2 layers, saved with save_pretrained: the hub's
+per-expert layout) with their router's load-balancing loss switched on (output_router_logits, a large
+coefficient so that it moves the weights) are fully fine-tuned in fp32 for 2 steps on the same global
+batches: on one process, and in one 4-rank gloo launch under dp 2 x ep 2; the Qwen3-MoE also under ep 4
+(each rank holding one expert) with 2 micro-batches per step, against one process with the same
+accumulation. The per-step losses (the router loss included) must agree within 1e-5 relative, and
+every export (experts gathered back from their ep ranks, written per expert as on the hub) must load
+with AutoModelForCausalLM and give the one-process model's trained logits within 1e-4.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from helpers.hf import build_tokenizer, chat_records, write_jsonl
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 2
+PROBE = [[3, 8, 5, 9, 12, 4, 7, 6]]
+ATTN = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+FAMILIES = {
+    "qwen3-moe": ("Qwen3MoeConfig", dict(intermediate_size=64, moe_intermediate_size=16, num_experts=4, head_dim=8)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=16, num_local_experts=4)),
+}
+# layout -> (processes, per-device batch, accumulation, ep_size): 4 samples a micro-batch over all ranks.
+LAYOUTS = {
+    "1 process": (1, 4, 1, 1),
+    "1 process, accumulation 2": (1, 4, 2, 1),
+    "dp 2 x ep 2": (4, 1, 1, 2),
+    "ep 4, accumulation 2": (4, 1, 2, 4),
+}
+
+
+def build_family(root: str, family: str, records: List[Dict]) -> str:
+    cls_name, fields = FAMILIES[family]
+    tokenizer = build_tokenizer([m["content"] for r in records for m in r["messages"]])
+    config = getattr(transformers, cls_name)(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=2,
+        num_experts_per_tok=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        **ATTN,
+        **fields,
+    )
+    torch.manual_seed(0)
+    path = os.path.join(root, family)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def run_config(model_dir: str, data: str, out: str, layout: str) -> Any:
+    from shardwise.recipes.finetune import coerce_config
+
+    devices, per_device, accumulation, ep = LAYOUTS[layout]
+    return coerce_config(
+        dict(
+            model_path=model_dir,
+            dataset=data,
+            max_seq_len=32,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+            devices=devices,
+            strategy="fsdp" if devices > 1 else "auto",
+            ep_size=ep,
+            precision="32-true",
+            max_steps=STEPS,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            max_grad_norm=None,
+            eval_split_ratio=0.0,
+            logging_steps=1,
+            seed=5,
+            output_dir=out,
+            cache_dir=os.path.join(os.path.dirname(out), "cache"),
+        )
+    )
+
+
+def run(cfg: Any) -> Dict[str, Any]:
+    from shardwise.recipes import finetune as recipe
+
+    result = recipe.finetune(cfg)
+    return {"losses": [s["loss"] for s in result.losses], "out": result.output_dir}
+
+
+def run_four_rank(configs: List[Any]) -> List[Dict[str, Any]]:
+    """Worker of shardwise.launch: every expert-parallel run, one after another in one process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return [run(cfg) for cfg in configs]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import shardwise
+
+    root = str(tmp_path_factory.mktemp("moe-ep"))
+    records = chat_records(24)
+    data = write_jsonl(os.path.join(root, "chat.jsonl"), records)
+    results, launched = {}, []
+    for family in FAMILIES:
+        model_dir = build_family(root, family, records)
+        for layout, (devices, *_rest) in LAYOUTS.items():
+            if family == "mixtral" and "accumulation" in layout:  # one family carries accumulation (test time)
+                continue
+            cfg = run_config(model_dir, data, os.path.join(root, "runs", family, layout.replace(" ", "-")), layout)
+            if devices == 1:
+                results[(family, layout)] = run(cfg)
+            else:
+                launched.append(((family, layout), cfg))
+    ranks = shardwise.launch(run_four_rank, [cfg for _, cfg in launched], devices=4)
+    for i, (key, _) in enumerate(launched):
+        results[key] = ranks[0][i]
+    return results
+
+
+def _export_logits(folder: str) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROBE)).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_expert_parallel_fine_tunes_as_one_process(runs, family):
+    pairs = [("dp 2 x ep 2", "1 process"), ("ep 4, accumulation 2", "1 process, accumulation 2")]
+    for layout, reference in pairs:
+        if (family, layout) not in runs:
+            continue
+        reference_logits = _export_logits(runs[(family, reference)]["out"])
+        got, want = runs[(family, layout)]["losses"], runs[(family, reference)]["losses"]
+        assert len(got) == STEPS, (layout, got)
+        for a, b in zip(got, want):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{family} {layout}: losses {got} vs {reference} {want}"
+        # The export holds every expert, gathered from the ep ranks, in the hub's per-expert layout.
+        logits = _export_logits(runs[(family, layout)]["out"])
+        assert float((logits - reference_logits).abs().max()) <= 1e-4, f"{family} {layout}: export logits"
