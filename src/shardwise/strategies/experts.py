@@ -95,7 +95,9 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, divide_factor: float, fsd
     for _, experts in find_experts(module):
         fully_shard(experts, **{**fsdp_kwargs, "mesh": mesh})
         experts.set_gradient_divide_factor(float(divide_factor))
-        if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM, divide after
+        if mesh.device_type == "cpu" and mesh.size() > 1:
+            # gloo has no PREMUL_SUM: reduce with SUM, divide after. Not on a mesh of one rank, where torch
+            # (2.13) divides by the factor when copying the unreduced gradient and again after.
             experts.set_force_sum_reduction_for_comms(True)
         units.append(experts)
     return units
