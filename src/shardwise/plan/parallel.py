@@ -182,7 +182,10 @@ def with_expert_degrees(
         if problem:
             raise PlanError(problem)
     if ep_size is not None and ep_size > 1:
-        out = []
+        degrees_said = degrees.experts_problem(ep_size, facts.experts if facts else 0, spec.name)
+        if degrees_said:  # the model itself cannot take the degree: no configuration can
+            raise PlanError(degrees_said)
+        out, skipped = [], []
         for c in cands:
             if c.strategy is not None:
                 if c.plan.ep != ep_size:
@@ -199,14 +202,12 @@ def with_expert_degrees(
                     continue
                 except ValueError as exc:
                     problem = str(exc)
-            if requested or facts is None or "experts" in problem:
+            if requested:
                 raise PlanError(f"{c.config_label} at ep {ep_size}: {problem}")
+            skipped.append(problem)  # a default configuration the degree does not combine with (DDP, ZeRO, offload)
         if not out:
-            raise PlanError(
-                f"No configuration runs ep {ep_size}: expert parallel is FSDP's (FULL_SHARD or SHARD_GRAD_OP, "
-                "without CPU offload, sequence or tensor parallel)."
-            )
-        return out, []
+            raise PlanError(f"No configuration runs ep {ep_size}: {skipped[-1] if skipped else 'none was given'}")
+        return out, [f"{spec.name}: {facts.describe()}."]
     if ep_size is not None or requested or facts is None:
         return cands, []
     found = moe.searched_ep(facts, world, num_nodes)
