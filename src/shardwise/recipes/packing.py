@@ -52,10 +52,11 @@ def pack_documents(
     starts = np.zeros(total, dtype=bool)
     starts[np.concatenate([[0], np.cumsum(lengths)[:-1]])] = True
     starts = starts[: n * block]
+    masked = starts
     if targets is not None:
         flagged = np.fromiter((t for d in targets for t in d), dtype=bool, count=total)[: n * block]
-        starts = starts | ~flagged
-    labels = np.where(starts, -100, flat).astype(np.int32)
+        masked = starts | ~flagged
+    labels = np.where(masked, -100, flat).astype(np.int32)
     if mode == "attention":
         # position = distance to the most recent document start, restarted at each block
         idx = np.arange(n * block)
