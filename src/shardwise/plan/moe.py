@@ -122,8 +122,12 @@ class MoEFacts:
     def describe(self) -> str:
         return (
             f"{self.moe_layers} MoE layers x {self.experts} experts (top-{self.top_k}, width {self.expert_ffn}): "
-            f"{self.expert_params / 1e9:.2f}B expert parameters"
+            f"{_count(self.expert_params)} expert parameters"
         )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _first(cfg: Any, *keys: str) -> Any:
@@ -143,7 +147,7 @@ def moe_facts(spec: Any) -> Optional[MoEFacts]:
     top_k = _first(cfg, "num_experts_per_tok", "moe_top_k", "top_k", "n_experts_per_tok")
     if not experts or not top_k or int(experts) <= 1:
         return None
-    width = _first(cfg, "moe_intermediate_size", "expert_ffn_size", "moe_ffn_size", "expert_ffn")
+    width = _first(cfg, "moe_intermediate_size", "expert_size", "expert_ffn_size", "moe_ffn_size")
     width = width or _first(cfg, "intermediate_size") or spec.ffn
     depth = int(spec.depth or 1)
     return MoEFacts(

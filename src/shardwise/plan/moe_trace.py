@@ -12,13 +12,16 @@ worst case of dropless routing is accounted beside the trace (plan/moe.dispatch_
 
 `balanced_dispatch(model)` replaces the forward of every experts module that routes through the dispatch
 (one with an ep group, or the bundled GPT-MoE's, whose local path counts tokens too) for the trace, and
-returns the undo. A Hugging Face experts module without expert parallel keeps its own forward: its
-grouped-matmul kernel sizes its work from offsets inside the op, which fake tensors trace as they are.
+returns the undo. While it is in place, `torch.bincount(ids, minlength=E)` of a fake tensor (the router
+losses count tokens per expert) gives E counts: its length when every id is an expert's, which routing
+guarantees; real tensors are counted as ever. A Hugging Face experts module without expert parallel
+keeps its own forward: its grouped-matmul kernel sizes its work from offsets inside the op, which fake
+tensors trace as they are.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,6 +64,18 @@ def _balanced_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
     return (y * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(1).to(hidden.dtype)
 
 
+def _fake_bincount(real: Callable) -> Callable:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def bincount(input: Tensor, weights: Optional[Tensor] = None, minlength: int = 0) -> Tensor:
+        if isinstance(input, FakeTensor) and minlength > 0:
+            dtype = torch.long if weights is None else weights.dtype
+            return torch.zeros(minlength, dtype=dtype, device=input.device)
+        return real(input, weights, minlength=minlength)
+
+    return bincount
+
+
 def _routes_through_dispatch(module: nn.Module) -> bool:
     return getattr(module, "expert_group", None) is not None or type(module).__module__.startswith("shardwise.")
 
@@ -68,13 +83,18 @@ def _routes_through_dispatch(module: nn.Module) -> bool:
 def balanced_dispatch(model: nn.Module) -> Callable[[], None]:
     """Give `model`'s dispatching experts modules the balanced forward for a trace; returns the undo."""
     patched = []
-    for _, experts in find_experts(model):
+    found = find_experts(model)
+    real_bincount = torch.bincount
+    if found:
+        torch.bincount = _fake_bincount(real_bincount)
+    for _, experts in found:
         if _routes_through_dispatch(experts):
             had = "forward" in experts.__dict__
             patched.append((experts, had, experts.__dict__.get("forward")))
             experts.forward = _balanced_forward.__get__(experts)
 
     def undo() -> None:
+        torch.bincount = real_bincount
         for experts, had, old in patched:
             if had:
                 experts.forward = old

@@ -29,6 +29,8 @@ from torch import nn
 
 from shardwise.losses import chunked_cross_entropy
 from shardwise.models import GPT, PRESETS, Block, GPTConfig, Transformer, transformer_num_params
+from shardwise.models.gpt_moe import MOE_PRESETS as GPT_MOE_PRESETS
+from shardwise.models.gpt_moe import GPTMoE, GPTMoEConfig
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.plan.adapters import apply_adapters
 from shardwise.plan.errors import PlanError
@@ -73,7 +75,13 @@ _LLAMA_31 = dict(
 
 
 def preset_names() -> List[str]:
-    return sorted(PRESETS) + sorted(TRANSFORMER_PRESETS) + sorted(HF_PRESETS) + sorted(MOE_PRESETS)
+    return (
+        sorted(PRESETS)
+        + sorted(GPT_MOE_PRESETS)
+        + sorted(TRANSFORMER_PRESETS)
+        + sorted(HF_PRESETS)
+        + sorted(MOE_PRESETS)
+    )
 
 
 @dataclass
@@ -105,8 +113,8 @@ class ModelSpec:
     def build(self, depth: Optional[int] = None) -> nn.Module:
         """The bare model at `depth` repeated units (call under an init context: meta device)."""
         depth = self.depth if depth is None else depth
-        if self.kind == "gpt":
-            return GPT(replace(self.config, n_layer=depth))
+        if self.kind == "gpt":  # the bundled GPT, or its mixture-of-experts variant
+            return (GPTMoE if isinstance(self.config, GPTMoEConfig) else GPT)(replace(self.config, n_layer=depth))
         if self.kind == "transformer":
             return Transformer(vocab_size=self.vocab_size, **{**self.config, "nlayers": depth})
         if self.kind == "hf":
@@ -314,8 +322,8 @@ def preset_spec(name: str) -> ModelSpec:
     key = MOE_ALIASES.get(key, key)
     if key in MOE_PRESETS:  # Hugging Face mixture-of-experts models, from their published configs
         return hf_config_spec(key, moe_preset_config(key))
-    if key in PRESETS:
-        return gpt_spec(key, PRESETS[key])
+    if key in PRESETS or key in GPT_MOE_PRESETS:
+        return gpt_spec(key, PRESETS.get(key) or GPT_MOE_PRESETS[key])
     if key in TRANSFORMER_PRESETS:
         return transformer_spec(key, TRANSFORMER_PRESETS[key])
     if key in HF_PRESETS:
