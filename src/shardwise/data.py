@@ -196,7 +196,7 @@ def _agree(key: Key) -> Key:
     if ops.world_size() <= 1:
         return key
     if isinstance(key, torch.Tensor):  # a generator's state travels as bytes (a pickled tensor does not)
-        return torch.frombuffer(bytearray(ops.broadcast_object(key.numpy().tobytes())), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(ops.broadcast_object(key.numpy().tobytes())), dtype=torch.uint8).clone()
     return int(ops.broadcast_object(key))
 
 

@@ -7,7 +7,8 @@ micro-batch k of twice the size (the one-process run draws from rank 0's
 generator state). 9 samples in batches of 4 per rank do not divide: rank 1
 is one batch short and takes one repeated sample, and a summed loss with
 loss_weight gives the repeat weight zero, so every step, the epoch's last
-included, equals the one-process step (parameters within 1e-6). The same
+included, equals the one-process step (parameters within 1e-6; counting the
+repeat moves them by 0.26 here). The same
 holds at 3 ranks (RANKS, BATCH, SAMPLES = 3, 2, 7: two repeats), measured
 once; one launch is what the suite affords. A mean loss over the same epoch warns, on
 rank 0 once, naming the repeats; an unshuffled training loader is said to
