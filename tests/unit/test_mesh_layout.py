@@ -128,3 +128,75 @@ def test_a_device_mesh_on_a_fake_world_of_8_agrees_for_its_rank(name):
         assert meshes.world["sp", "tp"].mesh.flatten().tolist() == rows[rank][1]
         fsdp = meshes.fsdp.mesh.reshape(-1, meshes.fsdp.mesh.shape[-1]).tolist()  # (replicate,) shard x sp
         assert next(row for row in fsdp if rank in row) == rows[rank][2]
+
+
+# ------------------------------------------------------------------ expert parallel (ep carved out of dp_shard)
+# name -> (plan, num_nodes, rows: rank -> (dp rank, ep group, the experts' FSDP group))
+EXPERT_LAYOUTS = {
+    "dp_shard 8 x ep 2": (
+        ParallelPlan("fsdp", ep=2),
+        1,
+        {r: (r, [r - r % 2, r - r % 2 + 1], [r % 2 + 2 * i for i in range(4)]) for r in range(8)},
+    ),
+    "dp_shard 8 x ep 4": (
+        ParallelPlan("fsdp", ep=4),
+        1,
+        {r: (r, A if r < 4 else B, [r % 4, r % 4 + 4]) for r in range(8)},
+    ),
+    "dp_replicate 2 x dp_shard 4 x ep 2 (hybrid, 2 nodes)": (
+        ParallelPlan("fsdp", sharding="HYBRID_SHARD", ep=2),
+        2,
+        {r: (r, [r - r % 2, r - r % 2 + 1], [r - r % 4 + r % 2, r - r % 4 + r % 2 + 2]) for r in range(8)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", EXPERT_LAYOUTS)
+def test_expert_parallel_ranks_read_different_samples_and_split_the_experts(name):
+    plan, nodes, rows = EXPERT_LAYOUTS[name]
+    layout = ParallelMesh.from_plan(plan, 8, nodes)
+    assert layout.data_parallel_size == 8 and layout.expert_parallel_size == plan.ep
+    for rank, (dp_rank, ep_group, expert_fsdp) in rows.items():
+        assert layout.data_parallel_rank(rank) == dp_rank, (name, rank)  # ep ranks are data-parallel ranks
+        assert layout.batch_group(rank) == [rank]
+        assert layout.expert_group(rank) == ep_group, (name, rank)
+        assert layout.expert_rank(rank) == ep_group.index(rank)
+        assert layout.expert_shard_group(rank) == expert_fsdp, (name, rank)
+        assert layout.fsdp_group(rank) == layout.group(rank, ("dp_shard",))  # the rest: over all dp_shard ranks
+
+
+@pytest.mark.parametrize("name", EXPERT_LAYOUTS)
+def test_an_expert_device_mesh_on_a_fake_world_of_8_agrees_for_its_rank(name):
+    import torch.distributed as dist
+
+    from shardwise.plan.trace import fake_world
+
+    plan, nodes, rows = EXPERT_LAYOUTS[name]
+    with fake_world(8):
+        rank = dist.get_rank()
+        meshes = ParallelMesh.from_plan(plan, 8, nodes).build("cpu")
+        assert meshes.ep.mesh.tolist() == rows[rank][1]
+        experts = meshes.expert_fsdp.mesh.reshape(-1, meshes.expert_fsdp.mesh.shape[-1]).tolist()  # (replicate,) shard
+        assert next(row for row in experts if rank in row) == rows[rank][2]
+        fsdp = meshes.fsdp.mesh.reshape(-1, meshes.fsdp.mesh.shape[-1]).tolist()
+        assert next(row for row in fsdp if rank in row) == ParallelMesh.from_plan(plan, 8, nodes).fsdp_group(rank)
+
+
+def test_expert_parallel_refusals_name_the_fix():
+    from shardwise.strategies import degrees
+
+    with pytest.raises(ValueError, match="ep=4 does not divide the 6 data-parallel shard ranks"):
+        ParallelPlan("fsdp", ep=4).mesh(6)
+    with pytest.raises(ValueError, match=r"expert parallel runs with FSDP only.*--ep_size 2"):
+        ParallelPlan("deepspeed", ep=2)
+    with pytest.raises(ValueError, match="expert parallel with tensor parallel is not supported"):
+        FSDPStrategy(ep_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="ep_size=0: use a positive integer"):
+        FSDPStrategy(ep_size=0)
+    assert "Use ep_size in [1, 2, 3, 6]" in degrees.experts_problem(4, 6, "Qwen3MoeForCausalLM")
+    assert "not a mixture-of-experts model" in degrees.experts_problem(2, 0, "LlamaForCausalLM")
+    assert degrees.experts_problem(2, 8) is None and degrees.experts_problem(1, 6) is None
+    assert "bitsandbytes" in degrees.quantized_experts_problem(2)
+    plan = ParallelPlan("fsdp", ep=2)
+    assert (plan.label, plan.strategy_options()) == ("FSDP FULL_SHARD x ep 2", {"ep_size": 2})
+    assert FSDPStrategy(ep_size=2).parallel_plan.ep == 2
