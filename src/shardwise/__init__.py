@@ -40,6 +40,13 @@ Fabric = build_refused_class(
 # Lightning 2.x code writes `L.pytorch.callbacks.ModelCheckpoint(...)` in its body, not only in imports:
 # after `import shardwise as L`, L.pytorch is this package.
 pytorch = sys.modules[__name__]
+
+
+def cli_lightning_logo() -> None:
+    """Lightning's examples print its logo when run as scripts: here, the package's name and version."""
+    print(f"shardwise {__version__}")
+
+
 _LAZY_SUBMODULES = ("demos", "cli", "plugins", "tuner")  # loaded on first use: `L.pytorch.demos.Transformer`
 
 
@@ -59,6 +66,7 @@ __all__ = [
     "EarlyStopping",
     "ModelCheckpoint",
     "seed_everything",
+    "cli_lightning_logo",
     "launch",
     "wrap",
     "move_to_device",

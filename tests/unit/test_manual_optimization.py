@@ -282,12 +282,19 @@ def test_gan_trains_under_two_processes_like_one(strategy, gan_on_two_ranks):
 
 def test_fsdp_root_unit_parameters_are_refused_in_manual_mode():
     # The root unit gathers once per training_step: a second forward after a step would use stale weights.
+    # strategy="fsdp" without a policy makes each network a unit of its own in manual mode (Lightning's GAN
+    # example runs so); a parameter on the TrainModule itself stays in the root unit and is refused.
+    class WithRootParameter(GAN):
+        def __init__(self):
+            super().__init__()
+            self.temperature = torch.nn.Parameter(torch.ones(1))
+
     with pytest.raises(ValueError, match=r"root unit.*auto_wrap_policy=\{Discriminator, Generator\}"):
-        _trainer(strategy="fsdp", max_steps=1).fit(GAN(), DataLoader(gan_data(), batch_size=8))
-    module = GAN()
-    trainer = _trainer(strategy=FSDPStrategy(auto_wrap_policy={Generator, Discriminator}), max_steps=2)
-    trainer.fit(module, DataLoader(gan_data(), batch_size=8))
-    assert trainer.global_step == 2
+        _trainer(strategy="fsdp", max_steps=1).fit(WithRootParameter(), DataLoader(gan_data(), batch_size=8))
+    for strategy in ("fsdp", FSDPStrategy(auto_wrap_policy={Generator, Discriminator})):
+        trainer = _trainer(strategy=strategy, max_steps=2)
+        trainer.fit(GAN(), DataLoader(gan_data(), batch_size=8))
+        assert trainer.global_step == 2
 
 
 def test_lr_schedulers_are_the_users_to_step_in_manual_mode():

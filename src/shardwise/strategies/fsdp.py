@@ -46,8 +46,10 @@ from shardwise.strategies import degrees, selective_ac
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.fsdp_compat import (
     integer_params_to_ignore,
+    manual_units,
     note_accepted,
     offload_flag,
+    plain_class,
     precision_from_mixed_precision,
     sharding_strategy_name,
     state_dict_type_name,
@@ -490,7 +492,7 @@ class FSDPStrategy(Strategy):
             )
         # Checkpointing, then compile, then sharding (torchtitan's order): the blocks are the wrap units.
         self.apply_compile(module, self.auto_wrap_policy or self.activation_checkpointing_policy)
-        units = select_units(module, self.auto_wrap_policy)
+        units = select_units(module, self.auto_wrap_policy) or manual_units(module, self.auto_wrap_policy)
         if self.auto_wrap_policy is not None and not units:
             raise ValueError(
                 f"auto_wrap_policy={self.auto_wrap_policy!r} matched no module of {type(module).__name__}, so "
@@ -556,19 +558,16 @@ class FSDPStrategy(Strategy):
                 unit.reshard()
 
     def manual_model(self, model: nn.Module) -> nn.Module:
-        """Manual optimization: refuse parameters of the root unit (base.Strategy.manual_model).
-
-        The root unit gathers its parameters once, when training_step starts; a second forward after a
-        backward or an optimizer step inside the same training_step would compute with stale weights
-        (measured: a GAN drifted from the one-device run by 5e-2 in 6 steps, silently). A network called
-        on its own gathers its current shards when it is a unit of its own."""
+        """Manual optimization: refuse parameters of the root unit (base.Strategy.manual_model): gathered once
+        per training_step, a second forward after a step would use stale weights (measured: a GAN 5e-2 off the
+        one-device run in 6 steps, silently). A network that is a unit of its own (`manual_units`) gathers anew."""
         if getattr(self, "manual_checked", None) is model:  # checked once per model, not every step
             return model
         units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         inside = {id(p) for unit in units for p in unit.parameters()}
         owned = [name for name, p in model.named_parameters() if id(p) not in inside]
         if owned:
-            nets = sorted({type(c).__name__ for c in model.children() if any(True for _ in c.parameters())})
+            nets = sorted({plain_class(c).__name__ for c in model.children() if any(True for _ in c.parameters())})
             raise ValueError(
                 f"Manual optimization under FSDP: {len(owned)} parameter(s) ({', '.join(owned[:3])}) belong to "
                 "the root unit, which gathers them once per training_step, so a forward after manual_backward "

@@ -193,3 +193,21 @@ def integer_params_to_ignore(module: nn.Module, shard_degree: int) -> Set[nn.Par
             "at no cost."
         )
     return integer
+
+
+def manual_units(module: nn.Module, auto_wrap_policy: Any) -> list:
+    """Lightning's `strategy="fsdp"` (no wrap policy) for a manual-optimization module: each child network
+    holding parameters a unit of its own, so each forward gathers its current shards, including one after
+    an optimizer step inside training_step (a GAN's generator and discriminator). Without a policy the
+    root unit alone would hold them, gathered once per training_step, which FSDPStrategy.manual_model
+    refuses. Automatic optimization, or a policy given, selects nothing here."""
+    if auto_wrap_policy is not None or getattr(module, "automatic_optimization", True):
+        return []
+    return [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+
+
+def plain_class(module: nn.Module) -> type:
+    """The user's class of a module fully_shard has made a unit (FSDP2 gives it a class FSDP<name> of its own)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(k for k in type(module).__mro__ if not issubclass(k, FSDPModule))

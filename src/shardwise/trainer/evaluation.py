@@ -262,6 +262,7 @@ def run_predict(trainer: Any, loaders: List[Any]) -> List[Any]:
     strategy, module, several = trainer.strategy, trainer.module, len(loaders) > 1
     loaders = [split_for_predict(loader, strategy) for loader in loaders]
     trainer.predicting = True
+    trainer.metrics.clear()  # nothing is logged in predict: callback_metrics are empty after it, as in Lightning
     modes = [(m, m.training) for m in trainer.model.modules()]
     call_module(trainer, "on_predict_model_eval")
     all_predictions: List[List[Any]] = []
