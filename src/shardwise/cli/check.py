@@ -3,6 +3,7 @@
     shardwise check mypkg.models.LanguageModel --strategy fsdp --devices 2 --accumulate_grad_batches 2
     shardwise check train.py --init_args.n_layer 2 --batch_size 4
     shardwise check python:mypkg.MinGPT --init_args.config.n_layer 2 --data.class_path mypkg.Tokens
+    shardwise check mypkg.MoEModel --strategy fsdp --devices 4 --ep_size 2   # dp 2 x ep 2 vs one process
     shardwise check --config check.yaml
     shardwise check fingerprints run_a/ run_b/      # two runs' BatchFingerprint files: the same data per step?
 
@@ -78,6 +79,13 @@ def parser() -> ArgumentParser:
         help="a strategy name (fsdp, ddp, deepspeed_stage_3, ...) or python:m.attr",
     )
     p.add_argument("--devices", type=int, default=2, help="data-parallel ranks (local CPU processes)")
+    p.add_argument(
+        "--ep_size",
+        type=int,
+        default=1,
+        help="expert parallel degree for a mixture-of-experts module (FSDP): the experts split over ep of the "
+        "--devices ranks, e.g. --devices 4 --ep_size 2 checks dp 2 x ep 2 against one process",
+    )
     p.add_argument("--accumulate_grad_batches", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps in each run")
     p.add_argument("--seed", type=int, default=42, help="seed of both runs")
@@ -130,6 +138,24 @@ def _strategy(value: str) -> Any:
     return obj if isinstance(obj, (Strategy, ParallelPlan)) else obj()
 
 
+def _with_experts(strategy: Any, ep: int) -> Any:
+    """The strategy with expert parallel of degree `ep` (a name or a plan; a strategy object carries its own)."""
+    if ep == 1:
+        return strategy
+    from dataclasses import replace
+
+    from shardwise.strategies import ParallelPlan
+
+    if isinstance(strategy, str):
+        strategy = ParallelPlan.from_name(strategy)
+    if not isinstance(strategy, ParallelPlan):
+        raise ValueError(
+            f"--ep_size {ep} with a strategy object: give it the degree itself (FSDPStrategy(ep_size={ep})) and "
+            "leave --ep_size out."
+        )
+    return replace(strategy, ep=ep)
+
+
 def _compare_fingerprints(paths: List[str]) -> int:
     from shardwise.callbacks.fingerprint import compare_fingerprints, read_fingerprints
 
@@ -153,7 +179,7 @@ def run(cfg: Any) -> int:
         cfg.target,
         init.get("data"),
         init_args=cfg.init_args,
-        strategy=_strategy(cfg.strategy),
+        strategy=_with_experts(_strategy(cfg.strategy), cfg.ep_size),
         devices=cfg.devices,
         accumulate_grad_batches=cfg.accumulate_grad_batches,
         batch_size=cfg.batch_size,

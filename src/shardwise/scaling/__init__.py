@@ -43,8 +43,47 @@ def _strategy_name(strategy: Any) -> str:
     plan = strategy if isinstance(strategy, ParallelPlan) else getattr(strategy, "parallel_plan", None)
     name = name_of(plan) if isinstance(plan, ParallelPlan) else None
     if isinstance(strategy, ParallelPlan):
-        return name or repr(strategy)
+        return name or strategy.label
     return f"{type(strategy).__name__} ({name})" if name else type(strategy).__name__
+
+
+def _expert_degree(strategy: Any) -> int:
+    from shardwise.strategies.parallel import ParallelPlan
+
+    plan = strategy if isinstance(strategy, ParallelPlan) else getattr(strategy, "parallel_plan", None)
+    return int(getattr(plan, "ep", 1) or 1)
+
+
+def _check_experts(source: ModuleSource, strategy: Any, devices: int) -> int:
+    """The module's experts per MoE layer (0: none, or it cannot be configured on the meta device), counted
+    on a meta build; expert parallel that the experts or the processes cannot take is refused here, before
+    any process starts."""
+    import torch
+
+    from shardwise.strategies import degrees
+    from shardwise.strategies.experts import count_experts
+    from shardwise.strategies.parallel import ParallelPlan
+
+    ep = _expert_degree(strategy)
+    if ep > 1:
+        plan = strategy if isinstance(strategy, ParallelPlan) else strategy.parallel_plan
+        try:
+            plan.mesh(devices)
+        except ValueError as exc:
+            raise CheckSetupError(f"{exc} (shardwise check runs --devices {devices} processes)") from None
+    try:
+        module = source.build()
+        with torch.device("meta"):
+            module.configure_model()
+        experts = count_experts(module)
+    except Exception:  # a module that cannot be built on meta: its experts are not known here
+        if ep == 1:
+            return 0
+        raise
+    problem = degrees.experts_problem(ep, experts, source.describe())
+    if problem:
+        raise CheckSetupError(problem)
+    return experts
 
 
 def check(
@@ -69,7 +108,9 @@ def check(
             for each run), or a string: `pkg.mod.Class`, `python:pkg.mod.Class`, `train.py`, `train.py:Class`.
         data: a Dataset or DataLoader; None uses the module's train_dataloader().
         init_args: keyword arguments for the class (typed against its signature), e.g. a smaller config.
-        strategy: a name from the strategy table, a ParallelPlan or a Strategy object.
+        strategy: a name from the strategy table, a ParallelPlan or a Strategy object. With expert parallel
+            (ParallelPlan("fsdp", ep=2), FSDPStrategy(ep_size=2)) a mixture-of-experts module is checked on
+            devices / ep data-parallel x ep expert-parallel ranks against one process with every expert.
         devices: data-parallel ranks (local CPU processes).
         accumulate_grad_batches: micro-batches per optimizer step on each rank.
         batch_size: the micro-batch per rank; None: the loader's (4 for a Dataset).
@@ -90,6 +131,7 @@ def check(
         raise CheckSetupError(f"batch_size must be a positive integer, got {batch_size!r}.")
     source = ModuleSource(module, dict(init_args or {}))
     source.validate()
+    experts = _check_experts(source, strategy, devices)
     data_source = DataSource(data, batch_size, shuffle)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardwise-check-") as root:
@@ -98,7 +140,10 @@ def check(
         def job(data: DataSource, strategy: Any, devices: int, accumulate: int, scale: int, sub: str) -> Job:
             return Job(source, data, strategy, devices, accumulate, scale, steps, seed, os.path.join(root, sub))
 
-        reference = run_here(job(data_source, "single", 1, 1, scale, "reference"))
+        # Router losses are computed over each global micro-batch, so a module with experts is compared
+        # with one process at the same accumulation (micro-batch devices x batch_size); others at 1.
+        ref_accumulate = accumulate_grad_batches if experts else 1
+        reference = run_here(job(data_source, "single", 1, ref_accumulate, scale // ref_accumulate, "reference"))
         reference_s = time.perf_counter() - started
         # The workers take the micro-batch the reference resolved (a loader's own batch size, or batch_size).
         micro = DataSource(data, reference.micro_batch_size, shuffle)
@@ -117,6 +162,7 @@ def check(
         steps=steps,
         loss_rtol=loss_rtol,
         param_rtol=param_rtol,
+        reference_accumulate=ref_accumulate,
         seconds={
             "1 process": reference_s,
             f"{devices} processes": time.perf_counter() - started - reference_s,

@@ -81,6 +81,7 @@ class ScalingReport:
     weighted: bool = False
     seconds: Dict[str, float] = field(default_factory=dict)
     cause: Optional[Cause] = None
+    reference_accumulate: int = 1  # a module with experts: the run's accumulation (router losses per micro-batch)
 
     @property
     def ok(self) -> bool:
@@ -112,7 +113,11 @@ class ScalingReport:
             f"  run:       {self.strategy} on {n} process{'es' if n > 1 else ''} (CPU, gloo, fp32), micro-batch "
             f"{self.micro_batch_size} x accumulation {self.accumulate} x {n} = global batch {self.global_batch}, "
             f"{_steps(self.steps)}",
-            f"  reference: 1 process, batch {self.global_batch}, accumulation 1, from the same seed",
+            f"  reference: 1 process, batch {self.global_batch}, accumulation 1, from the same seed"
+            if self.reference_accumulate == 1
+            else f"  reference: 1 process, micro-batch {self.global_batch // self.reference_accumulate} x accumulation "
+            f"{self.reference_accumulate} = batch {self.global_batch}, from the same seed (the module has experts: "
+            "its router losses are computed per global micro-batch, so the accumulation is kept)",
             "  loss per step: "
             + ("sum of losses / sum of loss_weight(batch)" if self.weighted else "mean of the micro-batch losses"),
             "  initial weights: "
