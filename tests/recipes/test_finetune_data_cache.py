@@ -137,6 +137,6 @@ def test_waiting_ranks_follow_the_progress_and_name_the_tokenisation_when_it_fai
 
     # A builder that stands still: the waiting rank stops after its stall limit, saying where it stood.
     store.set("c", '{"phase": "tokenising", "tokens": 5000, "done": 1, "total": 4}')
-    with pytest.raises(data_wait.DataPreparationError, match="rank 1 waited 0 s for global rank 0 tokenising the "
-                       "fine-tuning data, which made no progress .*5,000 tokens, 25% of the input.*timeout_s"):  # fmt: skip
+    said = "rank 1 waited 0 s for global rank 0 tokenising the fine-tuning data, which made no progress"
+    with pytest.raises(data_wait.DataPreparationError, match=said + " .*5,000 tokens, 25% of the input.*timeout_s"):
         data_wait.wait_for(data_wait.Board(store, "c"), "global rank 0", "rank 1", stall_s=0.3, poll_s=0.05)

@@ -1,0 +1,172 @@
+"""How `shardwise finetune`'s data preparation scales: peak memory, CPU time per million tokens, wall time with
+1 and 2 processes, and the cache's size, on a generated chat data set (tagged format, a trained byte-level BPE
+tokenizer of 16,000 tokens); beside it `datasets.map` tokenising the same rendered conversations with one
+process, the reference for CPU time. Each measurement runs in a fresh process, so its peak RSS (VmHWM) is its
+own; the preparation is `recipes/data.build_cache`, what the recipe runs on its preparing rank.
+
+    python benchmarks/finetune_data_scale.py --conversations 300000 --small 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+WORDS = [f"w{i}" for i in range(3000)]
+
+
+def _rss_peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _cpu() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def write_chats(path: str, n: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    zipf = [1 / (i + 1) for i in range(len(WORDS))]
+
+    def sentence(k: int) -> str:
+        return " ".join(rng.choices(WORDS, zipf, k=k))
+
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = [{"role": "system", "content": sentence(8)}]
+            for _ in range(rng.randint(1, 3)):
+                turns += [
+                    {"role": "user", "content": sentence(rng.randint(10, 40))},
+                    {"role": "assistant", "content": sentence(rng.randint(20, 80))},
+                ]
+            f.write(json.dumps({"messages": turns, "id": i}) + "\n")
+
+
+def build_tokenizer(sample: str, out: str) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tags = ["<|endoftext|>", "<|system|>", "<|prompter|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    with open(sample) as f:
+        texts = [m["content"] for _, line in zip(range(2000), f) for m in json.loads(line)["messages"]]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=16_000, special_tokens=tags))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out)
+    return out
+
+
+def bench_prepare(jsonl: str, tokenizer: str, cache: str, num_proc: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from shardwise.recipes import data as D
+
+    shutil.rmtree(cache, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    spec = D.DataSpec(path=jsonl, max_seq_len=2048, assistant_only_loss=True)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on: the preparation, not the imports
+    t0, c0 = time.perf_counter(), _cpu()
+    folder = os.path.join(cache, D.cache_key(spec, tok))
+    summary = D.build_cache(spec, tok, folder, num_proc)
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    tokens = summary["train"]["tokens"]
+    size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+    return {
+        "tool": f"build_cache num_proc={num_proc}",
+        "tokens": tokens,
+        "wall_s": wall,
+        "cpu_s_per_Mtok": cpu / tokens * 1e6,
+        "rss_mb": _rss_peak_mb(),
+        "worker_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "cache_bytes_per_token": size / tokens,
+    }
+
+
+def bench_map(jsonl: str, tokenizer: str, cache: str) -> dict:
+    import datasets
+    from transformers import AutoTokenizer
+
+    from shardwise.recipes import data as D
+
+    shutil.rmtree(cache, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    t0, c0 = time.perf_counter(), _cpu()
+    data = datasets.load_dataset("json", data_files=jsonl, split="train", cache_dir=cache)
+    mapped = data.map(
+        lambda b: {"input_ids": tok([D.record_text(m, "tags", tok) for m in b["messages"]])["input_ids"]},
+        batched=True,
+        remove_columns=data.column_names,
+    )
+    tokens = sum(len(x) for x in mapped["input_ids"])
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    return {"tool": "datasets.map num_proc=1", "tokens": tokens, "wall_s": wall, "cpu_s_per_Mtok": cpu / tokens * 1e6,
+            "rss_mb": _rss_peak_mb()}  # fmt: skip
+
+
+def _fresh(argv: list) -> dict:
+    done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--conversations", type=int, default=300_000)
+    parser.add_argument("--small", type=int, default=30_000, help="the 1x of the 1x / 10x memory check")
+    parser.add_argument("--map_conversations", type=int, default=None, help="datasets.map's set (default: all)")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--one", nargs="*", help=argparse.SUPPRESS)  # internal: one measurement
+    args = parser.parse_args()
+    if args.one:
+        what, jsonl, tokenizer, cache, *rest = args.one
+        row = (
+            bench_map(jsonl, tokenizer, cache)
+            if what == "map"
+            else bench_prepare(jsonl, tokenizer, cache, int(rest[0]))
+        )
+        print(json.dumps(row))
+        return
+    work = args.workdir or tempfile.mkdtemp(prefix="ft-data-scale-")
+    os.makedirs(work, exist_ok=True)
+    sets = {n: os.path.join(work, f"chat-{n}.jsonl") for n in {args.conversations, args.small, args.small * 10}}
+    n_map = args.map_conversations or args.conversations
+    sets.setdefault(n_map, os.path.join(work, f"chat-{n_map}.jsonl"))
+    for n, path in sets.items():
+        if not os.path.exists(path):
+            write_chats(path, n)
+    tokenizer = build_tokenizer(sets[args.conversations], os.path.join(work, "tok"))
+    rows = []
+    cache = os.path.join(work, "cache")
+    for n, procs in [(args.conversations, 1), (args.conversations, 2), (args.small, 2), (args.small * 10, 2)]:
+        row = _fresh(["--one", "prepare", sets[n], tokenizer, cache, str(procs)])
+        rows.append({"conversations": n, "mb": os.path.getsize(sets[n]) / 2**20, **row})
+    n = args.map_conversations or args.conversations
+    row = _fresh(["--one", "map", sets[n], tokenizer, os.path.join(work, "hf")])
+    rows.append({"conversations": n, "mb": os.path.getsize(sets[n]) / 2**20, **row})
+    for row in rows:
+        print(json.dumps(row))
+    print("| conversations | MB | tool | tokens | wall s | CPU-s / M tokens | peak RSS MB | cache bytes / token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cache_b = f"{r['cache_bytes_per_token']:.2f}" if "cache_bytes_per_token" in r else "-"
+        print(f"| {r['conversations']:,} | {r['mb']:.0f} | {r['tool']} | {r['tokens']:,} | {r['wall_s']:.1f} | "
+              f"{r['cpu_s_per_Mtok']:.2f} | {r['rss_mb']:.0f} | {cache_b} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
