@@ -32,14 +32,18 @@ LAYERS = (
     ("commands", ("cli/", "recipes/", "scaling/", "smoke/", "demos/", "plugins/", "tuner.py", "__init__.py")),
     ("the loop", ("trainer/",)),
     ("planning", ("plan/",)),
-    ("run state", ("callbacks/", "loggers/", "metrics.py", "module.py", "module_hooks.py", "module_weights.py")),
+    (
+        "run state",
+        ("callbacks/", "loggers/", "metrics.py", "module.py", "module_hooks.py", "module_weights.py", "core.py"),
+    ),
     ("models", ("models/",)),
     ("engines", ("strategies/",)),
     ("checkpoint I/O and model converters", ("checkpoint/", "adapters/")),
     (
         "step core",
         ("step.py", "health.py", "losses.py", "precision.py", "memory/", "flops.py", "data.py", "state.py",
-         "dtypes.py", "seed.py", "sysmem.py", "fqn.py", "ulysses.py", "sdpa.py", "utilities/", "corpus/"),
+         "dtypes.py", "seed.py", "sysmem.py", "fqn.py", "ulysses.py", "sdpa.py", "expert_parallel.py", "utilities/",
+         "corpus/"),
     ),
     ("processes", ("distributed/", "_version.py")),
 )
