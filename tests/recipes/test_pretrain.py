@@ -24,6 +24,7 @@ import torch
 from shardwise.callbacks.fingerprint import read_fingerprints
 from shardwise.cli import main as cli
 from shardwise.recipes.pretrain import PretrainConfig, pretrain, validate_config
+from shardwise.recipes.pretrain_data import parse_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -214,6 +215,12 @@ def test_bad_input_is_refused_before_launch(tmp_path, capsys):
     for change, error, match in cases:
         with pytest.raises(error, match=match):
             validate_config(dataclasses.replace(ok, **change))
+    # --data's spellings: a flag, a YAML list of strings or mappings, a mapping; a path without a weight weighs 1.
+    want = [("c", 0.7), ("d", 0.3)]
+    assert parse_data("c:0.7,d:0.3") == parse_data(["c:0.7", {"path": "d", "weight": 0.3}]) == want
+    assert parse_data({"c": 0.7, "d": 0.3}) == want and parse_data("c") == [("c", 1.0)]
+    with pytest.raises(ValueError, match="named twice"):
+        parse_data("c:1,c:2")
     # The command line says the same in one line, exit status 2, before any worker starts.
     assert cli(["pretrain", "--model", str(tmp_path / "m"), "--data", f"{tmp_path / 'c'}:-1"]) == 2
     assert "weights must be positive" in capsys.readouterr().err
