@@ -1,14 +1,16 @@
 """The bundled GPT with mixture-of-experts blocks: `GPTMoE`, `GPTMoEConfig`, `MoE`, `GPTExperts`.
 
-Each block's MLP becomes a top-k router over `num_experts` SwiGLU experts (Qwen3-MoE's / Mixtral's shape:
+Each block's MLP becomes a top-k router over `num_experts` SwiGLU experts (Mixtral's / Qwen3-MoE's shape:
 softmax over the router logits, the k largest, optionally renormalised). The experts' weights are stacked
 in the SAME layout as transformers 5.x fused experts (`gate_up_proj` [E, 2I, H], gate rows first,
-`down_proj` [E, H, I]), so expert_parallel.experts_forward serves both and a state dict converts to a
-Hugging Face Qwen3-MoE folder by renaming alone. Under expert parallel (FSDPStrategy(ep_size=...)) the
-engine splits the stacked weights over the ep ranks and sets `expert_group`; the experts then exchange
-tokens by all-to-all, the same arithmetic as on one process. The router losses are computed once per
-forward over the global micro-batch (expert_parallel.router_losses: one all-reduce of the token counts)
-and kept on the model (`router_losses`); `loss(logits, targets)` returns the SUMMED cross-entropy plus
+`down_proj` [E, H, I]), so expert_parallel.experts_forward serves both. With norm_topk_prob, RMSNorm,
+rotary positions and no biases the model is Mixtral's: `save_as_mixtral` writes a Hugging Face folder
+that AutoModelForCausalLM loads (a renaming of the weights). Under expert parallel
+(FSDPStrategy(ep_size=...)) the engine splits the stacked weights over the ep ranks and sets
+`expert_group`; the experts then exchange tokens by all-to-all, the same arithmetic as on one process.
+The router losses are computed once per forward over the global micro-batch
+(expert_parallel.router_losses: one all-reduce of the token counts) and kept on the model
+(`router_losses`); `loss(logits, targets)` returns the SUMMED cross-entropy plus
 `router_aux_loss_coef x balance + router_z_loss_coef x z`, to pair with a TrainModule whose
 `loss_weight(batch)` counts the target tokens: the Trainer then divides by the step's global token
 count, so 1 process, ep ranks and dp x ep ranks take the same step from the same global batch.
@@ -28,7 +30,17 @@ from torch import Tensor, nn
 from shardwise.expert_parallel import ExpertLoad, RouterLosses, experts_forward, router_losses
 from shardwise.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPTMoE", "GPTMoEConfig", "GPTExperts", "MoE", "Router", "MOE_PRESETS", "gpt_moe_config"]
+__all__ = [
+    "GPTMoE",
+    "GPTMoEConfig",
+    "GPTExperts",
+    "MoE",
+    "Router",
+    "MOE_PRESETS",
+    "gpt_moe_config",
+    "mixtral_config",
+    "save_as_mixtral",
+]
 
 INIT_STD = 0.02  # GPT-2's N(0, 0.02), as the dense GPT's layers (residual projections scaled by depth)
 
@@ -204,3 +216,61 @@ def gpt_moe_config(name: str, **changes: object) -> GPTMoEConfig:
     if name not in MOE_PRESETS:
         raise ValueError(f"unknown GPT-MoE preset {name!r}; valid names: {', '.join(sorted(MOE_PRESETS))}")
     return replace(MOE_PRESETS[name], **changes)  # type: ignore[arg-type]
+
+
+# GPTMoE name -> Mixtral name, per block ("{i}") and for the rest.
+_MIXTRAL_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj": "mlp.experts.down_proj",
+}
+
+
+def mixtral_config(config: GPTMoEConfig) -> Any:
+    """The transformers MixtralConfig of the same model; ValueError naming what Mixtral has not."""
+    from transformers import MixtralConfig
+
+    wanted = dict(norm="rmsnorm", rope=True, bias=False, tie_embeddings=False, norm_topk_prob=True)
+    differs = [f"{k}={getattr(config, k)!r} (Mixtral: {v!r})" for k, v in wanted.items() if getattr(config, k) != v]
+    if differs:
+        raise ValueError(f"save_as_mixtral: this GPTMoEConfig is not Mixtral's shape: {', '.join(differs)}.")
+    return MixtralConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.expert_size,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.block_size,
+        rms_norm_eps=config.norm_eps,
+        num_local_experts=config.num_experts,
+        num_experts_per_tok=config.top_k,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def save_as_mixtral(state: dict, config: GPTMoEConfig, folder: str) -> None:
+    """Write GPTMoE weights (`state`: full tensors, names as GPTMoE.state_dict(), an optional prefix such as
+    a TrainModule's "model." left out) as a Hugging Face Mixtral folder (config.json + safetensors)."""
+    from transformers import MixtralForCausalLM
+
+    renamed = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["norm.weight"]}
+    renamed["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(config.n_layer):
+        for ours, theirs in _MIXTRAL_BLOCK.items():
+            renamed[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
+    with torch.device("meta"):
+        model = MixtralForCausalLM(mixtral_config(config))
+    model.load_state_dict({k: v.detach().cpu().contiguous() for k, v in renamed.items()}, strict=True, assign=True)
+    model.save_pretrained(folder)
