@@ -5,6 +5,8 @@ A correct module passes under DDP and FSDP with accumulation 2; each planted mis
 2 worker processes once (~6 s on an idle 2-core machine) and runs the reference here.
 """
 
+from torch.utils.data import Subset
+
 import shardwise
 from shardwise.cli import main
 from shardwise.models import Block
@@ -27,9 +29,10 @@ def _passed(report):
 def test_the_bundled_gpt_passes_under_fsdp_with_accumulation():
     # A strategy object (pickled to the workers): FSDP with each GPT block as its own unit.
     strategy = shardwise.FSDPStrategy(auto_wrap_policy={Block})
-    report = shardwise.check(
-        TinyGPT, token_data(), strategy=strategy, devices=2, accumulate_grad_batches=2, batch_size=4
-    )
+    # One of each sequence: token_data repeats some, and a repeat read by two ranks counts as a shared sample.
+    data = token_data()
+    distinct = Subset(data, sorted({tuple(x.tolist()): i for i, (x,) in enumerate(data)}.values()))
+    report = shardwise.check(TinyGPT, distinct, strategy=strategy, devices=2, accumulate_grad_batches=2, batch_size=4)
     _passed(report)
     assert report.global_batch == 16 and report.strategy == "FSDPStrategy (fsdp)"
 
