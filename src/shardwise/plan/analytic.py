@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardwise.plan.candidates import Candidate
+from shardwise.plan.moe import moe_facts
 from shardwise.plan.presets import ModelSpec
 from shardwise.strategies.accounting import ZERO_DEFAULTS, accounting_for
 
@@ -135,6 +136,9 @@ def block_activation_bytes(
     if checkpointed:
         return tokens * h * (4 if mixed else act_bytes)
     mlp = 3 * f if spec.kind == "gpt" and getattr(spec.config, "mlp", "gelu") == "swiglu" else 2 * f
+    facts = moe_facts(spec)
+    if facts is not None:  # the routed rows: each token's copy per expert, gate / up and activation (plan/moe.py)
+        mlp = facts.top_k * (facts.hidden + 3 * facts.expert_ffn) * facts.moe_layers / max(1, facts.depth)
     per_token = (4 * h + 2 * kv + mlp) * act_bytes + 2 * h * (4 if mixed else act_bytes)
     return tokens * per_token
 
