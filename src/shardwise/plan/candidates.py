@@ -111,6 +111,7 @@ class Candidate:
             offload=self.plan.offload_optimizer,
             tp=self.plan.tp,
             sp=self.plan.sp,
+            ep=self.plan.ep,
             micro_batch=self.micro_batch,
             accumulation=self.accumulation,
             custom=self.custom,
