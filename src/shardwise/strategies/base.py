@@ -56,6 +56,7 @@ from shardwise.distributed.env import (
 )
 from shardwise.precision import Precision, build_precision
 from shardwise.strategies.compile import RecompileWatch, apply_compile, build_compile_options, compile_mode
+from shardwise.strategies.experts import clip_norm_by_mesh
 from shardwise.strategies.materialize import has_meta_tensors, materialize_module
 from shardwise.strategies.parallel import ParallelPlan
 
@@ -507,10 +508,7 @@ class Strategy:
             torch.nn.utils.clip_grad_value_(params, max_value)
         if max_norm is None:
             return None
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        total = self._full_norm(total)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return clip_norm_by_mesh(params, max_norm, self._full_norm)  # experts (ep) sit on a mesh of their own
 
     def _full_norm(self, total: torch.Tensor) -> torch.Tensor:
         return total

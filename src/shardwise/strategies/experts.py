@@ -18,7 +18,7 @@ degree and on one process through the existing checkpoint code.
 from __future__ import annotations
 
 import types
-from typing import List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from shardwise.expert_parallel import experts_forward, is_experts
 from shardwise.strategies import degrees
 from shardwise.strategies.expert_parallel_hf import install_hf_dispatch, is_hf_experts
 
-__all__ = ["apply_expert_parallel", "find_experts", "shard_experts", "count_experts"]
+__all__ = ["apply_expert_parallel", "find_experts", "shard_experts", "count_experts", "clip_norm_by_mesh"]
 
 
 def find_experts(module: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -101,3 +101,20 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, divide_factor: float, fsd
             experts.set_force_sum_reduction_for_comms(True)
         units.append(experts)
     return units
+
+
+def clip_norm_by_mesh(params: Sequence[nn.Parameter], max_norm: float, full_norm: Callable) -> torch.Tensor:
+    """Clip gradients to a global 2-norm `max_norm`, the parameters grouped by their DTensor mesh; the total norm.
+
+    Under expert parallel the experts' gradients live on the (dp_shard / ep, ep) mesh and the others on the
+    dp_shard mesh, and DTensor operations do not mix meshes: each group's norm is taken and made whole
+    (`full_norm`: the strategy's reduction of a partial norm) on its own, and the groups' norms combine as
+    the square root of their squares. One mesh (every run without ep) is exactly the single-group norm."""
+    groups: Dict[object, List[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [full_norm(torch.nn.utils.get_total_norm([p.grad for p in g], norm_type=2.0)) for g in groups.values()]
+    total = norms[0] if len(norms) == 1 else torch.stack([n.float() for n in norms]).norm()
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
