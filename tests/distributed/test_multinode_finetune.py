@@ -4,7 +4,7 @@
 # reproduce the per-step losses of one process with the same global batch
 # (4 accumulated micro-batches; same data order, same weights). The model and data set are named by hub id and
 # served by a hub on 127.0.0.1 (tests/helpers/hub_server.py): the four workers of the two nodes and the
-# reference share one hub cache, and each file is fetched from the hub exactly once.
+# reference run at the same time and share one hub cache, and each file is fetched from the hub exactly once.
 from __future__ import annotations
 
 import json
@@ -110,14 +110,14 @@ def test_two_launchers_hybrid_shard_match_one_node(tmp_path, monkeypatch):
         )
         for i in range(2)
     ]
-    _wait(nodes, logs)
-
-    # The reference: one process with the same global batch (4 ranks' micro-batches as 4 accumulated ones; the
-    # loss is normalised over the step's global target tokens, so the steps are the same as 4 FULL_SHARD ranks').
+    # The reference, started beside the nodes (its start-up fills their rendezvous and collective waits): one
+    # process with the same global batch (4 ranks' micro-batches as 4 accumulated ones; the loss is normalised
+    # over the step's global target tokens, so the steps are the same as 4 FULL_SHARD ranks').
     single = str(tmp_path / "single")
-    log = open(tmp_path / "single.log", "w")
+    logs.append(open(tmp_path / "single.log", "w"))
     one = [*finetune, "--devices", "1", "--gradient_accumulation_steps", "4", "--output_dir", single]
-    _wait([subprocess.Popen(one, env=_env(), stdout=log, stderr=subprocess.STDOUT)], [log])
+    nodes.append(subprocess.Popen(one, env=_env(), stdout=logs[-1], stderr=subprocess.STDOUT))
+    _wait(nodes, logs)
 
     got, want = _losses(hybrid), _losses(single)
     assert len(got) == len(want) == 6
