@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from shardwise.callbacks.fingerprint import BatchFingerprint
 from shardwise.corpus.mixture import PackedMixture
@@ -237,16 +237,11 @@ class PretrainModule(CausalLMModule):
             total = self.parameter_counts.get("total", 0)
             print(f"[pretrain] {total:,} parameters, initialised from seed {self.cfg.seed}", flush=True)
 
-    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return super().training_step(_model_inputs(batch), batch_idx)
 
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-        super().validation_step(_model_inputs(batch), batch_idx)
-
-
-def _model_inputs(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The batch without `sample_id` (the fingerprint's key, not a model input)."""
-    return {k: v for k, v in batch.items() if k != "sample_id"}
+def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """The mixture's samples as a batch of model inputs: `sample_id` is left out (sequence parallel splits every
+    tensor of a batch along the sequence, and the fingerprint hashes the rows of input_ids)."""
+    return default_collate([{k: v for k, v in sample.items() if k != "sample_id"} for sample in samples])
 
 
 # ------------------------------------------------------------------ checks
@@ -423,7 +418,7 @@ def _run(
         log_every_n_steps=cfg.logging_steps,
         val_check_interval=cfg.eval_every * recipe.gradient_accumulation_steps if cfg.eval_every else None,
         num_sanity_val_steps=0,
-        callbacks=[BatchFingerprint(key="sample_id"), *callbacks, *saves],
+        callbacks=[BatchFingerprint(), *callbacks, *saves],
         enable_checkpointing=bool(saves),
         enable_progress_bar=cfg.enable_progress_bar,
         default_root_dir=cfg.output_dir,
@@ -432,11 +427,11 @@ def _run(
         device_memory=cfg.device_memory,
     )
     mixture = PackedMixture(dict(checked["train"]), cfg.seq_length, seed=cfg.seed)
-    train = DataLoader(mixture, batch_size=cfg.micro_batch_size)
+    train = DataLoader(mixture, batch_size=cfg.micro_batch_size, collate_fn=collate)
     val = None
     if cfg.eval_every:
         held = HeldOut(checked["held_out"], cfg.seq_length, cfg.eval_samples, cfg.seed)
-        val = DataLoader(held, batch_size=cfg.micro_batch_size, shuffle=False)
+        val = DataLoader(held, batch_size=cfg.micro_batch_size, shuffle=False, collate_fn=collate)
     module = PretrainModule(recipe, folder, cfg.max_steps, mixture)
     if is_global_zero():  # the architecture beside the checkpoints: `shardwise convert` reads it from there
         os.makedirs(cfg.output_dir, exist_ok=True)
