@@ -1,16 +1,19 @@
 """Expert parallel (ep) on the bundled GPT-MoE against one process: losses, weights, resume across layouts.
 
-A tiny GPT-MoE (8 experts, top-2, 2 blocks) trains in fp32 with SGD on the same global batch of 8 sequences
-with accumulation 2, returning the SUMMED cross-entropy plus the router losses (load balancing, coef 0.1,
-and z-loss) with `loss_weight` counting the target tokens: 1 process; 2 processes at ep 2 (each rank
-holds 4 experts and reads its own 4 samples per step); 4 processes at dp2 x ep2 (FSDP shards the experts
-over 2 ranks and the rest over 4). Per-step losses (aux included: the router losses are global, so they
-add the same amount at every layout) and the final weights agree with one process within 1e-5 relative;
-SGD moves weights in proportion to the gradient, so an expert gradient off by the ep factor would show.
-The dp2 x ep2 launch also saves a checkpoint at step 3, resumes from it in the same processes (bitwise
-the same steps 4-6 as the run that saved it), and the checkpoint resumes at ep 1 on 2 processes (in the
-2-process launch) and on one process (here) within 1e-5. The per-expert token counts the model keeps
-are the global ones on every rank (they sum to tokens x top_k per layer).
+A tiny GPT-MoE (8 experts, top-2, 2 blocks) trains in fp32 with SGD and gradient clipping (one norm over the
+experts' mesh and the others') on the same global batch of 8 sequences with accumulation 2, returning the
+SUMMED cross-entropy plus the router losses (load balancing, coef 0.1, and z-loss) with `loss_weight` counting
+the target tokens: 1 process; 2 processes at ep 2 (each rank holds 4 experts and reads its own 4 samples per
+step); 4 processes at dp2 x ep2 (FSDP shards the experts over 2 ranks and the rest over 4). Per-step losses
+(aux included: the router losses are global, so they add the same amount at every layout) and the final
+weights agree with one process within 1e-5 relative; SGD moves weights in proportion to the gradient, so an
+expert gradient off by the ep factor would show. The ep 2 run checkpoints its blocks (activation
+checkpointing: the token all-to-alls run again in the recomputation). The dp2 x ep2 launch also saves a
+checkpoint at step 2, resumes from it in the same processes (bitwise the same steps 3-4 and final weights as
+the run that saved it), and the checkpoint resumes at ep 1 on 2 processes (in the 2-process launch) and on one
+process (here) within 1e-5. The per-expert token counts the model keeps are the global ones on every rank
+(they sum to tokens x top_k per layer). The dp2 x ep2 run's trained weights, written as a Hugging Face Mixtral
+folder, load with AutoModelForCausalLM and give the GPT-MoE's logits within 1e-4.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import shardwise
 from shardwise import FSDPStrategy, Trainer, TrainModule
 from shardwise.callbacks import ModelCheckpoint
 from shardwise.models import Block
-from shardwise.models.gpt_moe import GPTMoE, gpt_moe_config
+from shardwise.models.gpt_moe import GPTMoE, gpt_moe_config, save_as_mixtral
 
 from helpers.lm import token_data
 
-STEPS, GLOBAL_BATCH, ACCUMULATE, SEQ = 6, 8, 2, 16
-SAVE_AT = 3
+STEPS, GLOBAL_BATCH, ACCUMULATE, SEQ = 4, 8, 2, 16
+SAVE_AT = 2
 
 
 class TinyMoE(TrainModule):
@@ -77,24 +80,35 @@ def data() -> TensorDataset:
 
 
 def full_weights(module: TrainModule) -> Dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()
+    return {  # named as without activation checkpointing's wrapper
+        n.replace("_checkpoint_wrapped_module.", ""): (p.full_tensor() if hasattr(p, "full_tensor") else p)
+        .detach()
+        .clone()
+        for n, p in module.named_parameters()
     }
 
 
-def train(devices: int, ep: int, root: str = "", save: bool = False, ckpt_path: Any = None) -> Dict[str, Any]:
+def train(
+    devices: int, ep: int, root: str = "", save: bool = False, ckpt_path: Any = None, ac: bool = False
+) -> Dict[str, Any]:
     shardwise.seed_everything(7)
     record = Record()
     callbacks: List[Any] = [record]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=SAVE_AT, save_top_k=-1))
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, ep_size=ep) if devices > 1 else "single"
+    checkpointed = {Block} if ac else None
+    strategy = (
+        FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=checkpointed, ep_size=ep)
+        if devices > 1
+        else "single"
+    )
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=1.0,  # the experts' gradients sit on a mesh of their own: one global norm across both
         callbacks=callbacks,
         enable_progress_bar=False,
         logger=False,
@@ -108,12 +122,13 @@ def train(devices: int, ep: int, root: str = "", save: bool = False, ckpt_path: 
 
 
 def two_processes(checkpoint: str) -> Dict[str, Any]:
-    """ep 2 from scratch, then the dp2 x ep2 run's step-3 checkpoint resumed as plain FSDP (ep 1)."""
-    return {"ep2": train(2, 2), "resumed_ep1": train(2, 1, ckpt_path=checkpoint)}
+    """ep 2 from scratch (with activation checkpointing: the all-to-alls run again in the recomputation), then
+    the dp2 x ep2 run's checkpoint resumed as plain FSDP (ep 1)."""
+    return {"ep2": train(2, 2, ac=True), "resumed_ep1": train(2, 1, ckpt_path=checkpoint)}
 
 
 def four_processes(root: str) -> Dict[str, Any]:
-    """dp2 x ep2 saving every 3 steps, then its step-3 checkpoint resumed under dp2 x ep2 again."""
+    """dp2 x ep2 saving every 3 steps, then its checkpoint resumed under dp2 x ep2 again."""
     straight = train(4, 2, root=root, save=True)
     return {"straight": straight, "resumed": train(4, 2, ckpt_path=_step(root, SAVE_AT))}
 
@@ -169,3 +184,17 @@ def test_resume_under_dp2_ep2_is_bitwise_and_at_ep1_and_one_process_close(runs):
         assert len(got["losses"]) == len(after)
         assert max(abs(x - y) / abs(y) for x, y in zip(got["losses"], after)) < 1e-5, (got["losses"], after)
         _close_weights(got["weights"], straight["weights"])
+
+
+def test_the_trained_dp2_ep2_weights_export_to_a_folder_transformers_loads(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trained = {n[len("model.") :]: v for n, v in runs["four"][0]["straight"]["weights"].items()}
+    module = TinyMoE()
+    module.configure_model()
+    module.model.load_state_dict(trained)
+    save_as_mixtral(trained, module.model.config, str(tmp_path))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = data().tensors[0][:2, :SEQ]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, module.model.eval()(ids), rtol=1e-4, atol=1e-4)
