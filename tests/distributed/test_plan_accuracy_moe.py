@@ -11,7 +11,6 @@ balanced, which is what the 5% holds for (the worst case of dropless routing is 
 
 from __future__ import annotations
 
-import pytest
 from plan_measure import compare  # benchmarks/, on pytest's pythonpath
 
 from shardwise.models.gpt_moe import gpt_moe_config

@@ -15,12 +15,14 @@ worst case of dropless routing is accounted beside the trace (plan/moe.dispatch_
 returns the undo. While it is in place, `torch.bincount(ids, minlength=E)` of a fake tensor (the router
 losses count tokens per expert) gives E counts: its length when every id is an expert's, which routing
 guarantees; real tensors are counted as ever. A Hugging Face experts module without expert parallel
-keeps its own forward: its grouped-matmul kernel sizes its work from offsets inside the op, which fake
-tensors trace as they are.
+keeps its own forward: its grouped matmul sizes its work from offsets inside the op, which fake tensors
+trace as they are; the trace runs transformers' own fallback op for it (same shapes, registered for fake
+tensors, any dtype), since the CPU kernel takes only bf16 and a trace runs on the CPU device.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, List, Optional
 
 import torch
@@ -85,8 +87,12 @@ def balanced_dispatch(model: nn.Module) -> Callable[[], None]:
     patched = []
     found = find_experts(model)
     real_bincount = torch.bincount
+    hf_moe = sys.modules.get("transformers.integrations.moe")
+    real_can_use = getattr(hf_moe, "_can_use_grouped_mm", None)
     if found:
         torch.bincount = _fake_bincount(real_bincount)
+        if real_can_use is not None:
+            hf_moe._can_use_grouped_mm = lambda *args: False
     for _, experts in found:
         if _routes_through_dispatch(experts):
             had = "forward" in experts.__dict__
@@ -95,6 +101,8 @@ def balanced_dispatch(model: nn.Module) -> Callable[[], None]:
 
     def undo() -> None:
         torch.bincount = real_bincount
+        if real_can_use is not None:
+            hf_moe._can_use_grouped_mm = real_can_use
         for experts, had, old in patched:
             if had:
                 experts.forward = old
