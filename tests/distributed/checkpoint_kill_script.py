@@ -8,6 +8,11 @@ after that step, with --kill-mode save in the middle of that step's save
 committed). `--resume` runs fit(ckpt_path="last") to the end, then an
 uninterrupted reference run from scratch in the same processes. Rank 0
 appends every step's loss (as repr of a float) to R/losses.jsonl as it goes.
+
+`--strategy ep --kill-at 3` is test_expert_parallel.py's GPT-MoE run under
+dp 2 x ep 2 (4 workers, helpers/moe_runs.py, its checkpoints in
+R/checkpoints), killed the same way; that test resumes it (4 processes at
+ep 2, 2 at ep 1, one process) and compares with its own uninterrupted run.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +152,28 @@ def fit(args, root: str, tag: str, ckpt_path=None, seed: int = 7, callbacks=()) 
     trainer.fit(Net(), loader(), ckpt_path=ckpt_path)
 
 
+class StepLosses:
+    """Rank 0 appends each optimizer step's logged global loss (the last micro-batch's train_loss)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if trainer.is_last_microbatch and trainer.is_global_zero:
+            loss = float(trainer.callback_metrics["train_loss"])
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps({"run": "killed", "step": trainer.global_step, "loss": repr(loss)}) + "\n")
+
+
+def kill_expert_parallel(args) -> None:
+    """test_expert_parallel's dp2 x ep2 run, checkpointing into root/checkpoints, killed after step --kill-at."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' helpers
+    from helpers.moe_runs import train
+
+    losses = StepLosses(os.path.join(args.root, "losses.jsonl"))
+    train(4, 2, root=args.root, save=True, callbacks=[losses, Killer(args.kill_at)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="single")
@@ -155,6 +183,11 @@ def main() -> None:
     parser.add_argument("--kill-mode", default="step", choices=("step", "save"))
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
+    if args.strategy == "ep":
+        if args.resume or args.kill_mode != "step":
+            parser.error("--strategy ep is only killed here (--kill-mode step); test_expert_parallel resumes it")
+        kill_expert_parallel(args)
+        return
     if args.resume:
         # Another seed on purpose: everything must come from the checkpoint.
         fit(args, os.path.join(args.root, "run"), "resumed", ckpt_path="last", seed=12345)
