@@ -18,6 +18,7 @@ turns, for example) gives no such spans and is refused, naming the record.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -104,7 +105,8 @@ def token_targets(offsets: Sequence[Sequence[int]], spans: Sequence[Span]) -> np
     """Per token: does it overlap an assistant span? (Added special tokens have empty offsets: never.)"""
     if not len(offsets):
         return np.zeros(0, dtype=bool)
-    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    flat = itertools.chain.from_iterable(offsets)  # pairs read flat: np.asarray of tuples is 2-3x slower
+    bounds = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
     starts, ends = bounds[:, 0], bounds[:, 1]
     targets = np.zeros(len(bounds), dtype=bool)
     for a, b in spans:

@@ -298,6 +298,24 @@ def cache_key(spec: DataSpec, tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _ids_and_offsets(tokenizer: Any, texts: List[str], add: bool) -> Tuple[List[List[int]], List[Any]]:
+    """Token ids and character offsets of `texts`: from the Rust tokenizer directly when the call would not
+    change its settings (no truncation or padding set on it, special tokens split as the wrapper splits them),
+    skipping the wrapper's per-record conversion (a sixth of the call's time); else through the wrapper."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    direct = (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
+    )
+    if not direct:
+        encoded = tokenizer(texts, add_special_tokens=add, return_offsets_mapping=True)
+        return encoded["input_ids"], encoded["offset_mapping"]
+    encodings = backend.encode_batch(texts, add_special_tokens=add)
+    return [e.ids for e in encodings], [e.offsets for e in encodings]
+
+
 def _render(
     rows: Dict[str, List[Any]], field: str, chat_format: str, tokenizer: Any, spec: DataSpec, start: int
 ) -> Tuple[Any, List[bool], Optional[List[np.ndarray]]]:
@@ -329,9 +347,9 @@ def _render(
     chat = [not isinstance(v, str) for v in values]
     if spec.assistant_only_loss:
         rendered = [record_text_and_spans(v, chat_format, tokenizer, field, start + j) for j, v in enumerate(values)]
-        encoded = tokenizer([t for t, _ in rendered], add_special_tokens=add, return_offsets_mapping=True)
-        flags = [assistant_spans.token_targets(o, spans) for o, (_, spans) in zip(encoded["offset_mapping"], rendered)]
-        return encoded, chat, flags
+        ids, offsets = _ids_and_offsets(tokenizer, [t for t, _ in rendered], add)
+        flags = [assistant_spans.token_targets(o, spans) for o, (_, spans) in zip(offsets, rendered)]
+        return {"input_ids": ids}, chat, flags
     return tokenizer([record_text(v, chat_format, tokenizer) for v in values], add_special_tokens=add), chat, None
 
 
@@ -355,7 +373,7 @@ class RecordEncoder:
         eos = self.tokenizer.eos_token_id
         out = []
         for j, ids in enumerate(encoded["input_ids"]):
-            ids = list(ids)
+            ids = ids if isinstance(ids, list) else list(ids)
             flag = flags[j] if flags is not None else None
             append = self.spec.append_eos if self.spec.append_eos is not None else not chat[j]
             if append and eos is not None and (not ids or ids[-1] != eos):
