@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,21 +85,26 @@ class Recorder:
                 )
 
 
-def kill_job() -> None:
+def kill_job(launcher: Optional[int] = None) -> None:
     # Under the self-launcher the parent is the supervisor; its death takes
     # every worker with it (PR_SET_PDEATHSIG), like a node losing power.
-    target = os.getppid() if launch_context().launched_by_shardwise else os.getpid()
+    # `launcher`: the process that called shardwise.launch (its forked
+    # workers watch it and die with it).
+    if launcher is not None:
+        target = launcher
+    else:
+        target = os.getppid() if launch_context().launched_by_shardwise else os.getpid()
     os.kill(target, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Killer:
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, launcher: Optional[int] = None) -> None:
+        self.step, self.launcher = step, launcher
 
     def on_train_batch_end(self, trainer, module, *args) -> None:
         if trainer.global_step == self.step and trainer.is_global_zero:
-            kill_job()
+            kill_job(self.launcher)
 
 
 def kill_inside_save(step: int) -> None:
@@ -165,13 +171,23 @@ class StepLosses:
                 fh.write(json.dumps({"run": "killed", "step": trainer.global_step, "loss": repr(loss)}) + "\n")
 
 
-def kill_expert_parallel(args) -> None:
-    """test_expert_parallel's dp2 x ep2 run, checkpointing into root/checkpoints, killed after step --kill-at."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tests' helpers
+def killed_expert_parallel_run(root: str, kill_at: int, launcher: int) -> None:
+    """On each of 4 workers: test_expert_parallel's dp2 x ep2 run, checkpointing into root/checkpoints, killed
+    with `launcher` after step `kill_at`."""
     from helpers.moe_runs import train
 
-    losses = StepLosses(os.path.join(args.root, "losses.jsonl"))
-    train(4, 2, root=args.root, save=True, callbacks=[losses, Killer(args.kill_at)])
+    losses = StepLosses(os.path.join(root, "losses.jsonl"))
+    train(4, 2, root=root, save=True, callbacks=[losses, Killer(kill_at, launcher)])
+
+
+def kill_expert_parallel(args) -> None:
+    """Launched as a function (the workers fork from a server that imported torch once: cheaper than 4 copies
+    of this script); the workers find this file as a module by its name."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.dirname(here)]  # this file, the tests' helpers
+    import checkpoint_kill_script
+
+    shardwise.launch(checkpoint_kill_script.killed_expert_parallel_run, args.root, args.kill_at, os.getpid(), devices=4)
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ checkpointing: the token all-to-alls run again in the recomputation). Kill and r
 checkpointing at step 2, runs as a script of 4 workers (checkpoint_kill_script.py) and is SIGKILLed with its
 launcher after step 3; its `last` checkpoint resumes under dp2 x ep2 (in the 4-process launch: steps 3-4 and
 the final weights bitwise those of the uninterrupted run there), at ep 1 on 2 processes (in the 2-process
-launch) and on one process (here) within 1e-5. The per-expert token counts the model keeps are the global ones on every rank
-(they sum to tokens x top_k per layer). The dp2 x ep2 run's trained weights, written as a Hugging Face Mixtral
-folder, load with AutoModelForCausalLM and give the GPT-MoE's logits within 1e-4.
+launch) and on one process (here) within 1e-5. The per-expert token counts the model keeps are the global
+ones on every rank (they sum to tokens x top_k per layer). The dp2 x ep2 run's trained weights, written as a
+Hugging Face Mixtral folder, load with AutoModelForCausalLM and give the GPT-MoE's logits within 1e-4.
 """
 
 from __future__ import annotations
