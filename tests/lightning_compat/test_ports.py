@@ -16,17 +16,17 @@ import os
 
 import pytest
 from port_harness import PORTS, run_port
+from rank_zero_case import rank_zero_runs
 
 import shardwise
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "..", "fixtures", "lightning_ports_reference.json")))
 # The FSDP guide on one process runs its own FSDPStrategy (activation checkpointing and units of its layers);
 # Lightning refuses FSDP without CUDA, so its numbers are the same script's on one device (strategy "auto").
-# autoencoder.py's ImageSampler callback is @rank_zero_only and runs the model's forward: under FSDP that
-# forward all-gathers the shards on rank 0 alone, a collective rank 1 never joins (Lightning waits forever;
-# shardwise stops both ranks with a CollectiveMismatchError naming the callback after its stall check's
-# 20 s). It runs under ddp only.
-TWO_PROCESSES = [(s, name) for s in ("ddp", "fsdp") for name in PORTS if (s, name) != ("fsdp", "autoencoder")]
+# autoencoder.py's ImageSampler callback is @rank_zero_only and runs the model's forward on rank 0 alone: under
+# FSDP every rank gathers the parameters whole around that hook (trainer/hooks.py), so the forward issues no
+# collective rank 1 would have to join (Lightning waits forever there).
+TWO_PROCESSES = [(s, name) for s in ("ddp", "fsdp") for name in PORTS]
 # On two processes one batch of each loader is enough to run every hook and call of a script to its end.
 ONE_BATCH = {f"limit_{stage}_batches": 1 for stage in ("train", "val", "test")}
 STEPS_PER_BATCH = {"generative_adversarial_net": 2}  # manual optimisation: each optimizer's step counts
@@ -60,12 +60,37 @@ def _on_two_ranks(folder: str) -> dict:
         extra = {} if (strategy, name) == ("fsdp", "fsdp_guide") else {"strategy": strategy}
         result = run_port(name, accelerator="cpu", devices=2, **ONE_BATCH, **extra)
         out[f"{strategy}/{name}"] = result["global_step"], sorted(result["callback_metrics"])
+    out["rank_zero_hooks"] = rank_zero_runs()
     return out
 
 
-def test_ports_run_under_ddp_and_fsdp_on_two_processes(tmp_path):
-    ranks = shardwise.launch(_on_two_ranks, str(tmp_path), devices=2)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One two-process launch for every two-process case of this file."""
+    return shardwise.launch(_on_two_ranks, str(tmp_path_factory.mktemp("ports")), devices=2)
+
+
+def test_ports_run_under_ddp_and_fsdp_on_two_processes(two_ranks):
+    ranks = two_ranks
     for strategy, name in TWO_PROCESSES:
         # Every call of the script ran to its end on both ranks, each taking one batch's steps.
         want = STEPS_PER_BATCH.get(name, 1), sorted(REFERENCE[name]["callback_metrics"])
         assert ranks[0][f"{strategy}/{name}"] == ranks[1][f"{strategy}/{name}"] == want, (strategy, name)
+
+
+def test_rank_zero_only_hooks_run_their_forward_under_fsdp(two_ranks):
+    import torch
+
+    rank0, rank1 = (ranks["rank_zero_hooks"] for ranks in two_ranks)
+    # Rank 0 ran the callback's and the module's hook once per epoch, rank 1 neither.
+    assert len(rank0["module"]) == len(rank0["callback"]) == 2
+    assert rank1["module"] == rank1["callback"] == []
+    # Rank 0's forwards in the last epoch's hooks give what the trained model, whole, gives.
+    first, second = rank0["callback"][-1]
+    assert torch.equal(first, second)
+    assert torch.allclose(first, rank0["expected"], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(rank0["module"][-1], rank0["expected"], rtol=1e-5, atol=1e-6)
+    # Training around the hooks computed bit for bit what it computes without them, on both ranks.
+    for key, value in rank0["state_without_hooks"].items():
+        assert torch.equal(rank0["state"][key], value), key
+        assert torch.equal(rank1["state"][key], value), key

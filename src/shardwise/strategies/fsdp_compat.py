@@ -10,10 +10,11 @@ and never a TypeError. The table of every name lives in shardwise/compat.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
-from typing import Any, Optional, Set, Tuple
+from typing import Any, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -211,3 +212,48 @@ def plain_class(module: nn.Module) -> type:
     from torch.distributed.fsdp import FSDPModule
 
     return next(k for k in type(module).__mro__ if not issubclass(k, FSDPModule))
+
+
+def _param_groups(unit: nn.Module) -> List[Any]:
+    """The FSDPParamGroups of one fully_shard unit (torch 2.13 keeps a list; earlier ones a single group)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+@contextlib.contextmanager
+def whole_for_one_rank(model: nn.Module) -> Iterator[None]:
+    """Every unit of `model` unsharded on every rank for the block, so that code running on one rank alone
+    (a @rank_zero_only hook calling the model's forward) issues no collective; resharded after.
+
+    Entered by every rank: `unshard()` is an all-gather all ranks join. Inside, a unit's forward finds its
+    parameters whole and gathers nothing; resharding after forward is switched off for the block (a second
+    forward would otherwise gather again on one rank alone), and the record of forward order FSDP2 keeps
+    for backward prefetching is put back as it was, so the next training step prefetches the same units
+    on every rank. The cost: each rank holds the full parameters for the block."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    for unit in units:
+        unit.unshard()
+    groups = [group for unit in units for group in _param_groups(unit)]
+    saved = [(group, group.post_forward_mesh_info, list(group._post_forward_indices)) for group in groups]
+    orders = {id(group.comm_ctx): (group.comm_ctx, len(group.comm_ctx.post_forward_order)) for group in groups}
+    for group in groups:
+        group.post_forward_mesh_info = None  # no reshard after this block's forwards
+    try:
+        yield
+    finally:
+        for group, mesh_info, indices in saved:
+            group.post_forward_mesh_info = mesh_info
+            group._post_forward_indices[:] = indices
+        for ctx, length in orders.values():
+            del ctx.post_forward_order[length:]
+        for unit in units:
+            unit.reshard()

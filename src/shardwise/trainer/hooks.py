@@ -8,12 +8,16 @@ hook, so they see what the module logged in it (`monitoring=True/False`).
 `call_module` calls the TrainModule's hook after telling the module which
 hook runs (self.log's defaults depend on it) and recording it as this rank's
 progress, which names what a rank was doing if it ever hangs.
+A hook wrapped in `rank_zero_only` runs inside `rank_zero_block`: under FSDP every
+rank gathers the parameters whole around it, so a forward it makes on rank 0
+alone issues no collective the other ranks would have to join.
 `update_lr_schedulers` steps the schedulers where Lightning does (see its
 docstring). Which hook runs where is listed in lightning_hooks.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import inspect
 import warnings
@@ -26,6 +30,9 @@ from shardwise.callbacks import EarlyStopping, ModelCheckpoint
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.module import enter_hook
 from shardwise.module_hooks import ModuleHooks
+from shardwise.strategies.deepspeed import DeepSpeedStrategy
+from shardwise.strategies.fsdp_compat import whole_for_one_rank
+from shardwise.utilities.rank_zero import RANK_ZERO_MARK
 
 # Callbacks whose decision reads a metric: at the end of a training epoch they run after the
 # module's on_train_epoch_end, so they can monitor what it logged (Lightning's hard-coded pair).
@@ -48,7 +55,11 @@ def call_callbacks(trainer: Any, hook: str, *args: Any, monitoring: Optional[boo
                 continue
             # Named with its class: a collective only some ranks reach in it is then blamed on it.
             mark_progress(f"{type(callback).__name__}.{hook}", trainer.state.global_step)
-            fn(trainer, module, *args, **kwargs)
+            if getattr(fn, RANK_ZERO_MARK, False):
+                with rank_zero_block(trainer, f"{type(callback).__name__}.{hook}"):
+                    fn(trainer, module, *args, **kwargs)
+            else:
+                fn(trainer, module, *args, **kwargs)
     finally:
         if previous is not None:
             enter_hook(module, previous)
@@ -104,9 +115,35 @@ def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
     previous = enter_hook(module, hook)
     mark_progress(hook, trainer.state.global_step)  # what this rank does, if it ever hangs
     try:
+        if getattr(fn, RANK_ZERO_MARK, False):
+            with rank_zero_block(trainer, f"{type(module).__name__}.{hook}"):
+                return fn(*args, **kwargs)
         return fn(*args, **kwargs)
     finally:
         enter_hook(module, previous)  # self.log after it takes the enclosing hook's defaults again
+
+
+def rank_zero_block(trainer: Any, name: str) -> Any:
+    """What every rank enters around a hook wrapped in `rank_zero_only` (it runs on rank 0 alone).
+
+    FSDP: every unit of the model unsharded on every rank first (a collective all join), so a forward
+    in the hook gathers nothing, and resharded after (fsdp_compat.whole_for_one_rank); the price is the
+    full parameters on each rank for that call. ZeRO-3 partitions parameters too, and its engine's
+    forward fetches and prefetches them on the rank that runs it: refused, on every rank, before the hook.
+    Elsewhere (DDP, one device, ZeRO-1/2) the parameters are whole already: nothing is done."""
+    strategy = getattr(trainer, "strategy", None)
+    if isinstance(strategy, DeepSpeedStrategy) and strategy.stage == 3:
+        raise RuntimeError(
+            f"{name} is wrapped in rank_zero_only, and under DeepSpeed ZeRO-3 a forward on rank 0 alone "
+            "would wait for the other ranks' parameter partitions forever. Run the model's forward on every "
+            "rank (drop rank_zero_only from the hook and keep only its saving or printing on rank 0, e.g. in a "
+            "function wrapped in rank_zero_only), or use strategy='fsdp', which gathers the parameters for "
+            "such a hook."
+        )
+    model = getattr(trainer, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return whole_for_one_rank(model)
+    return contextlib.nullcontext()
 
 
 def module_overrides(module: Any, hook: str) -> bool:

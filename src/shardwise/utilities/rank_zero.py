@@ -5,6 +5,12 @@
 the process's launch environment at each call (distributed/env.py), so the
 helpers are right before and after the process group starts; a script that
 sets `rank_zero_only.rank` itself, as some Lightning code does, is obeyed.
+
+A function wrapped by `rank_zero_only` carries a mark (`RANK_ZERO_MARK`): when the
+Trainer calls a callback or module hook so marked while the model's parameters
+are sharded across ranks (FSDP), every rank first gathers them whole, rank 0 runs
+the hook and every rank shards them again (trainer/hooks.py), so a forward inside
+it runs on rank 0 alone instead of waiting for the other ranks' shards.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Any, Callable, Optional, TypeVar
 from shardwise.distributed import env
 
 T = TypeVar("T")
+
+# The attribute rank_zero_only sets on the function it returns (read through bound methods too).
+RANK_ZERO_MARK = "_shardwise_rank_zero_only"
 
 log = logging.getLogger("shardwise")
 
@@ -35,6 +44,7 @@ def rank_zero_only(fn: Callable[..., T], default: Optional[T] = None) -> Callabl
             return fn(*args, **kwargs)
         return default
 
+    setattr(wrapped, RANK_ZERO_MARK, True)
     return wrapped
 
 
@@ -67,6 +77,7 @@ def rank_zero_deprecation(message: Any, stacklevel: int = 3, **kwargs: Any) -> N
 
 
 __all__ = [
+    "RANK_ZERO_MARK",
     "rank_prefixed_message",
     "rank_zero_debug",
     "rank_zero_deprecation",
