@@ -24,8 +24,8 @@ REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "..", "fixtur
 # The FSDP guide on one process runs its own FSDPStrategy (activation checkpointing and units of its layers);
 # Lightning refuses FSDP without CUDA, so its numbers are the same script's on one device (strategy "auto").
 # autoencoder.py's ImageSampler callback is @rank_zero_only and runs the model's forward on rank 0 alone: under
-# FSDP every rank gathers the parameters whole around that hook (trainer/hooks.py), so the forward issues no
-# collective rank 1 would have to join (Lightning waits forever there).
+# FSDP rank 1 joins the all-gather of each unit that forward goes through, as rank 0 names them
+# (trainer/hooks.py), so the forward does not wait for a rank that never comes (Lightning waits forever there).
 TWO_PROCESSES = [(s, name) for s in ("ddp", "fsdp") for name in PORTS]
 # On two processes one batch of each loader is enough to run every hook and call of a script to its end.
 ONE_BATCH = {f"limit_{stage}_batches": 1 for stage in ("train", "val", "test")}
@@ -85,6 +85,12 @@ def test_rank_zero_only_hooks_run_their_forward_under_fsdp(two_ranks):
     # Rank 0 ran the callback's and the module's hook once per epoch, rank 1 neither.
     assert len(rank0["module"]) == len(rank0["callback"]) == 2
     assert rank1["module"] == rank1["callback"] == []
+    # Quiet's hook ran no forward: it ran on rank 0 at each batch end and gathered nothing on either rank.
+    assert rank0["quiet"] == [1, 2, 3, 4] and rank1["quiet"] == []
+    assert rank0["all_gathers"]["on_train_batch_end"] == rank1["all_gathers"]["on_train_batch_end"] == [0] * 4
+    # Sampler's two forwards gathered each unit they went through, rank 1 joining each all-gather: the root
+    # (its LayerNorm) and the two Linears, each sharded again after its forward, so gathered in both.
+    assert rank0["all_gathers"]["on_train_epoch_end"] == rank1["all_gathers"]["on_train_epoch_end"] == [6, 6]
     # Rank 0's forwards in the last epoch's hooks give what the trained model, whole, gives.
     first, second = rank0["callback"][-1]
     assert torch.equal(first, second)

@@ -224,36 +224,119 @@ def _param_groups(unit: nn.Module) -> List[Any]:
     return list(groups)
 
 
-@contextlib.contextmanager
-def whole_for_one_rank(model: nn.Module) -> Iterator[None]:
-    """Every unit of `model` unsharded on every rank for the block, so that code running on one rank alone
-    (a @rank_zero_only hook calling the model's forward) issues no collective; resharded after.
+# Sent by rank 0 when its hook has returned (or raised): the other ranks stop serving its forwards.
+_DONE = -1
+# Set while a rank-0-only block runs, so a marked hook that calls another one adds no second protocol.
+_serving = False
 
-    Entered by every rank: `unshard()` is an all-gather all ranks join. Inside, a unit's forward finds its
-    parameters whole and gathers nothing; resharding after forward is switched off for the block (a second
-    forward would otherwise gather again on one rank alone), and the record of forward order FSDP2 keeps
-    for backward prefetching is put back as it was, so the next training step prefetches the same units
-    on every rank. The cost: each rank holds the full parameters for the block."""
+
+def _send(index: int) -> None:
+    """Rank 0 tells every other rank which unit its forward gathers next (or _DONE): one int64 broadcast."""
+    from shardwise.distributed import ops
+
+    torch.distributed.broadcast(torch.tensor([index], device=ops.collective_device()), src=0)
+
+
+def _receive() -> int:
+    from shardwise.distributed import ops
+
+    box = torch.empty(1, dtype=torch.int64, device=ops.collective_device())
+    torch.distributed.broadcast(box, src=0)
+    return int(box.item())
+
+
+@contextlib.contextmanager
+def gather_for_rank_zero(model: nn.Module) -> Iterator[None]:
+    """Entered by every rank around code that runs on rank 0 alone (a @rank_zero_only hook), so that a
+    forward it makes through FSDP units gathers their shards with the other ranks' help, one unit at a time.
+
+    Rank 0 runs the block with a forward pre-hook on each unit, ahead of FSDP2's own: before a unit whose
+    parameters are sharded gathers them, rank 0 broadcasts the unit's index; the other ranks wait in
+    `_serve`, join that all-gather (`unshard()`) and drop the result (`reshard()`). When the block ends,
+    normally or by an exception, rank 0 broadcasts _DONE. A block that runs no forward costs that one
+    broadcast and gathers nothing.
+
+    Inside the block every unit rank 0 gathers is resharded after its forward (a local free), so a second
+    forward gathers again through the same protocol (the root too, which FSDP2 otherwise keeps whole after
+    forward), and a unit still unsharded at the end (a forward that raised) is resharded locally: each rank
+    leaves with the units in the state it entered with. Units already unsharded on entry are whole on
+    every rank alike and stay so. FSDP2's records of forward order (backward prefetching) are put back,
+    and explicit forward prefetching (`set_modules_to_forward_prefetch`), which would gather units rank 0
+    does not announce, is switched off for the block."""
+    global _serving
     from torch.distributed.fsdp import FSDPModule
 
+    from shardwise.distributed import ops
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
+    if not units or _serving or not ops.is_initialized() or ops.world_size() == 1:
         yield
         return
-    for unit in units:
-        unit.unshard()
+    _serving = True
+    try:
+        if ops.rank() == 0:
+            with _announcing(units):
+                yield
+        else:
+            _serve(units)
+            yield
+    finally:
+        _serving = False
+
+
+def _serve(units: List[nn.Module]) -> None:
+    """The other ranks' side: gather what rank 0 announces, free it at once, until _DONE."""
+    while True:
+        index = _receive()
+        if index == _DONE:
+            return
+        groups = _param_groups(units[index])
+        sharded = [group for group in groups if not group.is_unsharded]
+        units[index].unshard()  # the all-gather FSDP2's pre-forward issues on rank 0
+        for group in sharded:
+            group.reshard()
+
+
+@contextlib.contextmanager
+def _announcing(units: List[nn.Module]) -> Iterator[None]:
+    """Rank 0's side: announce each unit before FSDP2's pre-forward gathers it."""
     groups = [group for unit in units for group in _param_groups(unit)]
+    states = {id(state): state for state in (unit._get_fsdp_state() for unit in units)}.values()
+    sharded_on_entry = [group for group in groups if not group.is_unsharded]
+    resharding = {id(group) for group in sharded_on_entry}
     saved = [(group, group.post_forward_mesh_info, list(group._post_forward_indices)) for group in groups]
-    orders = {id(group.comm_ctx): (group.comm_ctx, len(group.comm_ctx.post_forward_order)) for group in groups}
+    orders = {id(group.comm_ctx): (group.comm_ctx, list(group.comm_ctx.post_forward_order)) for group in groups}
+    prefetch = [(state, list(state._states_to_forward_prefetch)) for state in states]
     for group in groups:
-        group.post_forward_mesh_info = None  # no reshard after this block's forwards
+        # Reshard after forward (to the whole shard group, not to a smaller post-forward mesh, whose later
+        # gather the other ranks could not match) where the unit is sharded now; keep the others whole.
+        group.post_forward_mesh_info = group.mesh_info if id(group) in resharding else None
+    for state, _ in prefetch:
+        state._states_to_forward_prefetch = []
+
+    def announce(index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if any(not group.is_unsharded for group in _param_groups(module)):
+                _send(index)
+
+        return hook
+
+    handles = [unit.register_forward_pre_hook(announce(index), prepend=True) for index, unit in enumerate(units)]
     try:
         yield
     finally:
-        for group, mesh_info, indices in saved:
-            group.post_forward_mesh_info = mesh_info
-            group._post_forward_indices[:] = indices
-        for ctx, length in orders.values():
-            del ctx.post_forward_order[length:]
-        for unit in units:
-            unit.reshard()
+        for handle in handles:
+            handle.remove()
+        try:
+            _send(_DONE)
+        finally:
+            for group in sharded_on_entry:
+                if group.is_unsharded:  # a forward that raised before its post-forward
+                    group.reshard()
+            for group, mesh_info, indices in saved:
+                group.post_forward_mesh_info = mesh_info
+                group._post_forward_indices[:] = indices
+            for ctx, order in orders.values():
+                ctx.post_forward_order[:] = order
+            for state, targets in prefetch:
+                state._states_to_forward_prefetch = targets

@@ -8,9 +8,9 @@ hook, so they see what the module logged in it (`monitoring=True/False`).
 `call_module` calls the TrainModule's hook after telling the module which
 hook runs (self.log's defaults depend on it) and recording it as this rank's
 progress, which names what a rank was doing if it ever hangs.
-A hook wrapped in `rank_zero_only` runs inside `rank_zero_block`: under FSDP every
-rank gathers the parameters whole around it, so a forward it makes on rank 0
-alone issues no collective the other ranks would have to join.
+A hook wrapped in `rank_zero_only` runs inside `rank_zero_block`: under FSDP the
+other ranks join the all-gathers of the units a forward in it makes on rank 0,
+one unit at a time, so that forward does not wait for ranks that never come.
 `update_lr_schedulers` steps the schedulers where Lightning does (see its
 docstring). Which hook runs where is listed in lightning_hooks.py.
 """
@@ -30,8 +30,7 @@ from shardwise.callbacks import EarlyStopping, ModelCheckpoint
 from shardwise.distributed.progress import mark as mark_progress
 from shardwise.module import enter_hook
 from shardwise.module_hooks import ModuleHooks
-from shardwise.strategies.deepspeed import DeepSpeedStrategy
-from shardwise.strategies.fsdp_compat import whole_for_one_rank
+from shardwise.strategies.fsdp_compat import gather_for_rank_zero
 from shardwise.utilities.rank_zero import RANK_ZERO_MARK
 
 # Callbacks whose decision reads a metric: at the end of a training epoch they run after the
@@ -126,23 +125,14 @@ def call_module(trainer: Any, hook: str, *args: Any, **kwargs: Any) -> Any:
 def rank_zero_block(trainer: Any, name: str) -> Any:
     """What every rank enters around a hook wrapped in `rank_zero_only` (it runs on rank 0 alone).
 
-    FSDP: every unit of the model unsharded on every rank first (a collective all join), so a forward
-    in the hook gathers nothing, and resharded after (fsdp_compat.whole_for_one_rank); the price is the
-    full parameters on each rank for that call. ZeRO-3 partitions parameters too, and its engine's
-    forward fetches and prefetches them on the rank that runs it: refused, on every rank, before the hook.
-    Elsewhere (DDP, one device, ZeRO-1/2) the parameters are whole already: nothing is done."""
-    strategy = getattr(trainer, "strategy", None)
-    if isinstance(strategy, DeepSpeedStrategy) and strategy.stage == 3:
-        raise RuntimeError(
-            f"{name} is wrapped in rank_zero_only, and under DeepSpeed ZeRO-3 a forward on rank 0 alone "
-            "would wait for the other ranks' parameter partitions forever. Run the model's forward on every "
-            "rank (drop rank_zero_only from the hook and keep only its saving or printing on rank 0, e.g. in a "
-            "function wrapped in rank_zero_only), or use strategy='fsdp', which gathers the parameters for "
-            "such a hook."
-        )
+    FSDP: a forward the hook makes on rank 0 gathers each unit it goes through with the other ranks, which
+    wait for rank 0 to name the units one at a time and join each all-gather (fsdp_compat.gather_for_rank_zero);
+    a hook that runs no forward costs one small broadcast and gathers nothing. Elsewhere (DDP, one device,
+    DeepSpeed) nothing is done: the hook runs on rank 0 as written. `name` (the hook's) is not needed: no
+    strategy refuses a marked hook."""
     model = getattr(trainer, "model", None)
     if isinstance(model, torch.nn.Module):
-        return whole_for_one_rank(model)
+        return gather_for_rank_zero(model)
     return contextlib.nullcontext()
 
 
