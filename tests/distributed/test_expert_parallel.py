@@ -50,17 +50,24 @@ def four_processes(killed: str) -> Dict[str, Any]:
     return {"straight": train(4, 2), "resumed": train(4, 2, root=killed, ckpt_path="last")}
 
 
-def kill_dp2_ep2(root: str) -> Dict[str, Any]:
+def start_killed_dp2_ep2(root: str) -> subprocess.Popen:
     """The dp2 x ep2 run (checkpoint at step SAVE_AT) SIGKILLed with its launcher after step KILL_AT, in a
-    subprocess (checkpoint_kill_script.py, 4 workers); its checkpoints land in root/checkpoints."""
-    proc = subprocess.run(
-        [sys.executable, KILL_SCRIPT, "--strategy", "ep", "--root", root, "--kill-at", str(KILL_AT)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-4000:])
+    subprocess (checkpoint_kill_script.py, 4 workers); its checkpoints land in root/checkpoints. Started, not
+    awaited: its start-up (two interpreters importing torch) overlaps the one-process run."""
+    with open(os.path.join(root, "output.txt"), "w") as out:
+        return subprocess.Popen(
+            [sys.executable, KILL_SCRIPT, "--strategy", "ep", "--root", root, "--kill-at", str(KILL_AT)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+
+
+def killed_dp2_ep2(proc: subprocess.Popen, root: str) -> Dict[str, Any]:
+    """Wait for the killed run: its per-step losses, the checkpoint it committed last (step SAVE_AT)."""
+    returncode = proc.wait(timeout=240)
+    with open(os.path.join(root, "output.txt")) as fh:
+        assert returncode == -signal.SIGKILL, (returncode, fh.read()[-4000:])
     last = layout.latest_checkpoint(os.path.join(root, "checkpoints"))
     assert last is not None and layout.read_manifest(last)["global_step"] == SAVE_AT, last
     with open(os.path.join(root, "losses.jsonl")) as fh:
@@ -71,7 +78,13 @@ def kill_dp2_ep2(root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     killed = str(tmp_path_factory.mktemp("ep-killed"))
-    out = {"one": train(1, 1), "killed": kill_dp2_ep2(killed)}
+    proc = start_killed_dp2_ep2(killed)
+    try:
+        out = {"one": train(1, 1)}
+        out["killed"] = killed_dp2_ep2(proc, killed)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     out["four"] = shardwise.launch(four_processes, killed, devices=4)
     out["two"] = shardwise.launch(two_processes, killed, devices=2)
     out["one_resumed"] = train(1, 1, root=killed, ckpt_path="last")
