@@ -1,7 +1,9 @@
 """How `shardwise finetune`'s data preparation scales: peak memory, CPU time per million tokens, wall time with
 1 and 2 processes, and the cache's size, on a generated chat data set (tagged format, a trained byte-level BPE
-tokenizer of 16,000 tokens); beside it `datasets.map` tokenising the same rendered conversations with one
-process, the reference for CPU time. Each measurement runs in a fresh process, so its peak RSS (VmHWM) is its
+tokenizer of 16,000 tokens); beside it `datasets.map` with one process doing the same per-record work
+(the chat rendered, tokenised with offsets, the assistant-token mask: build_cache's own encoder on the same
+batches), the reference for CPU time, and `datasets.map` tokenising only the rendered text, the lower bound of
+any such job. Each measurement runs in a fresh process, so its peak RSS (VmHWM, reset after the imports) is its
 own; the preparation is `recipes/data.build_cache`, what the recipe runs on its preparing rank.
 
     python benchmarks/finetune_data_scale.py --conversations 300000 --small 30000
@@ -10,6 +12,7 @@ own; the preparation is `recipes/data.build_cache`, what the recipe runs on its 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -38,10 +41,10 @@ def _cpu() -> float:
 
 def write_chats(path: str, n: int, seed: int = 0) -> None:
     rng = random.Random(seed)
-    zipf = [1 / (i + 1) for i in range(len(WORDS))]
+    cum = list(itertools.accumulate(1 / (i + 1) for i in range(len(WORDS))))  # Zipf (the draws of weights=)
 
     def sentence(k: int) -> str:
-        return " ".join(rng.choices(WORDS, zipf, k=k))
+        return " ".join(rng.choices(WORDS, cum_weights=cum, k=k))
 
     with open(path, "w") as f:
         for i in range(n):
@@ -96,25 +99,42 @@ def bench_prepare(jsonl: str, tokenizer: str, cache: str, num_proc: int) -> dict
     }
 
 
-def bench_map(jsonl: str, tokenizer: str, cache: str) -> dict:
+def bench_map(jsonl: str, tokenizer: str, cache: str, job: str) -> dict:
+    """datasets.map with one process. job "same": build_cache's per-record work on its batches of 512 (the
+    chat rendered, tokenised with offsets, the assistant mask), written as input_ids and mask columns;
+    job "text": only the rendered text tokenised (no offsets, no mask), the lower reference."""
     import datasets
     from transformers import AutoTokenizer
 
     from shardwise.recipes import data as D
 
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread, as each build_cache worker: CPU time like for like
     shutil.rmtree(cache, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(tokenizer)
+    spec = D.DataSpec(path=jsonl, max_seq_len=2048, assistant_only_loss=True)
+    encoder = D.RecordEncoder(tok, "messages", "tags", spec)
+    counted = [0]
+
+    def same(batch: dict) -> dict:
+        docs = encoder({"messages": batch["messages"]}, len(batch["messages"]), 0)
+        counted[0] += sum(len(ids) for ids, _ in docs)
+        return {"input_ids": [ids for ids, _ in docs], "mask": [flags.astype("uint8") for _, flags in docs]}
+
+    def text(batch: dict) -> dict:
+        ids = tok([D.record_text(m, "tags", tok) for m in batch["messages"]])["input_ids"]
+        counted[0] += sum(len(x) for x in ids)
+        return {"input_ids": ids}
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     t0, c0 = time.perf_counter(), _cpu()
     data = datasets.load_dataset("json", data_files=jsonl, split="train", cache_dir=cache)
-    mapped = data.map(
-        lambda b: {"input_ids": tok([D.record_text(m, "tags", tok) for m in b["messages"]])["input_ids"]},
-        batched=True,
-        remove_columns=data.column_names,
-    )
-    tokens = sum(len(x) for x in mapped["input_ids"])
+    data.map(same if job == "same" else text, batched=True, batch_size=512, remove_columns=data.column_names)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
-    return {"tool": "datasets.map num_proc=1", "tokens": tokens, "wall_s": wall, "cpu_s_per_Mtok": cpu / tokens * 1e6,
-            "rss_mb": _rss_peak_mb()}  # fmt: skip
+    tokens = counted[0]
+    label = "render + tokenise + assistant mask" if job == "same" else "tokenise rendered text only"
+    return {"tool": f"datasets.map num_proc=1 ({label})", "tokens": tokens, "wall_s": wall,
+            "cpu_s_per_Mtok": cpu / tokens * 1e6, "rss_mb": _rss_peak_mb()}  # fmt: skip
 
 
 def _fresh(argv: list) -> dict:
@@ -135,7 +155,7 @@ def main() -> None:
     if args.one:
         what, jsonl, tokenizer, cache, *rest = args.one
         row = (
-            bench_map(jsonl, tokenizer, cache)
+            bench_map(jsonl, tokenizer, cache, rest[0])
             if what == "map"
             else bench_prepare(jsonl, tokenizer, cache, int(rest[0]))
         )
@@ -143,23 +163,22 @@ def main() -> None:
         return
     work = args.workdir or tempfile.mkdtemp(prefix="ft-data-scale-")
     os.makedirs(work, exist_ok=True)
-    sets = {n: os.path.join(work, f"chat-{n}.jsonl") for n in {args.conversations, args.small, args.small * 10}}
     n_map = args.map_conversations or args.conversations
-    sets.setdefault(n_map, os.path.join(work, f"chat-{n_map}.jsonl"))
+    sets = {n: os.path.join(work, f"chat-{n}.jsonl") for n in {args.conversations, args.small, n_map}}
     for n, path in sets.items():
         if not os.path.exists(path):
             write_chats(path, n)
     tokenizer = build_tokenizer(sets[args.conversations], os.path.join(work, "tok"))
+    print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     rows = []
     cache = os.path.join(work, "cache")
-    for n, procs in [(args.conversations, 1), (args.conversations, 2), (args.small, 2), (args.small * 10, 2)]:
-        row = _fresh(["--one", "prepare", sets[n], tokenizer, cache, str(procs)])
+    runs = [("prepare", n, procs) for n in (args.conversations, args.small) for procs in ("1", "2")]
+    runs += [("map", n_map, "same"), ("map", n_map, "text")]
+    for what, n, how in runs:
+        row = _fresh(["--one", what, sets[n], tokenizer, cache if what == "prepare" else os.path.join(work, "hf"), how])
         rows.append({"conversations": n, "mb": os.path.getsize(sets[n]) / 2**20, **row})
-    n = args.map_conversations or args.conversations
-    row = _fresh(["--one", "map", sets[n], tokenizer, os.path.join(work, "hf")])
-    rows.append({"conversations": n, "mb": os.path.getsize(sets[n]) / 2**20, **row})
-    for row in rows:
-        print(json.dumps(row))
+        print(json.dumps(rows[-1]), flush=True)
+    print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print("| conversations | MB | tool | tokens | wall s | CPU-s / M tokens | peak RSS MB | cache bytes / token |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
