@@ -89,7 +89,8 @@ class CausalLMModule(TrainModule):
         self.parameter_counts: Dict[str, int] = {}  # full-size trainable / total elements
         self.converters: List[Any] = []  # adapters/converters.py: applied in configure_model, hooked per step
         # An MoE model's router losses join the training loss (recipes/moe.py); None for a dense model.
-        self.moe = moe_facts(folder.config, getattr(cfg, "router_aux_loss_coef", None))
+        config = getattr(folder, "config", None)  # no folder: a module built around a model given to it
+        self.moe = None if config is None else moe_facts(config, getattr(cfg, "router_aux_loss_coef", None))
         self._window: List[torch.Tensor] = []
         # (step, lr, this rank's share of the step's mean loss on the device) until the next log line:
         # reading a loss back to the host every step would stall the device queue.
