@@ -9,10 +9,10 @@ committed). `--resume` runs fit(ckpt_path="last") to the end, then an
 uninterrupted reference run from scratch in the same processes. Rank 0
 appends every step's loss (as repr of a float) to R/losses.jsonl as it goes.
 
-`--strategy ep --kill-at 3` is test_expert_parallel.py's GPT-MoE run under
-dp 2 x ep 2 (4 workers, helpers/moe_runs.py, its checkpoints in
-R/checkpoints), killed the same way; that test resumes it (4 processes at
-ep 2, 2 at ep 1, one process) and compares with its own uninterrupted run.
+`killed_expert_parallel_run` is test_expert_parallel.py's GPT-MoE run under
+dp 2 x ep 2 (helpers/moe_runs.py), which that test launches on 4 workers
+and whose workers all get SIGKILL after a step; it resumes the run's
+checkpoint at ep 2, at ep 1 and on one process.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import signal
-import sys
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,26 +83,21 @@ class Recorder:
                 )
 
 
-def kill_job(launcher: Optional[int] = None) -> None:
+def kill_job() -> None:
     # Under the self-launcher the parent is the supervisor; its death takes
     # every worker with it (PR_SET_PDEATHSIG), like a node losing power.
-    # `launcher`: the process that called shardwise.launch (its forked
-    # workers watch it and die with it).
-    if launcher is not None:
-        target = launcher
-    else:
-        target = os.getppid() if launch_context().launched_by_shardwise else os.getpid()
+    target = os.getppid() if launch_context().launched_by_shardwise else os.getpid()
     os.kill(target, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Killer:
-    def __init__(self, step: int, launcher: Optional[int] = None) -> None:
-        self.step, self.launcher = step, launcher
+    def __init__(self, step: int) -> None:
+        self.step = step
 
     def on_train_batch_end(self, trainer, module, *args) -> None:
         if trainer.global_step == self.step and trainer.is_global_zero:
-            kill_job(self.launcher)
+            kill_job()
 
 
 def kill_inside_save(step: int) -> None:
@@ -171,23 +164,31 @@ class StepLosses:
                 fh.write(json.dumps({"run": "killed", "step": trainer.global_step, "loss": repr(loss)}) + "\n")
 
 
-def killed_expert_parallel_run(root: str, kill_at: int, launcher: int) -> None:
-    """On each of 4 workers: test_expert_parallel's dp2 x ep2 run, checkpointing into root/checkpoints, killed
-    with `launcher` after step `kill_at`."""
+class KillWorld:
+    """At `step`, rank 0 SIGKILLs every worker of the job (the others' pids from root/pid.<rank>), itself last."""
+
+    def __init__(self, step: int, root: str) -> None:
+        self.step, self.root = step, root
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            for name in sorted(os.listdir(self.root)):
+                if name.startswith("pid.") and int(name[4:]) != trainer.global_rank:
+                    with open(os.path.join(self.root, name)) as fh:
+                        os.kill(int(fh.read()), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_expert_parallel_run(root: str, kill_at: int) -> None:
+    """On each of 4 workers (shardwise.launch from test_expert_parallel): its dp2 x ep2 GPT-MoE run, checkpointing
+    into root/checkpoints, every worker SIGKILLed at once after step `kill_at` (the launcher survives: it holds
+    no training state, and reports the ranks' deaths)."""
     from helpers.moe_runs import train
 
+    with open(os.path.join(root, f"pid.{os.environ['RANK']}"), "w") as fh:
+        fh.write(str(os.getpid()))
     losses = StepLosses(os.path.join(root, "losses.jsonl"))
-    train(4, 2, root=root, save=True, callbacks=[losses, Killer(kill_at, launcher)])
-
-
-def kill_expert_parallel(args) -> None:
-    """Launched as a function (the workers fork from a server that imported torch once: cheaper than 4 copies
-    of this script); the workers find this file as a module by its name."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.dirname(here)]  # this file, the tests' helpers
-    import checkpoint_kill_script
-
-    shardwise.launch(checkpoint_kill_script.killed_expert_parallel_run, args.root, args.kill_at, os.getpid(), devices=4)
+    train(4, 2, root=root, save=True, callbacks=[losses, KillWorld(kill_at, root)])
 
 
 def main() -> None:
@@ -199,11 +200,6 @@ def main() -> None:
     parser.add_argument("--kill-mode", default="step", choices=("step", "save"))
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    if args.strategy == "ep":
-        if args.resume or args.kill_mode != "step":
-            parser.error("--strategy ep is only killed here (--kill-mode step); test_expert_parallel resumes it")
-        kill_expert_parallel(args)
-        return
     if args.resume:
         # Another seed on purpose: everything must come from the checkpoint.
         fit(args, os.path.join(args.root, "run"), "resumed", ckpt_path="last", seed=12345)

@@ -9,8 +9,8 @@ step); 4 processes at dp2 x ep2 (FSDP shards the experts over 2 ranks and the re
 weights agree with one process within 1e-5 relative; SGD moves weights in proportion to the gradient, so an
 expert gradient off by the ep factor would show. The ep 2 run checkpoints its blocks (activation
 checkpointing: the token all-to-alls run again in the recomputation). Kill and resume: the dp2 x ep2 run,
-checkpointing at step 2, runs as a script of 4 workers (checkpoint_kill_script.py) and is SIGKILLed with its
-launcher after step 3; its `last` checkpoint resumes under dp2 x ep2 (in the 4-process launch: steps 3-4 and
+checkpointing at step 2, has its 4 workers SIGKILLed at once after step 3 (checkpoint_kill_script.py); its
+`last` checkpoint resumes under dp2 x ep2 (in the 4-process launch: steps 3-4 and
 the final weights bitwise those of the uninterrupted run there), at ep 1 on 2 processes (in the 2-process
 launch) and on one process (here) within 1e-5. The per-expert token counts the model keeps are the global
 ones on every rank (they sum to tokens x top_k per layer). The dp2 x ep2 run's trained weights, written as a
@@ -22,21 +22,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from typing import Any, Dict, List
 
 import pytest
 import torch
+from checkpoint_kill_script import killed_expert_parallel_run
 
 import shardwise
 from shardwise.checkpoint import layout
+from shardwise.distributed.launch import WorkerFailedError
 from shardwise.models.gpt_moe import save_as_mixtral
 
 from helpers.moe_runs import GLOBAL_BATCH, SAVE_AT, SEQ, STEPS, TinyMoE, data, train
 
 KILL_AT = 3
-KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "checkpoint_kill_script.py")
 
 
 def two_processes(killed: str) -> Dict[str, Any]:
@@ -50,24 +49,12 @@ def four_processes(killed: str) -> Dict[str, Any]:
     return {"straight": train(4, 2), "resumed": train(4, 2, root=killed, ckpt_path="last")}
 
 
-def start_killed_dp2_ep2(root: str) -> subprocess.Popen:
-    """The dp2 x ep2 run (checkpoint at step SAVE_AT) SIGKILLed with its launcher after step KILL_AT, in a
-    subprocess (checkpoint_kill_script.py, 4 workers); its checkpoints land in root/checkpoints. Started, not
-    awaited: its start-up (two interpreters importing torch) overlaps the one-process run."""
-    with open(os.path.join(root, "output.txt"), "w") as out:
-        return subprocess.Popen(
-            [sys.executable, KILL_SCRIPT, "--strategy", "ep", "--root", root, "--kill-at", str(KILL_AT)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )
-
-
-def killed_dp2_ep2(proc: subprocess.Popen, root: str) -> Dict[str, Any]:
-    """Wait for the killed run: its per-step losses, the checkpoint it committed last (step SAVE_AT)."""
-    returncode = proc.wait(timeout=240)
-    with open(os.path.join(root, "output.txt")) as fh:
-        assert returncode == -signal.SIGKILL, (returncode, fh.read()[-4000:])
+def killed_dp2_ep2(root: str) -> Dict[str, Any]:
+    """The dp2 x ep2 run (checkpoint at step SAVE_AT) with all 4 workers SIGKILLed after step KILL_AT: its
+    per-step losses and the checkpoint it committed last."""
+    with pytest.raises(WorkerFailedError) as failed:
+        shardwise.launch(killed_expert_parallel_run, root, KILL_AT, devices=4)
+    assert failed.value.exitcode == 128 + signal.SIGKILL, failed.value
     last = layout.latest_checkpoint(os.path.join(root, "checkpoints"))
     assert last is not None and layout.read_manifest(last)["global_step"] == SAVE_AT, last
     with open(os.path.join(root, "losses.jsonl")) as fh:
@@ -78,13 +65,7 @@ def killed_dp2_ep2(proc: subprocess.Popen, root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     killed = str(tmp_path_factory.mktemp("ep-killed"))
-    proc = start_killed_dp2_ep2(killed)
-    try:
-        out = {"one": train(1, 1)}
-        out["killed"] = killed_dp2_ep2(proc, killed)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = {"one": train(1, 1), "killed": killed_dp2_ep2(killed)}
     out["four"] = shardwise.launch(four_processes, killed, devices=4)
     out["two"] = shardwise.launch(two_processes, killed, devices=2)
     out["one_resumed"] = train(1, 1, root=killed, ckpt_path="last")
