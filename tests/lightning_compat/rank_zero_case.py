@@ -24,13 +24,22 @@ from helpers.checkpoints import Net, full_state, loader
 X = torch.arange(16.0).reshape(2, 8) / 10
 
 
-class Sampled(Net):
+class Validated(Net):
     def __init__(self) -> None:
         super().__init__(optimizer="adam")
-        self.samples = []
 
     def forward(self, x):
         return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y))
+
+
+class Sampled(Validated):
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = []
 
     @rank_zero_only
     def on_train_epoch_end(self) -> None:
@@ -40,12 +49,17 @@ class Sampled(Net):
 
 class Sampler(Callback):
     def __init__(self) -> None:
-        self.samples = []
+        self.samples, self.val_samples = [], []
 
     @rank_zero_only
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         with torch.no_grad():  # two forwards, each gathering the units it goes through
             self.samples.append((pl_module(X).cpu(), pl_module(X).cpu()))
+
+    @rank_zero_only
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        with torch.no_grad():  # after validation's forwards: units FSDP keeps whole stay so, on every rank
+            self.val_samples.append(pl_module(X).cpu())
 
 
 class Quiet(Callback):
@@ -87,34 +101,47 @@ class Counted(Callback):
     def on_train_epoch_end(self, *args) -> None:
         self._edge("on_train_epoch_end")
 
+    def on_validation_epoch_end(self, *args) -> None:
+        self._edge("on_validation_epoch_end")
+
 
 def rank_zero_runs() -> dict:
-    """This rank's samples from both hooks, the steps Quiet saw, the all-gathers counted around each marked
-    callback hook, the trained weights (whole) with and without the hooks, and what the whole trained model
-    gives for X."""
+    """What `one_sharding` gives for FULL_SHARD (units sharded again after each forward) and SHARD_GRAD_OP
+    (units kept whole after a forward until backward: after validation's forwards some are whole on every
+    rank when the hook starts, which rank 0's forward must not gather nor reshard)."""
+    return {sharding: one_sharding(sharding) for sharding in ("FULL_SHARD", "SHARD_GRAD_OP")}
+
+
+def one_sharding(sharding: str) -> dict:
+    """This rank's samples from the hooks, the steps Quiet saw, the all-gathers counted around each marked
+    callback hook, the trained weights (whole) and the last validation loss with and without the hooks, and
+    what the whole trained model gives for X."""
     out = {}
     for hooks in (True, False):
         seed_everything(0)
-        module, sampler = (Sampled(), Sampler()) if hooks else (Net(optimizer="adam"), None)
+        module, sampler = (Sampled(), Sampler()) if hooks else (Validated(), None)
         quiet, window = Quiet(), {}
-        # Sampler's hook (epoch end) runs two forwards, Quiet's (batch end) none, each counted on its own.
+        # Sampler's hooks run forwards, Quiet's (batch end) none, each counted on its own.
         callbacks = [Counted(window, closes=False), sampler, quiet, Counted(window, closes=True)] if hooks else []
         trainer = Trainer(
             accelerator="cpu",
             devices=2,
-            strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}),  # three units: the Linears and the root
+            # three units: the Linears and the root (its LayerNorm)
+            strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}, sharding_strategy=sharding),
             max_epochs=2,
             limit_train_batches=2,
+            limit_val_batches=1,
             logger=False,
             enable_progress_bar=False,
             enable_checkpointing=False,
             callbacks=callbacks,
         )
-        trainer.fit(module, loader())
+        trainer.fit(module, loader(), loader())
         out["state" if hooks else "state_without_hooks"] = full_state(trainer)["model"]
+        out["val_loss" if hooks else "val_loss_without_hooks"] = float(trainer.callback_metrics["val_loss"])
         if hooks:
             out["module"], out["callback"] = module.samples, sampler.samples
-            out["quiet"], out["all_gathers"] = quiet.steps, window
+            out["quiet"], out["all_gathers"], out["validation"] = quiet.steps, window, sampler.val_samples
     whole = Net()
     whole.configure_model()
     whole.load_state_dict(out["state"])

@@ -78,25 +78,36 @@ def test_ports_run_under_ddp_and_fsdp_on_two_processes(two_ranks):
         assert ranks[0][f"{strategy}/{name}"] == ranks[1][f"{strategy}/{name}"] == want, (strategy, name)
 
 
-def test_rank_zero_only_hooks_run_their_forward_under_fsdp(two_ranks):
+# All-gathers counted on each rank around the marked callback hooks: Quiet's (no forward) at each batch end,
+# Sampler's at each validation end (one forward) and each training epoch end, which follows validation (two
+# forwards). FULL_SHARD gathers each unit a forward goes through (the root, its LayerNorm, and the two Linears),
+# sharded again after it. SHARD_GRAD_OP left the Linears whole after validation's forwards, on every rank alike:
+# the hook's forwards gather only the root, once each, and leave the Linears as they found them.
+GATHERS = {
+    "FULL_SHARD": {"on_train_batch_end": [0] * 4, "on_validation_epoch_end": [3, 3], "on_train_epoch_end": [6, 6]},
+    "SHARD_GRAD_OP": {"on_train_batch_end": [0] * 4, "on_validation_epoch_end": [1, 1], "on_train_epoch_end": [2, 2]},
+}
+
+
+@pytest.mark.parametrize("sharding", GATHERS)
+def test_rank_zero_only_hooks_run_their_forward_under_fsdp(two_ranks, sharding):
     import torch
 
-    rank0, rank1 = (ranks["rank_zero_hooks"] for ranks in two_ranks)
+    rank0, rank1 = (ranks["rank_zero_hooks"][sharding] for ranks in two_ranks)
     # Rank 0 ran the callback's and the module's hook once per epoch, rank 1 neither.
-    assert len(rank0["module"]) == len(rank0["callback"]) == 2
-    assert rank1["module"] == rank1["callback"] == []
+    assert len(rank0["module"]) == len(rank0["callback"]) == len(rank0["validation"]) == 2
+    assert rank1["module"] == rank1["callback"] == rank1["validation"] == []
     # Quiet's hook ran no forward: it ran on rank 0 at each batch end and gathered nothing on either rank.
     assert rank0["quiet"] == [1, 2, 3, 4] and rank1["quiet"] == []
-    assert rank0["all_gathers"]["on_train_batch_end"] == rank1["all_gathers"]["on_train_batch_end"] == [0] * 4
-    # Sampler's two forwards gathered each unit they went through, rank 1 joining each all-gather: the root
-    # (its LayerNorm) and the two Linears, each sharded again after its forward, so gathered in both.
-    assert rank0["all_gathers"]["on_train_epoch_end"] == rank1["all_gathers"]["on_train_epoch_end"] == [6, 6]
+    # Rank 1 joined each all-gather of rank 0's forwards, and only those.
+    assert rank0["all_gathers"] == rank1["all_gathers"] == GATHERS[sharding]
     # Rank 0's forwards in the last epoch's hooks give what the trained model, whole, gives.
     first, second = rank0["callback"][-1]
-    assert torch.equal(first, second)
+    assert torch.equal(first, second) and torch.equal(first, rank0["validation"][-1])
     assert torch.allclose(first, rank0["expected"], rtol=1e-5, atol=1e-6)
     assert torch.allclose(rank0["module"][-1], rank0["expected"], rtol=1e-5, atol=1e-6)
-    # Training around the hooks computed bit for bit what it computes without them, on both ranks.
+    # Training and validation around the hooks computed bit for bit what they compute without them, on both ranks.
+    assert rank0["val_loss"] == rank0["val_loss_without_hooks"] and rank1["val_loss"] == rank1["val_loss_without_hooks"]
     for key, value in rank0["state_without_hooks"].items():
         assert torch.equal(rank0["state"][key], value), key
         assert torch.equal(rank1["state"][key], value), key
