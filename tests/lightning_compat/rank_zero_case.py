@@ -5,9 +5,11 @@ gather the shards on rank 0 alone, a collective rank 1 never joins; around such 
 all-gathers of the units rank 0's forward goes through, as rank 0 names them (trainer/hooks.py,
 fsdp_compat.gather_for_rank_zero). A third marked hook runs no forward, and all-gathers are counted on
 each rank around the marked callbacks, so the test can ask that it gathered nothing and that the forwards
-gathered the same units on both ranks. The same fit runs twice, with and without the hooks, so the test
-can ask that training after them computes bit for bit what it computes without them (FSDP's reshard
-settings and prefetch record are put back), and what rank 0's forwards gave.
+gathered the same units on both ranks; after fit, a marked hook raises in the middle of a forward and
+the next one still samples with every rank in step. Under FULL_SHARD and SHARD_GRAD_OP, the same fit runs
+twice, with and without the hooks, so the test can ask that training after them computes bit for bit what
+it computes without them (FSDP's reshard settings and prefetch record are put back), and what rank 0's
+forwards gave.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import Callback, FSDPStrategy, Trainer, seed_everything
+from shardwise.trainer.hooks import call_callbacks
 from shardwise.utilities import rank_zero_only
 
 from helpers.checkpoints import Net, full_state, loader
@@ -55,6 +58,16 @@ class Sampler(Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         with torch.no_grad():  # two forwards, each gathering the units it goes through
             self.samples.append((pl_module(X).cpu(), pl_module(X).cpu()))
+
+    @rank_zero_only
+    def broken_sample(self, trainer, pl_module) -> None:
+        """Called by one_sharding after fit: the first Linear refuses 5 features, in the middle of a forward."""
+        pl_module(torch.zeros(2, 5))
+
+    @rank_zero_only
+    def sample_after_error(self, trainer, pl_module) -> None:
+        with torch.no_grad():
+            self.samples.append((pl_module(X).cpu(),))
 
     @rank_zero_only
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
@@ -104,6 +117,12 @@ class Counted(Callback):
     def on_validation_epoch_end(self, *args) -> None:
         self._edge("on_validation_epoch_end")
 
+    def broken_sample(self, *args) -> None:
+        self._edge("broken_sample")
+
+    def sample_after_error(self, *args) -> None:
+        self._edge("sample_after_error")
+
 
 def rank_zero_runs() -> dict:
     """What `one_sharding` gives for FULL_SHARD (units sharded again after each forward) and SHARD_GRAD_OP
@@ -137,6 +156,13 @@ def one_sharding(sharding: str) -> dict:
             callbacks=callbacks,
         )
         trainer.fit(module, loader(), loader())
+        if hooks:  # a marked hook that raises in the middle of a forward, then one that samples
+            try:
+                call_callbacks(trainer, "broken_sample")
+            except RuntimeError as error:
+                out["error"] = str(error)
+                callbacks[-1].broken_sample()  # close the count the error skipped
+            call_callbacks(trainer, "sample_after_error")
         out["state" if hooks else "state_without_hooks"] = full_state(trainer)["model"]
         out["val_loss" if hooks else "val_loss_without_hooks"] = float(trainer.callback_metrics["val_loss"])
         if hooks:

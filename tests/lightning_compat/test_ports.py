@@ -87,6 +87,10 @@ GATHERS = {
     "FULL_SHARD": {"on_train_batch_end": [0] * 4, "on_validation_epoch_end": [3, 3], "on_train_epoch_end": [6, 6]},
     "SHARD_GRAD_OP": {"on_train_batch_end": [0] * 4, "on_validation_epoch_end": [1, 1], "on_train_epoch_end": [2, 2]},
 }
+# After fit, a marked hook whose forward raises in the first Linear (the root and that Linear gathered), then
+# one that samples: every unit gathered again, as rank 0 left them all sharded (the Linears whole under
+# SHARD_GRAD_OP, as validation left them).
+AFTER_ERROR = {"FULL_SHARD": ([2], [3]), "SHARD_GRAD_OP": ([1], [1])}
 
 
 @pytest.mark.parametrize("sharding", GATHERS)
@@ -95,14 +99,19 @@ def test_rank_zero_only_hooks_run_their_forward_under_fsdp(two_ranks, sharding):
 
     rank0, rank1 = (ranks["rank_zero_hooks"][sharding] for ranks in two_ranks)
     # Rank 0 ran the callback's and the module's hook once per epoch, rank 1 neither.
-    assert len(rank0["module"]) == len(rank0["callback"]) == len(rank0["validation"]) == 2
+    assert len(rank0["module"]) == len(rank0["validation"]) == 2 and len(rank0["callback"]) == 3
     assert rank1["module"] == rank1["callback"] == rank1["validation"] == []
     # Quiet's hook ran no forward: it ran on rank 0 at each batch end and gathered nothing on either rank.
     assert rank0["quiet"] == [1, 2, 3, 4] and rank1["quiet"] == []
     # Rank 1 joined each all-gather of rank 0's forwards, and only those.
-    assert rank0["all_gathers"] == rank1["all_gathers"] == GATHERS[sharding]
+    broken, after = AFTER_ERROR[sharding]
+    want = {**GATHERS[sharding], "broken_sample": broken, "sample_after_error": after}
+    assert rank0["all_gathers"] == rank1["all_gathers"] == want
+    assert "mat1 and mat2 shapes cannot be multiplied" in rank0["error"] and "error" not in rank1
     # Rank 0's forwards in the last epoch's hooks give what the trained model, whole, gives.
-    first, second = rank0["callback"][-1]
+    (after_error,) = rank0["callback"][-1]  # sampled after fit, after the hook that raised
+    assert torch.equal(after_error, rank0["validation"][-1])
+    first, second = rank0["callback"][-2]
     assert torch.equal(first, second) and torch.equal(first, rank0["validation"][-1])
     assert torch.allclose(first, rank0["expected"], rtol=1e-5, atol=1e-6)
     assert torch.allclose(rank0["module"][-1], rank0["expected"], rtol=1e-5, atol=1e-6)
