@@ -14,8 +14,9 @@ from shardwise.recipes.finetune import FinetuneConfig, finetune
 from helpers.hf import build_model_folder, chat_records, write_jsonl
 
 
-def _float32_summed_loss(self, batch):
-    """The recipe's loss before the chunked one: F.cross_entropy on a float32 copy of the whole logits."""
+def _float32_summed_loss(self, batch, router=False):
+    """The recipe's loss before the chunked one: F.cross_entropy on a float32 copy of the whole logits
+    (a dense model: no router losses to add)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     logits = self.model(**inputs, use_cache=False).logits
