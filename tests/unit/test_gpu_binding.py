@@ -174,3 +174,40 @@ def test_device_memory_auto_leaves_the_memory_outside_the_allocator(monkeypatch)
     assert advice.resolve_device_memory("40GiB", "cuda", world_size=16) == 40 * 2**30  # a given size is kept
     note = advice._auto_note(16)
     assert "80.0 GiB" in note and "CUDA context" in note and "NCCL" in note
+
+
+@pytest.mark.deepspeed
+def test_a_one_process_deepspeed_fit_leaves_no_launcher_world_behind(monkeypatch):
+    # DeepSpeed reads RANK / WORLD_SIZE / LOCAL_RANK even on one process, so the strategy exports them. A
+    # child process started after the fit with this environment (a sweep's script, a test's subprocess)
+    # must not read RANK=0 / WORLD_SIZE=1 as a launcher's world: its Trainer(devices=2) would refuse to start.
+    pytest.importorskip("deepspeed")
+    import subprocess
+
+    from shardwise import Trainer
+    from shardwise.demos.boring_classes import BoringModel
+    from shardwise.distributed.env import detect_env
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SHARDWISE_ENV_DEFAULTS", raising=False)
+    trainer = Trainer(
+        strategy="deepspeed", accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False
+    )
+    trainer.fit(BoringModel())
+    assert {name: os.environ.get(name) for name in names} == dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    assert detect_env() is None  # this process: no launcher
+    child = "from shardwise.distributed.env import detect_env; print(detect_env())"
+    out = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, env=dict(os.environ), check=True
+    )
+    assert out.stdout.strip() == "None", out  # a child with this environment: no launcher either
+    with monkeypatch.context() as launcher:  # a launcher's own values over the ones exported: believed
+        for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK="1").items():
+            launcher.setenv(name, value)
+        assert detect_env().global_rank == 1
+    trainer.strategy.teardown()
+    assert [name for name in names + ("SHARDWISE_ENV_DEFAULTS",) if name in os.environ] == []  # as it was

@@ -136,26 +136,44 @@ def _int_env(name: str) -> Optional[int]:
     return int(value) if value not in (None, "") else None
 
 
-# Rank variables this process exported itself where no launcher had (DeepSpeed reads RANK / WORLD_SIZE /
-# LOCAL_RANK from the environment, also in a single-process run): name -> the value set. detect_env() does
-# not take them for a launcher's world: a later Trainer(devices=N) in the same process (a test session, a
-# notebook) would see a world of one "started by torchrun" and refuse to launch its N workers.
-_SET_HERE: Dict[str, str] = {}
+# Rank variables shardwise exported where no launcher had (DeepSpeed reads RANK / WORLD_SIZE / LOCAL_RANK
+# from the environment, also in a single-process run), listed as "NAME=value;..." in this variable. The list
+# travels with the environment, so neither this process nor a child started later with its environment (a
+# test's subprocess, a script run from a notebook after a fit) takes them for a launcher's world: a later
+# Trainer(devices=N) would see a world of one "started by torchrun" and refuse to launch its N workers. A
+# launcher that sets other values replaces them, and then they are its own.
+ENV_DEFAULTS_VAR = "SHARDWISE_ENV_DEFAULTS"
+
+
+def _env_defaults() -> Dict[str, str]:
+    listed = (item.partition("=") for item in os.environ.get(ENV_DEFAULTS_VAR, "").split(";") if "=" in item)
+    return {name: value for name, _, value in listed if os.environ.get(name) == value}  # still as set
+
+
+def _write_env_defaults(entries: Dict[str, str]) -> None:
+    if entries:
+        os.environ[ENV_DEFAULTS_VAR] = ";".join(f"{name}={value}" for name, value in entries.items())
+    else:
+        os.environ.pop(ENV_DEFAULTS_VAR, None)
 
 
 def apply_env_default(name: str, value: str) -> None:
-    """os.environ.setdefault(name, value), remembered when it is this call that set it (see _SET_HERE)."""
+    """os.environ.setdefault(name, value), remembered when it is this call that set it (ENV_DEFAULTS_VAR)."""
     if name not in os.environ:
         os.environ[name] = value
-        _SET_HERE[name] = value
+        _write_env_defaults({**_env_defaults(), name: value})
+
+
+def drop_env_defaults() -> None:
+    """Remove what apply_env_default set that is still as set: the environment as this process found it."""
+    for name in _env_defaults():
+        del os.environ[name]
+    _write_env_defaults({})
 
 
 def _launcher_int_env(name: str) -> Optional[int]:
-    """_int_env, None where the value is one this process set itself (apply_env_default)."""
-    for other, value in list(_SET_HERE.items()):
-        if os.environ.get(other) != value:  # removed or replaced since: whatever is there now is not ours
-            del _SET_HERE[other]
-    if name in _SET_HERE:
+    """_int_env, None where the value is one shardwise set itself (apply_env_default), here or in a parent."""
+    if name in _env_defaults():
         return None
     return _int_env(name)
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.distributed.env import drop_env_defaults
 from shardwise.strategies.base import Strategy, global_seed
 from shardwise.strategies.deepspeed_checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from shardwise.strategies.deepspeed_config import (
@@ -509,6 +510,7 @@ class DeepSpeedStrategy(Strategy):
     def teardown(self) -> None:
         self.engine = None
         super().teardown()
+        drop_env_defaults()  # RANK / WORLD_SIZE set for DeepSpeed alone: not inherited by a later child process
         if not dist.is_initialized():
             # DeepSpeed caches the groups it derived from the one just destroyed
             # (data-parallel, world); a later run in this process would reach
