@@ -11,6 +11,9 @@ mixture's loader against what one H100 consumes.
 2. Loading: PackedMixture over two prepared corpora (weights 0.7 / 0.3), seq_len 2048, batch 8 per rank,
    through a DataLoader (num_workers 0), read for `--seconds`: tokens/s per rank, against the ~12,000
    tokens/s an 8B model trains on one H100 (about 40% MFU), and the process's peak RSS.
+3. Interrupting: `shardwise prepare` on the large corpus (2 processes) stopped with Ctrl-C at about 40% of the
+   uninterrupted run's wall time and started again: chunks finished before the interruption, the re-run's wall
+   time, and whether the shards equal the uninterrupted run's byte for byte.
 """
 
 from __future__ import annotations
@@ -134,6 +137,54 @@ def bench_loader(corpora: dict, seconds: float) -> dict:
     return {"tool": "PackedMixture loader", "tokens_per_s": rate, "vs_h100_8b": rate / 12_000, "rss_mb": _rss_peak_mb()}
 
 
+def _digest(folder: str) -> str:
+    """One hash over every shard file of a prepared corpus (names and bytes), index and plan left out."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".tokens", ".starts.npy")):
+            h.update(name.encode())
+            with open(os.path.join(folder, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def bench_interrupt(path: str, tokenizer: str, out: str, reference: str, after_s: float) -> dict:
+    """`shardwise prepare` as a user runs it, interrupted (Ctrl-C) after `after_s`, then run again."""
+    import signal
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "shardwise.cli", "prepare", path, "--out", out, "--tokenizer", tokenizer]
+    cmd += ["--num_proc", "2", "--chunk_mb", "4"]  # the chunks of the in-process runs: the same shard files
+    t0 = time.perf_counter()
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    first.send_signal(signal.SIGINT)
+    first.communicate()
+    first_wall = time.perf_counter() - t0
+    listed = os.listdir(out) if os.path.isdir(out) else []  # a very early Ctrl-C: nothing written yet
+    done = [n for n in listed if n.endswith(".json") and n not in ("index.json", "plan.json")]
+    t0 = time.perf_counter()
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    again_wall = time.perf_counter() - t0
+    with open(os.path.join(out, "plan.json")) as f:
+        chunks = len(json.load(f)["chunks"])
+    same = _digest(out) == _digest(reference)
+    return {
+        "tool": "shardwise prepare, Ctrl-C then again",
+        "first_exit": first.returncode,
+        "interrupted_after_s": round(first_wall, 1),
+        "chunks_done_then": len(done),
+        "chunks": chunks,
+        "rerun_exit": again.returncode,
+        "rerun_wall_s": round(again_wall, 1),
+        "shards_equal_uninterrupted": same,
+        "rerun_said": again.stdout.strip().splitlines()[-1:] or again.stderr.strip().splitlines()[-1:],
+    }
+
+
 def _fresh(argv: list) -> dict:
     """One measurement in a fresh process, so that its peak RSS is its own (imports included)."""
     done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, check=True)
@@ -146,6 +197,10 @@ def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         tool, path, tokenizer, where, n = sys.argv[2:7]
         print(json.dumps((bench_prepare if tool == "prepare" else bench_map)(path, tokenizer, where, int(n))))
+        return
+    if sys.argv[1:2] == ["--interrupt"]:
+        path, tokenizer, where, reference, after = sys.argv[2:7]
+        print(json.dumps(bench_interrupt(path, tokenizer, where, reference, float(after))))
         return
     if sys.argv[1:2] == ["--loader"]:
         print(json.dumps(bench_loader(json.loads(sys.argv[2]), float(sys.argv[3]))))
@@ -170,6 +225,10 @@ def main() -> None:
     corpora = {"large": (os.path.join(args.out, f"prepare-{args.scale}x-2"), 0.7),
                "small": (os.path.join(args.out, "prepare-1x-2"), 0.3)}  # fmt: skip
     rows.append(_fresh(["--loader", json.dumps(corpora), str(args.seconds)]))
+    full = next(r for r in rows if r.get("corpus") == f"{args.scale}x" and r["tool"] == "prepare num_proc=2")
+    after = 0.4 * full["tokens"] / full["tokens_per_s"]  # Ctrl-C at about 40% of the uninterrupted run's wall
+    where = os.path.join(args.out, f"prepare-{args.scale}x-interrupted")
+    _fresh(["--interrupt", large, tokenizer, where, corpora["large"][0], str(after)])
     print(f"cores available: {len(os.sched_getaffinity(0))}, load average {os.getloadavg()}", file=sys.stderr)
 
 
