@@ -4,7 +4,10 @@ A tiny GPT-MoE (8 experts, top-2, 2 blocks) trains in fp32 with SGD and gradient
 experts' mesh and the others') on the same global batch of 8 sequences with accumulation 2, returning the
 SUMMED cross-entropy plus the router losses (load balancing, coef 0.1, and z-loss) with `loss_weight` counting
 the target tokens: 1 process; 2 processes at ep 2 (each rank holds 4 experts and reads its own 4 samples per
-step); 4 processes at dp2 x ep2 (FSDP shards the experts over 2 ranks and the rest over 4). Per-step losses
+step); 4 processes at dp2 x ep2 (FSDP shards the experts over 2 ranks and the rest over 4); 4 processes at
+sp2 x ep2 (Ulysses sequence parallel: each sp pair reads the same 2 samples per micro-batch and routes its half
+of the sequence; the experts' gradients are summed over the sp ranks by their FSDP unit, the router losses
+count each sp rank's slice as the replicated cross-entropy counts the whole sequence). Per-step losses
 (aux included: the router losses are global, so they add the same amount at every layout) and the final
 weights agree with one process within 1e-5 relative; SGD moves weights in proportion to the gradient, so an
 expert gradient off by the ep factor would show. The ep 2 run checkpoints its blocks (activation
@@ -45,8 +48,13 @@ def two_processes(killed: str) -> Dict[str, Any]:
 
 
 def four_processes(killed: str) -> Dict[str, Any]:
-    """dp2 x ep2 uninterrupted, then the killed dp2 x ep2 run resumed from its last checkpoint."""
-    return {"straight": train(4, 2), "resumed": train(4, 2, root=killed, ckpt_path="last")}
+    """dp2 x ep2 uninterrupted, then the killed dp2 x ep2 run resumed from its last checkpoint, then sp2 x ep2
+    (the sp pairs read the same samples and split their sequence; the ep pairs exchange tokens of one slice)."""
+    return {
+        "straight": train(4, 2),
+        "resumed": train(4, 2, root=killed, ckpt_path="last"),
+        "sp2xep2": train(4, 2, sp=2),
+    }
 
 
 def killed_dp2_ep2(root: str) -> Dict[str, Any]:
@@ -86,14 +94,15 @@ def _close_weights(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) 
 def test_ep2_and_dp2_ep2_match_one_process_with_accumulation_and_router_losses(runs):
     one = runs["one"]
     assert one["losses"][-1] < one["losses"][0]  # it learns
-    for name, result in (("ep2", runs["two"][0]["ep2"]), ("dp2xep2", runs["four"][0]["straight"])):
+    four = runs["four"][0]
+    for name, result in (("ep2", runs["two"][0]["ep2"]), ("dp2xep2", four["straight"]), ("sp2xep2", four["sp2xep2"])):
         assert _rel(result["losses"], one["losses"]) < 1e-5, (name, result["losses"], one["losses"])
         _close_weights(result["weights"], one["weights"])
         # the per-expert counts are global: the same on every layout, tokens x top_k per layer and step
         for got, want in zip(result["counts"], one["counts"]):
             assert torch.equal(got, want), name
             assert got.sum(1).tolist() == [GLOBAL_BATCH * SEQ * 2] * 2
-    for ranks, key in ((runs["two"], "ep2"), (runs["four"], "straight")):  # every rank logs the same losses
+    for ranks, key in ((runs["two"], "ep2"), (runs["four"], "straight"), (runs["four"], "sp2xep2")):  # same on all
         assert all(r[key]["losses"] == ranks[0][key]["losses"] for r in ranks)
 
 

@@ -84,8 +84,10 @@ def train(
     ckpt_path: Any = None,
     ac: bool = False,
     callbacks: Sequence[Any] = (),
+    sp: int = 1,
 ) -> Dict[str, Any]:
-    """One run; `save` checkpoints every SAVE_AT steps into root/checkpoints, where ckpt_path="last" looks."""
+    """One run; `save` checkpoints every SAVE_AT steps into root/checkpoints, where ckpt_path="last" looks.
+    `sp`: Ulysses sequence parallel degree (its ranks read the same samples, so fewer samples per rank)."""
     shardwise.seed_everything(7)
     record = Record()
     every: List[Any] = [record, *callbacks]
@@ -93,7 +95,7 @@ def train(
         every.append(ModelCheckpoint(every_n_train_steps=SAVE_AT, save_top_k=-1))
     checkpointed = {Block} if ac else None
     strategy = (
-        FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=checkpointed, ep_size=ep)
+        FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=checkpointed, ep_size=ep, sp_size=sp)
         if devices > 1
         else "single"
     )
@@ -111,6 +113,6 @@ def train(
         default_root_dir=root or None,
     )
     module = TinyMoE()
-    per_rank = GLOBAL_BATCH // devices // ACCUMULATE
+    per_rank = GLOBAL_BATCH // (devices // sp) // ACCUMULATE
     trainer.fit(module, DataLoader(data(), batch_size=per_rank, shuffle=False), ckpt_path=ckpt_path)
     return {"losses": record.losses, "counts": record.counts, "weights": full_weights(module)}

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from shardwise.expert_parallel import ExpertLoad, RouterLosses, experts_forward, router_losses
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.ulysses import group_size
 
 __all__ = [
     "GPTMoE",
@@ -173,7 +174,14 @@ class GPTMoE(GPT):
         routed = [layer.routed for layer in self.moe_layers]
         for layer in self.moe_layers:
             layer.routed = None
-        self.router_losses = router_losses(routed, self.config.num_experts, self.router_group)
+        losses = router_losses(routed, self.config.num_experts, self.router_group)
+        sp = group_size(self.sp_group)
+        if sp > 1:
+            # Under sequence parallel each sp rank routed its slice of the sequence, but the cross-entropy is
+            # every sp rank's whole (the logits were gathered): the router losses count sp times as well, so
+            # their share of the summed loss is one process's (the counts, all-reduced, are the true ones).
+            losses = replace(losses, balance=losses.balance * sp, z=losses.z * sp)
+        self.router_losses = losses
         if self.training:
             self.expert_load.add(self.router_losses.counts)
         return logits

@@ -103,6 +103,8 @@ class PretrainConfig:
         sharding_strategy: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
         tp_size: tensor-parallel degree (FSDP; divides the attention and key/value heads)
         sp_size: sequence-parallel degree (FSDP; divides the heads and seq_length)
+        ep_size: expert-parallel degree of a mixture-of-experts architecture (FSDP; divides its experts and the
+            data-parallel ranks: each holds experts / ep_size of every layer's experts)
         device_memory: the device's memory (e.g. 80GB, or auto): the planner checks the run fits before it starts
         peak_tflops: the device's dense peak TFLOP/s for MFU (default: the built-in table by GPU name)
         timeout_s: collective timeout in seconds
@@ -146,6 +148,7 @@ class PretrainConfig:
     sharding_strategy: str = "FULL_SHARD"
     tp_size: int = 1
     sp_size: int = 1
+    ep_size: int = 1
     device_memory: Optional[str] = None
     peak_tflops: Optional[float] = None
     timeout_s: float = 1800.0
@@ -285,6 +288,7 @@ def recipe_view(cfg: PretrainConfig, model_dir: str) -> FinetuneConfig:
         torch_compile=cfg.torch_compile,
         tp_size=cfg.tp_size,
         sp_size=cfg.sp_size,
+        ep_size=cfg.ep_size,
     )
 
 

@@ -276,7 +276,8 @@ def expert_engine_problem(engine: str, ep: int, name: str = EP_FLAG) -> Optional
 def expert_combination_problem(
     ep: int, tp: int = 1, sp: int = 1, offload: bool = False, compiled: bool = False, name: str = EP_FLAG
 ) -> Optional[str]:
-    """What expert parallel is not combined with here: tp, sp, CPU offload, torch.compile."""
+    """What expert parallel is not combined with here: tp, CPU offload, torch.compile (sp composes: `sp` is
+    kept in the signature for the callers that pass it)."""
     if ep == 1:
         return None
     if tp > 1:
@@ -284,11 +285,6 @@ def expert_combination_problem(
             f"{name}={ep} with tp_size={tp}: expert parallel with tensor parallel is not supported (the experts "
             "would need a tensor-parallel plan of their own). Use ep_size with FSDP alone, or tp_size without "
             "ep_size."
-        )
-    if sp > 1:
-        return (
-            f"{name}={ep} with sp_size={sp}: expert parallel with sequence parallel is not supported yet (the "
-            "experts' gradients would have to be summed over the sp ranks too). Use ep_size or sp_size."
         )
     if offload:
         return (

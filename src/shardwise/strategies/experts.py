@@ -21,6 +21,7 @@ import types
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -113,8 +114,28 @@ def clip_norm_by_mesh(params: Sequence[nn.Parameter], max_norm: float, full_norm
     groups: Dict[object, List[nn.Parameter]] = {}
     for p in params:
         groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [full_norm(torch.nn.utils.get_total_norm([p.grad for p in g], norm_type=2.0)) for g in groups.values()]
+    if len(groups) == 1:
+        norms = [full_norm(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))]
+    else:
+        norms = [_group_norm([p.grad for p in g], full_norm) for g in groups.values()]
     total = norms[0] if len(norms) == 1 else torch.stack([n.float() for n in norms]).norm()
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _group_norm(grads: List[torch.Tensor], full_norm: Callable) -> torch.Tensor:
+    """The 2-norm of gradients that share one DTensor mesh. On a mesh of several dimensions (the experts':
+    FSDP x ep) the squares of the local shards are summed over each sharded dimension's group in turn:
+    DTensor's own reduction would merge those all-reduces into one over a flattened mesh, which torch
+    (2.13) refuses to look up when the ranks of the experts' FSDP dimension (dp_shard / ep with sp) are
+    not in mesh order."""
+    mesh = getattr(grads[0], "device_mesh", None)
+    placements = {tuple(g.placements) for g in grads} if mesh is not None else set()
+    if mesh is None or mesh.ndim == 1 or len(placements) != 1:
+        return full_norm(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+    square = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0).float().square()
+    for dim, placement in enumerate(next(iter(placements))):
+        if not placement.is_replicate():
+            dist.all_reduce(square, group=mesh.get_group(dim))
+    return square.sqrt()

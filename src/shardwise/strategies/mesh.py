@@ -16,7 +16,7 @@ Expert parallel (ep) is carved out of dp_shard, torchtitan's layout: the dp_shar
 (dp_shard // ep, dp_shard % ep), ep varying fastest, so the rank numbering and every answer above stay
 those of the plan without ep, the ep ranks read different samples (they are data-parallel ranks) and
 exchange tokens by all-to-all inside their `expert_group`; FSDP2 shards the other parameters over
-dp_shard as before and the experts over `expert_shard_group` (dp_shard / ep ranks).
+dp_shard (x sp) as before and the experts over `expert_shard_group` (dp_shard / ep ranks, x sp).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ SHARD_SP = "dp_shard_sp"  # FSDP2's shard dimension under sequence parallel: dp_
 # Under expert parallel the world's DeviceMesh splits dp_shard in two, ep the inner part (EXPERT_DIMS).
 EXPERT_SHARD = "dp_shard_mod_ep"  # the experts' FSDP dimension: dp_shard / ep ranks holding the same experts
 EXPERT_DIMS = ("dp_replicate", EXPERT_SHARD, "ep", "sp", "tp")
+EXPERT_SHARD_SP = "dp_shard_mod_ep_sp"  # the experts' FSDP dimension under sp: dp_shard_mod_ep and sp flattened
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,10 @@ class ParallelMesh:
         ]
 
     def expert_shard_group(self, rank: int) -> List[int]:
-        """The ranks FSDP2 shards `rank`'s experts over: dp_shard ranks holding the same experts (dp_shard / ep)."""
+        """The ranks FSDP2 shards `rank`'s experts over: the dp_shard ranks holding the same experts (dp_shard / ep)
+        and their sp ranks (the same experts, other slices of the same samples: their gradients add up)."""
         ep, mine = self.dims.ep, self.expert_rank(rank)
-        return [r for r in self.group(rank, ("dp_shard",)) if self.coordinates(r)["dp_shard"] % ep == mine]
+        return [r for r in self.group(rank, ("dp_shard", "sp")) if self.coordinates(r)["dp_shard"] % ep == mine]
 
     # ------------------------------------------------------------------ DeviceMeshes
     def build(self, device_type: str) -> "Meshes":
@@ -194,19 +196,22 @@ class ParallelMesh:
 
     def _build_expert(self, device_type: str) -> "Meshes":
         """Under ep: one world mesh over EXPERT_DIMS; FSDP2's mesh flattens (dp_shard_mod_ep, ep) back into
-        dp_shard (with dp_replicate before it when there are replicas); the experts' FSDP2 mesh is
-        dp_shard_mod_ep (same replicas); the ep mesh places the experts and carries the token all-to-all."""
+        dp_shard, with sp flattened in as without ep (and dp_replicate before it when there are replicas);
+        the experts' FSDP2 mesh is dp_shard_mod_ep, with sp flattened in (same replicas): sp ranks hold the
+        same experts and their gradients are summed there like every other parameter's; the ep mesh places
+        the experts and carries the token all-to-all (between ranks of the same sp slice)."""
         d = self.dims
         shape = (d.dp_replicate, d.dp_shard // d.ep, d.ep, d.sp, d.tp)
         world = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_DIMS)
-        fsdp = world[EXPERT_SHARD, "ep"]._flatten("dp_shard")
-        experts = world[EXPERT_SHARD]
+        shard_name, expert_name = (SHARD_SP, EXPERT_SHARD_SP) if d.sp > 1 else ("dp_shard", EXPERT_SHARD)
+        fsdp = world[(EXPERT_SHARD, "ep", "sp") if d.sp > 1 else (EXPERT_SHARD, "ep")]._flatten(shard_name)
+        experts = world[EXPERT_SHARD, "sp"]._flatten(expert_name) if d.sp > 1 else world[EXPERT_SHARD]
         if d.dp_replicate > 1:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-                fsdp = world["dp_replicate", "dp_shard"]
-            experts = world["dp_replicate", EXPERT_SHARD]
-        return Meshes(fsdp=fsdp, world=world, ep=world["ep"], expert_fsdp=experts)
+                fsdp = world["dp_replicate", shard_name]
+                experts = world["dp_replicate", expert_name]
+        return Meshes(fsdp=fsdp, world=world, sp=world["sp"] if d.sp > 1 else None, ep=world["ep"], expert_fsdp=experts)
 
 
 @dataclass
