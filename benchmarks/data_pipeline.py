@@ -47,17 +47,24 @@ def _cpu() -> float:
 
 
 def write_corpus(path: str, mb: float, seed: int = 0) -> int:
+    import numpy as np
+
     vocab = random.Random(0)  # one language for every corpus (the tokenizer is trained on the first)
     letters = "abcdefghijklmnopqrstuvwxyz"
-    words = ["".join(vocab.choice(letters) for _ in range(vocab.randint(2, 9))) for _ in range(20_000)]
-    rng = random.Random(seed)
-    weights = [1 / (i + 1) for i in range(len(words))]
+    words = np.array(["".join(vocab.choice(letters) for _ in range(vocab.randint(2, 9))) for _ in range(20_000)])
+    zipf = 1 / np.arange(1, len(words) + 1)
+    zipf /= zipf.sum()
+    rng = np.random.default_rng(seed)
     docs = 0
     with open(path, "w") as f:
-        while f.tell() < mb * 1e6:
-            text = " ".join(rng.choices(words, weights, k=rng.randint(50, 500)))
-            f.write(json.dumps({"text": text}) + "\n")
-            docs += 1
+        while f.tell() < mb * 1e6:  # a block of documents at a time: numpy draws the words
+            lengths = rng.integers(50, 501, size=2000)
+            picked = words[rng.choice(len(words), size=int(lengths.sum()), p=zipf)]
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            f.writelines(
+                '{"text": "' + " ".join(picked[bounds[i] : bounds[i + 1]]) + '"}\n' for i in range(len(lengths))
+            )
+            docs += len(lengths)
     return docs
 
 
