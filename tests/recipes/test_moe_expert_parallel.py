@@ -7,7 +7,10 @@ batches: on one process, and in one 4-rank gloo launch under dp 2 x ep 2; the Qw
 (each rank holding one expert) with 2 micro-batches per step, against one process with the same
 accumulation. The per-step losses (the router loss included) must agree within 1e-5 relative, and
 every export (experts gathered back from their ep ranks, written per expert as on the hub) must load
-with AutoModelForCausalLM and give the one-process model's trained logits within 1e-4.
+with AutoModelForCausalLM and give the one-process model's trained logits within 1e-4. LoRA (adapters on the
+attention projections) of the Qwen3-MoE trains under dp 2 x ep 2 in the same launch as on one process (losses
+within 1e-5) and its adapter folder loads onto the base model with PEFT (logits within 1e-4); adapters on the
+stacked experts ('all-linear') are refused before launch.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ LAYOUTS = {
     "dp 2 x ep 2": (4, 1, 1, 2),
     "ep 4, accumulation 2": (4, 1, 2, 4),
 }
+LORA = dict(lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+LORA_LAYOUTS = {"1 process, LoRA": "1 process", "dp 2 x ep 2, LoRA": "dp 2 x ep 2"}  # -> LAYOUTS' layout
 
 
 def build_family(root: str, family: str, records: List[Dict]) -> str:
@@ -64,9 +69,10 @@ def build_family(root: str, family: str, records: List[Dict]) -> str:
 def run_config(model_dir: str, data: str, out: str, layout: str) -> Any:
     from shardwise.recipes.finetune import coerce_config
 
-    devices, per_device, accumulation, ep = LAYOUTS[layout]
+    devices, per_device, accumulation, ep = LAYOUTS[LORA_LAYOUTS.get(layout, layout)]
     return coerce_config(
         dict(
+            **(LORA if layout in LORA_LAYOUTS else {}),
             model_path=model_dir,
             dataset=data,
             max_seq_len=32,
@@ -114,8 +120,9 @@ def runs(tmp_path_factory):
     results, launched = {}, []
     for family in FAMILIES:
         model_dir = build_family(root, family, records)
-        for layout, (devices, *_rest) in LAYOUTS.items():
-            if family == "mixtral" and "accumulation" in layout:  # one family carries accumulation (test time)
+        for layout in [*LAYOUTS, *LORA_LAYOUTS]:
+            devices = LAYOUTS[LORA_LAYOUTS.get(layout, layout)][0]
+            if family == "mixtral" and ("accumulation" in layout or "LoRA" in layout):  # one family (test time)
                 continue
             cfg = run_config(model_dir, data, os.path.join(root, "runs", family, layout.replace(" ", "-")), layout)
             if devices == 1:
@@ -125,6 +132,7 @@ def runs(tmp_path_factory):
     ranks = shardwise.launch(run_four_rank, [cfg for _, cfg in launched], devices=4)
     for i, (key, _) in enumerate(launched):
         results[key] = ranks[0][i]
+    results["qwen3-moe dir"], results["data"] = os.path.join(root, "qwen3-moe"), data
     return results
 
 
@@ -148,3 +156,31 @@ def test_expert_parallel_fine_tunes_as_one_process(runs, family):
         # The export holds every expert, gathered from the ep ranks, in the hub's per-expert layout.
         logits = _export_logits(runs[(family, layout)]["out"])
         assert float((logits - reference_logits).abs().max()) <= 1e-4, f"{family} {layout}: export logits"
+
+
+def test_lora_on_the_attention_under_dp2_ep2_trains_and_exports_as_one_process(runs):
+    from peft import PeftModel
+
+    got, want = runs[("qwen3-moe", "dp 2 x ep 2, LoRA")], runs[("qwen3-moe", "1 process, LoRA")]
+    assert len(got["losses"]) == STEPS and got["losses"][-1] < got["losses"][0]
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], want["losses"])
+    logits = []
+    for result in (got, want):  # the adapter folder loads onto the base model with PEFT
+        base = transformers.AutoModelForCausalLM.from_pretrained(runs["qwen3-moe dir"], dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(PeftModel.from_pretrained(base, result["out"]).eval()(input_ids=torch.tensor(PROBE)).logits)
+    assert float((logits[0] - logits[1]).abs().max()) <= 1e-4
+    base = transformers.AutoModelForCausalLM.from_pretrained(runs["qwen3-moe dir"], dtype=torch.float32)
+    with torch.no_grad():  # the adapters moved the model
+        assert float((base(input_ids=torch.tensor(PROBE)).logits - logits[1]).abs().max()) > 1e-4
+
+
+def test_lora_on_the_stacked_experts_is_refused_before_launch(runs, tmp_path):
+    import dataclasses
+
+    from shardwise.recipes.finetune import validate_config
+
+    cfg = run_config(runs["qwen3-moe dir"], runs["data"], str(tmp_path / "out"), "dp 2 x ep 2, LoRA")
+    with pytest.raises(ValueError, match=r"LoRA adapters on the stacked experts .*model.layers.0.mlp.experts"):
+        validate_config(dataclasses.replace(cfg, lora_target_modules=["all-linear"]))

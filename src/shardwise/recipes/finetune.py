@@ -72,6 +72,7 @@ from shardwise.recipes.hub import (
     snapshot_commit,
 )
 from shardwise.recipes.lora_export import check_merge, export_lora
+from shardwise.recipes.moe import check_expert_adapters
 from shardwise.recipes.parallel import build_recipe_strategy
 from shardwise.seed import seed_everything
 from shardwise.trainer import Trainer
@@ -399,7 +400,9 @@ def validate_config(cfg: FinetuneConfig) -> Dict[str, Any]:
     check_profile_steps(cfg.profile_steps)
     strategy = build_recipe_strategy(cfg, folder)  # unknown names, unknown or conflicting strategy_options: fail here
     check_4bit_config(cfg, strategy)  # load_in_4bit: LoRA, bitsandbytes, precision, no ZeRO-3 / offload
-    check_lora_config(cfg, lambda: build_meta_model(folder, cfg.attn_implementation))  # LoRA options vs the model
+    built: list = []  # the meta model the LoRA check wraps: no adapter on an MoE model's stacked experts
+    check_lora_config(cfg, lambda: built.append(build_meta_model(folder, cfg.attn_implementation)) or built[-1])
+    check_expert_adapters(built[0] if built else None, cfg.lora_target_modules)
     check_merge(cfg)
     return {
         "folder": folder,

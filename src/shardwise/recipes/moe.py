@@ -9,7 +9,8 @@ load-balancing loss joins it the same way: `router_aux` asks the model for its r
 all-reduce of detached counts per micro-batch) and sums this rank's router probabilities, so the term
 summed over ranks is the global micro-batch's, whatever the data-parallel / ep split. transformers' own
 `aux_loss` is per rank (its counts are the rank's alone), which would make the step depend on the split.
-`check_experts` refuses an `ep_size` the model folder cannot take, before any worker starts.
+`check_experts` refuses an `ep_size` the model folder cannot take, and `check_expert_adapters` LoRA adapters on
+the stacked experts, before any worker starts.
 """
 
 from __future__ import annotations
@@ -83,6 +84,35 @@ def check_experts(cfg: Any, folder: Any, engine: str, world: int) -> None:
         degrees.refuse(degrees.quantized_experts_problem(ep))
 
 
+def check_expert_adapters(model: Any, targets: Any) -> None:
+    """Refuse LoRA adapters on a mixture-of-experts model's stacked experts (`model`: the meta model with the
+    run's adapters injected, as the LoRA check built it). PEFT wraps a transformers experts module whole
+    (its [experts, ...] weights under one adapter, moved to `base_layer`): the Hugging Face folder's expert
+    weights no longer load by name, and under expert parallel one adapter would span experts that other
+    ranks hold. Adapters on the attention (and the router) train as on a dense model, at any ep_size."""
+    from shardwise.strategies.experts import find_experts
+
+    if model is None:  # full fine-tuning
+        return
+
+    def plain(path: str) -> str:
+        return ".".join(p for p in path.split(".") if p != "base_layer")
+
+    experts = {plain(name) for name, _ in find_experts(model)}
+    if not experts:
+        return
+    adapted = sorted({plain(n.split(".lora_")[0]) for n, _ in model.named_parameters() if ".lora_" in n} & experts)
+    if adapted:
+        shown = ", ".join(adapted[:2]) + (f" and {len(adapted) - 2} more" if len(adapted) > 2 else "")
+        raise ValueError(
+            f"lora_target_modules={targets!r} puts LoRA adapters on the stacked experts of this "
+            f"mixture-of-experts model ({shown}): PEFT wraps each experts module whole, its [experts, ...] "
+            "weights then do not load from the model folder, nor split over expert-parallel ranks. Name the "
+            "attention projections instead, e.g. lora_target_modules: [q_proj, k_proj, v_proj, o_proj] "
+            "('all-linear' includes the experts), or fine-tune every weight (lora_r 0)."
+        )
+
+
 def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: MoEFacts) -> Optional[torch.Tensor]:
     """The router losses of one micro-batch as a SUMMED loss term (coef x balance [+ z coef x z-loss]), or None.
 
@@ -110,4 +140,4 @@ def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: 
     return term
 
 
-__all__ = ["EXPERT_FIELDS", "MoEFacts", "moe_facts", "check_experts", "router_aux"]
+__all__ = ["EXPERT_FIELDS", "MoEFacts", "moe_facts", "check_experts", "check_expert_adapters", "router_aux"]
