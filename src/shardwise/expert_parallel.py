@@ -146,7 +146,8 @@ class RouterLosses:
         the layers. Summed over ranks and divided by the step's global token count it is the usual
         load-balancing loss of the global batch (HF's load_balancing_loss_func, Switch's auxiliary loss).
     z: sum over this rank's tokens of logsumexp(router logits)^2, averaged over the layers (ST-MoE's z-loss).
-    counts: [layers, E] tokens routed to each expert over the data-parallel ranks (detached).
+    counts: [layers, E] tokens routed to each expert over the data-parallel ranks (detached), one row per
+        layer (an entry of `rows_per_token` concatenated layers gives that many rows).
     tokens: routed tokens over the data-parallel ranks (detached), per layer.
     """
 
@@ -168,16 +169,20 @@ def router_losses(
     group: the ranks that read different tokens (None: the whole world when a process group is up, i.e.
     data-parallel, ep and sp ranks together; pass the data-parallel group under tensor parallel, whose
     ranks hold the same tokens). mask [n]: rows that count (False: padding). rows_per_token: how many rows
-    one token has in each entry (a Hugging Face model's layers concatenated into one entry: their number),
-    so the losses stay per token. One all-reduce of [layers, E + 1] counts per micro-batch."""
-    count_rows, prob_sums, z_sums = [], [], []
+    one token has in each entry (a Hugging Face model's layers concatenated into one entry, layer after
+    layer: their number), so the losses stay per token; the counts are still kept per layer (`counts` has
+    one row per layer of every entry). One all-reduce of [layers, E + 1] counts per micro-batch."""
+    count_rows, prob_sums, z_sums, spans = [], [], [], []
     for logits, top_k_index in layers:
         logits = logits.float()
         keep = None if mask is None else mask.reshape(-1).to(torch.bool)
-        chosen = top_k_index if keep is None else top_k_index[keep]
-        counted = torch.bincount(chosen.reshape(-1), minlength=num_experts).to(torch.float64)
-        tokens = torch.tensor([float(chosen.shape[0])], dtype=torch.float64, device=counted.device)
-        count_rows.append(torch.cat([counted, tokens]))
+        start = len(count_rows)
+        for part, kept in _per_layer(top_k_index, keep, rows_per_token):
+            chosen = part if kept is None else part[kept]
+            counted = torch.bincount(chosen.reshape(-1), minlength=num_experts).to(torch.float64)
+            tokens = torch.tensor([float(chosen.shape[0])], dtype=torch.float64, device=counted.device)
+            count_rows.append(torch.cat([counted, tokens]))
+        spans.append((start, len(count_rows)))
         probs = logits.softmax(dim=-1)
         lse = torch.logsumexp(logits, dim=-1)
         if keep is not None:
@@ -187,7 +192,8 @@ def router_losses(
     counts = torch.stack(count_rows).detach()
     if group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         dist.all_reduce(counts, group=group)
-    per_expert, tokens = counts[:, :num_experts], counts[:, num_experts]
+    per_layer, tokens = counts[:, :num_experts], counts[:, num_experts]
+    per_expert = torch.stack([per_layer[a:b].sum(0) for a, b in spans]) if spans else per_layer  # per entry
     assignments = per_expert.sum(1, keepdim=True).clamp_min(1.0)
     # f_e: the share of the global micro-batch's routed (token, expert) pairs; summing over k counts each
     # token's k choices, as HF's formula does (its f sums to top_k, ours is scaled the same way).
@@ -195,7 +201,15 @@ def router_losses(
     fraction = (per_expert / assignments * top_k).float()
     balance = torch.stack([(f * p).sum() for f, p in zip(fraction, prob_sums)]) * num_experts
     scale = 1.0 / (len(layers) * rows_per_token)
-    return RouterLosses(balance.sum() * scale, torch.stack(z_sums).sum() * scale, per_expert, tokens)
+    return RouterLosses(balance.sum() * scale, torch.stack(z_sums).sum() * scale, per_layer, tokens)
+
+
+def _per_layer(top_k_index: Tensor, keep: Optional[Tensor], layers: int) -> List[Tuple[Tensor, Optional[Tensor]]]:
+    """An entry's (top-k indices, mask) split into its `layers` consecutive blocks of rows (one per layer)."""
+    if layers == 1 or top_k_index.shape[0] % layers:
+        return [(top_k_index, keep)]
+    keeps = [None] * layers if keep is None else list(keep.chunk(layers))
+    return list(zip(top_k_index.chunk(layers), keeps))
 
 
 class ExpertLoad:

@@ -16,6 +16,7 @@ stacked experts ('all-linear') are refused before launch.
 from __future__ import annotations
 
 import os
+import pathlib
 from typing import Any, Dict, List
 
 import pytest
@@ -156,6 +157,10 @@ def test_expert_parallel_fine_tunes_as_one_process(runs, family):
         # The export holds every expert, gathered from the ep ranks, in the hub's per-expert layout.
         logits = _export_logits(runs[(family, layout)]["out"])
         assert float((logits - reference_logits).abs().max()) <= 1e-4, f"{family} {layout}: export logits"
+        # The Trainer attached an ExpertLoadMonitor to the MoE model: each layer's tokens per expert are logged.
+        logs = os.path.join(runs[(family, layout)]["out"], "shardwise_logs")
+        written = b"".join(pathlib.Path(d, f).read_bytes() for d, _, files in os.walk(logs) for f in files)
+        assert b"experts/layer1/expert3" in written and b"experts/layer0/max_load" in written, layout
 
 
 def test_lora_on_the_attention_under_dp2_ep2_trains_and_exports_as_one_process(runs):

@@ -47,7 +47,7 @@ from shardwise.distributed import ops
 from shardwise.losses import chunked_cross_entropy
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.recipes import hf_model
-from shardwise.recipes.moe import moe_facts, router_aux
+from shardwise.recipes.moe import attach_expert_load, moe_facts, router_aux
 from shardwise.strategies.sequence_parallel_hf import split_batch
 
 HISTORY_KEY = "finetune_history"  # the module's losses so far, in every checkpoint's trainer state
@@ -107,6 +107,7 @@ class CausalLMModule(TrainModule):
             # unit). The strategy's plan is read here (QLoRA only) because strategy="auto" is known only now.
             self.converters = build_converters(self.cfg, lambda: self.trainer.strategy.parallel_plan)
             self.model = convert_model(model, self.converters)
+            attach_expert_load(self.model, self.moe)  # an MoE model's tokens per expert, logged by the Trainer
             trainable, total = count_parameters(self.model)
             self.parameter_counts = {"trainable": trainable, "total": total}
 

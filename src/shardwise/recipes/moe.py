@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from shardwise.expert_parallel import router_losses
+from shardwise.expert_parallel import ExpertLoad, router_losses
 from shardwise.strategies import degrees
 
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # how HF configs count experts
@@ -113,13 +113,20 @@ def check_expert_adapters(model: Any, targets: Any) -> None:
         )
 
 
+def attach_expert_load(model: Any, facts: Optional[MoEFacts]) -> None:
+    """Give an MoE model an `expert_load` (tokens per expert and layer, added by `router_aux` at each training
+    micro-batch), so that the Trainer attaches an ExpertLoadMonitor that logs it; a dense model gets none."""
+    if facts is not None and getattr(model, "expert_load", None) is None:
+        model.expert_load = ExpertLoad()
+
+
 def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: MoEFacts) -> Optional[torch.Tensor]:
     """The router losses of one micro-batch as a SUMMED loss term (coef x balance [+ z coef x z-loss]), or None.
 
     `outputs.router_logits`: one [rows, experts] tensor per MoE layer (the model's own record). Padding rows
     (attention_mask 0) are left out, as transformers' `load_balancing_loss_func` leaves them out. The
-    global counts are logged through `model.expert_load` when the model carries one (the per-expert
-    token counts and the dead-expert warning)."""
+    global counts, one row per layer, are added to `model.expert_load` when the model carries one
+    (`attach_expert_load`: the per-expert token counts the Trainer's ExpertLoadMonitor logs)."""
     logits = getattr(outputs, "router_logits", None)
     if not logits or (facts.aux_coef == 0.0 and facts.z_coef == 0.0 and getattr(model, "expert_load", None) is None):
         return None
@@ -140,4 +147,12 @@ def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: 
     return term
 
 
-__all__ = ["EXPERT_FIELDS", "MoEFacts", "moe_facts", "check_experts", "check_expert_adapters", "router_aux"]
+__all__ = [
+    "EXPERT_FIELDS",
+    "MoEFacts",
+    "moe_facts",
+    "check_experts",
+    "check_expert_adapters",
+    "attach_expert_load",
+    "router_aux",
+]

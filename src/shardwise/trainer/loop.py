@@ -20,6 +20,7 @@ from torch import nn
 
 import shardwise.trainer.options as options  # the first-hour Lightning options
 from shardwise import step as shared_step  # looked up at call time, like the planner's trace
+from shardwise.callbacks.expert_load import attach_monitor
 from shardwise.checkpoint import load_training_checkpoint, save_training_checkpoint
 from shardwise.checkpoint.training import TrainingStates
 from shardwise.distributed import faults
@@ -249,6 +250,7 @@ class Trainer(TrainerAttributes):
         if stage in ("fit", "validate"):  # test / predict ask for their own loaders (evaluation.py)
             self._resolve_data(module, need_train_data)
         self.model = setup.build_model(strategy, module, lambda: options.configure_model(self, module), trained)
+        attach_monitor(self.callbacks, module)  # a mixture-of-experts model's tokens per expert, logged
         self._set_up = True
         self._configure_optimizers(need_train_data)
 
