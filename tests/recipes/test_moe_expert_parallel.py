@@ -10,11 +10,14 @@ every export (experts gathered back from their ep ranks, written per expert as o
 with AutoModelForCausalLM and give the one-process model's trained logits within 1e-4. LoRA (adapters on the
 attention projections) of the Qwen3-MoE trains under dp 2 x ep 2 in the same launch as on one process (losses
 within 1e-5) and its adapter folder loads onto the base model with PEFT (logits within 1e-4); adapters on the
-stacked experts ('all-linear') are refused before launch.
+stacked experts ('all-linear') are refused before launch. The Qwen3-MoE's dp 2 x ep 2 run checkpoints at
+step 1; resumed from there in the same launch it ends with the uninterrupted run's losses and bitwise its
+exported weights. Each layer's tokens per expert are in every run's logs (the Trainer's ExpertLoadMonitor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from typing import Any, Dict, List
@@ -103,12 +106,23 @@ def run(cfg: Any) -> Dict[str, Any]:
     return {"losses": [s["loss"] for s in result.losses], "out": result.output_dir}
 
 
+def resumed(cfg: Any) -> Any:
+    """`cfg`'s run again from its step-1 checkpoint, into a folder of its own."""
+    from shardwise.checkpoint import layout
+
+    step1 = next(e.path for e in layout.list_checkpoints(os.path.join(cfg.output_dir, "checkpoints")) if e.step == 1)
+    return dataclasses.replace(
+        cfg, output_dir=cfg.output_dir + "-resumed", resume_from_checkpoint=step1, save_steps=None
+    )
+
+
 def run_four_rank(configs: List[Any]) -> List[Dict[str, Any]]:
-    """Worker of shardwise.launch: every expert-parallel run, one after another in one process group."""
+    """Worker of shardwise.launch: every expert-parallel run, one after another in one process group; a
+    ("resume", cfg) entry resumes cfg's run (earlier in the list) from its step-1 checkpoint."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    return [run(cfg) for cfg in configs]
+    return [run(resumed(cfg[1]) if isinstance(cfg, tuple) else cfg) for cfg in configs]
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +140,25 @@ def runs(tmp_path_factory):
             if family == "mixtral" and ("accumulation" in layout or "LoRA" in layout):  # one family (test time)
                 continue
             cfg = run_config(model_dir, data, os.path.join(root, "runs", family, layout.replace(" ", "-")), layout)
+            if (family, layout) == ("qwen3-moe", "dp 2 x ep 2"):  # checkpoints at steps 1 and 2; resumed below
+                cfg = dataclasses.replace(cfg, save_steps=1, save_total_limit=2)
             if devices == 1:
                 results[(family, layout)] = run(cfg)
             else:
                 launched.append(((family, layout), cfg))
+                if cfg.save_steps:
+                    launched.append(((family, layout + ", resumed"), ("resume", cfg)))
     ranks = shardwise.launch(run_four_rank, [cfg for _, cfg in launched], devices=4)
     for i, (key, _) in enumerate(launched):
         results[key] = ranks[0][i]
     results["qwen3-moe dir"], results["data"] = os.path.join(root, "qwen3-moe"), data
     return results
+
+
+def _logged(out: str) -> bytes:
+    """Everything a run's logger wrote (the metric names appear once per logged value)."""
+    logs = os.path.join(out, "shardwise_logs")
+    return b"".join(pathlib.Path(d, f).read_bytes() for d, _, files in os.walk(logs) for f in files)
 
 
 def _export_logits(folder: str) -> torch.Tensor:
@@ -158,8 +182,7 @@ def test_expert_parallel_fine_tunes_as_one_process(runs, family):
         logits = _export_logits(runs[(family, layout)]["out"])
         assert float((logits - reference_logits).abs().max()) <= 1e-4, f"{family} {layout}: export logits"
         # The Trainer attached an ExpertLoadMonitor to the MoE model: each layer's tokens per expert are logged.
-        logs = os.path.join(runs[(family, layout)]["out"], "shardwise_logs")
-        written = b"".join(pathlib.Path(d, f).read_bytes() for d, _, files in os.walk(logs) for f in files)
+        written = _logged(runs[(family, layout)]["out"])
         assert b"experts/layer1/expert3" in written and b"experts/layer0/max_load" in written, layout
 
 
@@ -182,10 +205,21 @@ def test_lora_on_the_attention_under_dp2_ep2_trains_and_exports_as_one_process(r
 
 
 def test_lora_on_the_stacked_experts_is_refused_before_launch(runs, tmp_path):
-    import dataclasses
-
     from shardwise.recipes.finetune import validate_config
 
     cfg = run_config(runs["qwen3-moe dir"], runs["data"], str(tmp_path / "out"), "dp 2 x ep 2, LoRA")
     with pytest.raises(ValueError, match=r"LoRA adapters on the stacked experts .*model.layers.0.mlp.experts"):
         validate_config(dataclasses.replace(cfg, lora_target_modules=["all-linear"]))
+
+
+def test_a_dp2_ep2_checkpoint_resumes_bitwise(runs):
+    from safetensors.torch import load_file
+
+    straight, again = runs[("qwen3-moe", "dp 2 x ep 2")], runs[("qwen3-moe", "dp 2 x ep 2, resumed")]
+    assert again["losses"] == straight["losses"], (again["losses"], straight["losses"])  # step 1 from the history
+    metric = b"experts/layer0/max_load"  # logged at each trained step: the resumed run trained step 2 alone
+    assert (_logged(straight["out"]).count(metric), _logged(again["out"]).count(metric)) == (2, 1)
+    want = load_file(os.path.join(straight["out"], "model.safetensors"))
+    got = load_file(os.path.join(again["out"], "model.safetensors"))
+    assert set(got) == set(want) and any("experts" in name for name in want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
