@@ -47,7 +47,7 @@ from shardwise.distributed import ops
 from shardwise.losses import chunked_cross_entropy
 from shardwise.module import TrainModule, attached_trainer
 from shardwise.recipes import hf_model
-from shardwise.recipes.moe import attach_expert_load, moe_facts, router_aux
+from shardwise.recipes.moe import attach_expert_load, moe_facts, router_aux, sp_router_mask
 from shardwise.strategies.sequence_parallel_hf import split_batch
 
 HISTORY_KEY = "finetune_history"  # the module's losses so far, in every checkpoint's trainer state
@@ -165,7 +165,8 @@ class CausalLMModule(TrainModule):
         # Chunk by chunk in float32, with no float32 copy of the logits kept for backward (losses.py):
         # at a 128k vocabulary that copy and its gradient outweighed the logits themselves.
         loss = chunked_cross_entropy(outputs.logits, targets, ignore_index=-100, reduction="sum")
-        aux = router_aux(self.model, outputs, inputs, self.moe) if router else None
+        mask = sp_router_mask(batch, self._sp_mesh()) if router and split is not None else None  # sp: padding
+        aux = router_aux(self.model, outputs, inputs, self.moe, mask) if router else None
         return loss if aux is None else loss + aux
 
     def on_train_start(self) -> None:

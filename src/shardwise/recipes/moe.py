@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
+import torch.nn.functional as F
 
 from shardwise.expert_parallel import ExpertLoad, router_losses
 from shardwise.strategies import degrees
@@ -120,7 +121,21 @@ def attach_expert_load(model: Any, facts: Optional[MoEFacts]) -> None:
         model.expert_load = ExpertLoad()
 
 
-def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: MoEFacts) -> Optional[torch.Tensor]:
+def sp_router_mask(batch: Dict[str, torch.Tensor], sp_mesh: Any) -> Optional[torch.Tensor]:
+    """Under sequence parallel: this rank's slice of the batch's attention mask (padded to a multiple of the
+    sp degree as `split_batch` pads the sequence), for `router_aux`; None without sp or without a mask. The
+    model's inputs under sp carry no mask (the padding is folded into document ids), and the router losses
+    must leave the padding rows out as one process does."""
+    mask = batch.get("attention_mask")
+    if sp_mesh is None or mask is None:
+        return None
+    sp = sp_mesh.size()
+    return F.pad(mask, (0, (-mask.shape[1]) % sp), value=0).chunk(sp, dim=1)[sp_mesh.get_local_rank()]
+
+
+def router_aux(
+    model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: MoEFacts, mask: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
     """The router losses of one micro-batch as a SUMMED loss term (coef x balance [+ z coef x z-loss]), or None.
 
     `outputs.router_logits`: one [rows, experts] tensor per MoE layer (the model's own record). Padding rows
@@ -135,7 +150,7 @@ def router_aux(model: Any, outputs: Any, batch: Dict[str, torch.Tensor], facts: 
     rows = torch.cat([layer.reshape(-1, layer.shape[-1]) for layer in logits])
     # The experts each row chose, as the router chose them (top-k of the softmax, as HF's loss recomputes).
     top_k_index = torch.topk(rows.float().softmax(dim=-1), facts.top_k, dim=-1).indices
-    mask = batch.get("attention_mask")
+    mask = batch.get("attention_mask") if mask is None else mask  # `mask`: sp_router_mask's slice under sp
     mask = None if mask is None else mask.reshape(-1).repeat(len(logits))
     losses = router_losses([(rows, top_k_index)], facts.num_experts, mask=mask, rows_per_token=len(logits))
     load = getattr(model, "expert_load", None)
@@ -154,5 +169,6 @@ __all__ = [
     "check_experts",
     "check_expert_adapters",
     "attach_expert_load",
+    "sp_router_mask",
     "router_aux",
 ]
