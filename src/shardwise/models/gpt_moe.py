@@ -13,7 +13,9 @@ The router losses are computed once per forward over the global micro-batch
 (`router_losses`); `loss(logits, targets)` returns the SUMMED cross-entropy plus
 `router_aux_loss_coef x balance + router_z_loss_coef x z`, to pair with a TrainModule whose
 `loss_weight(batch)` counts the target tokens: the Trainer then divides by the step's global token
-count, so 1 process, ep ranks and dp x ep ranks take the same step from the same global batch.
+count, so 1 process, ep ranks and dp x ep ranks take the same step from the same global batch. Under sequence
+parallel the cross-entropy is every sp rank's whole (the logits are gathered) while each sp rank routes its
+own slice, so the router losses are counted sp times too.
 `expert_load` holds the per-expert token counts since callbacks/expert_load.py last read them.
 """
 
