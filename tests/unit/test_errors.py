@@ -197,7 +197,9 @@ def test_crash_in_one_rank_stops_all(tmp_path):
     )
     assert proc.returncode != 0
     assert "RuntimeError: boom from rank 1" in proc.stderr  # the original traceback is shown
-    assert "rank 1 exited with code" in proc.stderr
+    # Named as the root cause: "exited with code 1", or, when the launcher's SIGTERM reached it during its own
+    # slow clean-up on a loaded machine, "failed in <hook> ...; SIGTERM stopped it during its clean-up".
+    assert re.search(r"rank 1 (exited with code 1|failed in \w+ after step \d+: RuntimeError: boom)", proc.stderr)
     assert "UNREACHABLE" not in proc.stdout
     # Rank 0 was stopped by its peer's death, not by a collective timeout: the launcher accounts for it as
     # a consequence (it lost its peer) or as stopped, whichever came first on this machine. Rank 0's own
