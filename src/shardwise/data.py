@@ -200,6 +200,23 @@ def _agree(key: Key) -> Key:
     return int(ops.broadcast_object(key))
 
 
+def _splits_itself(dataset: Any) -> bool:
+    """Whether an IterableDataset gives each rank its own share without help.
+
+    shardwise's PackedMixture, a Hugging Face IterableDataset after `split_dataset_by_node`, and the
+    streaming datasets of litdata and mosaic streaming (which read the rank themselves) do; a dataset of the
+    user's that does says so with a true `splits_across_ranks` attribute.
+    """
+    if getattr(dataset, "splits_across_ranks", False):
+        return True
+    module = type(dataset).__module__ or ""
+    if module.startswith("shardwise.corpus"):
+        return True
+    if module.startswith("datasets.") and getattr(dataset, "_distributed", None) is not None:
+        return True
+    return module.split(".")[0] in ("litdata", "streaming") and type(dataset).__name__ == "StreamingDataset"
+
+
 def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int, shuffle: Optional[bool] = None) -> Any:
     """Return a loader whose sampler gives this rank its disjoint, resumable share.
 
@@ -208,10 +225,11 @@ def distribute_dataloader(loader: Any, world_size: int, rank: int, seed: int, sh
     if not isinstance(loader, DataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        if world_size > 1:
+        if world_size > 1 and not _splits_itself(loader.dataset):
             warnings.warn(
                 "An IterableDataset is not split across ranks automatically: make its __iter__ "
-                "yield a disjoint share per rank (torch.distributed.get_rank()).",
+                "yield a disjoint share per rank (torch.distributed.get_rank()), or, if it already does, set "
+                "`splits_across_ranks = True` on it.",
                 stacklevel=3,
             )
         return loader

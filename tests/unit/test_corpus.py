@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from shardwise.callbacks.fingerprint import global_fingerprint, sample_digests
 from shardwise.checkpoint import CheckpointMismatchError, loader_state
 from shardwise.cli import main as cli
 from shardwise.corpus import PackedMixture, TokenCorpus, prepare
+from shardwise.data import distribute_dataloader
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 SEQ, GLOBAL_BATCH, STEPS, SAVED_AT = 16, 12, 10, 3
@@ -157,6 +159,11 @@ def test_the_mixture_resumes_on_any_number_of_ranks_without_repeating_or_skippin
     assert sorted(first) == [(c, n) for c, k in enumerate(sizes) for n in range(k)]  # the epoch: each read once
     packed = sorted(mixture.locate(g)[::2] for g in range(block))
     assert packed == [(c, j) for c, n in enumerate(sizes) for j in range(n)]  # ... and each packed sample once
+
+    # It gives each rank its share itself: distributing its loader at 2 ranks leaves it alone, and says nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert distribute_dataloader(first[0], 2, 0, seed=0) is first[0]
 
     # The position belongs to this mixture: other weights would point it at other samples.
     other = DataLoader(PackedMixture({**corpora, "web": (corpora["web"][0], 1.0)}, SEQ, seed=7, block=60))

@@ -241,3 +241,27 @@ def test_a_random_sampler_with_replacement_keeps_its_draws():
     torch.manual_seed(3)
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, sampler=sampler)
     assert _batches(distribute_dataloader(loader, 1, 0, seed=0)) == plain
+
+
+def test_an_iterable_dataset_is_left_alone_and_named_only_if_it_may_not_split_itself():
+    from datasets import Dataset as HFDataset
+    from datasets.distributed import split_dataset_by_node
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    class OwnShare(Stream):
+        splits_across_ranks = True  # its __iter__ reads the rank itself
+
+    hf = HFDataset.from_dict({"x": list(range(8))}).to_iterable_dataset()
+    for dataset, warned in ((Stream(), True), (OwnShare(), False), (split_dataset_by_node(hf, 0, 2), False)):
+        loader = DataLoader(dataset, batch_size=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert distribute_dataloader(loader, 2, 0, seed=0) is loader
+            assert distribute_dataloader(loader, 1, 0, seed=0) is loader  # one rank: nothing to split
+        said = [str(w.message) for w in caught]
+        assert len(said) == int(warned), (type(dataset).__name__, said)
+        assert not warned or "splits_across_ranks = True" in said[0]
