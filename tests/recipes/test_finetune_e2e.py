@@ -2,12 +2,14 @@
 # built tokenizer are fine-tuned on chat data with FSDP on 2 processes, both
 # named by hub id from a hub cache laid out as a download leaves it, with
 # HF_HUB_OFFLINE=1; the loss falls, the exported Hugging Face folder loads with from_pretrained,
-# holds exactly the trained weights, and generates. Also, in one process:
+# holds exactly the trained weights, and generates. In the same 2 processes, after the run, rank-0
+# loading into a replicated (NO_SHARD) mesh computes what from_pretrained's model does. Also, in one process:
 # rank-0 loading reproduces from_pretrained's model bit for bit (tied
 # embeddings, activation-checkpoint wrappers), and a sharded export with an
 # index round-trips.
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -21,11 +23,24 @@ from helpers.hf import build_model_folder, chat_records, gather_trained_weights,
 from helpers.hub_server import folder_files, lay_cache
 
 
-@pytest.mark.slow
-def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path, monkeypatch):
-    from huggingface_hub import constants
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _trained_weights_then_replicated_load(model_dir, module):
+    """after_fit (every rank): the trained weights (rank 0), then the untrained model folder loaded from rank 0
+    into a NO_SHARD mesh in the same process group; rank 0 gets every rank's (loss, load report)."""
+    import torch.distributed as dist
 
+    trained = gather_trained_weights(module)
+    scores = [None] * dist.get_world_size()
+    dist.all_gather_object(scores, _load_and_score(model_dir, "NO_SHARD", 1))
+    return {"trained": trained, "replicated": scores}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """The 2-process FSDP fine-tuning run (model and data named by hub id), and in its processes, after it,
+    the rank-0 load into a replicated mesh (one launch for both: start-up costs more than the load)."""
+    from huggingface_hub import constants
+
+    tmp_path = tmp_path_factory.mktemp("e2e")
     records = chat_records(240)
     model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
     data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
@@ -33,9 +48,6 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path, monkeypa
     cache = str(tmp_path / "hub")
     lay_cache(cache, "org/tiny", folder_files(model_dir))
     lay_cache(cache, "org/chat", {"train.jsonl": open(data, "rb").read()}, repo_type="dataset")
-    for name, value in (("HF_HUB_CACHE", cache), ("HF_HUB_OFFLINE", True)):
-        monkeypatch.setattr(constants, name, value)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = FinetuneConfig(
         model_path="org/tiny",
         max_steps=30,
@@ -55,8 +67,19 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path, monkeypa
             dataset="org/chat", max_seq_len=64, packing=True, per_device_train_batch_size=2, eval_split_ratio=0.1
         ),
     )
-    result = finetune(cfg, after_fit=gather_trained_weights)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name, value in (("HF_HUB_CACHE", cache), ("HF_HUB_OFFLINE", True)):
+            monkeypatch.setattr(constants, name, value)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        result = finetune(cfg, after_fit=functools.partial(_trained_weights_then_replicated_load, model_dir))
+    return result, model_dir, out
 
+
+@pytest.mark.slow
+def test_finetune_fsdp_two_processes_exports_a_loadable_model(fsdp_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result, model_dir, out = fsdp_run
     losses = [s["loss"] for s in result.losses]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3, losses
@@ -65,7 +88,7 @@ def test_finetune_fsdp_two_processes_exports_a_loadable_model(tmp_path, monkeypa
     history = json.load(open(os.path.join(out, "finetune_history.json")))
     assert [s["loss"] for s in history["losses"]] == losses
 
-    trained = result.extra
+    trained = result.extra["trained"]
     exported = AutoModelForCausalLM.from_pretrained(out)
     state = exported.state_dict()
     assert set(trained) <= set(state)
@@ -181,20 +204,20 @@ def _load_and_score(model_dir, sharding, num_nodes):
 
 
 @pytest.mark.slow
-def test_rank0_loading_into_a_replicated_mesh(tmp_path):
+def test_rank0_loading_into_a_replicated_mesh(fsdp_run):
     # Rank 0 sends to the first replica only; the others get their shards by
     # broadcast inside their replicate group. The loaded model must compute
     # exactly what from_pretrained's does, on every rank. (NO_SHARD is the
     # (2 replicas x 1 shard) mesh; HYBRID_SHARD is covered across two
-    # launchers by tests/distributed/test_multinode_finetune.py.)
+    # launchers by tests/distributed/test_multinode_finetune.py.) Loaded in the
+    # fine-tuning run's 2 processes, after it (fsdp_run).
     from transformers import AutoModelForCausalLM
 
-    from shardwise import launch
-
-    model_dir = build_model_folder(str(tmp_path / "m"), chat_records(20))
+    result, model_dir, _ = fsdp_run
     ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
     expected = AutoModelForCausalLM.from_pretrained(model_dir)(input_ids=ids, labels=ids).loss.detach()
-    results = launch(_load_and_score, model_dir, "NO_SHARD", 1, devices=2)
+    results = result.extra["replicated"]
+    assert len(results) == 2
     for loss, report in results:
         torch.testing.assert_close(loss, expected)
     assert results[0][1]["bytes_read"] > 0 and all(r["bytes_read"] == 0 for _, r in results[1:])

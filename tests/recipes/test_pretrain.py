@@ -1,8 +1,9 @@
 """`shardwise pretrain` end to end: a tiny Llama from scratch on two prepared corpora (0.7 / 0.3), FSDP on 2 processes.
 
-Two launches serve every check. The first (a subprocess, so that its SIGKILL takes only its own processes) trains
-with a checkpoint every 5 steps and is killed with SIGKILL right after step 12. The second (one launch of 2
-workers) resumes that run from `last` to step 20, then trains the uninterrupted reference in the same processes;
+Two launches serve every check. The first (`pretrain(devices=2)` from this process) trains with a checkpoint every
+5 steps, and its rank 0 is killed with SIGKILL right after step 12 (the launcher then stops rank 1 and fails). The
+second (one launch of 2 workers) resumes that run from `last` to step 20, then trains the uninterrupted reference
+in the same processes;
 the reference is also the export check. The loss falls; the killed run's steps 1-12 and the resumed run's steps
 11-20 (losses, evaluation losses, batch fingerprints) equal the reference's bitwise; the exported folder loads with
 AutoModelForCausalLM and gives the trained (sharded) model's logits. Bad input is refused before any launch.
@@ -15,26 +16,24 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from shardwise.callbacks.fingerprint import read_fingerprints
 from shardwise.cli import main as cli
+from shardwise.distributed.launch import WorkerFailedError
 from shardwise.recipes.pretrain import PretrainConfig, pretrain, validate_config
 from shardwise.recipes.pretrain_data import parse_data
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
 KILL_AT, SAVE_EVERY, STEPS = 12, 5, 20
 NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
 PROBE = [[5, 9, 14, 3, 22, 7, 11, 30, 2, 17, 8, 4]]  # token ids whose logits the export must reproduce
 
 
 class KillAfter:
-    """At the start of the step after `step`: global rank 0 writes the losses so far, then SIGKILLs the job."""
+    """At the start of the step after `step`: global rank 0 writes the losses so far, then SIGKILLs itself (the
+    launcher sees it die and stops the other rank, as it would after a crash of the machine's rank 0)."""
 
     def __init__(self, step: int, path: str) -> None:
         self.step, self.path = step, path
@@ -45,13 +44,7 @@ class KillAfter:
                 json.dump(module.history, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.kill(os.getppid(), signal.SIGKILL)  # the launcher; the other rank follows it (PR_SET_PDEATHSIG)
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def killed_run(cfg_json: str, history_path: str) -> None:
-    """The subprocess's body: the run that dies after step KILL_AT."""
-    pretrain(PretrainConfig(**json.loads(cfg_json)), callbacks=[KillAfter(KILL_AT, history_path)])
 
 
 def probe_logits(module):
@@ -128,10 +121,11 @@ def runs(tmp_path_factory):
     base = _corpora(root)
     killed = dataclasses.replace(base, output_dir=os.path.join(root, "run"), save_steps=SAVE_EVERY)
     history = os.path.join(root, "killed_history.json")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, TESTS, os.environ.get("PYTHONPATH", "")])}
-    code = f"import test_pretrain as t; t.killed_run({json.dumps(json.dumps(dataclasses.asdict(killed)))}, {history!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and os.path.exists(history), proc.stderr[-3000:]
+    # Started from this process (no interpreter of its own to start): the SIGKILL takes rank 0 only, the launcher
+    # stops rank 1 and reports the signal (SystemExit with the signal's status).
+    with pytest.raises((SystemExit, WorkerFailedError)):
+        pretrain(killed, callbacks=[KillAfter(KILL_AT, history)])
+    assert os.path.exists(history)
     resumed = dataclasses.replace(killed, resume_from_checkpoint="last")
     reference = dataclasses.replace(base, output_dir=os.path.join(root, "reference"))
     (resumed_result, reference_result), other = launch(resume_then_reference, resumed, reference, devices=2)
