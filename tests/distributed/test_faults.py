@@ -9,8 +9,10 @@ machine (collective timeout 10 s; bound = timeout + start-up + 60 s or more).
 
 The scenarios run as subprocesses, two at a time, started by one module fixture
 when the first of their tests asks: a hung rank spends most of its run waiting
-for the collective timeout, and another scenario's start-up uses that time. Each
-test then checks its own scenario's outcome. The in-process tests (the verdict
+for the collective timeout, and another scenario's start-up uses that time. The
+error-on-every-rank runs under the script launcher, `shardwise fit` and torchrun
+are scenarios too (their slow teardown / exit waits overlap another's start-up).
+Each test then checks its own scenario's outcome. The in-process tests (the verdict
 logic, `shardwise.launch(fn)` failures) run after them, alone.
 """
 
@@ -110,6 +112,9 @@ def scenarios(request, tmp_path_factory):
             "shardwise-launch", "preempt", signal.SIGUSR1, d
         ),
         "ignore": lambda d: _signal_when_ready("script", "ignore", signal.SIGTERM, d, SHARDWISE_PREEMPT_GRACE_S="3"),
+        "every-rank-script": lambda d: _every_rank_by_script(d),
+        "every-rank-fit": lambda d: _every_rank_by_fit(d),
+        "every-rank-torchrun": lambda d: _every_rank_by_torchrun(d),
     }
     pool = ThreadPoolExecutor(max_workers=LANES)
     dirs = {name: tmp_path_factory.mktemp(name) for name in jobs if name in wanted}
@@ -120,8 +125,11 @@ def scenarios(request, tmp_path_factory):
         "hang-shardwise-launch-fsdp",
         "raise0",
         "hang-script-deepspeed",
+        "every-rank-script",
         "preempt-script-SIGTERM",
+        "every-rank-fit",
         "preempt-shardwise-launch-SIGUSR1",
+        "every-rank-torchrun",
         "ignore",
     ]
     futures = {name: pool.submit(jobs[name], dirs[name]) for name in order if name in dirs}
@@ -438,9 +446,14 @@ def _assert_shown_once(text: str) -> None:
     assert 'raise ValueError(f"bad width' in log
 
 
-def test_error_on_every_rank_is_shown_once_by_the_script_launcher(tmp_path):
-    command = [sys.executable, _every_rank_script(tmp_path)]
-    proc = subprocess.run(command, env=_env(SLOW_TEARDOWN="1"), capture_output=True, text=True, timeout=400)
+def _every_rank_by_script(out_dir):
+    command = [sys.executable, _every_rank_script(out_dir)]
+    return subprocess.run(command, env=_env(SLOW_TEARDOWN="1"), capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.parametrize("scenario", ["every-rank-script"])
+def test_error_on_every_rank_is_shown_once_by_the_script_launcher(scenarios, scenario):
+    proc = scenarios[scenario][0].result()
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "UNREACHABLE" not in proc.stdout
     assert proc.stderr.startswith("[shardwise] rank "), proc.stderr[-3000:]  # nothing from the workers before it
@@ -465,13 +478,18 @@ def test_error_on_every_rank_is_shown_once_by_launch_fn(tmp_path, capfd, monkeyp
     assert "Traceback" not in err.value.summary and FIRST_LINE.search(err.value.summary)
 
 
-def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(tmp_path):
-    _every_rank_script(tmp_path)
+def _every_rank_by_fit(out_dir):
+    _every_rank_script(out_dir)
     command = [sys.executable, "-m", "shardwise.cli", "fit", "--model", "every_rank.WidthModule"]
     command += ["--data", "every_rank.Rows", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
     command += ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
-    env = _env(PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]), SLOW_EXIT="1")
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    env = _env(PYTHONPATH=os.pathsep.join([SRC, str(out_dir)]), SLOW_EXIT="1")
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=out_dir)
+
+
+@pytest.mark.parametrize("scenario", ["every-rank-fit"])
+def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(scenarios, scenario):
+    proc = scenarios[scenario][0].result()
     err = proc.stderr
     # A usage mistake's status, as with one device, also when the launcher stopped the first failing rank on
     # its way out because the other exited first.
@@ -482,11 +500,15 @@ def test_error_on_every_rank_is_one_line_each_under_shardwise_fit(tmp_path):
     assert 'raise ValueError(f"bad width' in _agent_log(err)  # the traceback is kept
 
 
-def test_torchrun_workers_still_print_their_own_traceback(tmp_path):
+def _every_rank_by_torchrun(out_dir):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", _every_rank_script(out_dir)]
+    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.parametrize("scenario", ["every-rank-torchrun"])
+def test_torchrun_workers_still_print_their_own_traceback(scenarios, scenario):
     # Under torchrun shardwise is not the launcher: nobody else would show the user the traceback.
-    script = _every_rank_script(tmp_path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script]
-    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=400)
+    proc = scenarios[scenario][0].result()
     assert proc.returncode != 0
     assert 'raise ValueError(f"bad width' in proc.stderr and "ValueError: bad width 7" in proc.stderr
     assert "[shardwise] rank" not in proc.stderr  # no verdict of ours: torchrun reports
