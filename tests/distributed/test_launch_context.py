@@ -58,7 +58,7 @@ def test_round_trip_and_defaults():
         LaunchContext(plan_choice="fsdp:Block:1x2")
 
 
-def test_another_version_or_field_is_a_clear_error():
+def test_another_version_or_field_is_a_clear_error(monkeypatch):
     other = json.dumps({**json.loads(LaunchContext().to_json()), "version": context.VERSION + 1})
     with pytest.raises(LaunchContextError, match=r"version .* different shardwise installations"):
         LaunchContext.from_json(other)
@@ -67,26 +67,21 @@ def test_another_version_or_field_is_a_clear_error():
         LaunchContext.from_json(extra)
     with pytest.raises(LaunchContextError, match="not valid JSON"):
         LaunchContext.from_json("fsdp:Block:1x2")
-    # In a worker: the first read stops it, naming the variable.
-    proc = subprocess.run(
-        [sys.executable, "-c", "from shardwise.distributed import context; context.current()"],
-        env=_env(**{CONTEXT_ENV: other}),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "LaunchContextError" in proc.stderr and CONTEXT_ENV in proc.stderr
+    # In a worker: the first read stops it, naming the variable. (In this process, as a fresh one: nothing read
+    # yet; a `python -c` of this cost an interpreter and shardwise's imports.)
+    monkeypatch.setattr(context, "_current", None)
+    monkeypatch.setenv(CONTEXT_ENV, other)
+    with pytest.raises(LaunchContextError, match=CONTEXT_ENV):
+        context.current()
 
 
-def test_a_process_no_launcher_started_gets_the_defaults_and_reads_once():
-    code = (
-        "import os; from shardwise.distributed import context; c = context.current();"
-        f"os.environ[{CONTEXT_ENV!r}] = 'changed later'; assert context.current() is c; print(c.to_json())"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, check=True
-    ).stdout
-    assert LaunchContext.from_json(out) == LaunchContext()
+def test_a_process_no_launcher_started_gets_the_defaults_and_reads_once(monkeypatch):
+    monkeypatch.setattr(context, "_current", None)  # as in a fresh process: nothing read yet
+    monkeypatch.delenv(CONTEXT_ENV, raising=False)
+    read = context.current()
+    monkeypatch.setenv(CONTEXT_ENV, "changed later")
+    assert context.current() is read
+    assert LaunchContext.from_json(read.to_json()) == LaunchContext()
 
 
 def test_exported_is_for_the_workers_only(monkeypatch):
