@@ -1,18 +1,15 @@
 # Tests for shardwise.memory: tracked tensor memory must be exact and deterministic,
 # because other tests (and BENCHMARKS.md) assert ratios on it. Single-process tests
-# use allocations whose sizes we know to the byte; one spawned 2-rank gloo test
+# use allocations whose sizes we know to the byte; one 2-rank gloo test (shardwise.launch)
 # checks the numbers the strategies depend on: DDP replicates parameters, gradients
 # and optimizer state, FSDP2 holds half of each per rank, and DDP's C++ gradient
 # buckets are counted.
 import json
-import os
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardwise import memory as M
 
@@ -248,15 +245,9 @@ def test_reset_peak_rss_refused_warns_once_and_returns_false(monkeypatch):
 N_LAYERS, WIDTH = 8, 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dist_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _dist_worker() -> dict:
+    # Started by shardwise.launch (its forkserver has torch imported): RANK, WORLD_SIZE, MASTER_* are set.
+    dist.init_process_group("gloo")
     try:
         from torch.distributed.fsdp import fully_shard
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -290,18 +281,19 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
                 peak_breakdown=tracker.peak_breakdown,
             )
             del model, opt
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+        return json.loads(json.dumps(results))  # plain values, as the files it used to write held
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_and_fsdp2_per_rank_memory_two_ranks(tmp_path):
-    mp.spawn(_dist_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_ddp_and_fsdp2_per_rank_memory_two_ranks():
+    import shardwise
+
+    per_rank = shardwise.launch(_dist_worker, devices=2)
     full = N_LAYERS * (WIDTH * WIDTH + WIDTH) * F32  # unsharded parameter bytes
     steps = 2 * N_LAYERS * F32  # Adam's `step` scalars, one per parameter tensor
     for rank in range(2):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        r = per_rank[rank]
         for kind, res in r.items():
             assert sum(res["peak_breakdown"].values()) == res["peak"], kind
 
