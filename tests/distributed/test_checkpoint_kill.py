@@ -7,7 +7,9 @@ checkpoint on disk -- and once resuming from `last.ckpt` and then running an
 uninterrupted reference in the same processes. The losses of the killed
 run up to its last committed checkpoint, followed by the resumed run's, must
 equal the reference's exactly (CPU, fp32, dropout on, shuffled data, a
-per-step LR schedule).
+per-step LR schedule). The cases run two at a time (one module fixture: one
+case's kills and process start-ups leave a core idle that the other uses);
+each test checks its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,6 +28,8 @@ from shardwise.checkpoint import layout
 SCRIPT = os.path.join(os.path.dirname(__file__), "checkpoint_kill_script.py")
 MAX_STEPS = 20
 SAVE_EVERY = 3
+CASES = [("single", "step"), ("ddp", "save"), ("fsdp", "save")]
+LANES = 2
 
 
 def _run(root: str, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
@@ -47,6 +52,48 @@ def _losses(root: str, run: str):
     return {r["step"]: r["loss"] for r in rows if r["run"] == run}
 
 
+def _kill_at(mode: str) -> int:
+    rng = random.Random()
+    if mode == "step":
+        return rng.choice([k for k in range(4, MAX_STEPS - 2) if k % SAVE_EVERY != 0])
+    return rng.choice([k for k in range(6, MAX_STEPS - 2) if k % SAVE_EVERY == 0])
+
+
+def _kill_then_resume(root: str, strategy: str, mode: str, kill_at: int) -> dict:
+    """The killed run, what its checkpoint folder held then, and the resume (with the reference after it)."""
+    killed = _run(root, "--strategy", strategy, "--kill-at", str(kill_at), "--kill-mode", mode, expect_ok=False)
+    ckpt_dir = os.path.join(root, "run", "checkpoints")
+    last = layout.latest_checkpoint(ckpt_dir)
+    out = {
+        "killed": killed,
+        "last_step": layout.read_manifest(last)["global_step"] if last is not None else None,
+        "entries": sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else [],
+    }
+    if killed.returncode != 0:
+        _run(root, "--strategy", strategy, "--resume")
+        out["entries_after_resume"] = sorted(os.listdir(ckpt_dir))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every case the selected tests name, submitted at once to LANES threads: (strategy, mode) -> (kill_at,
+    root, future)."""
+    wanted = {
+        (item.callspec.params["strategy"], item.callspec.params["mode"])
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    pool = ThreadPoolExecutor(max_workers=LANES)
+    out = {}
+    for strategy, mode in reversed(CASES):  # the 2-process cases first, the one-process case last
+        if (strategy, mode) in wanted:
+            kill_at, root = _kill_at(mode), str(tmp_path_factory.mktemp(f"{strategy}-{mode}"))
+            out[strategy, mode] = (kill_at, root, pool.submit(_kill_then_resume, root, strategy, mode, kill_at))
+    yield out
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize(
     "strategy,mode",
     [
@@ -55,30 +102,21 @@ def _losses(root: str, run: str):
         pytest.param("fsdp", "save", marks=pytest.mark.slow),
     ],
 )
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, strategy, mode):
-    rng = random.Random()
-    kill_at = (
-        rng.choice([k for k in range(4, MAX_STEPS - 2) if k % SAVE_EVERY != 0])
-        if mode == "step"
-        else rng.choice([k for k in range(6, MAX_STEPS - 2) if k % SAVE_EVERY == 0])
-    )
+def test_sigkill_then_resume_matches_uninterrupted_run(runs, strategy, mode):
+    kill_at, root, future = runs[strategy, mode]
     print(f"strategy={strategy} mode={mode} kill_at={kill_at}")
-    root = str(tmp_path)
-    killed = _run(root, "--strategy", strategy, "--kill-at", str(kill_at), "--kill-mode", mode, expect_ok=False)
-    assert killed.returncode != 0, "the run was supposed to be killed"
+    result = future.result()
+    assert result["killed"].returncode != 0, "the run was supposed to be killed"
 
-    ckpt_dir = os.path.join(root, "run", "checkpoints")
     last_committed = (kill_at // SAVE_EVERY) * SAVE_EVERY if mode == "step" else kill_at - SAVE_EVERY
-    last = layout.latest_checkpoint(ckpt_dir)
-    assert last is not None and layout.read_manifest(last)["global_step"] == last_committed
-    leftovers = [n for n in os.listdir(ckpt_dir) if layout.is_hidden_leftover(n)]
+    assert result["last_step"] == last_committed, result["killed"].stderr[-3000:]
+    leftovers = [n for n in result["entries"] if layout.is_hidden_leftover(n)]
     if mode == "save":
         # The interrupted save is visible only as a hidden temporary entry.
-        assert leftovers, os.listdir(ckpt_dir)
-        assert not any(f"step={kill_at}" in n for n in os.listdir(ckpt_dir) if not n.startswith("."))
+        assert leftovers, result["entries"]
+        assert not any(f"step={kill_at}" in n for n in result["entries"] if not n.startswith("."))
 
-    _run(root, "--strategy", strategy, "--resume")
-    assert not [n for n in os.listdir(ckpt_dir) if layout.is_hidden_leftover(n)], "leftovers not cleaned"
+    assert not [n for n in result["entries_after_resume"] if layout.is_hidden_leftover(n)], "leftovers not cleaned"
     reference = _losses(root, "reference")
     killed_losses = _losses(root, "killed")
     resumed = _losses(root, "resumed")
