@@ -4,7 +4,8 @@ A fixed handful of schedules from chaos_script.generate (see that file for
 what a schedule is and everything checked). Each is printed, so a failure
 is reproduced with `python benchmarks/chaos.py --schedules 1 --seed <seed>`
 -- with the same overrides, which the printed schedule spells out -- and
-benchmarks/chaos.py runs many random ones.
+benchmarks/chaos.py runs many random ones. The schedules run two at a time
+(one module fixture); each test checks its own.
 
 SIGTERM schedules check the preemption contract (finish the step, save,
 exit with PREEMPTED_EXIT_CODE, lose no completed step). Until the Trainer
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import chaos_script as chaos
 import pytest
@@ -101,15 +103,39 @@ def sigterm_supported() -> bool:
     return chaos.preempted_exit_code() is not None and "preempt" in inspect.getsource(shardwise.trainer.loop)
 
 
+# Schedules at once: one's kills, resumes and process start-ups leave a core idle that the other's use.
+LANES = 2
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every schedule the selected tests name, submitted at once to LANES threads: name -> (spec, future)."""
+    wanted = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params
+    ]
+    pool = ThreadPoolExecutor(max_workers=LANES)
+    out = {}
+    # The multi-process schedules first, the one-process one last (it fills the end of the other lane).
+    for name in sorted(SCHEDULES, key=lambda n: SCHEDULES[n][1]["strategy"] == "single"):
+        if name in wanted:
+            seed, override = SCHEDULES[name]
+            spec = chaos.generate(seed, **override)
+            workdir = str(tmp_path_factory.mktemp(name))
+            out[name] = (spec, pool.submit(chaos.run_schedule, spec, workdir, timeout=240))
+    yield out
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[pytest.mark.deepspeed] if "deepspeed" in n else []) for n in SCHEDULES]
 )
-def test_chaos_schedule_resumes_to_uninterrupted_losses(tmp_path, name):
-    seed, override = SCHEDULES[name]
-    spec = chaos.generate(seed, **override)
+def test_chaos_schedule_resumes_to_uninterrupted_losses(runs, name):
+    spec, future = runs[name]
     print(f"chaos schedule {name}: {chaos.describe(spec)}")
-    result = chaos.run_schedule(spec, str(tmp_path), timeout=240)
+    result = future.result()
     print(
         f"  {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s; legs: "
         + ", ".join(f"{leg['leg']}: w{leg['devices']} from {leg['start']} exit {leg['code']}" for leg in result["legs"])

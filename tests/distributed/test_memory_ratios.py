@@ -46,6 +46,8 @@ def measure(names, batch_size=2, block_size=32):
             logger=False,
             enable_progress_bar=False,
             enable_checkpointing=False,
+            # Memory only: no FLOP count of the first step (a dispatch mode on every op, a third of a fit here).
+            throughput=False,
         )
         trainer.fit(LanguageModel(data.vocab_size, **SIZES), DataLoader(data, batch_size=batch_size))
         out[name] = (probe.peak, probe.breakdown)
