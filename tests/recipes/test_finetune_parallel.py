@@ -4,9 +4,9 @@ The refusals run in this process, as validate_config does before any worker
 starts: each names the fix. The acceptance run fine-tunes a tiny local Llama
 on packed chat data in fp32 for 5 steps with the same global batch (4
 blocks of 32 tokens) on 1 process, then on 2 with sp_size 2 and on 2 with
-tp_size 2 (one launch): the per-step losses agree with one process's within
-1e-4 relative. In the same launch the tp 2 run's step-3 checkpoint resumes
-as 2-way FSDP within 1e-5. The fourth layout of the acceptance, 4 processes
+tp_size 2 (one launch, shared with other recipe files: tests/recipes/conftest.py):
+the per-step losses agree with one process's within 1e-4 relative. In the same launch the tp 2 run's step-3
+checkpoint resumes as 2-way FSDP within 1e-5. The fourth layout of the acceptance, 4 processes
 as FSDP x sp 2, shares its launch with the resume test
 (tests/distributed/test_parallel_resume.py), which compares it with one
 process the same way.
@@ -21,9 +21,7 @@ from shardwise.recipes.finetune import coerce_config, finetune, validate_config
 from helpers.hf import build_model_folder, build_tokenizer, chat_records, write_jsonl
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ft-parallel")
+def _assets(root):
     records = chat_records(64)
     words = len(build_tokenizer([m["content"] for r in records for m in r["messages"]]))
     return {
@@ -34,6 +32,11 @@ def assets(tmp_path_factory):
         "model": build_model_folder(str(root / "model"), records, max_positions=64, vocab_pad=-words % 4),
         "data": write_jsonl(str(root / "chat.jsonl"), records),
     }
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return _assets(tmp_path_factory.mktemp("ft-parallel"))
 
 
 def _edited_model(assets, path, **config_changes):
@@ -189,15 +192,20 @@ def _losses_at_two_layouts(sp2, tp2):
     return {name: [s["loss"] for s in losses] for name, losses in out.items()}
 
 
-@pytest.fixture(scope="module")
-def layouts(assets):
-    import shardwise
-
-    one = finetune(_run_config(assets, "one", devices=1, per_device_train_batch_size=GLOBAL_BATCH))
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the assets, and the worker that trains on them with its arguments."""
+    assets = _assets(root)
     sp2 = _run_config(assets, "sp2", devices=2, sp_size=2, per_device_train_batch_size=GLOBAL_BATCH)
     tp2 = _run_config(assets, "tp2", devices=2, tp_size=2, per_device_train_batch_size=GLOBAL_BATCH, save_steps=3)
-    two = shardwise.launch(_losses_at_two_layouts, sp2, tp2, devices=2)[0]
-    return {"one": [s["loss"] for s in one.losses], **two}
+    return assets, _losses_at_two_layouts, (sp2, tp2)
+
+
+@pytest.fixture(scope="module")
+def layouts(recipe_runs):
+    # The 2-process runs are in the recipe files' shared launch (tests/recipes/conftest.py).
+    assets, ranks = recipe_runs[__name__]
+    one = finetune(_run_config(assets, "one", devices=1, per_device_train_batch_size=GLOBAL_BATCH))
+    return {"one": [s["loss"] for s in one.losses], **ranks[0]}
 
 
 @pytest.mark.slow

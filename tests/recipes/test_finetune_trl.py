@@ -18,17 +18,22 @@ trl = pytest.importorskip("trl")
 STEPS, LR, RECORDS = 3, 1e-2, 8
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def _setup(root):
     from transformers import AutoTokenizer
 
-    root = tmp_path_factory.mktemp("trl")
     records = chat_records(RECORDS, seed=11)
     model = build_model_folder(str(root / "m"), records, vocab_pad=2)
     tok = AutoTokenizer.from_pretrained(model)
     D.apply_chatml(tok)  # a chat template both sides apply; its markers take the two spare rows
     tok.save_pretrained(model)
     return root, model, write_jsonl(str(root / "chat.jsonl"), [{"messages": r["messages"]} for r in records])
+
+
+@pytest.fixture(scope="module")
+def setup(recipe_runs):
+    """The model and data of the 2-process runs in the recipe files' shared launch (tests/recipes/conftest.py):
+    TRL's losses, computed once, are compared with every run here."""
+    return recipe_runs[__name__][0]
 
 
 def our_config(setup, name, lora_r=0, devices=1):
@@ -134,11 +139,14 @@ def test_losses_equal_trl_sft_trainer(setup, lora_r):
     assert_same(ours(setup, f"ours-{lora_r}", lora_r), trl_losses(setup, lora_r))
 
 
-@pytest.mark.slow
-def test_two_fsdp_processes_take_trls_steps(setup):
-    from shardwise.distributed.launch import launch
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the assets, and the worker that trains on them with its arguments."""
+    setup = _setup(root)
+    return setup, both_under_fsdp, ([our_config(setup, f"fsdp-{r}", r, devices=2) for r in (0, 4)],)
 
-    configs = [our_config(setup, f"fsdp-{r}", r, devices=2) for r in (0, 4)]
-    full, lora = launch(both_under_fsdp, configs, devices=2)[0]
+
+@pytest.mark.slow
+def test_two_fsdp_processes_take_trls_steps(setup, recipe_runs):
+    full, lora = recipe_runs[__name__][1][0]
     assert_same(full, trl_losses(setup, 0))
     assert_same(lora, trl_losses(setup, 4))

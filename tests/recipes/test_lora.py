@@ -1,4 +1,5 @@
-# LoRA through the fine-tuning recipe, on 2 processes (CPU, gloo), in one launch:
+# LoRA through the fine-tuning recipe, on 2 processes (CPU, gloo), in one launch (shared with other
+# recipe files: tests/recipes/conftest.py):
 # FSDP FULL_SHARD trains 20 steps (the loss falls; the trainable / total
 # parameter counts are reported; the frozen base weights stay exactly the
 # checkpoint's, get no gradient and no optimizer state, while every decoder
@@ -96,27 +97,42 @@ def _runs(model_dir, data, root, steps=STEPS, parity_steps=PARITY_STEPS):
     return out
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
+def _assets(root):
     records = chat_records(160)
     model_dir = build_model_folder(str(root / "tiny-llama"), records)
     data = write_jsonl(str(root / "chat.jsonl"), records)
     return model_dir, data, root
 
 
-@pytest.fixture(scope="module")
-def runs(assets):
-    import shardwise
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the assets, and the worker that trains on them with its arguments."""
+    model_dir, data, root = assets = _assets(root)
+    return assets, _runs, (model_dir, data, str(root))
 
-    model_dir, data, root = assets
-    return shardwise.launch(_runs, model_dir, data, str(root), devices=2)[0]
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A model and data of their own, for the tests that train nothing."""
+    return _assets(tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="module")
+def launched(recipe_runs):
+    """(assets, rank 0's runs): this file's runs, in the recipe files' shared 2-process launch."""
+    assets, ranks = recipe_runs[__name__]
+    return assets, ranks[0]
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    return launched[1]
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp_trains_only_the_adapters(runs, assets, capfd):
+def test_lora_under_fsdp_trains_only_the_adapters(launched):
     from safetensors.torch import load_file
 
+    assets, runs = launched
     result = runs["fsdp"]
     losses = [s["loss"] for s in result.losses]
     assert len(losses) == STEPS

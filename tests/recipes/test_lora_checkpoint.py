@@ -1,6 +1,7 @@
 # Adapter checkpoints, resume and export (issue 21 item 4), through the fine-tuning recipe.
 #
-# One launch of 2 processes (CPU, gloo, FSDP FULL_SHARD, LoRA in fp32, activation checkpointing on) runs two
+# One launch of 2 processes (shared with other recipe files: tests/recipes/conftest.py; CPU, gloo,
+# FSDP FULL_SHARD, LoRA in fp32, activation checkpointing on) runs two
 # fits: 4 steps saving a sharded checkpoint every 2 steps and exporting the PEFT adapter folder and the
 # merged Hugging Face folder; then a run resumed from its step-2 checkpoint (what a run killed after step 2
 # resumes from; the base weights are loaded from the model folder again; a fit of its own, with a process
@@ -89,21 +90,25 @@ def _both(model_dir, data, root):
     return first, finetune(cfg, after_fit=trained_logits)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_ckpt")
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the assets, and the worker that trains on them with its arguments."""
     records = chat_records(80)
     # Wide enough that a full checkpoint is large beside the adapter's fixed overhead (RNG states, manifest).
     model_dir = build_model_folder(str(root / "base"), records, hidden=256, intermediate=512, layers=3)
     data = write_jsonl(str(root / "chat.jsonl"), records)
-    return model_dir, data, str(root)
+    assets = (model_dir, data, str(root))
+    return assets, _both, assets
 
 
 @pytest.fixture(scope="module")
-def runs(assets):
-    import shardwise
+def assets(recipe_runs):
+    """This file's runs are in the recipe files' shared 2-process launch: its assets."""
+    return recipe_runs[__name__][0]
 
-    return shardwise.launch(_both, *assets, devices=2)[0]
+
+@pytest.fixture(scope="module")
+def runs(recipe_runs):
+    return recipe_runs[__name__][1][0]
 
 
 def _dir_bytes(path):

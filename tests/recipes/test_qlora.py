@@ -1,6 +1,7 @@
 # QLoRA (load_in_4bit) through the fine-tuning recipe, plus quantize_to_4bit's unit tests and the refusals.
 #
-# One 2-process launch (CPU, gloo): FSDP FULL_SHARD, fp32, NF4 base with LoRA r=8 on every linear layer,
+# One 2-process launch (CPU, gloo; shared with other recipe files: tests/recipes/conftest.py):
+# FSDP FULL_SHARD, fp32, NF4 base with LoRA r=8 on every linear layer,
 # 20 steps (with activation checkpointing the losses are the same; checked by hand, see docs/adapters.md).
 # Checked: the loss falls; the trainable count is reported; every targeted linear layer is a bitsandbytes
 # Linear4bit whose packed codes are a DTensor sharded over both ranks (half the codes each) with the whole
@@ -101,10 +102,8 @@ def qlora_facts(module):
     return facts if dist.get_rank() == 0 else None
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """The tiny Llama, the chat data and the QLoRA run's config (nothing trained)."""
-    root = str(tmp_path_factory.mktemp("qlora"))
+def _folder(root):
+    root = str(root)
     model_dir = build_model_folder(os.path.join(root, "model"))
     data = write_jsonl(os.path.join(root, "chat.jsonl"), chat_records(120))
     config = FinetuneConfig(
@@ -135,10 +134,28 @@ def folder(tmp_path_factory):
     return {"base": config, "model_dir": model_dir, "root": root}
 
 
+def _fsdp_run(base):
+    """The 2-process QLoRA run (one rank of it)."""
+    return finetune(base, after_fit=qlora_facts)
+
+
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the assets, and the worker that trains on them with its arguments."""
+    folder = _folder(root)
+    return folder, _fsdp_run, (folder["base"],)
+
+
 @pytest.fixture(scope="module")
-def qlora(folder):
-    base, root = folder["base"], folder["root"]
-    fsdp = finetune(base, after_fit=qlora_facts)
+def folder(tmp_path_factory):
+    """The tiny Llama, the chat data and the QLoRA run's config (nothing trained)."""
+    return _folder(tmp_path_factory.mktemp("qlora"))
+
+
+@pytest.fixture(scope="module")
+def qlora(recipe_runs):
+    # The 2-process run is in the recipe files' shared launch (tests/recipes/conftest.py).
+    folder, ranks = recipe_runs[__name__]
+    base, root, fsdp = folder["base"], folder["root"], ranks[0]
     # One process, no sharding at all, the same global batch (4 sequences per step).
     single = finetune(
         dataclasses.replace(
