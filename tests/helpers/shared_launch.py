@@ -11,6 +11,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 def run_in_turn(jobs: Sequence[Tuple[Callable[..., Any], Sequence[Any]]]) -> List[Any]:
     """Worker of shardwise.launch: each job's `fn(*args)` in turn; a process group one leaves is taken down
     (on every rank together) so the next starts as in a launch of its own."""
+    import sys
+
     import torch.distributed as dist
 
     out = []
@@ -19,4 +21,10 @@ def run_in_turn(jobs: Sequence[Tuple[Callable[..., Any], Sequence[Any]]]) -> Lis
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+            if "deepspeed.utils.groups" in sys.modules:
+                # DeepSpeed caches the groups it derived from the one just destroyed (world, data-parallel);
+                # DeepSpeedStrategy.teardown drops them when it destroys its group, as here.
+                release = getattr(sys.modules["deepspeed.utils.groups"], "_release_process_group_references", None)
+                if release is not None:
+                    release(group=None)
     return out

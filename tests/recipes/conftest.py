@@ -1,14 +1,13 @@
-"""One 2-process launch for the recipe files' 2-process runs (test_finetune_parallel.py, test_finetune_trl.py,
-test_lora.py, test_lora_checkpoint.py, test_qlora.py).
+"""One 2-process launch for the recipe files' 2-process runs (test_finetune_deepspeed.py,
+test_finetune_parallel.py, test_finetune_trl.py, test_lora.py, test_lora_checkpoint.py, test_qlora.py).
 
 Each of these files fine-tunes in 2 launched processes, and starting them (each worker imports transformers,
-PEFT, bitsandbytes) costs more than their runs. The session fixture `recipe_runs` runs the runs of every such
+DeepSpeed, PEFT, bitsandbytes) costs more than their runs. The session fixture `recipe_runs` runs the runs of every such
 file whose selected tests need them in one launch, one file after another, and hands each file its ranks'
 results. A file takes part by defining `shared_launch(root)`: (its assets, the module-level function the
 workers run, that function's arguments). Each file's function runs as it would in a launch of its own: a
-process group it leaves is taken down before the next file's runs (tests/helpers/shared_launch.py). Not for
-a file whose runs leave DeepSpeed's own group references behind (test_finetune_deepspeed.py: its load keeps the
-group for the runs that follow; taken down from here, DeepSpeed's cached groups would outlive it).
+process group it leaves is taken down before the next file's runs, with the group references DeepSpeed
+derived from it (tests/helpers/shared_launch.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-# The fine-tuning recipe under DeepSpeed ZeRO, on 2 processes (CPU, gloo).
+# The fine-tuning recipe under DeepSpeed ZeRO, on 2 processes (CPU, gloo; the 2-process runs in the launch
+# shared with other recipe files: tests/recipes/conftest.py).
 # ZeRO-3: parameters are partitioned as the model is built (zero.Init); the
 # recipe's loader fills the partitions from safetensors read by rank 0 only,
 # without gathering any parameter, so before any training step the gathered
@@ -128,16 +129,20 @@ def _runs(model_dir, data, root):
     return out
 
 
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the assets, and the worker that trains on them with its arguments."""
+    records = chat_records(120)
+    model_dir = build_model_folder(str(root / "tiny-llama"), records)
+    data = write_jsonl(str(root / "chat.jsonl"), records)
+    return model_dir, _runs, (model_dir, data, str(root))
+
+
 @pytest.mark.slow
-def test_zero3_and_zero2_load_from_rank0_finetune_and_export(tmp_path):
+def test_zero3_and_zero2_load_from_rank0_finetune_and_export(recipe_runs):
     from transformers import AutoModelForCausalLM
 
-    import shardwise
-
-    records = chat_records(120)
-    model_dir = build_model_folder(str(tmp_path / "tiny-llama"), records)
-    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
-    ranks = shardwise.launch(_runs, model_dir, data, str(tmp_path), devices=2)
+    # The 2-process runs are in the recipe files' shared launch (tests/recipes/conftest.py), the first there.
+    model_dir, ranks = recipe_runs[__name__]
     results = ranks[0]
 
     # ZeRO-3 loading, before any step: partitioned from the start, the loader
