@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -440,10 +439,7 @@ def _run(
     if is_global_zero():  # the architecture beside the checkpoints: `shardwise convert` reads it from there
         os.makedirs(cfg.output_dir, exist_ok=True)
         checked["config"].save_pretrained(cfg.output_dir)
-    with warnings.catch_warnings():
-        # The generic notice for an IterableDataset does not apply: the mixture gives each rank its own share.
-        warnings.filterwarnings("ignore", message="An IterableDataset is not split across ranks", category=UserWarning)
-        trainer.fit(module, train, val, ckpt_path=cfg.resume_from_checkpoint)
+    trainer.fit(module, train, val, ckpt_path=cfg.resume_from_checkpoint)
     # tokens/s of the steps this run trained (a resumed run: those after its checkpoint), before the export
     seconds, trained = time.time() - module.train_started, trainer.global_step - module.first_step
     tokenizer = AutoTokenizer.from_pretrained(checked["tokenizer_dir"])
