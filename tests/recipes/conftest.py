@@ -1,5 +1,6 @@
 """One 2-process launch for the recipe files' 2-process runs (test_finetune_deepspeed.py,
-test_finetune_parallel.py, test_finetune_trl.py, test_lora.py, test_lora_checkpoint.py, test_qlora.py).
+test_finetune_parallel.py, test_finetune_trl.py, test_lora.py, test_lora_checkpoint.py,
+test_moe_expert_parallel.py, test_qlora.py).
 
 Each of these files fine-tunes in 2 launched processes, and starting them (each worker imports transformers,
 DeepSpeed, PEFT, bitsandbytes) costs more than their runs. The session fixture `recipe_runs` runs the runs of every such

@@ -4,7 +4,8 @@ A tiny Qwen3-MoE and a tiny Mixtral (4 experts, top-2, 2 layers, saved with save
 per-expert layout) with their router's load-balancing loss switched on (output_router_logits, a large
 coefficient so that it moves the weights) are fully fine-tuned in fp32 for 2 steps on the same global
 batches: on one process, and in one 4-rank gloo launch under dp 2 x ep 2; the Qwen3-MoE also under ep 4
-(each rank holding one expert) with 2 micro-batches per step, against one process with the same
+(each rank holding one expert) with 2 micro-batches per step, and under ep 2 on 2 processes (in the recipes'
+shared 2-process launch, tests/recipes/conftest.py), against one process with the same
 accumulation; the Mixtral, trained on padded (unpacked) batches, also under sp 2 x ep 2 (Ulysses sequence
 parallel: the router losses count each sp rank's slice without its padding). The per-step losses (the router
 loss included) must agree within 1e-5 relative, and
@@ -42,6 +43,7 @@ FAMILIES = {
 LAYOUTS = {
     "1 process": (1, 4, 1, 1, 1),
     "1 process, accumulation 2": (1, 4, 2, 1, 1),
+    "ep 2": (2, 2, 1, 2, 1),  # in the recipes' shared 2-process launch (conftest.py), not the 4-rank one
     "dp 2 x ep 2": (4, 1, 1, 2, 1),
     "ep 4, accumulation 2": (4, 1, 2, 4, 1),
     "sp 2 x ep 2": (4, 2, 1, 2, 2),  # 2 data-parallel ranks, each an sp pair splitting its sequences
@@ -131,8 +133,18 @@ def run_four_rank(configs: List[Any]) -> List[Dict[str, Any]]:
     return [run(resumed(cfg[1]) if isinstance(cfg, tuple) else cfg) for cfg in configs]
 
 
+def shared_launch(root):
+    """For tests/recipes/conftest.py: the Qwen3-MoE under ep 2 on 2 processes (the same model, data and
+    global batch as the `runs` fixture's, which builds them again from the same seeds)."""
+    root = str(root)
+    records = chat_records(24)
+    data = write_jsonl(os.path.join(root, "chat.jsonl"), records)
+    cfg = run_config(build_family(root, "qwen3-moe", records), data, os.path.join(root, "ep-2"), "ep 2")
+    return None, run_four_rank, ([cfg],)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, recipe_runs):
     import shardwise
 
     root = str(tmp_path_factory.mktemp("moe-ep"))
@@ -145,7 +157,7 @@ def runs(tmp_path_factory):
             devices = LAYOUTS[LORA_LAYOUTS.get(layout, layout)][0]
             if family == "mixtral" and ("accumulation" in layout or "LoRA" in layout):  # one family (test time)
                 continue
-            if family == "qwen3-moe" and "sp" in layout:
+            if (family == "qwen3-moe" and "sp" in layout) or devices == 2:
                 continue
             out = os.path.join(root, "runs", family, layout.replace(" ", "-"))
             cfg = run_config(model_dir, data, out, layout, packing=family not in PADDED)
@@ -160,6 +172,7 @@ def runs(tmp_path_factory):
     ranks = shardwise.launch(run_four_rank, [cfg for _, cfg in launched], devices=4)
     for i, (key, _) in enumerate(launched):
         results[key] = ranks[0][i]
+    results[("qwen3-moe", "ep 2")] = recipe_runs[__name__][1][0][0]  # rank 0's result of the shared launch
     results["qwen3-moe dir"], results["data"] = os.path.join(root, "qwen3-moe"), data
     return results
 
@@ -179,6 +192,7 @@ def _export_logits(folder: str) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_expert_parallel_fine_tunes_as_one_process(runs, family):
     pairs = [
+        ("ep 2", "1 process"),
         ("dp 2 x ep 2", "1 process"),
         ("ep 4, accumulation 2", "1 process, accumulation 2"),
         ("sp 2 x ep 2", "1 process"),
