@@ -49,7 +49,7 @@ def seed_001_plan():
         seq_len=35,
         optimizer="adam",
         candidates=[_lightning_strategy(n) for n in SEED_001],
-        workers=1,
+        workers=2,  # eight traces (four strategies at 3 and 4 layer pairs): both cores, as `shardwise plan` does
     )
 
 
