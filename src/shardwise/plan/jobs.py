@@ -15,6 +15,7 @@ notebook cannot be pickled by module path: it is traced in forked children
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import os
@@ -26,7 +27,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -85,6 +87,28 @@ def _run(spec: ModelSpec, setting: Setting, job: TraceJob) -> Union[Trace, Trace
         return exc
 
 
+# Traces already made in this process, by everything that decides them: a bundled model's definition
+# (GPT / Transformer: every field of its spec), the setting and the job. Planning the same model again
+# -- at another device memory or batch size, in a notebook, or the Trainer's check after a plan --
+# traces only what is new; the rows are the same (a trace has no randomness: fake tensors carry no
+# data). Models given as a TrainModule or a Hugging Face config, and the user's own strategy objects,
+# are always traced afresh (their definition is not all in fields this can compare).
+_CACHE: "OrderedDict[Any, Trace]" = OrderedDict()
+_CACHE_SIZE = 512
+
+
+def _cache_key(spec: ModelSpec, setting: Setting, job: TraceJob) -> Any:
+    if spec.kind not in ("gpt", "transformer") or spec.module is not None or job.traced.strategy is not None:
+        return None
+    definition = repr([(f.name, getattr(spec, f.name)) for f in fields(spec) if f.name != "notes"])
+    key = (definition, setting, job)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def default_workers(n_jobs: int) -> int:
     return 2 if (os.cpu_count() or 1) >= 2 and n_jobs >= 4 else 1
 
@@ -107,6 +131,23 @@ def run_jobs(
     """
 
     jobs = list(dict.fromkeys(jobs))
+    keys = {job: _cache_key(spec, setting, job) for job in jobs}
+    known = {job: _CACHE[k] for job, k in keys.items() if k is not None and k in _CACHE}
+    for k in (keys[job] for job in known):
+        _CACHE.move_to_end(k)
+    todo = [job for job in jobs if job not in known]
+    results = _run_jobs(spec, setting, todo, workers) if todo else {}
+    for job, result in results.items():
+        if keys[job] is not None and isinstance(result, Trace):
+            _CACHE[keys[job]] = result
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return {job: copy.deepcopy(known[job]) if job in known else results[job] for job in jobs}
+
+
+def _run_jobs(
+    spec: ModelSpec, setting: Setting, jobs: Sequence[TraceJob], workers: Optional[int]
+) -> Dict[TraceJob, Union[Trace, TraceFailed]]:
     workers = default_workers(len(jobs)) if workers is None else workers
     # A process group already exists here (e.g. a one-process FSDP fit before): the fake one
     # cannot be created next to it, so even a single worker must be another process.
