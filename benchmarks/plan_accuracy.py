@@ -26,6 +26,10 @@ import re
 from typing import List, Tuple
 
 SECTION = "### Memory planner"
+SUITE_NOTE = (
+    "This is the full matrix (every configuration, both models, 1 and 2 processes); the test suite "
+    "(`tests/distributed/test_plan_accuracy.py`) checks a representative subset of its rows on every run."
+)
 MODELS = ("gpt", "transformer")
 PLAN_70B = [
     "--model",
@@ -101,6 +105,8 @@ def section(quick: bool) -> str:
         SECTION,
         "",
         f"Measured {today} with `python benchmarks/plan_accuracy.py` (2-core CPU, torch 2.13, DeepSpeed 0.19).",
+        "",
+        SUITE_NOTE,
         "",
         "**Accuracy.** Predicted (`shardwise.plan`, fake tensors, nothing allocated) vs measured (the same "
         "TrainModule trained for two optimizer steps with the Trainer on CPU, fp32, peak tracked tensor "

@@ -9,7 +9,8 @@ starts `devices` CPU processes with shardwise.launch, trains the planner's own
 candidate's strategy for a few optimizer steps, and reads shardwise.memory's
 tracker, started once the model and optimizer exist (as the planner's trace
 is). Several candidates share one set of worker processes because process and
-DeepSpeed start-up dominate at these sizes. `planning_cost()` times the
+DeepSpeed start-up dominate at these sizes; `compare_many()` goes further and
+trains several models' cases (one world size) in one launch. `planning_cost()` times the
 `shardwise plan` command itself (wall, CPU, memory of all its processes).
 Nothing here is used by `plan()` itself.
 """
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -88,6 +89,7 @@ def _run_one(
     import shardwise
     from shardwise import Trainer
 
+    start = time.perf_counter()
     shardwise.seed_everything(0)
     module = spec.training_module(optimizer=optimizer)
     if spec.kind == "hf":
@@ -111,21 +113,41 @@ def _run_one(
     n = cand.micro_batch * cand.accumulation * steps * devices
     trainer.fit(module, DataLoader(_Tokens(spec, seq_len, n), batch_size=cand.micro_batch))
     # The process group stays up for the next candidate in this worker (as in train_many).
-    return dict(peak=probe.peak, breakdown=probe.breakdown)
+    return dict(peak=probe.peak, breakdown=probe.breakdown, seconds=time.perf_counter() - start)
 
 
 def _worker(
-    spec: ModelSpec,
-    cands: Sequence[Candidate],
+    groups: Sequence[Tuple[ModelSpec, Sequence[Candidate], str, int, str, Optional[Dict[str, Any]]]],
     devices: int,
-    precision: str,
-    seq_len: int,
     steps: int,
-    optimizer: str,
-    deepspeed_config: Optional[Dict[str, Any]],
-) -> List[Dict[str, Any]]:
+) -> List[List[Dict[str, Any]]]:
     torch.set_num_threads(1)
-    return [_run_one(spec, c, devices, precision, seq_len, steps, optimizer, deepspeed_config) for c in cands]
+    return [
+        [_run_one(spec, c, devices, precision, seq_len, steps, optimizer, ds) for c in cands]
+        for spec, cands, precision, seq_len, optimizer, ds in groups
+    ]
+
+
+def measure_groups(
+    groups: Sequence[Tuple[ModelSpec, Sequence[Candidate], str, int, str, Optional[Dict[str, Any]]]],
+    devices: int,
+    steps: int = 2,
+) -> List[List[Dict[str, Any]]]:
+    """measure() for several (spec, candidates, precision, seq_len, optimizer, deepspeed_config) groups in ONE
+    launch of `devices` processes: process, import and DeepSpeed start-up are paid once for all of them."""
+    import shardwise
+
+    groups = [(spec, list(cands), *rest) for spec, cands, *rest in groups]
+    per_rank = shardwise.launch(_worker, groups, devices, steps, devices=devices)
+    out = []
+    for g, (_, cands, *_) in enumerate(groups):
+        rows = []
+        for i in range(len(cands)):
+            runs = [rank[g][i] for rank in per_rank]
+            worst = max(runs, key=lambda r: r["peak"])
+            rows.append(dict(worst, ranks=[r["peak"] for r in runs]))
+        out.append(rows)
+    return out
 
 
 def measure(
@@ -139,26 +161,8 @@ def measure(
     deepspeed_config: Optional[Dict[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """Peak tracked bytes per candidate (the largest over ranks) from real CPU training steps."""
-    import shardwise
-
-    per_rank = shardwise.launch(
-        _worker,
-        spec,
-        list(candidates),
-        devices,
-        precision,
-        seq_len,
-        steps,
-        optimizer,
-        deepspeed_config,
-        devices=devices,
-    )
-    out = []
-    for i in range(len(candidates)):
-        runs = [rank[i] for rank in per_rank]
-        worst = max(runs, key=lambda r: r["peak"])
-        out.append(dict(worst, ranks=[r["peak"] for r in runs]))
-    return out
+    group = (spec, list(candidates), precision, seq_len, optimizer, deepspeed_config)
+    return measure_groups([group], devices, steps)[0]
 
 
 # ------------------------------------------------------------------ predicted vs measured
@@ -238,47 +242,68 @@ def compare(
     adapters: the planner's LoRA / QLoRA keywords (lora_r=8, load_in_4bit=True, ...); the real
     runs train the same adapter model (the planned spec's LMModule).
     """
+    case = dict(
+        spec=spec,
+        seq_len=seq_len,
+        candidates=candidates,
+        batch_size=batch_size,
+        precision=precision,
+        deepspeed_config=deepspeed_config,
+        adapters=adapters,
+    )
+    return compare_many([case], devices, steps=steps)[0]
+
+
+def compare_many(cases: Sequence[Dict[str, Any]], devices: int, steps: int = 2) -> List[List[Dict[str, Any]]]:
+    """compare() for several cases (each a dict of compare()'s keywords: spec, seq_len, candidates, and
+    optionally batch_size, precision, deepspeed_config, adapters) at one world size: each is planned here,
+    then all of them train in ONE launch of `devices` processes. Returns compare()'s rows per case."""
+    from dataclasses import replace
+
+    from shardwise.plan.adapters import build_adapters, compute_dtype_name
     from shardwise.plan.core import plan
 
-    p = plan(
-        spec,
-        **(adapters or {}),
-        batch_size=batch_size,
-        seq_len=seq_len,
-        devices=devices,
-        precision=precision,
-        accelerator="cpu",
-        candidates=list(candidates),
-        deepspeed_config=deepspeed_config,
-    )
-    rows = {e.candidate.config_key: e for e in p.estimates}
-    cands = [e.candidate for e in p.estimates]
-    if adapters:
-        from dataclasses import replace
-
-        from shardwise.plan.adapters import build_adapters, compute_dtype_name
-
-        options = build_adapters(**adapters)
-        spec = replace(spec, adapters=replace(options, compute_dtype=compute_dtype_name(precision)))
-    measured = measure(
-        spec, cands, devices, precision=precision, seq_len=seq_len, steps=steps, deepspeed_config=deepspeed_config
-    )
+    planned, groups = [], []
+    for case in cases:
+        spec, seq_len, adapters = case["spec"], case["seq_len"], case.get("adapters")
+        precision = case.get("precision", "32-true")
+        deepspeed_config = case.get("deepspeed_config")
+        p = plan(
+            spec,
+            **(adapters or {}),
+            batch_size=case.get("batch_size", 4),
+            seq_len=seq_len,
+            devices=devices,
+            precision=precision,
+            accelerator="cpu",
+            candidates=list(case["candidates"]),
+            deepspeed_config=deepspeed_config,
+        )
+        if adapters:
+            options = build_adapters(**adapters)
+            spec = replace(spec, adapters=replace(options, compute_dtype=compute_dtype_name(precision)))
+        cands = [e.candidate for e in p.estimates]
+        planned.append((spec, {e.candidate.config_key: e for e in p.estimates}, cands))
+        groups.append((spec, cands, precision, seq_len, "adamw", deepspeed_config))
     out = []
-    for cand, m in zip(cands, measured):
-        e = rows[cand.config_key]
+    for (spec, rows, cands), measured in zip(planned, measure_groups(groups, devices, steps)):
         out.append(
-            dict(
-                model=spec.name,
-                devices=devices,
-                config=cand.config_label,
-                predicted=e.allocated,
-                measured=m["peak"],
-                error=e.allocated / m["peak"] - 1,
-                method=e.method,
-                ranks=m["ranks"],
-                breakdown=m["breakdown"],
-                predicted_breakdown=e.breakdown,
-            )
+            [
+                dict(
+                    model=spec.name,
+                    devices=devices,
+                    config=cand.config_label,
+                    predicted=rows[cand.config_key].allocated,
+                    measured=m["peak"],
+                    error=rows[cand.config_key].allocated / m["peak"] - 1,
+                    method=rows[cand.config_key].method,
+                    ranks=m["ranks"],
+                    breakdown=m["breakdown"],
+                    predicted_breakdown=rows[cand.config_key].breakdown,
+                    seconds=m["seconds"],
+                )
+                for cand, m in zip(cands, measured)
+            ]
         )
     return out
 
