@@ -172,3 +172,36 @@ def test_the_mixture_resumes_on_any_number_of_ranks_without_repeating_or_skippin
     unequal = {"kind": KIND, "per_rank": [*saved["per_rank"][:3], {**saved["per_rank"][0], "consumed": 0}]}
     with pytest.raises(CheckpointMismatchError, match="different positions"):
         loader_state.restore(_world(corpora, 1)[0], unequal, 0, 1, SAVED_AT)
+
+
+def test_ctrl_c_stops_prepare_at_once_and_a_second_run_continues(tmp_path, tokenizer):
+    # SIGINT to `shardwise prepare` alone (a scheduler's or `kill -INT`'s; a terminal's Ctrl-C reaches the
+    # workers too, which leave it to the parent): it stops within seconds, not after every queued chunk, and
+    # the next run encodes only the chunks without a record.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(5)
+    path, out = str(tmp_path / "big.jsonl"), str(tmp_path / "corpus")
+    with open(path, "w") as f:
+        while f.tell() < 12 * 2**20:  # 12 chunks of 1 MiB: seconds of work for each worker
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(400))}) + "\n")
+    command = [sys.executable, "-m", "shardwise.cli", "prepare", path, "--out", out, "--tokenizer", tokenizer]
+    first = subprocess.Popen([*command, "--num_proc", "2", "--chunk_mb", "1"], stderr=subprocess.PIPE, text=True)
+    records = lambda: [n for n in os.listdir(out) if n.endswith(".json") and n not in ("plan.json", "index.json")]  # noqa: E731
+    deadline = time.monotonic() + 240
+    while not (os.path.isdir(out) and records()) and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    first.communicate(timeout=120)
+    stopped_after, done = time.monotonic() - sent, len(records())
+    assert first.returncode != 0 and 0 < done < 12, (first.returncode, done)
+    assert stopped_after < 30, stopped_after  # a bound for a loaded machine: the chunks are a second or so each
+    time.sleep(1)
+    assert len(records()) == done  # no worker left behind writing
+    assert cli(["prepare", path, "--out", out, "--tokenizer", tokenizer, "--num_proc", "2", "--chunk_mb", "1"]) == 0
+    with open(path) as f:
+        assert TokenCorpus(out).index["documents"] == sum(1 for _ in f)

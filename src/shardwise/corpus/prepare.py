@@ -228,6 +228,26 @@ def _init_encoder(encoder: Encoder, counter: Any) -> None:
     _ENCODER, _COUNTER = encoder, counter
 
 
+def _worker_init(encoder: Optional[Encoder], counter: Any) -> None:
+    """A pool worker: the encoder set (spawn; a forked worker has it already); Ctrl-C is the parent's to handle."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends it to every worker too
+    if encoder is not None:
+        _init_encoder(encoder, counter)
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Cancel what is queued and end the workers at once (the chunks they were encoding stay unfinished)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # no public way before Python 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=10)
+
+
 def encode_chunk(chunk: Chunk, out_dir: str, dtype: str) -> Dict[str, Any]:
     """Encode one chunk's records into its shard (in a worker): one document per record, an empty one included,
     so document i of the input is record i; with masks, `<chunk>.mask` holds one byte per token. Returns its record."""
@@ -316,10 +336,11 @@ def encode_chunks(
     elif todo:
         # fork, as prepare: the workers inherit the encoder (and its tokenizer) set above; a dead worker fails the
         # run (BrokenProcessPool), and chunks finished before a failure stay done.
-        init = (None, ()) if method == "fork" else (_init_encoder, (encoder, counter))
-        with ProcessPoolExecutor(
+        init = (_worker_init, (None, None)) if method == "fork" else (_worker_init, (encoder, counter))
+        pool = ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context(method), initializer=init[0], initargs=init[1]
-        ) as pool:
+        )
+        try:
             pending = {pool.submit(encode_chunk, c, out_dir, dtype) for c in todo}
             while pending:
                 finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -329,6 +350,12 @@ def encode_chunks(
                     size += record["size"]
                     report(record)
                 report()
+        except BaseException:
+            # Ctrl-C, a signal or a failed chunk: stop now. Leaving the pool's block would wait for every chunk
+            # still queued. A chunk cut short has no record, so a run started again encodes it afresh.
+            _stop_pool(pool)
+            raise
+        pool.shutdown()
     _init_encoder(None, None)  # type: ignore[arg-type]
     return [records[c.name] for c in chunks]
 
