@@ -168,7 +168,13 @@ def bench_interrupt(path: str, tokenizer: str, out: str, reference: str, after_s
     cmd = [sys.executable, "-m", "shardwise.cli", "prepare", path, "--out", out, "--tokenizer", tokenizer]
     cmd += ["--num_proc", "2", "--chunk_mb", "4"]  # the chunks of the in-process runs: the same shard files
     t0 = time.perf_counter()
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(  # SIGINT not ignored, even when this script runs as a background job
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     time.sleep(after_s)
     first.send_signal(signal.SIGINT)
     first.communicate()

@@ -189,7 +189,14 @@ def test_ctrl_c_stops_prepare_at_once_and_a_second_run_continues(tmp_path, token
         while f.tell() < 12 * 2**20:  # 12 chunks of 1 MiB: seconds of work for each worker
             f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(400))}) + "\n")
     command = [sys.executable, "-m", "shardwise.cli", "prepare", path, "--out", out, "--tokenizer", tokenizer]
-    first = subprocess.Popen([*command, "--num_proc", "2", "--chunk_mb", "1"], stderr=subprocess.PIPE, text=True)
+    # SIGINT's default action restored in the child: a shell without job control starts background jobs with
+    # SIGINT ignored (a CI step, `cmd &`), and Python then keeps ignoring it instead of raising KeyboardInterrupt.
+    first = subprocess.Popen(
+        [*command, "--num_proc", "2", "--chunk_mb", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     records = lambda: [n for n in os.listdir(out) if n.endswith(".json") and n not in ("plan.json", "index.json")]  # noqa: E731
     deadline = time.monotonic() + 240
     while not (os.path.isdir(out) and records()) and time.monotonic() < deadline and first.poll() is None:
