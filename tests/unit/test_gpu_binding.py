@@ -206,8 +206,8 @@ def test_a_one_process_deepspeed_fit_leaves_no_launcher_world_behind(monkeypatch
     )
     assert out.stdout.strip() == "None", out  # a child with this environment: no launcher either
     with monkeypatch.context() as launcher:  # a launcher's own values over the ones exported: believed
-        for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK="1").items():
-            launcher.setenv(name, value)
-        assert detect_env().global_rank == 1
+        for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK="0").items():
+            launcher.setenv(name, value)  # its rank 0: RANK=0 as exported, the world not
+        assert (detect_env().global_rank, detect_env().world_size) == (0, 2)
     trainer.strategy.teardown()
     assert [name for name in names + ("SHARDWISE_ENV_DEFAULTS",) if name in os.environ] == []  # as it was

@@ -146,8 +146,10 @@ ENV_DEFAULTS_VAR = "SHARDWISE_ENV_DEFAULTS"
 
 
 def _env_defaults() -> Dict[str, str]:
-    listed = (item.partition("=") for item in os.environ.get(ENV_DEFAULTS_VAR, "").split(";") if "=" in item)
-    return {name: value for name, _, value in listed if os.environ.get(name) == value}  # still as set
+    listed = [item.partition("=") for item in os.environ.get(ENV_DEFAULTS_VAR, "").split(";") if "=" in item]
+    entries = {name: value for name, _, value in listed}
+    # All still as set, or none is ours: a launcher that set its own world (WORLD_SIZE=2) may have set RANK=0 too.
+    return entries if all(os.environ.get(name) == value for name, value in entries.items()) else {}
 
 
 def _write_env_defaults(entries: Dict[str, str]) -> None:
