@@ -251,7 +251,7 @@ def test_recorder_env_leaves_the_users_settings():
 def test_scatter_gather_and_all_to_all_may_differ_in_shape_between_ranks():
     # Tensor parallel's scatter (only the source passes the list) and expert parallel's all-to-all (each
     # rank's own split sizes) are called with different shapes on different ranks, correctly: the stall
-    # check must not call that a mismatch and stop a healthy run. Another op or dtype still is one.
+    # check must not call that a mismatch and stop a healthy run. Another op still is one.
     def entry(rank, seq, op, size, dtype="Float"):
         return flight.Entry(rank, ("0", "default_pg"), seq, op, ((size,),), (dtype,), ((size,),))
 
@@ -260,6 +260,6 @@ def test_scatter_gather_and_all_to_all_may_differ_in_shape_between_ranks():
 
     for op in ("scatter", "gather", "all_to_all", "alltoall_base"):
         assert flight.describe(run(lambda r, op=op: (op, 8 if r == 0 else 2)), [0, 1]) is None, op
-    for second in (lambda r: ("all_reduce", 8 if r == 0 else 2), lambda r: ("scatter", 4, "Float" if r else "Half")):
+    for second in (lambda r: ("all_reduce", 8 if r == 0 else 2), lambda r: ("scatter" if r else "all_gather", 4)):
         finding = flight.describe(run(second), [0, 1])
         assert finding is not None and finding.seq == 2, finding

@@ -214,8 +214,8 @@ class Entry:
 
     @property
     def signature(self) -> tuple:
-        if _shapes_may_differ(self.op):  # shapes differ between ranks by design: the op and dtypes must agree
-            return (self.op, self.in_dtypes)
+        if _shapes_may_differ(self.op):  # shapes (and, off the root, dtypes: no tensors) differ by design
+            return (self.op,)
         return (self.op, self.in_sizes, self.in_dtypes, self.out_sizes)
 
     def describe(self) -> str:
