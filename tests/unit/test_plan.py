@@ -471,3 +471,18 @@ def test_extrapolation_joins_the_same_moment_at_both_depths():
     value, phase, parts = extrapolate(a, b, 80).peak("identity", 1.0)
     assert phase == "fwd1.1" and value == pytest.approx(166.0 * GiB)  # 12 + 76 x 2 GiB
     assert min(parts) >= 0.0
+
+
+def test_planning_a_bundled_model_again_traces_nothing_new_and_answers_the_same(monkeypatch):
+    # A sweep over device memory or batch size, or the Trainer's check after `shardwise plan`: the same traces.
+    from shardwise.plan import jobs
+
+    first = plan("gpt-tiny", devices=2, candidates=["ddp", "fsdp"], workers=1)
+    traced, real = [], jobs._run_jobs
+    monkeypatch.setattr(
+        jobs, "_run_jobs", lambda spec, setting, todo, w: traced.extend(todo) or real(spec, setting, todo, w)
+    )
+    again = plan("gpt-tiny", devices=2, candidates=["ddp", "fsdp"], workers=1)
+    assert traced == [] and [e.to_dict() for e in again.estimates] == [e.to_dict() for e in first.estimates]
+    plan("gpt-tiny", devices=2, candidates=["fsdp_ac"], workers=1)  # a configuration not traced yet is traced
+    assert traced

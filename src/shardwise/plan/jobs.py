@@ -139,7 +139,7 @@ def run_jobs(
     results = _run_jobs(spec, setting, todo, workers) if todo else {}
     for job, result in results.items():
         if keys[job] is not None and isinstance(result, Trace):
-            _CACHE[keys[job]] = result
+            _CACHE[keys[job]] = copy.deepcopy(result)  # the caller may change the one it gets
             while len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
     return {job: copy.deepcopy(known[job]) if job in known else results[job] for job in jobs}
