@@ -28,3 +28,24 @@ def run_in_turn(jobs: Sequence[Tuple[Callable[..., Any], Sequence[Any]]]) -> Lis
                 if release is not None:
                     release(group=None)
     return out
+
+
+def init_process_group() -> None:
+    """`dist.init_process_group("gloo")` for a worker's own group, kept over several runs (a strategy adopts a
+    group it did not create and leaves it at its teardown), on a store prefix of its own.
+
+    torch names a default group created again in the same process as it named the first ("0"), on the
+    launcher's store, which outlives it: a second plain `init_process_group` in a worker of the shared launch
+    (test_lora.py's runs, then test_moe_expert_parallel.py's) read the first group's peer addresses, and both
+    ranks then waited in their first barrier until the test timed out. shardwise's strategies create their
+    groups on a prefix per generation (strategies/base.py `generation_store`); this does the same.
+    """
+    import torch.distributed as dist
+
+    from shardwise.distributed.env import detect_env
+    from shardwise.strategies.base import generation_store
+
+    env = detect_env()
+    if env is None:
+        raise RuntimeError("init_process_group() is for a launched worker (RANK and WORLD_SIZE are not set)")
+    dist.init_process_group("gloo", store=generation_store(env, 600.0), rank=env.global_rank, world_size=env.world_size)

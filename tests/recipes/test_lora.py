@@ -19,6 +19,7 @@ from shardwise.recipes.data import DataOptions
 from shardwise.recipes.finetune import FinetuneConfig, coerce_config, finetune, validate_config
 
 from helpers.hf import build_model_folder, chat_records, write_jsonl
+from helpers.shared_launch import init_process_group
 
 STEPS, PARITY_STEPS = 20, 10
 
@@ -57,10 +58,9 @@ def lora_facts(module):
 
 
 def _runs(model_dir, data, root, steps=STEPS, parity_steps=PARITY_STEPS):
-    import torch.distributed as dist
 
     # One process group for the three runs: a strategy that created it would leave it at its teardown.
-    dist.init_process_group("gloo")
+    init_process_group()  # not dist.init_process_group: see its docstring
     base = FinetuneConfig(
         model_path=model_dir,
         max_steps=steps,

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from helpers.hf import build_tokenizer, chat_records, write_jsonl
+from helpers.shared_launch import init_process_group
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,9 +129,8 @@ def resumed(cfg: Any) -> Any:
 def run_four_rank(configs: List[Any]) -> List[Dict[str, Any]]:
     """Worker of shardwise.launch: every expert-parallel run, one after another in one process group; a
     ("resume", cfg) entry resumes cfg's run (earlier in the list) from its step-1 checkpoint."""
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    init_process_group()  # not dist.init_process_group: see its docstring
     return [run(resumed(cfg[1]) if isinstance(cfg, tuple) else cfg) for cfg in configs]
 
 

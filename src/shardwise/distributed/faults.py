@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -281,6 +281,10 @@ class CollectiveMismatchError(RuntimeError):
     """The ranks ran different collectives and wait for each other: one was reached by only some ranks."""
 
 
+class DisconnectedGroupError(RuntimeError):
+    """Every rank waits in the same barrier of a group that does not connect them."""
+
+
 def stall_seconds(environ=os.environ) -> float:
     """How long every rank must stand still before the stall check compares their collectives (0: never)."""
     raw = environ.get(STALL_ENV, "")
@@ -316,19 +320,31 @@ def start_stall_check(directory: Optional[str], rank: int, world: int) -> None:
             except Exception:  # a diagnostic: never the reason a run fails
                 continue
             if message:
-                record_exception(CollectiveMismatchError(message))
+                record_exception(message if isinstance(message, BaseException) else CollectiveMismatchError(message))
                 os._exit(1)
 
     threading.Thread(target=watch, name="shardwise-stall-check", daemon=True).start()
 
 
-def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Optional[str]:
+def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Union[str, BaseException, None]:
     peers = [r for r in range(world) if r != rank]
     asked = flight.request_dumps(directory)
     flight.write_dump(directory, rank)
     flight.wait_for_dumps(directory, peers, asked, timeout_s=5.0)
-    finding = flight.describe(flight.read_dumps(directory), range(world))
+    dumps = flight.read_dumps(directory)
+    finding = flight.describe(dumps, range(world))
     if finding is None or len({e.signature for e in finding.entries.values()}) < 2:
+        apart = flight.two_groups_in_one(dumps, range(world))
+        if apart is not None:
+            return DisconnectedGroupError(
+                f"The ranks' process groups do not connect them to each other: {apart}. Seen when the "
+                "default group is created again in the same processes with dist.init_process_group after "
+                "destroy_process_group: torch names it as it named the first, on the launcher's store, and "
+                "a rank reads the first group's peer addresses. Let the Trainer create and destroy the "
+                "group, or give each init_process_group a store of its own (torch.distributed.PrefixStore "
+                f"with a new prefix each time). (No rank moved for {stall_s:.0f} s; {STALL_ENV} sets how "
+                "long, 0 turns this check off.)"
+            )
         return None  # the ranks agree so far: a slow step, not a wrong one
     # They disagree: look again with each collective's Python stack (slower), to say where it began.
     asked = flight.request_dumps(directory, stacks=True)

@@ -211,6 +211,8 @@ class Entry:
     out_sizes: tuple
     time_ns: int = 0
     frames: tuple = field(default=(), compare=False)
+    #: called and not completed on this rank (the record's "retired" is false)
+    pending: bool = field(default=False, compare=False)
 
     @property
     def signature(self) -> tuple:
@@ -283,6 +285,7 @@ def _entries(rank: int, raw: Sequence[dict]) -> List[Entry]:
                 out_sizes=_tupled(e.get("out_sizes") or ()),
                 time_ns=int(e.get("time_ns", 0)),
                 frames=_tupled(e.get("frames") or ()),
+                pending="retired" in e and not e["retired"],
             )
         )
     return out
@@ -307,6 +310,40 @@ def read_dumps(directory: Optional[str]) -> Dict[int, List[Entry]]:
         except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError):
             continue  # an unreadable or refused dump: the verdict says less, it never runs code
     return dumps
+
+
+def two_groups_in_one(dumps: Dict[int, List[Entry]], world: Iterable[int]) -> Optional[str]:
+    """What shows that the ranks' default groups are not one group, from ranks that all stopped moving:
+    every rank waiting in the same barrier (it moves no data, and every rank reached it), or a rank waiting in
+    a collective that another rank completed (in one group a collective completes on all or none). Seen
+    when a default group is created again under the name of an earlier one. None when nothing shows it.
+    Only the default group: the subgroups of different ranks may share a name (a split mesh dimension)."""
+    world = sorted(world)
+    lasts = {}
+    for rank in world:
+        entries = [e for e in dumps.get(rank) or () if e.group[0] == "0" or e.group[1] == "default_pg"]
+        if not entries:
+            return None
+        lasts[rank] = entries
+    waiting = {r: entries[-1] for r, entries in lasts.items() if entries[-1].pending}
+    if not waiting:
+        return None
+    first = min(waiting)
+    entry = waiting[first]
+    if (
+        len(waiting) == len(world)
+        and entry.op == "barrier"
+        and all((e.seq, e.op) == (entry.seq, entry.op) for e in waiting.values())
+    ):
+        return f"every rank waits in the same barrier (#{entry.seq} of the default group), which moves no data"
+    for rank, entries in lasts.items():
+        done = next((e for e in reversed(entries) if e.seq == entry.seq and not e.pending), None)
+        if rank != first and done is not None:
+            return (
+                f"rank {first} waits in {entry.describe()} #{entry.seq} of the default group, which rank {rank} "
+                f"completed ({done.describe()}): in one group a collective completes on every rank or on none"
+            )
+    return None
 
 
 def group_name(group: Tuple[str, str]) -> str:
