@@ -263,3 +263,31 @@ def test_scatter_gather_and_all_to_all_may_differ_in_shape_between_ranks():
     for second in (lambda r: ("all_reduce", 8 if r == 0 else 2), lambda r: ("scatter" if r else "all_gather", 4)):
         finding = flight.describe(run(second), [0, 1])
         assert finding is not None and finding.seq == 2, finding
+
+
+def test_two_default_groups_under_one_name_are_told_from_a_slow_step():
+    # Ranks that all stopped moving. Named: every rank waiting in the same barrier of the default group (it
+    # moves no data), or a rank waiting in a collective of the default group another rank completed. Not
+    # named: one rank still busy (the others wait in the next collective), or subgroups that share a name
+    # across ranks (a mesh dimension split into several groups: ranks 0 and 2 in different ones).
+    def entry(rank, seq, op="barrier", group=("0", "default_pg"), pending=False):
+        return flight.Entry(rank, group, seq, op, (), (), (), pending=pending)
+
+    both_wait = {r: [entry(r, 1, "all_reduce"), entry(r, 2, pending=True)] for r in (0, 1)}
+    assert "every rank waits in the same barrier (#2 of the default group)" in flight.two_groups_in_one(
+        both_wait, [0, 1]
+    )
+    completed = {0: [entry(0, 1, pending=True)], 1: [entry(1, 1)]}
+    assert "rank 0 waits in barrier #1 of the default group, which rank 1 completed" in flight.two_groups_in_one(
+        completed, [0, 1]
+    )
+    busy = {0: [entry(0, 1), entry(0, 2, pending=True)], 1: [entry(1, 1)]}  # rank 1 computes before #2
+    assert flight.two_groups_in_one(busy, [0, 1]) is None
+    reduce_waits = {r: [entry(r, 1, "all_reduce", pending=True)] for r in (0, 1)}  # data moves: may be slow
+    assert flight.two_groups_in_one(reduce_waits, [0, 1]) is None
+    split = ("3", "mesh_dp")
+    subgroups = {
+        0: [entry(0, 1), entry(0, 5, "all_reduce", split, pending=True)],
+        2: [entry(2, 1), entry(2, 5, "all_reduce", split)],
+    }
+    assert flight.two_groups_in_one(subgroups, [0, 2]) is None
