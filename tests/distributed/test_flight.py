@@ -267,27 +267,23 @@ def test_scatter_gather_and_all_to_all_may_differ_in_shape_between_ranks():
 
 def test_two_default_groups_under_one_name_are_told_from_a_slow_step():
     # Ranks that all stopped moving. Named: every rank waiting in the same barrier of the default group (it
-    # moves no data), or a rank waiting in a collective of the default group another rank completed. Not
-    # named: one rank still busy (the others wait in the next collective), or subgroups that share a name
-    # across ranks (a mesh dimension split into several groups: ranks 0 and 2 in different ones).
+    # moves no data, and every rank reached it). Not named: one rank still busy while the others wait (also
+    # when its last record has the waiting collective's number: a group created again counts from 1, and a
+    # rank that has not called a collective in the new one yet shows the old one's #1 completed), an
+    # all_reduce (data moves: it may be slow), subgroups (different groups may share a name across ranks).
     def entry(rank, seq, op="barrier", group=("0", "default_pg"), pending=False):
         return flight.Entry(rank, group, seq, op, (), (), (), pending=pending)
 
     both_wait = {r: [entry(r, 1, "all_reduce"), entry(r, 2, pending=True)] for r in (0, 1)}
-    assert "every rank waits in the same barrier (#2 of the default group)" in flight.two_groups_in_one(
-        both_wait, [0, 1]
-    )
-    completed = {0: [entry(0, 1, pending=True)], 1: [entry(1, 1)]}
-    assert "rank 0 waits in barrier #1 of the default group, which rank 1 completed" in flight.two_groups_in_one(
-        completed, [0, 1]
-    )
-    busy = {0: [entry(0, 1), entry(0, 2, pending=True)], 1: [entry(1, 1)]}  # rank 1 computes before #2
-    assert flight.two_groups_in_one(busy, [0, 1]) is None
-    reduce_waits = {r: [entry(r, 1, "all_reduce", pending=True)] for r in (0, 1)}  # data moves: may be slow
+    found = flight.two_groups_in_one(both_wait, [0, 1])
+    assert found == "every rank waits in the same barrier (#2 of the default group), which moves no data"
+    for busy in (
+        {0: [entry(0, 1), entry(0, 2, pending=True)], 1: [entry(1, 1)]},
+        {0: [entry(0, 1, pending=True)], 1: [entry(1, 1)]},
+    ):
+        assert flight.two_groups_in_one(busy, [0, 1]) is None
+    reduce_waits = {r: [entry(r, 1, "all_reduce", pending=True)] for r in (0, 1)}
     assert flight.two_groups_in_one(reduce_waits, [0, 1]) is None
     split = ("3", "mesh_dp")
-    subgroups = {
-        0: [entry(0, 1), entry(0, 5, "all_reduce", split, pending=True)],
-        2: [entry(2, 1), entry(2, 5, "all_reduce", split)],
-    }
+    subgroups = {r: [entry(r, 1), entry(r, 5, "barrier", split, pending=True)] for r in (0, 2)}
     assert flight.two_groups_in_one(subgroups, [0, 2]) is None

@@ -84,8 +84,7 @@ def test_forward_on_rank_zero_only_in_a_callback_is_named_in_seconds(monkeypatch
 def init_twice_on_the_launchers_store() -> None:
     """The default group created, destroyed and created again with plain dist.init_process_group, rank 1 coming
     late to the second: torch names the second group as it named the first, on the launcher's store, so rank 0
-    reads rank 1's first address (that group still alive: a module or mesh holding it keeps it) and the two
-    wait in the second group's first barrier, each connected to something else."""
+    reads rank 1's first address (that group still alive: a module or mesh holding it keeps it)."""
     import datetime
     import os
 
@@ -95,27 +94,27 @@ def init_twice_on_the_launchers_store() -> None:
     for attempt in range(2):
         if attempt == 1 and os.environ["RANK"] == "1":
             time.sleep(2.0)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))
         kept.append(dist.group.WORLD)
         dist.barrier()
         dist.destroy_process_group()
 
 
-def test_ranks_waiting_in_one_barrier_of_a_group_that_does_not_connect_them_are_named(monkeypatch):
+def test_a_group_that_does_not_connect_the_ranks_fails_the_run_naming_it(monkeypatch):
     # Found in the recipe tests' shared launch: two files' workers each created "their" group this way and
-    # waited until pytest's timeout (600 s), torch's collective timeout being 30 minutes.
+    # waited until pytest's timeout (600 s; torch's collective timeout is 30 minutes). As gloo's connections
+    # go, both ranks then wait in the new group's first barrier, each connected to something else: the stall
+    # check names it; or rank 1 waits in init_process_group while rank 0 waits in the barrier: the flight
+    # records cannot tell that from a slow rank 1, and the collective timeout names rank 1.
     monkeypatch.setenv(STALL_ENV, "3")
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
         shardwise.launch(init_twice_on_the_launchers_store, devices=2)
     elapsed = time.monotonic() - started
     message = str(err.value)
-    assert "DisconnectedGroupError" in message, message
-    # Rank 1 hangs connecting to the new group, rank 0 waits in its first barrier; rank 1 completed barrier #1
-    # of the first group (or, timing otherwise, both wait in the new group's barrier #1).
-    assert "process groups do not connect them to each other" in message, message
-    assert "rank 0 waits in barrier #1 of the default group, which rank 1 completed" in message or (
-        "every rank waits in the same barrier (#1 of the default group)" in message
-    ), message
-    assert "PrefixStore" in message  # the fix
-    assert elapsed < 90, f"named after {elapsed:.0f} s"
+    if "DisconnectedGroupError" in message:
+        assert "every rank waits in the same barrier (#1 of the default group), which moves no data" in message
+        assert "PrefixStore" in message  # the fix
+    else:
+        assert "rank 1 stopped responding in start-up" in message, message
+    assert elapsed < 120, f"named after {elapsed:.0f} s"

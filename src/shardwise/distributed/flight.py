@@ -313,37 +313,24 @@ def read_dumps(directory: Optional[str]) -> Dict[int, List[Entry]]:
 
 
 def two_groups_in_one(dumps: Dict[int, List[Entry]], world: Iterable[int]) -> Optional[str]:
-    """What shows that the ranks' default groups are not one group, from ranks that all stopped moving:
-    every rank waiting in the same barrier (it moves no data, and every rank reached it), or a rank waiting in
-    a collective that another rank completed (in one group a collective completes on all or none). Seen
-    when a default group is created again under the name of an earlier one. None when nothing shows it.
-    Only the default group: the subgroups of different ranks may share a name (a split mesh dimension)."""
+    """What shows that the ranks' default groups are not one group, from ranks that all stopped moving: every
+    rank waiting in the same barrier, which moves no data and which every rank reached. Seen when a default
+    group is created again under the name of an earlier one. None when nothing shows it.
+
+    Only the default group (the subgroups of different ranks may share a name: a split mesh dimension), and
+    not "a rank waits in a collective another rank completed": a rank that created the new group and has not
+    called a collective in it yet still shows the old group's, under the same numbers."""
     world = sorted(world)
-    lasts = {}
+    waiting = []
     for rank in world:
         entries = [e for e in dumps.get(rank) or () if e.group[0] == "0" or e.group[1] == "default_pg"]
-        if not entries:
+        if not entries or not entries[-1].pending:
             return None
-        lasts[rank] = entries
-    waiting = {r: entries[-1] for r, entries in lasts.items() if entries[-1].pending}
-    if not waiting:
+        waiting.append(entries[-1])
+    entry = waiting[0]
+    if entry.op != "barrier" or any((e.seq, e.op) != (entry.seq, entry.op) for e in waiting):
         return None
-    first = min(waiting)
-    entry = waiting[first]
-    if (
-        len(waiting) == len(world)
-        and entry.op == "barrier"
-        and all((e.seq, e.op) == (entry.seq, entry.op) for e in waiting.values())
-    ):
-        return f"every rank waits in the same barrier (#{entry.seq} of the default group), which moves no data"
-    for rank, entries in lasts.items():
-        done = next((e for e in reversed(entries) if e.seq == entry.seq and not e.pending), None)
-        if rank != first and done is not None:
-            return (
-                f"rank {first} waits in {entry.describe()} #{entry.seq} of the default group, which rank {rank} "
-                f"completed ({done.describe()}): in one group a collective completes on every rank or on none"
-            )
-    return None
+    return f"every rank waits in the same barrier (#{entry.seq} of the default group), which moves no data"
 
 
 def group_name(group: Tuple[str, str]) -> str:
