@@ -178,8 +178,11 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
             return decision
         if current is None:
             return None
-        # Exactly the user's strategy object (its wrap policy, AC policy, buckets), not its nearest preset.
-        result = _plan(trainer, module, batch, micro * window, device_memory, candidates=[trainer.strategy])
+        # Exactly the user's strategy object (its wrap policy, AC policy, buckets), not its nearest preset; at
+        # every micro-batch split, which one trace gives: the nearest change, when one of them fits.
+        result = _plan(
+            trainer, module, batch, micro * window, device_memory, candidates=[trainer.strategy], all_micro_batches=True
+        )
     except PlanError as exc:
         warnings.warn(f"The memory planner could not plan this run: {exc}", stacklevel=3)
         return None
@@ -189,7 +192,14 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
     check = FitDecision(check=PlanCheck(Prediction.from_estimate(mine, trainer.accelerator)))
     if mine.fits:
         return check  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
-    change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
+    split = min((e for e in result.estimates if e.fits), key=lambda e: e.step_seconds, default=None)
+    if split is not None:  # the nearest change of all (_smallest_change's order): no other strategy is planned
+        change = (
+            f"Smallest change that fits: the same strategy with DataLoader(batch_size={split.candidate.micro_batch}) "
+            f"and accumulate_grad_batches={split.candidate.accumulation}."
+        )
+    else:
+        change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
     warnings.warn(
         f"The memory planner predicts this run will not fit: {current.config_label} with micro-batch {micro} "
         f"needs {format_bytes(mine.reserved)} per device (allocated {format_bytes(mine.allocated)}; "
