@@ -69,6 +69,8 @@ class ModelFolder:
     has_tokenizer: bool
     max_positions: Optional[int]
     no_split_modules: List[str] = field(default_factory=list)
+    #: where the config came from, for messages ("" : `path`/config.json; pretrain: its preset, file or hub id)
+    source: str = ""
 
 
 def _max_positions(config: Any) -> Optional[int]:

@@ -70,7 +70,7 @@ def check_experts(cfg: Any, folder: Any, engine: str, world: int) -> None:
             f"'auto' may choose another engine. Use --strategy fsdp --ep_size {ep}."
         )
     config = folder.config
-    model = f"{type(config).__name__} ({cfg.model_path}/config.json)"
+    model = f"{type(config).__name__} ({getattr(folder, 'source', '') or cfg.model_path + '/config.json'})"
     facts = moe_facts(config)
     degrees.refuse(degrees.experts_problem(ep, facts.num_experts if facts else 0, model))
     degrees.refuse(degrees.expert_engine_problem(engine, ep))

@@ -367,7 +367,7 @@ def validate_config(cfg: PretrainConfig) -> Dict[str, Any]:
         )
     build_precision(cfg.precision, "cuda" if _has_cuda(cfg) else "cpu")
     check_peak(cfg.peak_tflops, "--peak_tflops")
-    folder = ModelFolder(cfg.output_dir, config, [], False, positions)
+    folder = ModelFolder(cfg.output_dir, config, [], False, positions, source=source)
     recipe = dataclasses.replace(
         recipe_view(cfg, cfg.output_dir), gradient_accumulation_steps=cfg.global_batch_size // per_step
     )
