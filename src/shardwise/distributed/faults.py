@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Dict, Optional, Union
+from typing import Dict, Optional
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -316,17 +316,17 @@ def start_stall_check(directory: Optional[str], rank: int, world: int) -> None:
                 continue
             looked = now
             try:
-                message = _mismatch(directory, rank, world, stall_s)
+                error = _mismatch(directory, rank, world, stall_s)
             except Exception:  # a diagnostic: never the reason a run fails
                 continue
-            if message:
-                record_exception(message if isinstance(message, BaseException) else CollectiveMismatchError(message))
+            if error is not None:
+                record_exception(error)
                 os._exit(1)
 
     threading.Thread(target=watch, name="shardwise-stall-check", daemon=True).start()
 
 
-def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Union[str, BaseException, None]:
+def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Optional[RuntimeError]:
     peers = [r for r in range(world) if r != rank]
     asked = flight.request_dumps(directory)
     flight.write_dump(directory, rank)
@@ -353,7 +353,7 @@ def _mismatch(directory: str, rank: int, world: int, stall_s: float) -> Union[st
     where = flight.first_divergence(flight.read_dumps(directory))
     if where is None:  # stacks not back in time (seen on a loaded 2-core machine): what differs, without where
         where = f"{finding.text} (where it began is not known: the ranks' Python stacks were not read in time)"
-    return (
+    return CollectiveMismatchError(
         f"The ranks ran different collectives and are waiting for each other: {where}. A collective that "
         "only some ranks reach (a forward of a sharded model, a sync_dist log, a barrier or all_gather "
         "under `if trainer.is_global_zero:` / `global_rank == 0`) waits for ranks that never come. Run it "

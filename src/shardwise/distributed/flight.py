@@ -323,7 +323,7 @@ def two_groups_in_one(dumps: Dict[int, List[Entry]], world: Iterable[int]) -> Op
     world = sorted(world)
     waiting = []
     for rank in world:
-        entries = [e for e in dumps.get(rank) or () if e.group[0] == "0" or e.group[1] == "default_pg"]
+        entries = [e for e in dumps.get(rank) or () if is_default_group(e.group)]
         if not entries or not entries[-1].pending:
             return None
         waiting.append(entries[-1])
@@ -333,8 +333,12 @@ def two_groups_in_one(dumps: Dict[int, List[Entry]], world: Iterable[int]) -> Op
     return f"every rank waits in the same barrier (#{entry.seq} of the default group), which moves no data"
 
 
+def is_default_group(group: Tuple[str, str]) -> bool:
+    return group[0] == "0" or group[1] == "default_pg"
+
+
 def group_name(group: Tuple[str, str]) -> str:
-    if group[0] == "0" or group[1] == "default_pg":
+    if is_default_group(group):
         return "the default group"
     return f"group {group[0]}" + (f" ({group[1]})" if group[1] and group[1] != "undefined" else "")
 
@@ -461,7 +465,7 @@ def describe(
             groups.setdefault(e.group, {}).setdefault(rank, {})[e.seq] = e
     findings = []
     for group, by_rank in groups.items():
-        default = group[0] == "0" or group[1] == "default_pg"
+        default = is_default_group(group)
         # Members of a subgroup are the ranks that recorded it (torch's dump does not list them on gloo).
         members = world if default else sorted(by_rank)
         found = _finding_in(group, by_rank, members, absent if default else {}, errors, sites)

@@ -192,11 +192,12 @@ def check_before_fit(trainer: Any, module: Any, train_dataloaders: Any) -> Optio
     check = FitDecision(check=PlanCheck(Prediction.from_estimate(mine, trainer.accelerator)))
     if mine.fits:
         return check  # (a run whose whole batch fits in one micro-batch fits with smaller ones too)
-    split = min((e for e in result.estimates if e.fits), key=lambda e: e.step_seconds, default=None)
-    if split is not None:  # the nearest change of all (_smallest_change's order): no other strategy is planned
+    rebatched = min((e for e in result.estimates if e.fits), key=lambda e: e.step_seconds, default=None)
+    if rebatched is not None:  # the nearest change of all (_smallest_change's order): no other strategy is planned
         change = (
-            f"Smallest change that fits: the same strategy with DataLoader(batch_size={split.candidate.micro_batch}) "
-            f"and accumulate_grad_batches={split.candidate.accumulation}."
+            "Smallest change that fits: the same strategy with "
+            f"DataLoader(batch_size={rebatched.candidate.micro_batch}) "
+            f"and accumulate_grad_batches={rebatched.candidate.accumulation}."
         )
     else:
         change = _smallest_change(trainer, module, batch, micro, window, device_memory, current)
